@@ -1,0 +1,182 @@
+"""The engine's nouns: SamplingParams, Request and what a finished request returns."""
+
+from __future__ import annotations
+
+import enum
+import itertools
+from dataclasses import dataclass, field
+
+import torch
+
+_MAX_LOGPROBS = 20
+
+
+@dataclass
+class SamplingParams:
+    """How to pick tokens for one prompt; the fields and meanings follow vLLM's.
+
+    `temperature == 0` means greedy. `logprobs=None` returns none; `logprobs=k` returns the
+    sampled token's log-probability and the top k (k may be 0). Penalties follow the usual
+    conventions: `repetition_penalty` (Hugging Face, over prompt and output, 1 = off) and
+    `presence_penalty` / `frequency_penalty` (OpenAI, over output only, 0 = off).
+    """
+
+    n: int = 1
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_k: int = -1
+    top_p: float = 1.0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    logprobs: int | None = None
+    skip_special_tokens: bool = True
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.stop = list(self.stop or [])
+        self.stop_token_ids = list(self.stop_token_ids or [])
+        checks = [
+            (_is_int(self.n) and self.n >= 1, "n", "must be an integer >= 1"),
+            (_is_int(self.max_tokens) and self.max_tokens >= 1, "max_tokens", "must be an integer >= 1"),
+            (self.temperature >= 0, "temperature", "must be >= 0"),
+            (_is_int(self.top_k) and (self.top_k == -1 or self.top_k >= 1), "top_k", "must be -1 (off) or >= 1"),
+            (0 < self.top_p <= 1, "top_p", "must be in (0, 1]"),
+            (0 <= self.min_p <= 1, "min_p", "must be in [0, 1]"),
+            (self.repetition_penalty > 0, "repetition_penalty", "must be > 0"),
+            (-2 <= self.presence_penalty <= 2, "presence_penalty", "must be in [-2, 2]"),
+            (-2 <= self.frequency_penalty <= 2, "frequency_penalty", "must be in [-2, 2]"),
+            (self.seed is None or _is_int(self.seed), "seed", "must be an integer"),
+            (all(isinstance(s, str) and s for s in self.stop), "stop", "must be non-empty strings"),
+            (all(_is_int(t) and t >= 0 for t in self.stop_token_ids), "stop_token_ids", "must be ids >= 0"),
+            (
+                self.logprobs is None or (_is_int(self.logprobs) and 0 <= self.logprobs <= _MAX_LOGPROBS),
+                "logprobs",
+                f"must be None or an integer in [0, {_MAX_LOGPROBS}]",
+            ),
+        ]
+        for ok, name, why in checks:
+            if not ok:
+                raise ValueError(f"SamplingParams.{name} {why} (got {getattr(self, name)!r})")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0 or self.top_k == 1
+
+
+def _is_int(x: object) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+_request_counter = itertools.count()
+
+
+@dataclass
+class Request:
+    """One sequence being generated: its tokens, its KV pages and its progress.
+
+    `num_computed_tokens` counts tokens whose KV is in the cache (prefix hits included). A
+    preempted request drops its pages and goes back to waiting with that count reset; its
+    output tokens so far become part of what it must recompute.
+    """
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    eos_token_ids: tuple[int, ...] = ()
+    output_token_ids: list[int] = field(default_factory=list)
+    status: Status = Status.WAITING
+    pages: list[int] = field(default_factory=list)
+    page_hashes: list[int] = field(default_factory=list)  # prefix-cache hashes of full pages
+    num_computed_tokens: int = 0
+    num_cached_tokens: int = 0
+    num_preemptions: int = 0
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None
+    logprobs: list[dict] = field(default_factory=list)
+    generator: torch.Generator | None = None
+    arrival: int = field(default_factory=lambda: next(_request_counter))
+    # Set by the scheduler when a stop string matched: how many characters of text to keep.
+    text_cut: int | None = None
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def finished(self) -> bool:
+        return self.status is Status.FINISHED
+
+
+@dataclass
+class CompletionOutput:
+    """One of the n samples of a prompt."""
+
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None
+    stop_reason: str | int | None = None
+    logprobs: list[dict] | None = None
+
+
+@dataclass
+class RequestOutput:
+    """What `LLM.generate` returns per prompt; `.text` etc. read the first sample."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    num_cached_tokens: int = 0
+
+    @property
+    def text(self) -> str:
+        return self.outputs[0].text
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.outputs[0].token_ids
+
+    @property
+    def finish_reason(self) -> str | None:
+        return self.outputs[0].finish_reason
+
+    @property
+    def logprobs(self) -> list[dict] | None:
+        return self.outputs[0].logprobs
+
+
+@dataclass
+class Batch:
+    """One step's work: `(request, number of new tokens)` pairs, one-token decodes first.
+
+    A request is sampled this step when its new tokens reach the end of its known tokens
+    (the last prompt chunk, or a decode); earlier prefill chunks only fill the cache.
+    """
+
+    entries: list[tuple[Request, int]]
+    num_decode: int
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(n for _, n in self.entries)
+
+    def sampled(self) -> list[Request]:
+        return [r for r, n in self.entries if r.num_computed_tokens + n == r.num_tokens]

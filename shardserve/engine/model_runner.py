@@ -1,0 +1,78 @@
+"""One rank's model: build it, stream its weights in, size its KV pool, run a batch forward."""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from shardserve.attention.torch_backend import build_metadata
+from shardserve.config import EngineConfig, ModelConfig
+from shardserve.core import Batch
+from shardserve.distributed.communicator import Communicator
+from shardserve.kvcache.pool import KVPool, page_bytes
+from shardserve.layers.attention import ForwardContext
+from shardserve.layers.sharding import head_shard
+from shardserve.loader.model_path import Checkpoint
+from shardserve.loader.weights import checkpoint_sources, load_weights
+from shardserve.models.registry import model_class
+from shardserve.platform import available_memory, pick_device
+
+log = logging.getLogger(__name__)
+
+
+class ModelRunner:
+    """Owns the model and the KV pool of one rank. `forward` returns logits of sampled rows."""
+
+    def __init__(self, cfg: EngineConfig, ckpt: Checkpoint, model_cfg: ModelConfig,
+                 comm: Communicator | None = None):
+        self.cfg, self.model_cfg = cfg, model_cfg
+        self.comm = comm or Communicator()
+        self.device = pick_device(cfg.device, cfg.parallel.tp_rank)
+        self.dtype = cfg.torch_dtype
+        cls = model_class(model_cfg.architecture)
+        with torch.device(self.device):
+            self.model = cls(model_cfg, self.comm, self.dtype, self.device)
+        sources, total = checkpoint_sources(ckpt)
+        desc = f"[tp{cfg.parallel.tp_rank}] Loading {ckpt.name}"
+        load_weights(self.model, sources, total, progress=cfg.show_progress, desc=desc)
+        self.model.eval()
+        shard = head_shard(model_cfg.num_heads, model_cfg.num_kv_heads, self.comm.size, self.comm.rank)
+        self.num_pages = cfg.num_pages or self._pages_from_budget(shard.num_kv)
+        self.pool = KVPool(model_cfg.num_layers, self.num_pages, cfg.page_size, shard.num_kv,
+                           model_cfg.head_dim, self.dtype, self.device)
+        self.kv_views = self.pool.layer_views()
+
+    def _pages_from_budget(self, num_kv_heads: int) -> int:
+        """`kv_cache_memory` <= 1 is a fraction of free device memory; above 1 it is bytes."""
+        budget = self.cfg.kv_cache_memory
+        if budget <= 1:
+            budget *= available_memory(self.device)
+        per_page = page_bytes(self.model_cfg.num_layers, self.cfg.page_size, num_kv_heads,
+                              self.model_cfg.head_dim, self.dtype)
+        pages = int(budget // per_page)
+        if pages < 1:
+            raise ValueError(f"kv_cache_memory {self.cfg.kv_cache_memory} holds no page of {per_page} bytes")
+        return pages
+
+    @torch.inference_mode()
+    def forward(self, batch: Batch) -> torch.Tensor:
+        ids, positions, sample_rows = [], [], []
+        decodes, prefills = [], []
+        offset = 0
+        for req, n in batch.entries:
+            start = req.num_computed_tokens
+            ids.extend(req.all_token_ids[start : start + n])
+            positions.extend(range(start, start + n))
+            (decodes.append((req.pages, start + 1)) if n == 1 else prefills.append((req.pages, n, start + n)))
+            offset += n
+            if start + n == req.num_tokens:
+                sample_rows.append(offset - 1)
+        meta = build_metadata(self.cfg.page_size, decodes, prefills, self.device)
+        ctx = ForwardContext(self.kv_views, meta)
+        input_ids = torch.tensor(ids, dtype=torch.long, device=self.device)
+        pos = torch.tensor(positions, dtype=torch.long, device=self.device)
+        hidden = self.model(input_ids, pos, ctx)
+        # Only rows that sample need logits: the LM head is the largest matmul of a step.
+        rows = torch.tensor(sample_rows, dtype=torch.long, device=self.device)
+        return self.model.compute_logits(hidden.index_select(0, rows))

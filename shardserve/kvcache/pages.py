@@ -1,0 +1,113 @@
+"""Page allocation with reference counts and a prefix cache of chained page hashes.
+
+A full page's hash is hash(parent page's hash, its tokens), so equal hashes mean equal whole
+prefixes. Pages whose reference count drops to zero are not wiped: they join an LRU queue with
+their hash intact, where a later request with the same prefix can take them back (a cache hit),
+and from whose front allocation evicts when no never-used page is left. This is the chained-
+hash design of vLLM's v1 block manager rather than a radix tree: lookups are one dict probe per
+page and eviction order falls out of the free queue.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+
+def page_hashes(tokens: list[int], page_size: int, parent: int | None = None) -> list[int]:
+    """Hashes of every full page of `tokens`, each chained to the one before."""
+    out = []
+    for i in range(0, len(tokens) - page_size + 1, page_size):
+        parent = hash((parent, tuple(tokens[i : i + page_size])))
+        out.append(parent)
+    return out
+
+
+class PageAllocator:
+    """Hands out page ids; with `prefix_cache` it also remembers full pages by content hash."""
+
+    def __init__(self, num_pages: int, page_size: int, prefix_cache: bool = True):
+        self.num_pages, self.page_size, self.prefix_cache = num_pages, page_size, prefix_cache
+        self.refs = [0] * num_pages
+        self.free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_pages))
+        self.hash_of: dict[int, int] = {}  # page -> content hash
+        self.page_of: dict[int, int] = {}  # content hash -> page
+        self.hits = self.queries = 0  # prompt tokens served from / asked of the cache
+
+    @property
+    def num_free(self) -> int:
+        return len(self.free)
+
+    @property
+    def num_used(self) -> int:
+        return self.num_pages - len(self.free)
+
+    def allocate(self, n: int) -> list[int] | None:
+        """n pages, or None (and nothing taken) if fewer than n are free."""
+        if n > len(self.free):
+            return None
+        pages = []
+        for _ in range(n):
+            page, _ = self.free.popitem(last=False)
+            self._forget(page)
+            self.refs[page] = 1
+            pages.append(page)
+        return pages
+
+    def release(self, pages: list[int]) -> None:
+        """Drop one reference to each page; later pages go to the queue first so they are evicted
+        before the earlier (more widely shared) pages of the same prefix."""
+        for page in reversed(pages):
+            self.refs[page] -= 1
+            if self.refs[page] == 0:
+                self.free[page] = None
+
+    def match_prefix(self, tokens: list[int]) -> list[int]:
+        """Take a reference to the cached pages holding the longest prefix of `tokens`.
+
+        At least one token is always left uncached, since the last prompt token's logits are
+        needed to sample."""
+        if not self.prefix_cache:
+            return []
+        pages = []
+        for h in page_hashes(tokens[: len(tokens) - 1], self.page_size):
+            page = self.page_of.get(h)
+            if page is None:
+                break
+            pages.append(page)
+        for page in pages:
+            if self.refs[page] == 0:
+                del self.free[page]
+            self.refs[page] += 1
+        return pages
+
+    def record_lookup(self, num_tokens: int, num_hit: int) -> None:
+        """Count one admitted prompt for the hit rate (a failed admission is not a lookup)."""
+        self.queries += num_tokens
+        self.hits += num_hit
+
+    def register(self, tokens: list[int], pages: list[int], num_computed: int, chain: list[int]) -> None:
+        """Publish the full pages among the first `num_computed` tokens.
+
+        `chain` is the caller's list of this sequence's page hashes so far; it is extended in
+        place, so each page is hashed once in its lifetime."""
+        if not self.prefix_cache:
+            return
+        full = num_computed // self.page_size
+        if full <= len(chain):
+            return
+        start = len(chain) * self.page_size
+        chain.extend(page_hashes(tokens[start : full * self.page_size], self.page_size, chain[-1] if chain else None))
+        for i in range(start // self.page_size, full):
+            page, h = pages[i], chain[i]
+            if page in self.hash_of or h in self.page_of:
+                continue  # already known, or the same content lives in another page
+            self.hash_of[page], self.page_of[h] = h, page
+
+    def _forget(self, page: int) -> None:
+        h = self.hash_of.pop(page, None)
+        if h is not None:
+            del self.page_of[h]
+
+    @property
+    def hit_rate(self) -> float:
+        return self.hits / self.queries if self.queries else 0.0

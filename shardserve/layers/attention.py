@@ -1,0 +1,55 @@
+"""The attention block shared by every architecture: fused q/k/v, optional q/k norms, RoPE,
+paged attention, o_proj. Which heads a rank owns comes from `head_shard`."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from shardserve.attention.torch_backend import AttentionMetadata, TorchAttention
+from shardserve.config import ModelConfig
+from shardserve.distributed.communicator import Communicator
+from shardserve.layers.linear import RowParallelLinear, qkv_linear
+from shardserve.layers.norm import RMSNorm
+from shardserve.layers.rotary import RotaryEmbedding
+from shardserve.layers.sharding import head_shard
+
+
+@dataclass
+class ForwardContext:
+    """Per-step inputs every layer may read: the KV cache views and the attention metadata."""
+
+    kv_caches: list[tuple[torch.Tensor, torch.Tensor]]  # per layer: ([slots, Hkv, d], same)
+    attn: AttentionMetadata
+
+
+class SelfAttention(nn.Module):
+    """Llama-family attention. `qk_norm` adds Qwen3's per-head RMSNorm on q and k before RoPE."""
+
+    def __init__(self, cfg: ModelConfig, layer_idx: int, comm: Communicator, rotary: RotaryEmbedding,
+                 dtype, device, qk_norm: bool = False):
+        super().__init__()
+        self.layer_idx, self.rotary = layer_idx, rotary
+        shard = head_shard(cfg.num_heads, cfg.num_kv_heads, comm.size, comm.rank)
+        self.hq, self.hkv, self.d = shard.num_q, shard.num_kv, cfg.head_dim
+        self.qkv_proj = qkv_linear(cfg.hidden_size, self.d, shard, cfg.attention_bias, dtype, device)
+        o_range = (shard.q_start * self.d, shard.q_end * self.d)
+        self.o_proj = RowParallelLinear(cfg.num_heads * self.d, cfg.hidden_size, False, comm, dtype, device,
+                                        in_range=o_range)
+        self.q_norm = RMSNorm(self.d, cfg.rms_norm_eps, dtype, device) if qk_norm else None
+        self.k_norm = RMSNorm(self.d, cfg.rms_norm_eps, dtype, device) if qk_norm else None
+        kv_of_q = None if shard.uniform_groups else torch.tensor(shard.kv_of_q, device=device)
+        self.backend = TorchAttention(self.hq, self.hkv, self.d, self.d**-0.5, kv_of_q)
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        t = x.shape[0]
+        q, k, v = self.qkv_proj(x).split([self.hq * self.d, self.hkv * self.d, self.hkv * self.d], dim=-1)
+        q, k, v = q.view(t, self.hq, self.d), k.view(t, self.hkv, self.d), v.view(t, self.hkv, self.d)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self.rotary(positions, q, k)
+        k_cache, v_cache = ctx.kv_caches[self.layer_idx]
+        o = self.backend.forward(q, k, v, k_cache, v_cache, ctx.attn)
+        return self.o_proj(o.reshape(t, self.hq * self.d))

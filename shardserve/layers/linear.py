@@ -1,0 +1,126 @@
+"""Linear layers that know how they split across tensor-parallel ranks.
+
+Every weight carries a `weight_loader(param, source, shard_id)` hook (nano-vllm's pattern): the
+loader streams a checkpoint tensor in and the layer reads only its own rows or columns. Fused
+layers (q/k/v, gate/up) are filled piece by piece *after* each piece is sharded.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from shardserve.distributed.communicator import Communicator
+from shardserve.layers.sharding import HeadShard, split_range
+from shardserve.loader.source import TensorSource
+
+
+def make_param(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device, loader, shards) -> nn.Parameter:
+    """A parameter with its loader hook and the set of shard ids the loader must deliver."""
+    p = nn.Parameter(torch.empty(shape, dtype=dtype, device=device), requires_grad=False)
+    p.weight_loader = loader
+    p.expected_shards = frozenset(shards)
+    return p
+
+
+def copy_into(dst: torch.Tensor, src: torch.Tensor, what: str) -> None:
+    if tuple(dst.shape) != tuple(src.shape):
+        raise ValueError(f"{what}: checkpoint piece has shape {tuple(src.shape)}, expected {tuple(dst.shape)}")
+    dst.copy_(src)
+
+
+class ReplicatedLinear(nn.Module):
+    """Every rank holds the whole weight (small layers such as the MoE router)."""
+
+    def __init__(self, in_f: int, out_f: int, bias: bool, dtype: torch.dtype, device: torch.device):
+        super().__init__()
+        self.weight = make_param((out_f, in_f), dtype, device, self._load, [None])
+        self.bias = make_param((out_f,), dtype, device, self._load, [None]) if bias else None
+
+    def _load(self, param: nn.Parameter, src: TensorSource, shard_id=None) -> None:
+        copy_into(param.data, src.read(), src.name)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+class ColumnParallelLinear(nn.Module):
+    """Output features split across ranks; each rank returns its slice of the output.
+
+    `pieces` lists the fused sub-matrices as (shard_id, global_rows, (start, end) of this rank):
+    one piece for a plain layer, two for gate/up, three for q/k/v.
+    """
+
+    def __init__(self, in_f: int, pieces: list[tuple[object, tuple[int, int]]], bias: bool,
+                 dtype: torch.dtype, device: torch.device):
+        super().__init__()
+        self.offsets: dict[object, tuple[int, int, int]] = {}
+        local = 0
+        for shard_id, (start, end) in pieces:
+            self.offsets[shard_id] = (local, start, end)
+            local += end - start
+        ids = list(self.offsets)
+        self.weight = make_param((local, in_f), dtype, device, self._load, ids)
+        self.bias = make_param((local,), dtype, device, self._load, ids) if bias else None
+
+    def _load(self, param: nn.Parameter, src: TensorSource, shard_id=None) -> None:
+        local, start, end = self.offsets[shard_id]
+        copy_into(param.data.narrow(0, local, end - start), src.read(0, start, end), src.name)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+def column_linear(in_f: int, out_f: int, bias: bool, comm: Communicator, dtype, device) -> ColumnParallelLinear:
+    return ColumnParallelLinear(in_f, [(None, split_range(out_f, comm.size, comm.rank))], bias, dtype, device)
+
+
+def merged_column_linear(in_f: int, outs: list[int], bias: bool, comm: Communicator, dtype, device):
+    """gate/up style: several equal-role matrices stacked on the output dim, shard ids 0..k-1."""
+    pieces = [(i, split_range(o, comm.size, comm.rank)) for i, o in enumerate(outs)]
+    return ColumnParallelLinear(in_f, pieces, bias, dtype, device)
+
+
+def qkv_linear(hidden: int, head_dim: int, shard: HeadShard, bias: bool, dtype, device):
+    """Fused q/k/v holding this rank's query heads and the KV heads they read."""
+    d = head_dim
+    pieces = [
+        ("q", (shard.q_start * d, shard.q_end * d)),
+        ("k", (shard.kv_start * d, shard.kv_end * d)),
+        ("v", (shard.kv_start * d, shard.kv_end * d)),
+    ]
+    return ColumnParallelLinear(hidden, pieces, bias, dtype, device)
+
+
+class RowParallelLinear(nn.Module):
+    """Input features split across ranks; partial outputs are summed by one all-reduce.
+
+    The bias is added once, after the reduction. `reduce=False` leaves the partial sum to the
+    caller, so an MoE block can fold several partials into a single all-reduce.
+    """
+
+    def __init__(self, in_f: int, out_f: int, bias: bool, comm: Communicator, dtype, device,
+                 reduce: bool = True, in_range: tuple[int, int] | None = None):
+        super().__init__()
+        if bias and not reduce:
+            raise ValueError("a bias must be added after the reduction; use reduce=True")
+        self.comm, self.reduce = comm, reduce
+        # Attention's o_proj passes head-aligned ranges; everything else splits evenly.
+        self.start, self.end = in_range or split_range(in_f, comm.size, comm.rank)
+        self.weight = make_param((out_f, self.end - self.start), dtype, device, self._load_w, [None])
+        self.bias = make_param((out_f,), dtype, device, self._load_b, [None]) if bias else None
+
+    def _load_w(self, param: nn.Parameter, src: TensorSource, shard_id=None) -> None:
+        copy_into(param.data, src.read(1, self.start, self.end), src.name)
+
+    def _load_b(self, param: nn.Parameter, src: TensorSource, shard_id=None) -> None:
+        copy_into(param.data, src.read(), src.name)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = F.linear(x, self.weight)
+        if self.reduce:
+            y = self.comm.all_reduce(y)
+        if self.bias is not None:
+            y = y + self.bias
+        return y

@@ -1,0 +1,21 @@
+"""The gated SiLU MLP (gate/up fused, column-split; down row-split)."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from shardserve.distributed.communicator import Communicator
+from shardserve.layers.linear import RowParallelLinear, merged_column_linear
+
+
+class GatedMLP(nn.Module):
+    def __init__(self, hidden: int, intermediate: int, comm: Communicator, dtype, device, reduce: bool = True):
+        super().__init__()
+        self.gate_up_proj = merged_column_linear(hidden, [intermediate, intermediate], False, comm, dtype, device)
+        self.down_proj = RowParallelLinear(intermediate, hidden, False, comm, dtype, device, reduce=reduce)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)

@@ -1,0 +1,69 @@
+"""Mixture-of-experts block (Qwen3-MoE, Qwen2-MoE).
+
+Under tensor parallelism experts are split whole: each rank owns a contiguous range of experts,
+sees every token, computes only its experts, and one all-reduce sums the routed partials and
+(Qwen2-MoE) the column/row-split shared expert's partial together.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from shardserve.config import ModelConfig
+from shardserve.distributed.communicator import Communicator
+from shardserve.layers.linear import ReplicatedLinear, copy_into, make_param
+from shardserve.layers.mlp import GatedMLP
+from shardserve.layers.sharding import split_range
+
+# Checkpoint projection name -> (which stacked tensor, which half of gate/up).
+EXPERT_PIECES = {"gate_proj": ("w13", 0), "up_proj": ("w13", 1), "down_proj": ("w2", None)}
+
+
+class SparseMoE(nn.Module):
+    """Top-k routed experts; optional shared expert with a sigmoid gate (Qwen2-MoE)."""
+
+    def __init__(self, cfg: ModelConfig, comm: Communicator, dtype, device):
+        super().__init__()
+        self.comm, self.top_k, self.norm_topk = comm, cfg.num_experts_per_tok, cfg.norm_topk_prob
+        self.e0, self.e1 = split_range(cfg.num_experts, comm.size, comm.rank)
+        n_local, h, inter = self.e1 - self.e0, cfg.hidden_size, cfg.moe_intermediate_size
+        local = range(self.e0, self.e1)
+        self.gate = ReplicatedLinear(h, cfg.num_experts, False, dtype, device)
+        self.w13 = make_param((n_local, 2 * inter, h), dtype, device, self._load,
+                              [(e, p) for e in local for p in ("gate_proj", "up_proj")])
+        self.w2 = make_param((n_local, h, inter), dtype, device, self._load, [(e, "down_proj") for e in local])
+        self.shared_expert = self.shared_expert_gate = None
+        if cfg.shared_expert_intermediate_size:
+            self.shared_expert = GatedMLP(h, cfg.shared_expert_intermediate_size, comm, dtype, device, reduce=False)
+            self.shared_expert_gate = ReplicatedLinear(h, 1, False, dtype, device)
+
+    def _load(self, param: nn.Parameter, src, shard_id) -> None:
+        expert, proj = shard_id
+        if not self.e0 <= expert < self.e1:
+            return  # another rank's expert: never read
+        _, half = EXPERT_PIECES[proj]
+        dst = param.data[expert - self.e0]
+        if half is not None:
+            rows = dst.shape[0] // 2
+            dst = dst.narrow(0, half * rows, rows)
+        copy_into(dst, src.read(), src.name)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        probs = F.softmax(self.gate(x), dim=-1, dtype=torch.float32)
+        weights, experts = probs.topk(self.top_k, dim=-1)
+        if self.norm_topk:
+            weights = weights / weights.sum(-1, keepdim=True)
+        weights = weights.to(x.dtype)
+        out = torch.zeros_like(x)
+        for e in range(self.e0, self.e1):
+            rows, slot = (experts == e).nonzero(as_tuple=True)
+            if rows.numel() == 0:
+                continue
+            gate, up = F.linear(x[rows], self.w13[e - self.e0]).chunk(2, dim=-1)
+            y = F.linear(F.silu(gate) * up, self.w2[e - self.e0])
+            out.index_add_(0, rows, y * weights[rows, slot].unsqueeze(-1))
+        if self.shared_expert is not None:
+            out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        return self.comm.all_reduce(out)

@@ -1,0 +1,24 @@
+"""RMSNorm, computed in float32 as Hugging Face does, so logits match at fp32 tolerance."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from shardserve.layers.linear import copy_into, make_param
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, size: int, eps: float, dtype, device):
+        super().__init__()
+        self.eps = eps
+        self.weight = make_param((size,), dtype, device, self._load, [None])
+
+    def _load(self, param, src, shard_id=None) -> None:
+        copy_into(param.data, src.read(), src.name)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)

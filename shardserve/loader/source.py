@@ -1,0 +1,63 @@
+"""A tensor in a checkpoint that has not been read yet.
+
+Layers' loader hooks call `read(dim, start, end)` for just the rows or columns they own, so a
+safetensors file is sliced on read and no rank holds a full copy of a tensor it shards.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+
+class TensorSource:
+    """Base: a named tensor with a shape that can be read whole or as one slice along a dim."""
+
+    name: str
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        raise NotImplementedError
+
+    def read(self, dim: int | None = None, start: int = 0, end: int | None = None) -> torch.Tensor:
+        raise NotImplementedError
+
+
+class SliceSource(TensorSource):
+    """A safetensors entry opened with `safe_open(...).get_slice(name)`: reads only the slice."""
+
+    def __init__(self, name: str, handle: Any):
+        self.name, self._slice = name, handle
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(self._slice.get_shape())
+
+    def read(self, dim: int | None = None, start: int = 0, end: int | None = None) -> torch.Tensor:
+        if dim is None:
+            return self._slice[:]
+        index = [slice(None)] * len(self.shape)
+        index[dim] = slice(start, end)
+        return self._slice[tuple(index)]
+
+
+class LazySource(TensorSource):
+    """A tensor produced by a function (e.g. a GGUF dequantisation), computed once, then sliced."""
+
+    def __init__(self, name: str, load: Callable[[], torch.Tensor]):
+        self.name, self._load, self._t = name, load, None
+
+    def _tensor(self) -> torch.Tensor:
+        if self._t is None:
+            self._t = self._load()
+        return self._t
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(self._tensor().shape)
+
+    def read(self, dim: int | None = None, start: int = 0, end: int | None = None) -> torch.Tensor:
+        t = self._tensor()
+        return t if dim is None else t.narrow(dim, start, (end or t.shape[dim]) - start)

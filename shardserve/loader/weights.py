@@ -1,0 +1,67 @@
+"""Fill a model's parameters from a checkpoint, tensor by tensor, through each layer's hook."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from torch import nn
+from tqdm import tqdm
+
+from shardserve.config import ModelConfig
+from shardserve.loader.model_path import Checkpoint
+from shardserve.loader.source import LazySource, TensorSource
+
+
+def read_model_config(ckpt: Checkpoint) -> ModelConfig:
+    if ckpt.is_gguf:
+        from shardserve.loader.gguf_loader import read_gguf_config
+
+        return ModelConfig.from_dict(read_gguf_config(ckpt.path))
+    return ModelConfig.from_dir(ckpt.path)
+
+
+def checkpoint_sources(ckpt: Checkpoint) -> tuple[Iterable[TensorSource], int]:
+    """The checkpoint's tensors as lazy sources, and how many there are (for the progress bar)."""
+    if ckpt.is_gguf:
+        from shardserve.loader.gguf_loader import iter_gguf_tensors
+
+        entries = list(iter_gguf_tensors(ckpt.path))  # names and loaders only; no data yet
+        return (LazySource(name, fn) for name, fn in entries), len(entries)
+    from shardserve.loader.safetensors_loader import count_tensors, iter_safetensors
+
+    return iter_safetensors(ckpt.path), count_tensors(ckpt.path)
+
+
+def load_weights(model: nn.Module, sources: Iterable[TensorSource], total: int | None = None,
+                 progress: bool = True, desc: str = "Loading weights") -> None:
+    """Stream `sources` into `model`; raise naming every missing or unexpected tensor."""
+    params = dict(model.named_parameters(remove_duplicate=True))
+    loaded: dict[str, set] = {name: set() for name in params}
+    unexpected: list[str] = []
+    for src in tqdm(sources, total=total, desc=desc, disable=not progress, unit="tensor"):
+        target = model.weight_target(src.name)
+        if target is None:
+            continue
+        pname, shard_id = target
+        param = params.get(pname)
+        if param is None:
+            unexpected.append(src.name)
+            continue
+        param.weight_loader(param, src, shard_id)
+        loaded[pname].add(shard_id)
+    missing = [
+        f"{name}[{shard}]" if shard is not None else name
+        for name, p in params.items()
+        for shard in sorted(p.expected_shards - loaded[name], key=str)
+    ]
+    if missing or unexpected:
+        raise ValueError(
+            "checkpoint does not match the model: "
+            + (f"missing {len(missing)}: {', '.join(missing[:10])}" if missing else "")
+            + ("; " if missing and unexpected else "")
+            + (f"unexpected {len(unexpected)}: {', '.join(unexpected[:10])}" if unexpected else "")
+        )
+    for module in model.modules():
+        hook = getattr(module, "process_after_loading", None)
+        if hook is not None:
+            hook()

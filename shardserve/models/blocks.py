@@ -1,0 +1,97 @@
+"""The decoder stack every supported architecture shares; model files only pick the parts.
+
+Parameter names mirror Hugging Face's (minus the `model.` prefix) so `weight_target` only has
+to map the few checkpoint tensors that are fused here: q/k/v, gate/up, and stacked experts.
+"""
+
+from __future__ import annotations
+
+import re
+
+import torch
+from torch import nn
+
+from shardserve.config import ModelConfig
+from shardserve.distributed.communicator import Communicator
+from shardserve.layers.attention import ForwardContext, SelfAttention
+from shardserve.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+from shardserve.layers.mlp import GatedMLP
+from shardserve.layers.moe import EXPERT_PIECES
+from shardserve.layers.norm import RMSNorm
+from shardserve.layers.rotary import RotaryEmbedding
+
+# Checkpoint name piece -> (our fused parameter's name piece, shard id).
+FUSED = {
+    "q_proj": ("qkv_proj", "q"),
+    "k_proj": ("qkv_proj", "k"),
+    "v_proj": ("qkv_proj", "v"),
+    "gate_proj": ("gate_up_proj", 0),
+    "up_proj": ("gate_up_proj", 1),
+}
+_EXPERT = re.compile(r"^(.*\.mlp)\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, attn: nn.Module, mlp: nn.Module, cfg: ModelConfig, dtype, device):
+        super().__init__()
+        self.self_attn, self.mlp = attn, mlp
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        x = x + self.self_attn(positions, self.input_layernorm(x), ctx)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class CausalLM(nn.Module):
+    """Embedding, decoder layers, final norm, LM head. Subclasses override the hooks below."""
+
+    qk_norm = False
+
+    def __init__(self, cfg: ModelConfig, comm: Communicator, dtype: torch.dtype, device: torch.device):
+        super().__init__()
+        self.cfg = cfg
+        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, comm, dtype, device)
+        self.rotary = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.max_position_embeddings,
+                                      cfg.rope_scaling, device)
+        self.layers = nn.ModuleList(
+            DecoderLayer(
+                SelfAttention(cfg, i, comm, self.rotary, dtype, device, qk_norm=self.qk_norm),
+                self.make_mlp(cfg, i, comm, dtype, device),
+                cfg, dtype, device,
+            )
+            for i in range(cfg.num_layers)
+        )
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
+        tied = self.embed_tokens if cfg.tie_word_embeddings else None
+        self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, comm, dtype, device, tied_to=tied)
+
+    def make_mlp(self, cfg: ModelConfig, layer: int, comm: Communicator, dtype, device) -> nn.Module:
+        return GatedMLP(cfg.hidden_size, cfg.intermediate_size, comm, dtype, device)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        x = self.embed_tokens(input_ids)
+        for layer in self.layers:
+            x = layer(positions, x, ctx)
+        return self.norm(x)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden)
+
+    def weight_target(self, name: str) -> tuple[str, object] | None:
+        """Our parameter name and shard id for a checkpoint tensor, or None to skip it."""
+        if self.cfg.tie_word_embeddings and name == "lm_head.weight":
+            return None  # some tied checkpoints still store it; the embedding is the source
+        name = name.removeprefix("model.")
+        if name.startswith("lm_head."):
+            return name, None
+        m = _EXPERT.match(name)
+        if m:
+            stacked, _ = EXPERT_PIECES[m.group(3)]
+            return f"{m.group(1)}.{stacked}", (int(m.group(2)), m.group(3))
+        parts = name.split(".")
+        for i, p in enumerate(parts):
+            if p in FUSED:
+                fused, shard = FUSED[p]
+                return ".".join(parts[:i] + [fused] + parts[i + 1 :]), shard
+        return name, None

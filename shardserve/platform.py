@@ -1,0 +1,34 @@
+"""The one place that decides device and collective backend, so no layer names 'cpu' or 'cuda'."""
+
+from __future__ import annotations
+
+import torch
+
+
+def pick_device(requested: str | None = None, local_rank: int = 0) -> torch.device:
+    """The device for this rank: the requested one, else `cuda:{local_rank}` if CUDA exists, else CPU."""
+    if requested:
+        dev = torch.device(requested)
+        if dev.type == "cuda" and dev.index is None:
+            dev = torch.device("cuda", local_rank)
+        return dev
+    if torch.cuda.is_available():
+        return torch.device("cuda", local_rank)
+    return torch.device("cpu")
+
+
+def collective_backend(device: torch.device) -> str:
+    """NCCL for GPU tensors, gloo otherwise (gloo also carries control messages everywhere)."""
+    return "nccl" if device.type == "cuda" else "gloo"
+
+
+def available_memory(device: torch.device) -> int:
+    """Bytes free on the device now: CUDA's free memory, or the OS's MemAvailable on CPU."""
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return int(free)
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError("cannot read MemAvailable from /proc/meminfo")

@@ -1,0 +1,115 @@
+"""Which requests run this step, and how many tokens each: continuous batching with a budget.
+
+Every step: running requests first (oldest first), each taking its next chunk of uncomputed
+tokens (one for a decode, up to the remaining budget for a prompt being prefilled in chunks);
+if the page pool cannot hold a chunk, the newest running request is preempted (its pages freed,
+recomputed later) until it fits. Then, if nothing was preempted, waiting requests are admitted
+in arrival order while budget, pages and `max_running_requests` allow, starting after whatever
+prefix of their tokens the prefix cache already holds.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+from shardserve.core import Batch, Request, Status
+from shardserve.kvcache.pages import PageAllocator
+
+
+class Scheduler:
+    def __init__(self, allocator: PageAllocator, max_num_batched_tokens: int, max_running_requests: int):
+        self.alloc = allocator
+        self.page_size = allocator.page_size
+        self.max_tokens, self.max_running = max_num_batched_tokens, max_running_requests
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.num_preemptions = 0
+
+    def add(self, req: Request) -> None:
+        self.waiting.append(req)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> Batch | None:
+        budget = self.max_tokens
+        entries: list[tuple[Request, int]] = []
+        queue = sorted(self.running, key=lambda r: r.arrival)
+        preempted = False
+        while queue and budget > 0:
+            req = queue.pop(0)
+            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            while not self._grow(req, req.num_computed_tokens + n):
+                victim = queue.pop() if queue else req
+                self._preempt(victim)
+                preempted = True
+                if victim is req:
+                    break
+            else:
+                entries.append((req, n))
+                budget -= n
+        if not preempted:
+            budget = self._admit(entries, budget)
+        if not entries:
+            return None
+        # Decodes (one token) first: the attention backend batches them as one call.
+        entries.sort(key=lambda e: e[1] != 1)
+        return Batch(entries, sum(1 for _, n in entries if n == 1))
+
+    def _admit(self, entries: list[tuple[Request, int]], budget: int) -> int:
+        while self.waiting and budget > 0 and len(self.running) < self.max_running:
+            req = self.waiting[0]
+            tokens = req.all_token_ids
+            req.pages = self.alloc.match_prefix(tokens)
+            req.num_computed_tokens = len(req.pages) * self.page_size
+            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            if not self._grow(req, req.num_computed_tokens + n):
+                self.alloc.release(req.pages)
+                req.pages, req.num_computed_tokens = [], 0
+                break
+            if req.num_preemptions == 0:
+                req.num_cached_tokens = req.num_computed_tokens
+                self.alloc.record_lookup(len(tokens), req.num_computed_tokens)
+            self.waiting.popleft()
+            req.status = Status.RUNNING
+            self.running.append(req)
+            entries.append((req, n))
+            budget -= n
+        return budget
+
+    def _grow(self, req: Request, num_tokens: int) -> bool:
+        need = -(-num_tokens // self.page_size) - len(req.pages)
+        if need <= 0:
+            return True
+        pages = self.alloc.allocate(need)
+        if pages is None:
+            return False
+        req.pages.extend(pages)
+        return True
+
+    def _preempt(self, req: Request) -> None:
+        self.running.remove(req)
+        self.alloc.release(req.pages)
+        req.pages, req.num_computed_tokens = [], 0
+        req.page_hashes.clear()
+        req.status = Status.WAITING
+        req.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(req)
+
+    def advance(self, batch: Batch) -> None:
+        """Mark the batch's tokens computed and publish newly full pages to the prefix cache."""
+        for req, n in batch.entries:
+            req.num_computed_tokens += n
+            self.alloc.register(req.all_token_ids, req.pages, req.num_computed_tokens, req.page_hashes)
+
+    def finish(self, req: Request, reason: str) -> None:
+        """End a request (done or aborted) wherever it is, freeing its pages."""
+        if req.status is Status.RUNNING:
+            self.running.remove(req)
+        elif req.status is Status.WAITING and req in self.waiting:
+            self.waiting.remove(req)
+        self.alloc.release(req.pages)
+        req.pages = []
+        req.status = Status.FINISHED
+        req.finish_reason = reason
