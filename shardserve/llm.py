@@ -24,8 +24,9 @@ class LLM:
         from shardserve.loader.model_path import resolve_checkpoint
 
         self.tokenizer = load_tokenizer(resolve_checkpoint(model))
-        extra_eos = (self.tokenizer.eos_token_id,) if self.tokenizer.eos_token_id is not None else ()
-        self._core = EngineCore(self.config, decode=self._decode, extra_eos=extra_eos)
+        tok = self.tokenizer
+        extra_eos = (tok.eos_token_id,) if tok is not None and tok.eos_token_id is not None else ()
+        self._core = EngineCore(self.config, decode=self._decode if tok else None, extra_eos=extra_eos)
         self._next_id = 0
 
     @property
@@ -35,7 +36,16 @@ class LLM:
         return self._core
 
     def _decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        if self.tokenizer is None:
+            return ""
         return self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    def _encode(self, prompt: Prompt) -> list[int]:
+        if not isinstance(prompt, str):
+            return list(prompt)
+        if self.tokenizer is None:
+            raise ValueError("this model has no tokenizer: pass prompts as token ids")
+        return self.tokenizer.encode(prompt)
 
     def generate(self, prompts: Prompt | Sequence[Prompt],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
@@ -43,7 +53,7 @@ class LLM:
         """Generate for each prompt (a string or token ids); outputs keep the input order."""
         prompts = _as_prompt_list(prompts)
         params = _as_params_list(sampling_params, len(prompts))
-        encoded = [self.tokenizer.encode(p) if isinstance(p, str) else list(p) for p in prompts]
+        encoded = [self._encode(p) for p in prompts]
         for ids, sp in zip(encoded, params):
             self.engine.check_request(ids, sp)  # refuse the batch before anything starts
         groups: list[list[Request]] = []
@@ -62,6 +72,8 @@ class LLM:
         return outs[0] if single else outs
 
     def render_chat(self, conversation: list[dict]) -> list[int]:
+        if self.tokenizer is None or not self.tokenizer.chat_template:
+            raise ValueError("this model has no chat template")
         text = self.tokenizer.apply_chat_template(conversation, add_generation_prompt=True, tokenize=False)
         return self.tokenizer.encode(text, add_special_tokens=False)
 

