@@ -1,0 +1,350 @@
+"""Read GGUF checkpoints (llama.cpp's format) as Hugging Face config, tensors and tokenizer.
+
+The engine's model code speaks Hugging Face names and layouts, so everything here translates:
+GGUF metadata keys become config.json keys, `blk.N.attn_q.weight` becomes
+`model.layers.N.self_attn.q_proj.weight`, stacked MoE expert tensors are split per expert, and
+llama's Q/K rows are un-permuted back to the HF rotary layout.
+
+Tensors are never loaded eagerly: `iter_gguf_tensors` yields a loader per tensor and
+`GGUFReader` memory-maps the file, so peak memory is one dequantized tensor at a time.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import re
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+from gguf import GGMLQuantizationType, GGUFReader, ReaderTensor
+from gguf.quants import dequantize
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerFast
+
+# general.architecture -> (HF model_type, HF architectures[0]).
+GGUF_ARCH_TO_HF_MODEL: dict[str, tuple[str, str]] = {
+    "llama": ("llama", "LlamaForCausalLM"),
+    "qwen2": ("qwen2", "Qwen2ForCausalLM"),
+    "qwen3": ("qwen3", "Qwen3ForCausalLM"),
+    "qwen2moe": ("qwen2_moe", "Qwen2MoeForCausalLM"),
+    "qwen3moe": ("qwen3_moe", "Qwen3MoeForCausalLM"),
+}
+
+MOE_ARCHS = frozenset({"qwen2moe", "qwen3moe"})
+
+# "{arch}.<suffix>" metadata key -> HF config key (the same for every supported arch).
+GGUF_ARCH_KEY_TO_HF_CONFIG: dict[str, str] = {
+    "context_length": "max_position_embeddings",
+    "block_count": "num_hidden_layers",
+    "feed_forward_length": "intermediate_size",
+    "embedding_length": "hidden_size",
+    "attention.head_count": "num_attention_heads",
+    "attention.head_count_kv": "num_key_value_heads",
+    "attention.layer_norm_rms_epsilon": "rms_norm_eps",
+    "rope.freq_base": "rope_theta",
+    "vocab_size": "vocab_size",
+}
+
+# "{arch}.<suffix>" metadata key -> HF config key, only for the MoE block.
+GGUF_MOE_KEY_TO_HF_CONFIG: dict[str, str] = {
+    "expert_count": "num_experts",
+    "expert_used_count": "num_experts_per_tok",
+    "expert_feed_forward_length": "moe_intermediate_size",
+    "expert_shared_feed_forward_length": "shared_expert_intermediate_size",
+}
+
+# Non-arch metadata key -> HF config key.
+GGUF_TOKENIZER_KEY_TO_HF_CONFIG: dict[str, str] = {
+    "tokenizer.ggml.bos_token_id": "bos_token_id",
+    "tokenizer.ggml.eos_token_id": "eos_token_id",
+    "tokenizer.ggml.padding_token_id": "pad_token_id",
+}
+
+# llama.cpp routes top-k weights through a renormalisation for qwen3moe but not for qwen2moe;
+# neither fact is stored in the file, so it is a per-arch constant.
+NORM_TOPK_PROB_BY_ARCH: dict[str, bool] = {"qwen2moe": False, "qwen3moe": True}
+
+# Whole-model GGUF tensor name -> HF parameter name.
+GGUF_GLOBAL_TENSOR_TO_HF: dict[str, str] = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+
+# Per-layer GGUF tensor stem (between "blk.N." and ".weight"/".bias") -> HF module path
+# under "model.layers.N.".
+GGUF_LAYER_TENSOR_TO_HF: dict[str, str] = {
+    "attn_norm": "input_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "ffn_norm": "post_attention_layernorm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+    "ffn_gate_inp": "mlp.gate",
+    "ffn_gate_shexp": "mlp.shared_expert.gate_proj",
+    "ffn_up_shexp": "mlp.shared_expert.up_proj",
+    "ffn_down_shexp": "mlp.shared_expert.down_proj",
+    "ffn_gate_inp_shexp": "mlp.shared_expert_gate",
+}
+
+# Stacked-expert GGUF tensor stem -> per-expert HF projection under "mlp.experts.E.".
+GGUF_STACKED_EXPERT_TENSOR_TO_HF: dict[str, str] = {
+    "ffn_gate_exps": "gate_proj",
+    "ffn_up_exps": "up_proj",
+    "ffn_down_exps": "down_proj",
+}
+
+_LAYER_TENSOR_RE = re.compile(r"blk\.(?P<layer>\d+)\.(?P<stem>\w+)\.(?P<kind>weight|bias)")
+
+TensorLoader = Callable[[], torch.Tensor]
+
+
+# ----------------------------------------------------------------------------- reader
+
+
+@functools.lru_cache(maxsize=2)
+def _cached_reader(real_path: str, mtime_ns: int, size: int) -> GGUFReader:
+    del mtime_ns, size  # only part of the cache key, so a rewritten file is re-read
+    return GGUFReader(real_path, "r")
+
+
+def _open_reader(path: str) -> GGUFReader:
+    """Parse a GGUF header once per file version.
+
+    Loading a model calls config, tensors and tokenizer in turn on the same file, and
+    GGUFReader re-parses the whole (vocabulary-sized) metadata each time it is built, which
+    takes seconds. The reader only memory-maps tensor data, so keeping it costs page cache,
+    not resident memory.
+    """
+    real_path = os.path.realpath(path)
+    stat = os.stat(real_path)
+    return _cached_reader(real_path, stat.st_mtime_ns, stat.st_size)
+
+
+# ----------------------------------------------------------------------------- metadata
+
+
+def _field_value(reader: GGUFReader, key: str, default: Any = None) -> Any:
+    """One metadata value decoded to a Python scalar/str/list, or `default` if absent."""
+    field = reader.fields.get(key)
+    return default if field is None else field.contents()
+
+
+def _architecture(reader: GGUFReader) -> str:
+    arch = _field_value(reader, "general.architecture")
+    if arch not in GGUF_ARCH_TO_HF_MODEL:
+        raise ValueError(f"unsupported GGUF architecture {arch!r}; supported: {sorted(GGUF_ARCH_TO_HF_MODEL)}")
+    return arch
+
+
+def _copy_mapped_keys(reader: GGUFReader, prefix: str, table: dict[str, str], out: dict) -> None:
+    for gguf_suffix, hf_key in table.items():
+        value = _field_value(reader, prefix + gguf_suffix)
+        if value is not None:
+            out[hf_key] = value
+
+
+def _head_dim(reader: GGUFReader, arch: str, config: dict) -> int:
+    # Qwen3 decouples head_dim from hidden/heads, and llama.cpp records it as key_length;
+    # older llama files only carry rope.dimension_count, which equals head_dim for full rope.
+    for suffix in ("attention.key_length", "rope.dimension_count"):
+        value = _field_value(reader, f"{arch}.{suffix}")
+        if value is not None:
+            return int(value)
+    return config["hidden_size"] // config["num_attention_heads"]
+
+
+def _rope_scaling(reader: GGUFReader, arch: str) -> dict | None:
+    kind = _field_value(reader, f"{arch}.rope.scaling.type")
+    factor = _field_value(reader, f"{arch}.rope.scaling.factor")
+    if kind in (None, "none") or factor is None:
+        return None
+    scaling: dict[str, Any] = {"rope_type": kind, "factor": float(factor)}
+    original = _field_value(reader, f"{arch}.rope.scaling.original_context_length")
+    if original is not None:
+        scaling["original_max_position_embeddings"] = int(original)
+    return scaling
+
+
+def _moe_config(reader: GGUFReader, arch: str) -> dict:
+    moe: dict[str, Any] = {}
+    _copy_mapped_keys(reader, f"{arch}.", GGUF_MOE_KEY_TO_HF_CONFIG, moe)
+    if arch in MOE_ARCHS:
+        # Every layer is sparse in llama.cpp's qwen MoE graphs.
+        moe.setdefault("shared_expert_intermediate_size", 0)
+        moe["norm_topk_prob"] = NORM_TOPK_PROB_BY_ARCH[arch]
+        moe["decoder_sparse_step"] = 1
+        moe["mlp_only_layers"] = []
+    return moe
+
+
+def _config_from_reader(reader: GGUFReader) -> dict:
+    arch = _architecture(reader)
+    model_type, hf_arch = GGUF_ARCH_TO_HF_MODEL[arch]
+    config: dict[str, Any] = {"architectures": [hf_arch], "model_type": model_type, "hidden_act": "silu"}
+    _copy_mapped_keys(reader, f"{arch}.", GGUF_ARCH_KEY_TO_HF_CONFIG, config)
+    _copy_mapped_keys(reader, "", GGUF_TOKENIZER_KEY_TO_HF_CONFIG, config)
+    # Without a key/value head count the model is plain multi-head attention.
+    config.setdefault("num_key_value_heads", config["num_attention_heads"])
+    config["head_dim"] = _head_dim(reader, arch, config)
+    if "vocab_size" not in config:
+        # Many converters omit {arch}.vocab_size; the token list is authoritative.
+        config["vocab_size"] = len(reader.fields["tokenizer.ggml.tokens"].data)
+    tensor_names = {t.name for t in reader.tensors}
+    config["tie_word_embeddings"] = "output.weight" not in tensor_names
+    # Q/K/V biases are a per-checkpoint choice (qwen2 has them, llama and qwen3 usually not);
+    # the tensors themselves are the only record of it.
+    config["attention_bias"] = "blk.0.attn_q.bias" in tensor_names
+    config["rope_theta"] = float(config.get("rope_theta", 10000.0))
+    config["rms_norm_eps"] = float(config["rms_norm_eps"])
+    if (scaling := _rope_scaling(reader, arch)) is not None:
+        config["rope_scaling"] = scaling
+    config.update(_moe_config(reader, arch))
+    return config
+
+
+def read_gguf_config(path: str) -> dict:
+    """Translate a GGUF file's metadata into a Hugging Face `config.json`-style dict.
+
+    Raises ValueError if `general.architecture` is not llama, qwen2, qwen3, qwen2moe or qwen3moe.
+    `tie_word_embeddings` is True when the file has no `output.weight` tensor.
+    """
+    return _config_from_reader(_open_reader(path))
+
+
+# ----------------------------------------------------------------------------- tensors
+
+
+def _dequantize_to_torch(data: np.ndarray, qtype: GGMLQuantizationType) -> torch.Tensor:
+    """Dequantize raw GGUF data (already in torch dim order) to a fresh float32 tensor."""
+    if data.dtype == np.uint8:
+        # Block-quantized (and BF16) data is exposed as bytes; gguf knows the block layouts.
+        array = dequantize(data, qtype)
+    else:
+        array = data  # F32/F16/F64/I* are exposed as typed arrays already.
+    # Copy out of the read-only memory map so callers own (and may mutate) the result.
+    return torch.from_numpy(np.array(array, dtype=np.float32, copy=True))
+
+
+def _unpermute_llama_rope_rows(weight: torch.Tensor, n_heads: int) -> torch.Tensor:
+    """Undo llama.cpp's Q/K row permutation for its rotary layout.
+
+    llama.cpp's converter regroups each head's rows from HF's "first half / second half"
+    rotary layout to interleaved pairs: reshape(n_heads, 2, d/2, ...).swapaxes(1, 2).
+    The inverse views rows as (n_heads, d/2, 2, ...) and swaps those two axes back.
+    Works for both weights (2-D) and biases (1-D).
+    """
+    half_head_dim = weight.shape[0] // n_heads // 2
+    rows = weight.reshape(n_heads, half_head_dim, 2, *weight.shape[1:])
+    return rows.transpose(1, 2).reshape(weight.shape).contiguous()
+
+
+def _llama_rope_heads(config: dict, stem: str) -> int | None:
+    """Head count whose rows to un-permute for this llama tensor, or None if not Q/K."""
+    if config["model_type"] != "llama":
+        return None
+    if stem == "attn_q":
+        return config["num_attention_heads"]
+    if stem == "attn_k":
+        return config["num_key_value_heads"]
+    return None
+
+
+def _whole_tensor_loader(tensor: ReaderTensor, rope_heads: int | None, shape: tuple[int, ...] | None) -> TensorLoader:
+    def load() -> torch.Tensor:
+        out = _dequantize_to_torch(tensor.data, tensor.tensor_type)
+        if rope_heads is not None:
+            out = _unpermute_llama_rope_rows(out, rope_heads)
+        return out if shape is None else out.reshape(shape)
+
+    return load
+
+
+def _expert_loader(tensor: ReaderTensor, expert: int) -> TensorLoader:
+    # Slice the raw (still quantized) bytes first so only one expert is dequantized.
+    def load() -> torch.Tensor:
+        return _dequantize_to_torch(tensor.data[expert], tensor.tensor_type)
+
+    return load
+
+
+def _layer_entries(
+    tensor: ReaderTensor, layer: str, stem: str, kind: str, config: dict
+) -> Iterator[tuple[str, TensorLoader]]:
+    prefix = f"model.layers.{layer}."
+    if stem in GGUF_STACKED_EXPERT_TENSOR_TO_HF:
+        proj = GGUF_STACKED_EXPERT_TENSOR_TO_HF[stem]
+        for expert in range(tensor.data.shape[0]):
+            yield f"{prefix}mlp.experts.{expert}.{proj}.{kind}", _expert_loader(tensor, expert)
+        return
+    # HF's shared_expert_gate is Linear(hidden, 1); llama.cpp stores it as a flat vector.
+    shape = (1, -1) if stem == "ffn_gate_inp_shexp" else None
+    loader = _whole_tensor_loader(tensor, _llama_rope_heads(config, stem), shape)
+    yield f"{prefix}{GGUF_LAYER_TENSOR_TO_HF[stem]}.{kind}", loader
+
+
+def _tensor_entries(tensor: ReaderTensor, config: dict) -> Iterator[tuple[str, TensorLoader]]:
+    if tensor.name in GGUF_GLOBAL_TENSOR_TO_HF:
+        yield GGUF_GLOBAL_TENSOR_TO_HF[tensor.name], _whole_tensor_loader(tensor, None, None)
+        return
+    match = _LAYER_TENSOR_RE.fullmatch(tensor.name)
+    stem = match["stem"] if match else None
+    if match and (stem in GGUF_LAYER_TENSOR_TO_HF or stem in GGUF_STACKED_EXPERT_TENSOR_TO_HF):
+        yield from _layer_entries(tensor, match["layer"], stem, match["kind"], config)
+        return
+    # Unknown (e.g. rope_freqs.weight): pass through under its GGUF name so the caller can
+    # report it as unexpected rather than silently dropping it.
+    yield tensor.name, _whole_tensor_loader(tensor, None, None)
+
+
+def iter_gguf_tensors(path: str) -> Iterator[tuple[str, Callable[[], torch.Tensor]]]:
+    """Yield `(hf_name, load_fn)` for every tensor in the file, in file order.
+
+    `load_fn()` dequantizes only that tensor to a float32 torch tensor in HF shape (llama Q/K
+    rows un-permuted). Stacked MoE expert tensors yield one entry per expert. Tensors with no
+    HF equivalent are yielded under their raw GGUF name.
+    """
+    reader = _open_reader(path)
+    config = _config_from_reader(reader)
+    for tensor in reader.tensors:
+        yield from _tensor_entries(tensor, config)
+
+
+# ----------------------------------------------------------------------------- tokenizer
+
+
+def load_gguf_tokenizer(path: str) -> PreTrainedTokenizerFast:
+    """Build a transformers fast tokenizer from the GGUF's embedded vocabulary.
+
+    bos/eos come from `tokenizer.ggml.{bos,eos}_token_id` and `chat_template` from
+    `tokenizer.chat_template`, re-applied here because converters may not carry them over.
+    """
+    from transformers import AutoTokenizer  # heavy import, only needed on this path
+
+    tokenizer = AutoTokenizer.from_pretrained(os.path.dirname(path) or ".", gguf_file=os.path.basename(path))
+    reader = _open_reader(path)
+    _apply_special_tokens(tokenizer, reader)
+    template = _field_value(reader, "tokenizer.chat_template")
+    if template:
+        tokenizer.chat_template = template
+    return tokenizer
+
+
+def _apply_special_tokens(tokenizer: Any, reader: GGUFReader) -> None:
+    """Make bos/eos tokens agree with the ids the GGUF declares."""
+    for role in ("bos", "eos"):
+        token_id = _field_value(reader, f"tokenizer.ggml.{role}_token_id")
+        if token_id is None:
+            continue
+        token = tokenizer.convert_ids_to_tokens(int(token_id))
+        if getattr(tokenizer, f"{role}_token") != token:
+            setattr(tokenizer, f"{role}_token", token)
