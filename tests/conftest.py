@@ -6,6 +6,7 @@ import os
 
 import pytest
 import torch
+from tiny_tokenizer import save_tiny_tokenizer
 from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config, Qwen2MoeConfig, Qwen3Config, Qwen3MoeConfig
 
 # Small enough to run in milliseconds, odd enough to catch shape bugs: vocab 301 divides by
@@ -39,6 +40,7 @@ def make_tiny(kind: str, path: str) -> torch.nn.Module:
             if "norm" not in name and p.dim() > 1:
                 p.mul_(4.0)
     model.save_pretrained(path)
+    save_tiny_tokenizer(path, model.config.vocab_size)
     return model
 
 

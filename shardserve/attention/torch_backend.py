@@ -54,7 +54,7 @@ def build_metadata(
     if decodes:
         width = max(n for _, n in decodes)
         table = torch.zeros(len(decodes), -(-width // page_size), dtype=torch.long)
-        for i, (pages, n) in enumerate(decodes):
+        for i, (pages, _) in enumerate(decodes):
             table[i, : len(pages)] = torch.tensor(pages)
         pos = torch.arange(width)
         dec_slots = table[:, pos // page_size] * page_size + pos % page_size

@@ -137,9 +137,9 @@ class EngineCore:
 
     def _match_stop_string(self, req: Request) -> bool:
         text = self.decode(req.output_token_ids, req.params.skip_special_tokens)
-        # Only the tail can hold a new match: earlier text was checked on earlier steps.
-        window = max(len(s) for s in req.params.stop) + 16
-        hits = [(text.find(s, max(0, len(text) - window)), s) for s in req.params.stop]
+        # Search all of it: a match may begin far before the newest token (one token can decode to
+        # many characters), and the whole text is decoded each step anyway.
+        hits = [(text.find(s), s) for s in req.params.stop]
         hits = [(i, s) for i, s in hits if i >= 0]
         if not hits:
             return False

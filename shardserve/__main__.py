@@ -1,0 +1,5 @@
+import sys
+
+from shardserve.server.cli import main
+
+sys.exit(main())

@@ -1,0 +1,33 @@
+"""`shardserve bench {offline,serve,dist}`: argument parsing and dispatch."""
+
+from __future__ import annotations
+
+import argparse
+
+from shardserve.server.args import add_engine_args, positive_int
+
+
+def add_bench_args(bench: argparse.ArgumentParser) -> None:
+    sub = bench.add_subparsers(dest="bench", required=True)
+    off = sub.add_parser("offline", help="offline throughput on a fixed random workload")
+    add_engine_args(off)
+    off.add_argument("--num-requests", type=positive_int, default=64)
+    off.add_argument("--min-prompt", type=positive_int, default=32)
+    off.add_argument("--max-prompt", type=positive_int, default=512)
+    off.add_argument("--min-output", type=positive_int, default=16)
+    off.add_argument("--max-output", type=positive_int, default=256)
+    off.add_argument("--workload-seed", type=int, default=0)
+    off.add_argument("--compare", choices=["transformers"], default=None,
+                     help="also run this peer on the same requests and print the ratio")
+    off.add_argument("--hf-batch-size", type=positive_int, default=16,
+                     help="static batch size for the transformers peer")
+    off.add_argument("--batch1-tokens", type=int, default=64,
+                     help="also time batch-1 decode of this many tokens (0 = skip)")
+
+
+def run_bench(args: argparse.Namespace) -> int:
+    if args.bench == "offline":
+        from shardserve.bench.offline import run_offline
+
+        return run_offline(args)
+    raise SystemExit(f"unknown benchmark {args.bench!r}")

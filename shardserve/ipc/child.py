@@ -1,0 +1,48 @@
+"""The life of every child process: set up, report Ready (or Failed), serve, exit cleanly."""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import sys
+import traceback
+from collections.abc import Callable
+
+import zmq
+
+from shardserve.ipc.messages import Failed, Ready
+from shardserve.ipc.sockets import die_with_parent, push, send
+
+
+def setup_logging(name: str) -> None:
+    logging.basicConfig(level=logging.INFO, force=True,
+                        format=f"%(asctime)s %(levelname)s [{name}] %(name)s: %(message)s")
+
+
+def run_child(name: str, ready_addr: str, setup: Callable[[], tuple[Callable[[], None], dict]]) -> None:
+    """`setup()` builds the process's state and returns (serve loop, info for the Ready message).
+
+    Any exception during setup is reported to the launcher with its traceback, so the launcher
+    can print it and exit instead of waiting."""
+    die_with_parent()
+    setup_logging(name)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the launcher owns Ctrl-C and stops us with SIGTERM
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    ctx = zmq.Context.instance()
+    ready = push(ctx, ready_addr)
+    try:
+        loop, info = setup()
+    except BaseException:
+        send(ready, Failed(name=name, error=traceback.format_exc()))
+        ready.close(linger=2000)
+        os._exit(1)
+    send(ready, Ready(name=name, info=info))
+    ready.close()
+    try:
+        loop()
+    except SystemExit:
+        pass
+    except BaseException:
+        logging.getLogger(name).exception("%s crashed", name)
+        os._exit(1)

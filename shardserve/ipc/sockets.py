@@ -1,0 +1,89 @@
+"""ZeroMQ plumbing shared by every process: addresses, sockets, and dying with the parent."""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import signal
+import tempfile
+from dataclasses import dataclass
+
+import zmq
+
+from shardserve.ipc.messages import Msg, decode, encode
+
+
+@dataclass(frozen=True)
+class Endpoints:
+    """ipc:// addresses in a fresh per-server temp dir, so two servers never collide."""
+
+    root: str
+    num_tokenizers: int
+
+    @classmethod
+    def create(cls, num_tokenizers: int) -> Endpoints:
+        return cls(tempfile.mkdtemp(prefix="shardserve-"), num_tokenizers)
+
+    def _addr(self, name: str) -> str:
+        return f"ipc://{os.path.join(self.root, name)}"
+
+    @property
+    def api(self) -> str:
+        return self._addr("api")
+
+    @property
+    def scheduler(self) -> str:
+        return self._addr("scheduler")
+
+    @property
+    def detokenizer(self) -> str:
+        return self._addr("detokenizer")
+
+    @property
+    def ready(self) -> str:
+        return self._addr("ready")
+
+    def tokenizer(self, i: int) -> str:
+        return self._addr(f"tokenizer-{i}")
+
+
+def pull(ctx: zmq.Context, addr: str) -> zmq.Socket:
+    s = ctx.socket(zmq.PULL)
+    s.bind(addr)
+    return s
+
+
+def push(ctx: zmq.Context, addr: str) -> zmq.Socket:
+    s = ctx.socket(zmq.PUSH)
+    s.setsockopt(zmq.LINGER, 1000)
+    s.connect(addr)
+    return s
+
+
+def send(sock: zmq.Socket, msg: Msg) -> None:
+    sock.send(encode(msg), copy=False)
+
+
+def recv(sock: zmq.Socket, timeout_ms: int | None = None) -> Msg | None:
+    """One message, or None if none arrived within `timeout_ms` (None blocks)."""
+    if timeout_ms is not None and not sock.poll(timeout_ms):
+        return None
+    return decode(sock.recv())
+
+
+def recv_all(sock: zmq.Socket) -> list[Msg]:
+    out = []
+    while True:
+        try:
+            out.append(decode(sock.recv(zmq.NOBLOCK)))
+        except zmq.Again:
+            return out
+
+
+def die_with_parent() -> None:
+    """Ask Linux to SIGTERM this process when its parent dies, so no worker is orphaned."""
+    try:
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass

@@ -1,0 +1,109 @@
+"""The FastAPI app: OpenAI routes, health, metrics, tokenize/detokenize."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from shardserve.ipc.messages import DetokenizeReq, ErrorOut, TokenizeReq
+from shardserve.server.client import EngineClient
+from shardserve.server.errors import APIError, parse_body
+from shardserve.server.metrics import Metrics
+from shardserve.server.openai_api import OpenAIHandlers
+from shardserve.server.protocol import (
+    ChatRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
+    error_body,
+)
+
+
+@dataclass
+class ServerState:
+    client: EngineClient
+    metrics: Metrics
+    model_name: str
+    max_model_len: int
+    max_n: int = 16
+    max_queued: int = 1024
+    max_body: int = 8 * 2**20
+    request_timeout: float = 600.0
+
+
+def build_app(state: ServerState) -> FastAPI:
+    app = FastAPI(title="shardserve", docs_url=None, redoc_url=None)
+    api = OpenAIHandlers(state)
+
+    @app.on_event("startup")
+    async def _start() -> None:
+        state.client.start()
+
+    @app.exception_handler(APIError)
+    async def _api_error(_, e: APIError):
+        return e.response()
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation(_, e: RequestValidationError):
+        return JSONResponse(error_body(str(e), 400), 400)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(_, e: StarletteHTTPException):
+        return JSONResponse(error_body(str(e.detail), e.status_code), e.status_code)
+
+    @app.exception_handler(Exception)
+    async def _internal(_, e: Exception):
+        return JSONResponse(error_body(f"internal error: {type(e).__name__}: {e}", 500), 500)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        return await api.completions(await parse_body(request, CompletionRequest, state.max_body))
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request):
+        return await api.chat(await parse_body(request, ChatRequest, state.max_body))
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{"id": state.model_name, "object": "model", "owned_by": "shardserve",
+                                            "max_model_len": state.max_model_len}]}
+
+    @app.get("/health")
+    async def health():
+        if state.client.dead:
+            return JSONResponse(error_body(state.client.dead, 503), 503)
+        return {"status": "ok"}
+
+    @app.get("/metrics")
+    async def metrics():
+        state.metrics.update(state.client.stats)
+        return Response(state.metrics.render(), media_type="text/plain; version=0.0.4")
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request):
+        body = await parse_body(request, TokenizeRequest, state.max_body)
+        if (body.prompt is None) == (body.messages is None):
+            raise APIError(400, "give exactly one of 'prompt' or 'messages'", param="prompt")
+        msgs = [m.model_dump() for m in body.messages] if body.messages is not None else None
+        reply = await state.client.call(TokenizeReq(rid=EngineClient.new_rid(), text=body.prompt, messages=msgs,
+                                                    add_special_tokens=body.add_special_tokens))
+        _raise_if_error(reply)
+        return {"tokens": reply.token_ids, "count": len(reply.token_ids), "max_model_len": state.max_model_len}
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request):
+        body = await parse_body(request, DetokenizeRequest, state.max_body)
+        reply = await state.client.call(DetokenizeReq(rid=EngineClient.new_rid(), token_ids=body.tokens))
+        _raise_if_error(reply)
+        return {"prompt": reply.text}
+
+    return app
+
+
+def _raise_if_error(reply) -> None:
+    if isinstance(reply, ErrorOut):
+        raise APIError(reply.status, reply.message, reply.param)

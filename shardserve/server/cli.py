@@ -1,0 +1,61 @@
+"""`shardserve` command line: serve (the default), chat, bench."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+from shardserve.server.args import add_engine_args
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="shardserve", description="Serve LLMs split across devices.")
+    sub = parser.add_subparsers(dest="command")
+    serve = sub.add_parser("serve", help="start the OpenAI-compatible server (the default)")
+    add_engine_args(serve)
+    from shardserve.server.serve_args import add_serve_args
+
+    add_serve_args(serve)
+    chat = sub.add_parser("chat", help="interactive chat in the terminal")
+    add_engine_args(chat)
+    chat.add_argument("--max-tokens", type=int, default=256)
+    chat.add_argument("--temperature", type=float, default=0.0)
+    bench = sub.add_parser("bench", help="benchmarks")
+    from shardserve.bench.cli import add_bench_args
+
+    add_bench_args(bench)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    parser = build_parser()
+    if not argv or argv[0].startswith("-") and argv[0] not in ("-h", "--help"):
+        argv = ["serve", *argv]
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        if args.command == "serve":
+            from shardserve.server.launch import serve
+
+            return serve(args)
+        if args.command == "chat":
+            from shardserve.server.shell import chat
+
+            return chat(args)
+        if args.command == "bench":
+            from shardserve.bench.cli import run_bench
+
+            return run_bench(args)
+    except FileNotFoundError as e:
+        print(f"shardserve: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+    parser.print_help()
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

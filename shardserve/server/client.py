@@ -1,0 +1,108 @@
+"""The API process's side of the pipes: submit requests, route every reply to its waiter."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import uuid
+
+import zmq
+import zmq.asyncio
+
+from shardserve.ipc.messages import (
+    AbortReq,
+    DetokenizeOut,
+    ErrorOut,
+    GenerateReq,
+    Msg,
+    Stats,
+    TextBatch,
+    TokenizeOut,
+    decode,
+    encode,
+)
+from shardserve.ipc.sockets import Endpoints
+
+log = logging.getLogger(__name__)
+
+
+class EngineClient:
+    """Every generate sub-request has a queue its TextOut / ErrorOut items arrive on."""
+
+    def __init__(self, ep: Endpoints, num_tokenizer_sockets: int):
+        self.ctx = zmq.asyncio.Context()
+        self.inbox = self.ctx.socket(zmq.PULL)
+        self.inbox.bind(ep.api)
+        self.tokenizers = []
+        for i in range(num_tokenizer_sockets):
+            s = self.ctx.socket(zmq.PUSH)
+            s.connect(ep.tokenizer(i))
+            self.tokenizers.append(s)
+        self.scheduler = self.ctx.socket(zmq.PUSH)
+        self.scheduler.connect(ep.scheduler)
+        self._rr = itertools.cycle(range(num_tokenizer_sockets))
+        self.queues: dict[str, asyncio.Queue] = {}
+        self.stats: Stats | None = None
+        self.dead: str | None = None  # set when a worker died: the reason
+        self._task: asyncio.Task | None = None
+
+    def start(self) -> None:
+        self._task = asyncio.get_running_loop().create_task(self._route())
+
+    async def _route(self) -> None:
+        while True:
+            msg = decode(await self.inbox.recv())
+            if isinstance(msg, TextBatch):
+                for item in msg.items:
+                    self._deliver(item.rid, item)
+            elif isinstance(msg, ErrorOut | TokenizeOut | DetokenizeOut):
+                self._deliver(msg.rid, msg)
+            elif isinstance(msg, Stats):
+                self.stats = msg
+
+    def _deliver(self, rid: str, item: Msg) -> None:
+        q = self.queues.get(rid)
+        if q is not None:
+            q.put_nowait(item)
+
+    @staticmethod
+    def new_rid() -> str:
+        return uuid.uuid4().hex
+
+    async def _send_tokenizer(self, msg: Msg) -> None:
+        await self.tokenizers[next(self._rr)].send(encode(msg))
+
+    async def submit(self, req: GenerateReq, queue: asyncio.Queue) -> None:
+        if self.dead:
+            raise RuntimeError(self.dead)
+        self.queues[req.rid] = queue
+        await self._send_tokenizer(req)
+
+    def release(self, rid: str) -> None:
+        self.queues.pop(rid, None)
+
+    async def abort(self, rid: str) -> None:
+        self.queues.pop(rid, None)
+        await self.scheduler.send(encode(AbortReq(rid=rid)))
+
+    async def call(self, msg: Msg, timeout: float = 60.0) -> Msg:
+        """A request with one reply (tokenize, detokenize)."""
+        q: asyncio.Queue = asyncio.Queue()
+        self.queues[msg.rid] = q
+        try:
+            await self._send_tokenizer(msg)
+            return await asyncio.wait_for(q.get(), timeout)
+        finally:
+            self.queues.pop(msg.rid, None)
+
+    def fail_all(self, reason: str) -> None:
+        """A worker died: every waiter gets an error now rather than hanging."""
+        self.dead = reason
+        for rid, q in list(self.queues.items()):
+            q.put_nowait(ErrorOut(rid=rid, message=reason, status=500))
+        self.queues.clear()
+
+    @property
+    def num_active(self) -> int:
+        return len(self.queues)

@@ -1,0 +1,41 @@
+"""Errors the API answers with, and parsing a body into a model without ever answering 422."""
+
+from __future__ import annotations
+
+import json
+
+from fastapi import Request
+from fastapi.responses import JSONResponse
+from pydantic import BaseModel, ValidationError
+
+from shardserve.server.protocol import error_body
+
+
+class APIError(Exception):
+    def __init__(self, status: int, message: str, param: str | None = None, headers: dict | None = None):
+        super().__init__(message)
+        self.status, self.message, self.param, self.headers = status, message, param, headers
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(error_body(self.message, self.status, self.param), self.status, headers=self.headers)
+
+
+async def parse_body(request: Request, model: type[BaseModel], max_bytes: int) -> BaseModel:
+    declared = request.headers.get("content-length")
+    if declared and declared.isdigit() and int(declared) > max_bytes:
+        raise APIError(413, f"request body of {declared} bytes exceeds the limit of {max_bytes}")
+    raw = await request.body()
+    if len(raw) > max_bytes:
+        raise APIError(413, f"request body of {len(raw)} bytes exceeds the limit of {max_bytes}")
+    try:
+        data = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise APIError(400, f"malformed JSON body: {e}") from None
+    if not isinstance(data, dict):
+        raise APIError(400, "the request body must be a JSON object")
+    try:
+        return model.model_validate(data)
+    except ValidationError as e:
+        err = e.errors()[0]
+        param = ".".join(str(p) for p in err["loc"]) or None
+        raise APIError(400, f"invalid field {param!r}: {err['msg']}", param=param) from None

@@ -1,0 +1,90 @@
+"""Run one HTTP request's sub-requests (prompts x n) and merge their outputs.
+
+`stream_choices` yields (choice index, TextOut) as they arrive; on any exit before the end
+(an error, or the client disconnecting, which cancels the generator) it aborts what is still
+running, so the scheduler frees those pages on its next step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+from shardserve.ipc.messages import ErrorOut, GenerateReq, TextOut
+from shardserve.server.client import EngineClient
+from shardserve.server.errors import APIError
+from shardserve.server.metrics import Metrics
+
+
+@dataclass
+class Choice:
+    """What one choice accumulated (for non-streaming answers and usage)."""
+
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[dict] = field(default_factory=list)
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+
+    def add(self, out: TextOut) -> None:
+        self.text += out.text
+        self.token_ids.extend(out.new_ids)
+        self.logprobs.extend(out.logprobs or [])
+        self.prompt_tokens, self.cached_tokens = out.prompt_tokens, out.cached_tokens
+        if out.finished:
+            self.finish_reason, self.stop_reason = out.finish_reason, out.stop_reason
+
+
+async def stream_choices(client: EngineClient, metrics: Metrics, reqs: list[GenerateReq],
+                         timeout: float) -> AsyncIterator[tuple[int, TextOut]]:
+    queue: asyncio.Queue = asyncio.Queue()
+    pending = {r.rid: i for i, r in enumerate(reqs)}
+    start = time.monotonic()
+    last: dict[str, float] = {}
+    try:
+        for r in reqs:
+            await client.submit(r, queue)
+        while pending:
+            try:
+                item = await asyncio.wait_for(queue.get(), timeout)
+            except asyncio.TimeoutError:
+                raise APIError(500, f"no output from the engine for {timeout:.0f} s") from None
+            if isinstance(item, ErrorOut):
+                raise APIError(item.status, item.message, item.param)
+            now = time.monotonic()
+            if item.new_ids:
+                if item.rid in last:
+                    metrics.itl.observe((now - last[item.rid]) / len(item.new_ids))
+                else:
+                    metrics.ttft.observe(now - start)
+                    metrics.prompt_tokens.inc(item.prompt_tokens)
+                last[item.rid] = now
+                metrics.generation_tokens.inc(len(item.new_ids))
+            index = pending[item.rid]
+            if item.finished:
+                del pending[item.rid]
+                client.release(item.rid)
+            yield index, item
+    finally:
+        for rid in pending:
+            await client.abort(rid)
+
+
+async def collect(client: EngineClient, metrics: Metrics, reqs: list[GenerateReq], timeout: float) -> list[Choice]:
+    choices = [Choice() for _ in reqs]
+    async for i, out in stream_choices(client, metrics, reqs, timeout):
+        choices[i].add(out)
+    return choices
+
+
+def usage(choices: list[Choice], n: int) -> dict:
+    """The prompt counts once per prompt (choices come n at a time), completions per choice."""
+    prompt = sum(c.prompt_tokens for c in choices[::n])
+    completion = sum(len(c.token_ids) for c in choices)
+    cached = sum(c.cached_tokens for c in choices[::n])
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": cached}}

@@ -1,0 +1,105 @@
+"""`shardserve serve`: start the process tree, wait for it, then serve HTTP until told to stop.
+
+    API process (this one: FastAPI + uvicorn, EngineClient)
+      -> tokenizer-0..N-1   (text -> token ids; chat templates)
+      -> scheduler          (EngineCore: batching, model, sampling)
+      -> detokenizer        (token ids -> text; in tokenizer-0 when --num-tokenizers 0)
+      -> back to the API process
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import signal
+import socket
+import sys
+
+import uvicorn
+
+from shardserve.ipc.sockets import Endpoints
+from shardserve.loader.model_path import resolve_checkpoint
+from shardserve.scheduler.process import scheduler_main
+from shardserve.server.app import ServerState, build_app
+from shardserve.server.args import engine_config
+from shardserve.server.client import EngineClient
+from shardserve.server.metrics import Metrics
+from shardserve.server.process_tree import Child, LaunchError, ProcessTree
+from shardserve.tokenizer.worker import detokenizer_main, tokenizer_main
+
+log = logging.getLogger("shardserve.launch")
+
+
+def children(model: str | None, cfg, ep: Endpoints, num_tokenizers: int) -> list[Child]:
+    kids = [Child("scheduler", scheduler_main, (cfg, ep))]
+    if num_tokenizers == 0:
+        kids.append(Child("tokenizer-0", tokenizer_main, (model, ep, 0, True)))
+    else:
+        kids.append(Child("detokenizer", detokenizer_main, (model, ep)))
+        kids += [Child(f"tokenizer-{i}", tokenizer_main, (model, ep, i, False)) for i in range(num_tokenizers)]
+    return kids
+
+
+def bind_socket(host: str, port: int) -> socket.socket:
+    """Bind before starting workers, so a busy port fails in a second, not after model load."""
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as e:
+        raise LaunchError(f"cannot listen on {host}:{port}: {e.strerror}") from None
+    return sock
+
+
+def serve(args: argparse.Namespace) -> int:
+    if args.num_tokenizers < 0:
+        print("shardserve: error: --num-tokenizers must be >= 0", file=sys.stderr)
+        return 2
+    cfg = engine_config(args)
+    ckpt = resolve_checkpoint(cfg.model)
+    try:
+        sock = bind_socket(args.host, args.port)
+    except LaunchError as e:
+        print(f"shardserve: error: {e}", file=sys.stderr)
+        return 1
+    ep = Endpoints.create(max(1, args.num_tokenizers))
+    tree = ProcessTree(ep, children(cfg.model, cfg, ep, args.num_tokenizers))
+    try:
+        tree.start()
+        infos = tree.wait_ready(args.startup_timeout)
+        return run_http(args, ckpt.name.removesuffix(".gguf"), infos["scheduler"], ep, tree, sock)
+    except LaunchError as e:
+        print(f"shardserve: error: {e}", file=sys.stderr)
+        return 1
+    finally:
+        tree.stop()
+
+
+def run_http(args, default_name: str, info: dict, ep: Endpoints, tree: ProcessTree, sock: socket.socket) -> int:
+    client = EngineClient(ep, max(1, args.num_tokenizers))
+    state = ServerState(client, Metrics(), args.served_model_name or default_name, info["max_model_len"],
+                        max_n=args.max_n, max_queued=args.max_queued_requests, max_body=args.max_body_bytes)
+    server = uvicorn.Server(uvicorn.Config(build_app(state), log_level="info", timeout_graceful_shutdown=5))
+    failure: list[str] = []
+
+    async def main() -> None:
+        loop = asyncio.get_running_loop()
+
+        def on_death(reason: str) -> None:  # runs on the watchdog thread
+            log.error("%s; shutting down", reason)
+            failure.append(reason)
+            loop.call_soon_threadsafe(client.fail_all, reason)
+            # Give in-flight requests a moment to receive their error, then stop.
+            loop.call_soon_threadsafe(loop.call_later, 1.0, setattr, server, "should_exit", True)
+
+        tree.watch(on_death)
+        log.info("serving %s on http://%s:%d", state.model_name, args.host, args.port)
+        await server.serve(sockets=[sock])
+
+    # uvicorn re-raises the stop signal once it has shut down; a no-op handler lets us go on to
+    # stop the workers and exit 0 instead of dying by that signal with them still to clean up.
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: None)
+    asyncio.run(main())
+    return 1 if failure else 0

@@ -1,0 +1,42 @@
+"""Prometheus metrics of one server (own registry, so two servers in one process never clash)."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from shardserve.ipc.messages import Stats
+
+_LATENCY = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+
+
+class Metrics:
+    def __init__(self):
+        r = self.registry = CollectorRegistry()
+        self.running = Gauge("shardserve_num_requests_running", "Requests being generated", registry=r)
+        self.waiting = Gauge("shardserve_num_requests_waiting", "Requests waiting to be scheduled", registry=r)
+        self.pages_used = Gauge("shardserve_kv_pages_used", "KV cache pages in use", registry=r)
+        self.pages_total = Gauge("shardserve_kv_pages_total", "KV cache pages in the pool", registry=r)
+        self.hit_rate = Gauge("shardserve_prefix_cache_hit_rate", "Prompt tokens served from cache", registry=r)
+        self.prompt_tokens = Counter("shardserve_prompt_tokens", "Prompt tokens processed", registry=r)
+        self.generation_tokens = Counter("shardserve_generation_tokens", "Tokens generated", registry=r)
+        self.ttft = Histogram("shardserve_time_to_first_token_seconds", "Time to first token",
+                              buckets=_LATENCY, registry=r)
+        self.itl = Histogram("shardserve_inter_token_latency_seconds", "Time between tokens",
+                             buckets=_LATENCY, registry=r)
+        self.comm_calls = Gauge("shardserve_comm_calls", "Collective calls by rank 0", ["op"], registry=r)
+        self.comm_bytes = Gauge("shardserve_comm_bytes", "Collective bytes sent by rank 0", ["op"], registry=r)
+
+    def update(self, s: Stats | None) -> None:
+        if s is None:
+            return
+        self.running.set(s.running)
+        self.waiting.set(s.waiting)
+        self.pages_used.set(s.pages_used)
+        self.pages_total.set(s.pages_total)
+        self.hit_rate.set(s.prefix_hit_rate)
+        for op, rec in s.traffic.items():
+            self.comm_calls.labels(op).set(rec["calls"])
+            self.comm_bytes.labels(op).set(rec["MB"] * 1e6)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,68 @@
+"""Token ids -> streamed text, one request at a time, safe for multi-byte characters.
+
+Each step decodes only a short window (tokens since the last emitted boundary), as vLLM does,
+and withholds text while it ends in U+FFFD (an incomplete UTF-8 sequence) or while a stop string
+could still be forming (`hold` characters). At the end the text is the full decode, cut at the
+stop string if one matched, so streamed pieces always add up to the final text.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from shardserve.ipc.messages import TextOut, TokenOut
+
+
+@dataclass
+class _Stream:
+    ids: list[int] = field(default_factory=list)
+    prefix_offset: int = 0
+    read_offset: int = 0
+    text: str = ""  # everything decoded so far
+    sent: int = 0  # characters of `text` already sent
+
+
+class Detokenizer:
+    def __init__(self, tokenizer):
+        self.tok = tokenizer
+        self.streams: dict[str, _Stream] = {}
+
+    def _decode(self, ids: list[int], skip: bool) -> str:
+        return self.tok.decode(ids, skip_special_tokens=skip) if self.tok is not None else ""
+
+    def feed(self, out: TokenOut) -> TextOut:
+        s = self.streams.setdefault(out.rid, _Stream())
+        s.ids.extend(out.new_ids)
+        skip = out.skip_special_tokens
+        before = self._decode(s.ids[s.prefix_offset : s.read_offset], skip)
+        after = self._decode(s.ids[s.prefix_offset :], skip)
+        if len(after) > len(before) and not after.endswith("\ufffd"):
+            s.text += after[len(before) :]
+            s.prefix_offset, s.read_offset = s.read_offset, len(s.ids)
+        if out.finished:
+            del self.streams[out.rid]
+            final = self._decode(s.ids, skip)
+            if out.text_cut is not None:
+                final = final[: out.text_cut]
+            delta = final[s.sent :] if final.startswith(s.text[: s.sent]) else ""
+        else:
+            upto = max(s.sent, len(s.text) - out.hold)
+            delta, s.sent = s.text[s.sent : upto], upto
+        return TextOut(
+            rid=out.rid, text=delta, new_ids=out.new_ids, finished=out.finished, finish_reason=out.finish_reason,
+            stop_reason=out.stop_reason, logprobs=self._name_tokens(out.logprobs, skip),
+            prompt_tokens=out.prompt_tokens,
+            completion_tokens=len(s.ids), cached_tokens=out.cached_tokens,
+        )
+
+    def _name_tokens(self, logprobs: list[dict] | None, skip: bool) -> list[dict] | None:
+        """Add each token's text, which the OpenAI logprobs format reports beside its id."""
+        if not logprobs:
+            return logprobs
+        for lp in logprobs:
+            lp["token"] = self._decode([lp["token_id"]], False)
+            lp["top_logprobs"] = [[i, v, self._decode([i], False)] for i, v, *_ in lp["top_logprobs"]]
+        return logprobs
+
+    def drop(self, rid: str) -> None:
+        self.streams.pop(rid, None)

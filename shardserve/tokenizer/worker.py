@@ -1,0 +1,113 @@
+"""Tokenizer and detokenizer worker processes.
+
+A tokenizer worker turns GenerateReq (text, token ids or chat messages) into TokenizedReq for
+the scheduler and answers /tokenize and /detokenize. The detokenizer turns the scheduler's
+TokenBatch into TextBatch for the API. With `--num-tokenizers 0` one process does both jobs,
+polling both inboxes.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import zmq
+
+from shardserve.ipc.child import run_child
+from shardserve.ipc.messages import (
+    DetokenizeOut,
+    DetokenizeReq,
+    ErrorOut,
+    GenerateReq,
+    Shutdown,
+    TextBatch,
+    TokenBatch,
+    TokenizedReq,
+    TokenizeOut,
+    TokenizeReq,
+)
+from shardserve.ipc.sockets import Endpoints, pull, push, recv, send
+from shardserve.loader.model_path import resolve_checkpoint
+from shardserve.loader.tokenizer import load_tokenizer
+from shardserve.tokenizer.detokenizer import Detokenizer
+
+log = logging.getLogger(__name__)
+
+
+class Tokenizer:
+    """Owns a tokenizer; every reply goes to the API inbox, every prompt to the scheduler."""
+
+    def __init__(self, tokenizer, to_scheduler: zmq.Socket, to_api: zmq.Socket):
+        self.tok, self.to_scheduler, self.to_api = tokenizer, to_scheduler, to_api
+
+    def encode(self, text: str | None, messages: list[dict] | None, add_special: bool) -> list[int]:
+        if self.tok is None:
+            raise ValueError("this model has no tokenizer: send token ids")
+        if messages is not None:
+            if not self.tok.chat_template:
+                raise ValueError("this model has no chat template")
+            text = self.tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+            add_special = False  # the template already carries any BOS
+        return self.tok.encode(text, add_special_tokens=add_special)
+
+    def handle(self, msg) -> None:
+        try:
+            if isinstance(msg, GenerateReq):
+                ids = msg.token_ids if msg.token_ids is not None else self.encode(
+                    msg.text, msg.messages, msg.add_special_tokens)
+                send(self.to_scheduler, TokenizedReq(rid=msg.rid, token_ids=ids, params=msg.params,
+                                                   auto_max_tokens=msg.auto_max_tokens))
+            elif isinstance(msg, TokenizeReq):
+                ids = self.encode(msg.text, msg.messages, msg.add_special_tokens)
+                send(self.to_api, TokenizeOut(rid=msg.rid, token_ids=ids))
+            elif isinstance(msg, DetokenizeReq):
+                if self.tok is None:
+                    raise ValueError("this model has no tokenizer")
+                send(self.to_api, DetokenizeOut(rid=msg.rid, text=self.tok.decode(msg.token_ids)))
+        except Exception as e:  # a bad prompt must never take the worker down
+            send(self.to_api, ErrorOut(rid=msg.rid, message=f"{type(e).__name__}: {e}", status=400))
+
+
+def _serve(sockets: dict[zmq.Socket, callable]) -> None:
+    poller = zmq.Poller()
+    for s in sockets:
+        poller.register(s, zmq.POLLIN)
+    while True:
+        for sock, _ in poller.poll(1000):
+            msg = recv(sock)
+            if isinstance(msg, Shutdown):
+                return
+            sockets[sock](msg)
+
+
+def tokenizer_main(model: str | None, ep: Endpoints, index: int, detokenize: bool) -> None:
+    """Process entry: tokenizer `index`; with `detokenize` it is also the detokenizer."""
+
+    def setup():
+        tok = load_tokenizer(resolve_checkpoint(model))
+        ctx = zmq.Context.instance()
+        to_api = push(ctx, ep.api)
+        worker = Tokenizer(tok, push(ctx, ep.scheduler), to_api)
+        handlers = {pull(ctx, ep.tokenizer(index)): worker.handle}
+        if detokenize:
+            handlers[pull(ctx, ep.detokenizer)] = _detok_handler(Detokenizer(tok), to_api)
+        return (lambda: _serve(handlers)), {}
+
+    run_child(f"tokenizer-{index}", ep.ready, setup)
+
+
+def _detok_handler(detok: Detokenizer, to_api: zmq.Socket):
+    def handle(msg) -> None:
+        if isinstance(msg, TokenBatch):
+            send(to_api, TextBatch(items=[detok.feed(o) for o in msg.items]))
+
+    return handle
+
+
+def detokenizer_main(model: str | None, ep: Endpoints) -> None:
+    def setup():
+        tok = load_tokenizer(resolve_checkpoint(model))
+        ctx = zmq.Context.instance()
+        handlers = {pull(ctx, ep.detokenizer): _detok_handler(Detokenizer(tok), push(ctx, ep.api))}
+        return (lambda: _serve(handlers)), {}
+
+    run_child("detokenizer", ep.ready, setup)

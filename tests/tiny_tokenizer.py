@@ -1,0 +1,31 @@
+"""A real byte-level BPE tokenizer with a 301-token vocabulary, trained in milliseconds, so the
+tiny test models can take text prompts and chat messages like a real checkpoint."""
+
+from __future__ import annotations
+
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from transformers import PreTrainedTokenizerFast
+
+CORPUS = [
+    "The capital of France is Paris. The capital of Italy is Rome.",
+    "Hello, how are you today? I am fine, thank you.",
+    "What is the weather like? It is sunny and warm.",
+] * 20
+SPECIALS = ["<|im_start|>", "<|im_end|>"]
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def save_tiny_tokenizer(path: str, vocab_size: int) -> None:
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIALS,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator(CORPUS, trainer)
+    assert tok.get_vocab_size() <= vocab_size
+    # No eos token: random tiny models would stop at random places; tests set stops explicitly.
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, chat_template=CHAT_TEMPLATE)
+    fast.save_pretrained(path)
