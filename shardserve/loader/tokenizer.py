@@ -8,7 +8,6 @@ from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from shardserve.loader.model_path import Checkpoint
 
-
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 
 
