@@ -29,16 +29,20 @@ def run_child(name: str, ready_addr: str, setup: Callable[[], tuple[Callable[[],
     setup_logging(name)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the launcher owns Ctrl-C and stops us with SIGTERM
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
-    ctx = zmq.Context.instance()
+    # Its own context: term() then waits for just this socket's message to leave, which a bare
+    # close() before os._exit would not.
+    ctx = zmq.Context()
     ready = push(ctx, ready_addr)
     try:
         loop, info = setup()
     except BaseException:
         send(ready, Failed(name=name, error=traceback.format_exc()))
         ready.close(linger=2000)
+        ctx.term()
         os._exit(1)
     send(ready, Ready(name=name, info=info))
-    ready.close()
+    ready.close(linger=2000)
+    ctx.term()
     try:
         loop()
     except SystemExit:

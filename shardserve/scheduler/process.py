@@ -36,6 +36,7 @@ class SchedulerServer:
         self.to_api = push(ctx, ep.api)
         self.aborted_early: set[str] = set()  # aborts that overtook their request
         self.last_stats = 0.0
+        self.last_status: dict = {}
         self.running = True
 
     def info(self) -> dict:
@@ -51,7 +52,7 @@ class SchedulerServer:
             outs = self.engine.step()
             if outs:
                 send(self.to_detok, TokenBatch(items=[token_out(o) for o in outs]))
-            self.maybe_send_stats(force=idle and first is not None)
+            self.maybe_send_stats()
 
     def handle(self, msg) -> None:
         if isinstance(msg, TokenizedReq):
@@ -76,12 +77,15 @@ class SchedulerServer:
         elif isinstance(msg, Shutdown):
             self.running = False
 
-    def maybe_send_stats(self, force: bool = False) -> None:
-        now = time.monotonic()
-        if not force and now - self.last_stats < STATS_INTERVAL:
-            return
-        self.last_stats = now
+    def maybe_send_stats(self) -> None:
+        """Send when something changed: at most every STATS_INTERVAL while busy, at once when
+        the engine falls idle (so /metrics never shows a finished request as running)."""
         s = self.engine.running_status()
+        now = time.monotonic()
+        busy = self.engine.has_unfinished()
+        if s == self.last_status or (busy and now - self.last_stats < STATS_INTERVAL):
+            return
+        self.last_stats, self.last_status = now, s
         send(self.to_api, Stats(running=s["running"], waiting=s["waiting"], pages_used=s["pages_used"],
                                 pages_total=s["pages_total"], prefix_hit_rate=self.engine.allocator.hit_rate,
                                 traffic=self.engine.runner.comm.traffic_report()))

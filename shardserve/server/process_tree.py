@@ -55,18 +55,23 @@ class ProcessTree:
         infos: dict[str, dict] = {}
         deadline = time.monotonic() + timeout
         while len(infos) < len(self.procs):
-            msg = recv(self.ready_sock, timeout_ms=200)
-            if isinstance(msg, Ready):
-                infos[msg.name] = msg.info
-            elif isinstance(msg, Failed):
-                raise LaunchError(f"{msg.name} failed to start:\n{msg.error.rstrip()}")
+            self._take(recv(self.ready_sock, timeout_ms=200), infos)
             dead = self.dead_child()
             if dead and dead not in infos:
+                # Its Failed message may still be in flight: it says more than an exit code.
+                self._take(recv(self.ready_sock, timeout_ms=1000), infos)
                 raise LaunchError(f"{dead} exited with code {self.procs[dead].exitcode} while starting")
             if time.monotonic() > deadline:
                 missing = sorted(set(self.procs) - set(infos))
                 raise LaunchError(f"timed out after {timeout:.0f} s waiting for {', '.join(missing)} to start")
         return infos
+
+    @staticmethod
+    def _take(msg, infos: dict[str, dict]) -> None:
+        if isinstance(msg, Ready):
+            infos[msg.name] = msg.info
+        elif isinstance(msg, Failed):
+            raise LaunchError(f"{msg.name} failed to start:\n{msg.error.rstrip()}")
 
     def dead_child(self) -> str | None:
         for name, p in self.procs.items():

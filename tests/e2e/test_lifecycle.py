@@ -1,0 +1,139 @@
+"""Start-up failures, disconnects, crashes and shutdown: errors are clear, nothing hangs, no
+process is left behind."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import httpx
+import pytest
+from server_util import Server, free_port
+
+
+def metric(url: str, name: str) -> float:
+    text = httpx.get(url + "/metrics").text
+    return float(re.search(rf"^{name} (\S+)$", text, re.M).group(1))
+
+
+def test_disconnect_mid_stream_frees_the_request(tiny_server):
+    body = {"prompt": [5, 6, 7], "max_tokens": 480, "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", tiny_server.url + "/v1/completions", json=body, timeout=30) as r:
+        lines = r.iter_lines()
+        got = [next(lines) for _ in range(6)]
+    assert any(line.startswith("data: ") for line in got)
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        if metric(tiny_server.url, "shardserve_num_requests_running") == 0:
+            break
+        time.sleep(0.1)
+    assert metric(tiny_server.url, "shardserve_num_requests_running") == 0
+    assert metric(tiny_server.url, "shardserve_kv_pages_used") == 0
+    # Fewer tokens than asked for were generated: the request was aborted, not finished.
+    assert metric(tiny_server.url, "shardserve_generation_tokens_total") < 480 + 1000
+
+
+def test_queue_limit_answers_503(tiny_model, tmp_path):
+    path, _ = tiny_model("llama")
+    server = Server("--model", path, "--num-pages", "64", "--max-queued-requests", "2",
+                    log_path=str(tmp_path / "log"))
+    try:
+        r = httpx.post(server.url + "/v1/completions", json={"prompt": [5], "n": 3, "max_tokens": 2}, timeout=30)
+        assert r.status_code == 503 and r.headers["retry-after"] == "1"
+        assert r.json()["error"]["type"] == "service_unavailable"
+        ok = httpx.post(server.url + "/v1/completions", json={"prompt": [5], "n": 2, "max_tokens": 2}, timeout=30)
+        assert ok.status_code == 200
+    finally:
+        code, left = server.stop()
+    assert code == 0 and left == []
+
+
+@pytest.mark.parametrize("num_tokenizers", [0, 2])
+def test_tokenizer_worker_layouts(tiny_model, tmp_path, num_tokenizers):
+    path, _ = tiny_model("llama")
+    server = Server("--model", path, "--num-pages", "64", "--num-tokenizers", str(num_tokenizers),
+                    log_path=str(tmp_path / "log"))
+    try:
+        texts = set()
+        for _ in range(3):  # round-robin over the tokenizer workers
+            r = httpx.post(server.url + "/v1/completions",
+                           json={"prompt": "Hello, how are you?", "max_tokens": 8, "temperature": 0}, timeout=30)
+            texts.add(r.json()["choices"][0]["text"])
+        assert len(texts) == 1
+    finally:
+        code, left = server.stop()
+    assert code == 0 and left == []
+
+
+def test_killed_scheduler_fails_requests_and_exits_nonzero(tiny_model, tmp_path):
+    path, _ = tiny_model("llama")
+    server = Server("--model", path, "--num-pages", "64", log_path=str(tmp_path / "log"))
+    result: dict = {}
+
+    def long_request() -> None:
+        body = {"prompt": [5, 6], "max_tokens": 480, "ignore_eos": True, "stream": True}
+        try:
+            with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=30) as r:
+                result["events"] = [line for line in r.iter_lines() if line]
+        except httpx.HTTPError as e:
+            result["error"] = repr(e)
+
+    t = threading.Thread(target=long_request)
+    t.start()
+    time.sleep(0.5)
+    os.kill(server.child_pid("scheduler"), signal.SIGKILL)
+    saw_503 = False
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and server.proc.poll() is None:
+        try:
+            saw_503 |= httpx.get(server.url + "/health", timeout=1).status_code == 503
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.05)
+    t.join(10)
+    code, left = server.stop()
+    assert saw_503
+    assert code != 0 and left == []
+    assert "scheduler exited unexpectedly" in server.read_log()
+    events = result.get("events", [])
+    assert "error" in result or any('"error"' in e for e in events), result
+
+
+def test_child_that_fails_to_start_is_reported(tmp_path):
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    cfg = {"architectures": ["NoSuchForCausalLM"], "vocab_size": 10, "hidden_size": 8, "num_hidden_layers": 1,
+           "num_attention_heads": 2}
+    (bad / "config.json").write_text(json.dumps(cfg))
+    start = time.monotonic()
+    proc = subprocess.run([sys.executable, "-m", "shardserve", "serve", "--model", str(bad),
+                           "--port", str(free_port())], capture_output=True, text=True, timeout=120)
+    assert proc.returncode != 0
+    assert "scheduler failed to start" in proc.stderr and "NoSuchForCausalLM" in proc.stderr
+    assert time.monotonic() - start < 60
+
+
+def test_busy_port_fails_fast(tiny_model, tmp_path):
+    import socket
+
+    path, _ = tiny_model("llama")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        proc = subprocess.run([sys.executable, "-m", "shardserve", "serve", "--model", path, "--port", str(port)],
+                              capture_output=True, text=True, timeout=60)
+    assert proc.returncode != 0 and f"cannot listen on 127.0.0.1:{port}" in proc.stderr
+
+
+def test_sigint_stops_everything(tiny_model, tmp_path):
+    path, _ = tiny_model("llama")
+    server = Server("--model", path, "--num-pages", "64", log_path=str(tmp_path / "log"))
+    code, left = server.stop(signal.SIGINT)
+    assert code == 0 and left == []
