@@ -40,7 +40,8 @@ def run_engine(path: str, batch: list[list[int]], **cfg) -> tuple[list[list[int]
         return logits
 
     core.runner.forward = recording
-    reqs = [core.add_request(str(i), p, SamplingParams(max_tokens=NEW_TOKENS, temperature=0)) for i, p in enumerate(batch)]
+    greedy = SamplingParams(max_tokens=NEW_TOKENS, temperature=0)
+    reqs = [core.add_request(str(i), p, greedy) for i, p in enumerate(batch)]
     while core.has_unfinished():
         core.step()
     return [r.output_token_ids for r in reqs], [torch.stack(seen[r.request_id]) for r in reqs], core
