@@ -166,6 +166,7 @@ class EngineConfig:
     seed: int = 0
     show_progress: bool = True
     parallel: ParallelInfo = field(default_factory=ParallelInfo)
+    dist_timeout: float = 60.0  # seconds before a collective that never completes is an error
 
     def __post_init__(self) -> None:
         checks = [

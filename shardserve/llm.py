@@ -4,36 +4,65 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 
 from tqdm import tqdm
 
-from shardserve.config import EngineConfig
-from shardserve.core import CompletionOutput, Request, RequestOutput, SamplingParams
+from shardserve.config import EngineConfig, ParallelInfo
+from shardserve.core import CompletionOutput, RequestOutput, SamplingParams
+from shardserve.engine_backends import LocalBackend, ProcessBackend
+from shardserve.ipc.messages import TokenOut
+from shardserve.loader.model_path import resolve_checkpoint
 from shardserve.loader.tokenizer import load_tokenizer
-from shardserve.scheduler.engine_core import EngineCore
 
 Prompt = str | list[int]
 
 
+@dataclass
+class _Sample:
+    """One running sample, rebuilt from the TokenOut stream."""
+
+    rid: str
+    params: SamplingParams
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[dict] = field(default_factory=list)
+    out: TokenOut | None = None  # the final one
+
+    def feed(self, o: TokenOut) -> None:
+        self.token_ids.extend(o.new_ids)
+        self.logprobs.extend(o.logprobs or [])
+        if o.finished:
+            self.out = o
+
+
 class LLM:
-    """An engine in this process. Keyword arguments are EngineConfig fields (model, dtype, ...)."""
+    """An engine driven from this process. Keyword arguments are EngineConfig fields (dtype,
+    page_size, ...); `tp_size=N` runs the model over N scheduler processes."""
 
-    def __init__(self, model: str | None = None, **kwargs):
+    def __init__(self, model: str | None = None, tp_size: int = 1, **kwargs):
+        kwargs.setdefault("parallel", ParallelInfo(tp_size=tp_size))
         self.config = EngineConfig(model=model, **kwargs)
-        self._core: EngineCore | None = None
-        from shardserve.loader.model_path import resolve_checkpoint
-
         self.tokenizer = load_tokenizer(resolve_checkpoint(model))
         tok = self.tokenizer
-        extra_eos = (tok.eos_token_id,) if tok is not None and tok.eos_token_id is not None else ()
-        self._core = EngineCore(self.config, decode=self._decode if tok else None, extra_eos=extra_eos)
+        if self.config.parallel.tp_size > 1:
+            self._backend = ProcessBackend(self.config)
+        else:
+            extra_eos = (tok.eos_token_id,) if tok is not None and tok.eos_token_id is not None else ()
+            self._backend = LocalBackend(self.config, self._decode if tok else None, extra_eos)
         self._next_id = 0
 
     @property
-    def engine(self) -> EngineCore:
-        if self._core is None:
+    def engine(self):
+        """The in-process EngineCore (tp_size 1 only)."""
+        backend = self._live()
+        if not isinstance(backend, LocalBackend):
+            raise RuntimeError("with tp_size > 1 the engine runs in other processes")
+        return backend.engine
+
+    def _live(self):
+        if self._backend is None:
             raise RuntimeError("this LLM has been shut down")
-        return self._core
+        return self._backend
 
     def _decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         if self.tokenizer is None:
@@ -51,16 +80,15 @@ class LLM:
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  use_tqdm: bool = True) -> list[RequestOutput]:
         """Generate for each prompt (a string or token ids); outputs keep the input order."""
+        backend = self._live()
         prompts = _as_prompt_list(prompts)
         params = _as_params_list(sampling_params, len(prompts))
         encoded = [self._encode(p) for p in prompts]
         for ids, sp in zip(encoded, params):
-            self.engine.check_request(ids, sp)  # refuse the batch before anything starts
-        groups: list[list[Request]] = []
-        for ids, sp in zip(encoded, params):
-            groups.append([self._add(ids, sp, i) for i in range(sp.n)])
+            backend.limits.check(ids, sp)  # refuse the batch before anything starts
+        groups = [[self._add(ids, sp, i) for i in range(sp.n)] for ids, sp in zip(encoded, params)]
         self._run(groups, use_tqdm)
-        return [self._output(p, ids, reqs) for p, ids, reqs in zip(prompts, encoded, groups)]
+        return [self._output(p, ids, g) for p, ids, g in zip(prompts, encoded, groups)]
 
     def chat(self, messages: list[dict] | list[list[dict]],
              sampling_params: SamplingParams | None = None, use_tqdm: bool = True):
@@ -77,44 +105,62 @@ class LLM:
         text = self.tokenizer.apply_chat_template(conversation, add_generation_prompt=True, tokenize=False)
         return self.tokenizer.encode(text, add_special_tokens=False)
 
-    def _add(self, ids: list[int], sp: SamplingParams, index: int) -> Request:
+    def _add(self, ids: list[int], sp: SamplingParams, index: int) -> _Sample:
         # n samples are n requests sharing the prompt (and, through the prefix cache, its KV).
         seed = None if sp.seed is None else sp.seed + index
         one = dataclasses.replace(sp, n=1, seed=seed)
         self._next_id += 1
-        return self.engine.add_request(str(self._next_id), ids, one)
+        rid = str(self._next_id)
+        self._backend.add(rid, ids, one)
+        return _Sample(rid, one)
 
-    def _run(self, groups: list[list[Request]], use_tqdm: bool) -> None:
-        pending = {id(r): gi for gi, g in enumerate(groups) for r in g}
+    def _run(self, groups: list[list[_Sample]], use_tqdm: bool) -> None:
+        by_rid = {s.rid: (gi, s) for gi, g in enumerate(groups) for s in g}
         left = [len(g) for g in groups]
         with tqdm(total=len(groups), desc="Generating", disable=not use_tqdm, unit="prompt") as bar:
-            while pending:
-                for out in self.engine.step():
-                    if out.finished and id(out.request) in pending:
-                        gi = pending.pop(id(out.request))
-                        left[gi] -= 1
-                        if left[gi] == 0:
-                            bar.update(1)
+            try:
+                while by_rid:
+                    for o in self._backend.poll():
+                        entry = by_rid.get(o.rid)
+                        if entry is None:
+                            continue
+                        gi, sample = entry
+                        sample.feed(o)
+                        if o.finished:
+                            del by_rid[o.rid]
+                            left[gi] -= 1
+                            bar.update(left[gi] == 0)
+            finally:
+                for rid in by_rid:  # an error or Ctrl-C: free what is still running
+                    self._backend.abort(rid)
 
-    def _output(self, prompt: Prompt, ids: list[int], reqs: list[Request]) -> RequestOutput:
+    def _output(self, prompt: Prompt, ids: list[int], samples: list[_Sample]) -> RequestOutput:
         comps = []
-        for i, r in enumerate(reqs):
-            text = self._decode(r.output_token_ids, r.params.skip_special_tokens)
-            if r.text_cut is not None:
-                text = text[: r.text_cut]
-            comps.append(CompletionOutput(i, text, list(r.output_token_ids), r.finish_reason, r.stop_reason,
-                                          r.logprobs if r.params.logprobs is not None else None))
-        return RequestOutput(reqs[0].request_id, prompt if isinstance(prompt, str) else None, ids, comps,
-                             reqs[0].num_cached_tokens)
+        for i, s in enumerate(samples):
+            text = self._decode(s.token_ids, s.params.skip_special_tokens)
+            if s.out.text_cut is not None:
+                text = text[: s.out.text_cut]
+            comps.append(CompletionOutput(i, text, s.token_ids, s.out.finish_reason, s.out.stop_reason,
+                                          s.logprobs if s.params.logprobs is not None else None))
+        return RequestOutput(samples[0].rid, prompt if isinstance(prompt, str) else None, ids, comps,
+                             samples[0].out.cached_tokens)
 
     def shutdown(self) -> None:
-        self._core = None
+        if self._backend is not None:
+            self._backend.shutdown()
+            self._backend = None
 
     def __enter__(self) -> LLM:
         return self
 
     def __exit__(self, *exc) -> None:
         self.shutdown()
+
+    def __del__(self) -> None:
+        try:
+            self.shutdown()
+        except Exception:
+            pass
 
 
 def _as_prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:

@@ -56,9 +56,12 @@ def build_metadata(
         table = torch.zeros(len(decodes), -(-width // page_size), dtype=torch.long)
         for i, (pages, _) in enumerate(decodes):
             table[i, : len(pages)] = torch.tensor(pages)
-        pos = torch.arange(width)
-        dec_slots = table[:, pos // page_size] * page_size + pos % page_size
         lens = torch.tensor([n for _, n in decodes])
+        pos = torch.arange(width)
+        # Padding reads the sequence's last real slot, never an unwritten one: the mask hides it,
+        # but 0 * NaN from uninitialised cache memory would still poison the output.
+        real = torch.minimum(pos[None, :], lens[:, None] - 1)
+        dec_slots = table.gather(1, real // page_size) * page_size + real % page_size
         dec_mask = (pos[None, :] < lens[:, None]).view(len(decodes), 1, 1, width)
         slot_parts.append(dec_slots.gather(1, (lens - 1)[:, None]).squeeze(1))
         dec_slots, dec_mask = dec_slots.to(device), dec_mask.to(device)

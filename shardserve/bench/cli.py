@@ -23,6 +23,9 @@ def add_bench_args(bench: argparse.ArgumentParser) -> None:
                      help="static batch size for the transformers peer")
     off.add_argument("--batch1-tokens", type=int, default=64,
                      help="also time batch-1 decode of this many tokens (0 = skip)")
+    from shardserve.bench.serve import add_serve_bench_args
+
+    add_serve_bench_args(sub.add_parser("serve", help="load-test an OpenAI-compatible server over HTTP"))
 
 
 def run_bench(args: argparse.Namespace) -> int:
@@ -30,4 +33,8 @@ def run_bench(args: argparse.Namespace) -> int:
         from shardserve.bench.offline import run_offline
 
         return run_offline(args)
+    if args.bench == "serve":
+        from shardserve.bench.serve import run_serve_bench
+
+        return run_serve_bench(args)
     raise SystemExit(f"unknown benchmark {args.bench!r}")

@@ -1,8 +1,9 @@
-"""Collectives over one process group, with traffic counts.
+"""Collectives over one process group, with traffic counts and named failures.
 
 Layers hold a `Communicator` for the group they shard over (never the WORLD group). With one
 rank every operation returns its input untouched and counts nothing, which is what makes the
-single-device engine and the tensor-parallel engine the same code.
+single-device engine and the tensor-parallel engine the same code. A collective that fails or
+times out raises `CollectiveError` naming the rank, the group and the operation.
 """
 
 from __future__ import annotations
@@ -14,6 +15,10 @@ import torch
 import torch.distributed as dist
 
 
+class CollectiveError(RuntimeError):
+    pass
+
+
 @dataclass
 class Traffic:
     """Calls and bytes this rank contributed (the size of the tensor it passed in)."""
@@ -23,12 +28,12 @@ class Traffic:
 
 
 class Communicator:
-    """all_reduce / all_gather / broadcast on a group; `group=None` with size 1 means no peers."""
+    """all_reduce / all_gather / all_to_all / broadcast / send / recv on one group."""
 
-    def __init__(self, group: dist.ProcessGroup | None = None, rank: int = 0, size: int = 1):
+    def __init__(self, group: dist.ProcessGroup | None = None, rank: int = 0, size: int = 1, name: str = "tp"):
         if size > 1 and group is None:
             raise ValueError("a Communicator for more than one rank needs a process group")
-        self.group, self.rank, self.size = group, rank, size
+        self.group, self.rank, self.size, self.name = group, rank, size, name
         self.traffic: dict[str, Traffic] = defaultdict(Traffic)
 
     def _count(self, op: str, t: torch.Tensor) -> None:
@@ -36,49 +41,98 @@ class Communicator:
         rec.calls += 1
         rec.bytes += t.numel() * t.element_size()
 
-    def all_reduce(self, t: torch.Tensor) -> torch.Tensor:
-        """Sum across ranks, in place; returns `t`."""
+    def _run(self, what: str, fn, *args, **kwargs):
+        try:
+            return fn(*args, group=self.group, **kwargs)
+        except (RuntimeError, ValueError) as e:
+            raise CollectiveError(f"rank {self.rank}: {what} on the {self.name} group failed: {e}") from e
+
+    def _global(self, rank: int) -> int:
+        return dist.get_global_rank(self.group, rank)
+
+    def all_reduce(self, t: torch.Tensor, op: str = "sum") -> torch.Tensor:
+        """Reduce across ranks in place (op: sum, min or max); returns `t`."""
         if self.size == 1:
             return t
         self._count("all_reduce", t)
-        dist.all_reduce(t, group=self.group)
+        red = {"sum": dist.ReduceOp.SUM, "min": dist.ReduceOp.MIN, "max": dist.ReduceOp.MAX}[op]
+        self._run("all_reduce", dist.all_reduce, t, op=red)
         return t
 
-    def all_gather(self, t: torch.Tensor, dim: int = -1) -> torch.Tensor:
-        """Concatenate every rank's `t` along `dim`; pieces may differ in size along `dim`."""
+    def all_gather(self, t: torch.Tensor, dim: int = -1, sizes: list[int] | None = None) -> torch.Tensor:
+        """Concatenate every rank's `t` along `dim`. Pieces may differ along `dim`; pass their
+        `sizes` when known, else they are exchanged first."""
         if self.size == 1:
             return t
         self._count("all_gather", t)
-        sizes = self._sizes_along(t, dim)
-        shape = list(t.shape)
-        pieces = []
-        for s in sizes:
-            shape[dim] = s
-            pieces.append(t.new_empty(shape))
+        dim = dim % t.dim()
+        sizes = sizes or self._sizes_along(t, dim)
         t = t.contiguous()
         if len(set(sizes)) == 1:
-            dist.all_gather(pieces, t, group=self.group)
-        else:
-            # gloo's all_gather needs equal sizes: broadcast each rank's piece instead.
-            for r, p in enumerate(pieces):
-                src = t if r == self.rank else p
-                dist.broadcast(src, dist.get_global_rank(self.group, r), group=self.group)
-                pieces[r] = src
-        return torch.cat(pieces, dim=dim)
+            pieces = [torch.empty_like(t) for _ in sizes]
+            self._run("all_gather", dist.all_gather, pieces, t)
+            return torch.cat(pieces, dim=dim)
+        # Uneven pieces: pad to the largest, gather, trim (gloo's all_gather needs equal sizes).
+        width = max(sizes)
+        pad = list(t.shape)
+        pad[dim] = width - t.shape[dim]
+        padded = torch.cat([t, t.new_zeros(pad)], dim=dim) if pad[dim] else t
+        pieces = [torch.empty_like(padded) for _ in sizes]
+        self._run("all_gather", dist.all_gather, pieces, padded)
+        return torch.cat([p.narrow(dim, 0, s) for p, s in zip(pieces, sizes)], dim=dim)
+
+    def all_to_all(self, pieces: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Send pieces[r] to rank r; return what each rank sent here. Pieces may be uneven along
+        dim 0. gloo has no all_to_all, so this pairs sends and receives, sizes exchanged first."""
+        if self.size == 1:
+            return [pieces[0]]
+        for p in pieces:
+            self._count("all_to_all", p)
+        counts = torch.tensor([p.shape[0] for p in pieces], dtype=torch.int64)
+        incoming = [torch.zeros_like(counts) for _ in range(self.size)]
+        self._run("all_to_all", dist.all_gather, incoming, counts)
+        rest = pieces[self.rank].shape[1:]
+        out = [t.new_empty((int(incoming[src][self.rank]), *rest)) if src != self.rank else pieces[src]
+               for src, t in enumerate(pieces)]
+        ops = []
+        for peer in range(self.size):
+            if peer == self.rank:
+                continue
+            ops.append(dist.P2POp(dist.isend, pieces[peer].contiguous(), self._global(peer), self.group))
+            ops.append(dist.P2POp(dist.irecv, out[peer], self._global(peer), self.group))
+        for work in self._run("all_to_all", _batch_p2p, ops):
+            work.wait()
+        return out
 
     def broadcast(self, t: torch.Tensor, src: int = 0) -> torch.Tensor:
         if self.size == 1:
             return t
         self._count("broadcast", t)
-        dist.broadcast(t, dist.get_global_rank(self.group, src), group=self.group)
+        self._run("broadcast", dist.broadcast, t, self._global(src))
         return t
 
+    def send(self, t: torch.Tensor, dst: int) -> None:
+        self._count("send", t)
+        self._run("send", dist.send, t.contiguous(), self._global(dst))
+
+    def recv(self, t: torch.Tensor, src: int) -> torch.Tensor:
+        self._run("recv", dist.recv, t, self._global(src))
+        return t
+
+    def barrier(self) -> None:
+        if self.size > 1:
+            self._run("barrier", dist.barrier)
+
     def _sizes_along(self, t: torch.Tensor, dim: int) -> list[int]:
-        mine = torch.tensor([t.shape[dim]], dtype=torch.int64)
+        mine = torch.tensor([t.shape[dim]], dtype=torch.int64, device=t.device)
         out = [torch.zeros_like(mine) for _ in range(self.size)]
-        dist.all_gather(out, mine, group=self.group)
+        self._run("all_gather", dist.all_gather, out, mine)
         return [int(x) for x in out]
 
     def traffic_report(self) -> dict[str, dict[str, float]]:
         """Counts by operation, bytes as MB (10^6), for logs, /metrics and benchmarks."""
         return {op: {"calls": r.calls, "MB": r.bytes / 1e6} for op, r in sorted(self.traffic.items())}
+
+
+def _batch_p2p(ops: list, group=None) -> list:
+    return dist.batch_isend_irecv(ops)

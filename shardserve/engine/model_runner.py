@@ -9,7 +9,7 @@ import torch
 from shardserve.attention.torch_backend import build_metadata
 from shardserve.config import EngineConfig, ModelConfig
 from shardserve.core import Batch
-from shardserve.distributed.communicator import Communicator
+from shardserve.distributed.groups import ParallelGroups, single_process_groups
 from shardserve.kvcache.pool import KVPool, page_bytes
 from shardserve.layers.attention import ForwardContext
 from shardserve.layers.sharding import head_shard
@@ -25,9 +25,10 @@ class ModelRunner:
     """Owns the model and the KV pool of one rank. `forward` returns logits of sampled rows."""
 
     def __init__(self, cfg: EngineConfig, ckpt: Checkpoint, model_cfg: ModelConfig,
-                 comm: Communicator | None = None):
+                 groups: ParallelGroups | None = None):
         self.cfg, self.model_cfg = cfg, model_cfg
-        self.comm = comm or Communicator()
+        groups = groups or single_process_groups()
+        self.comm, self.control = groups.tp, groups.control
         self.device = pick_device(cfg.device, cfg.parallel.tp_rank)
         self.dtype = cfg.torch_dtype
         cls = model_class(model_cfg.architecture)
@@ -38,7 +39,9 @@ class ModelRunner:
         load_weights(self.model, sources, total, progress=cfg.show_progress, desc=desc)
         self.model.eval()
         shard = head_shard(model_cfg.num_heads, model_cfg.num_kv_heads, self.comm.size, self.comm.rank)
-        self.num_pages = cfg.num_pages or self._pages_from_budget(shard.num_kv)
+        pages = cfg.num_pages or self._pages_from_budget(shard.num_kv)
+        # Every rank must schedule identically, so all use the smallest pool any rank can hold.
+        self.num_pages = int(self.control.all_reduce(torch.tensor([pages]), op="min")[0])
         self.pool = KVPool(model_cfg.num_layers, self.num_pages, cfg.page_size, shard.num_kv,
                            model_cfg.head_dim, self.dtype, self.device)
         self.kv_views = self.pool.layer_views()

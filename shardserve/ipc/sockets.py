@@ -40,6 +40,10 @@ class Endpoints:
         return self._addr("detokenizer")
 
     @property
+    def fanout(self) -> str:
+        return self._addr("fanout")
+
+    @property
     def ready(self) -> str:
         return self._addr("ready")
 

@@ -15,7 +15,7 @@ import torch
 
 from shardserve.config import EngineConfig
 from shardserve.core import Batch, Request, SamplingParams, Status
-from shardserve.distributed.communicator import Communicator
+from shardserve.distributed.groups import ParallelGroups
 from shardserve.engine.model_runner import ModelRunner
 from shardserve.engine.sampler import Sampler
 from shardserve.kvcache.pages import PageAllocator
@@ -33,13 +33,44 @@ class StepOutput:
     finished: bool
 
 
+@dataclass(frozen=True)
+class RequestLimits:
+    """What a request must fit; also sent to other processes so they can refuse early."""
+
+    vocab_size: int
+    max_model_len: int
+    num_pages: int
+    page_size: int
+    has_tokenizer: bool
+
+    def check(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        """Raise ValueError if the request can never run; nothing is truncated silently."""
+        n = len(prompt_token_ids)
+        if n == 0:
+            raise ValueError("the prompt is empty")
+        bad = [t for t in prompt_token_ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(f"prompt token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})")
+        if n + params.max_tokens > self.max_model_len:
+            raise ValueError(
+                f"prompt ({n} tokens) plus max_tokens ({params.max_tokens}) exceeds the model's "
+                f"context of {self.max_model_len} tokens"
+            )
+        pages = -(-(n + params.max_tokens) // self.page_size)
+        if pages > self.num_pages:
+            raise ValueError(f"request needs {pages} KV pages but the pool holds {self.num_pages}")
+        if params.stop and not self.has_tokenizer:
+            raise ValueError("stop strings need a tokenizer")
+
+
 class EngineCore:
     def __init__(self, cfg: EngineConfig, decode: Callable[[list[int], bool], str] | None = None,
-                 comm: Communicator | None = None, extra_eos: tuple[int, ...] = ()):
+                 groups: ParallelGroups | None = None, extra_eos: tuple[int, ...] = ()):
         self.cfg = cfg
         self.ckpt: Checkpoint = resolve_checkpoint(cfg.model)
         self.model_cfg = read_model_config(self.ckpt)
-        self.runner = ModelRunner(cfg, self.ckpt, self.model_cfg, comm)
+        self.runner = ModelRunner(cfg, self.ckpt, self.model_cfg, groups)
+        self.control = self.runner.control
         limit = self.model_cfg.max_position_embeddings
         self.max_model_len = min(cfg.max_model_len or limit, limit)
         self.allocator = PageAllocator(self.runner.num_pages, cfg.page_size, cfg.enable_prefix_cache)
@@ -62,24 +93,13 @@ class EngineCore:
     def vocab_size(self) -> int:
         return self.model_cfg.vocab_size
 
+    @property
+    def limits(self) -> RequestLimits:
+        return RequestLimits(self.vocab_size, self.max_model_len, self.allocator.num_pages, self.cfg.page_size,
+                             self.decode is not None)
+
     def check_request(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
-        """Raise ValueError if the request can never run; nothing is truncated silently."""
-        n = len(prompt_token_ids)
-        if n == 0:
-            raise ValueError("the prompt is empty")
-        bad = [t for t in prompt_token_ids if not 0 <= t < self.vocab_size]
-        if bad:
-            raise ValueError(f"prompt token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})")
-        if n + params.max_tokens > self.max_model_len:
-            raise ValueError(
-                f"prompt ({n} tokens) plus max_tokens ({params.max_tokens}) exceeds the model's "
-                f"context of {self.max_model_len} tokens"
-            )
-        pages = -(-(n + params.max_tokens) // self.cfg.page_size)
-        if pages > self.allocator.num_pages:
-            raise ValueError(f"request needs {pages} KV pages but the pool holds {self.allocator.num_pages}")
-        if params.stop and self.decode is None:
-            raise ValueError("stop strings need a tokenizer")
+        self.limits.check(prompt_token_ids, params)
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> Request:
         if request_id in self.requests:
@@ -109,6 +129,9 @@ class EngineCore:
         sampled = batch.sampled()
         logits = self.runner.forward(batch)
         tokens, logprobs = self.sampler(logits, sampled)
+        if self.control.size > 1 and tokens:
+            # Ranks see identical logits, but float noise must never let them drift apart.
+            tokens = self.control.broadcast(torch.tensor(tokens, dtype=torch.int64)).tolist()
         self.scheduler.advance(batch)
         outputs = []
         for req, tok, lp in zip(sampled, tokens, logprobs):

@@ -1,58 +1,83 @@
-"""The scheduler process: the engine loop plus its I/O with the rest of the server.
+"""The scheduler process (one per tensor-parallel rank): the engine loop plus its I/O.
 
-Per iteration: take every pending message (blocking briefly only when idle), add or abort
-requests, run one engine step, send each request's new tokens to the detokenizer. A request
+Per iteration: take this step's messages (the same on every rank, see `Inbox`), add or abort
+requests, run one engine step (every rank runs it; the model's collectives keep them in
+lockstep), and on rank 0 only, send each request's new tokens to the detokenizer. A request
 the engine refuses gets an ErrorOut sent straight to the API.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
+import os
 import time
 
+import torch
 import zmq
 
-from shardserve.config import EngineConfig
+from shardserve.config import EngineConfig, ParallelInfo
+from shardserve.distributed.groups import init_distributed, single_process_groups
 from shardserve.ipc.child import run_child
 from shardserve.ipc.messages import AbortReq, ErrorOut, Shutdown, Stats, TokenBatch, TokenizedReq, TokenOut
-from shardserve.ipc.sockets import Endpoints, pull, push, recv, recv_all, send
+from shardserve.ipc.sockets import Endpoints, push, send
 from shardserve.loader.model_path import resolve_checkpoint
 from shardserve.loader.tokenizer import load_tokenizer
+from shardserve.platform import pick_device
 from shardserve.scheduler.engine_core import EngineCore, StepOutput
+from shardserve.scheduler.inbox import Inbox
 
 log = logging.getLogger(__name__)
 STATS_INTERVAL = 0.25
+IDLE_WAIT_MS = 100
+
+
+@dataclasses.dataclass(frozen=True)
+class RankSpec:
+    """Where one scheduler process sits: its rank, the world, and rank 0's rendezvous address."""
+
+    rank: int = 0
+    world: int = 1
+    master: str = ""
 
 
 class SchedulerServer:
-    def __init__(self, cfg: EngineConfig, ep: Endpoints):
+    def __init__(self, cfg: EngineConfig, ep: Endpoints, spec: RankSpec):
+        self.rank = spec.rank
+        device = pick_device(cfg.device, spec.rank)
+        if device.type == "cpu" and spec.world > 1:
+            # N ranks share the machine's cores; oversubscribing them slows every rank.
+            torch.set_num_threads(max(1, (os.cpu_count() or 1) // spec.world))
+        groups = (init_distributed(spec.rank, spec.world, spec.master, device, cfg.dist_timeout)
+                  if spec.world > 1 else single_process_groups())
+        cfg = dataclasses.replace(cfg, parallel=ParallelInfo(tp_rank=spec.rank, tp_size=spec.world))
         tok = load_tokenizer(resolve_checkpoint(cfg.model))
         decode = (lambda ids, skip: tok.decode(ids, skip_special_tokens=skip)) if tok else None
         eos = (tok.eos_token_id,) if tok is not None and tok.eos_token_id is not None else ()
-        self.engine = EngineCore(cfg, decode=decode, extra_eos=eos)
+        self.engine = EngineCore(cfg, decode=decode, groups=groups, extra_eos=eos)
         ctx = zmq.Context.instance()
-        self.inbox = pull(ctx, ep.scheduler)
-        self.to_detok = push(ctx, ep.detokenizer)
-        self.to_api = push(ctx, ep.api)
+        self.inbox = Inbox(ctx, ep.scheduler, ep.fanout, groups.control, cfg.dist_timeout)
+        if self.rank == 0:
+            self.to_detok = push(ctx, ep.detokenizer)
+            self.to_api = push(ctx, ep.api)
         self.aborted_early: set[str] = set()  # aborts that overtook their request
         self.last_stats = 0.0
         self.last_status: dict = {}
         self.running = True
 
     def info(self) -> dict:
-        e = self.engine
-        return {"max_model_len": e.max_model_len, "vocab_size": e.vocab_size, "num_pages": e.allocator.num_pages}
+        return {"max_model_len": self.engine.max_model_len, "limits": dataclasses.asdict(self.engine.limits)}
 
     def serve(self) -> None:
         while self.running:
             idle = not self.engine.has_unfinished()
-            first = recv(self.inbox, timeout_ms=100) if idle else None
-            for msg in ([first] if first else []) + recv_all(self.inbox):
+            for msg in self.inbox.receive(IDLE_WAIT_MS if idle else 0):
                 self.handle(msg)
             outs = self.engine.step()
-            if outs:
-                send(self.to_detok, TokenBatch(items=[token_out(o) for o in outs]))
-            self.maybe_send_stats()
+            if self.rank == 0:
+                if outs:
+                    send(self.to_detok, TokenBatch(items=[token_out(o) for o in outs]))
+                self.maybe_send_stats()
 
     def handle(self, msg) -> None:
         if isinstance(msg, TokenizedReq):
@@ -64,12 +89,13 @@ class SchedulerServer:
                     msg.params.max_tokens = max(1, self.engine.max_model_len - len(msg.token_ids))
                 self.engine.add_request(msg.rid, msg.token_ids, msg.params)
             except ValueError as e:
-                send(self.to_api, ErrorOut(rid=msg.rid, message=str(e), status=400))
+                if self.rank == 0:
+                    send(self.to_api, ErrorOut(rid=msg.rid, message=str(e), status=400))
         elif isinstance(msg, AbortReq):
             if self.engine.abort(msg.rid):
-                # Tell the detokenizer too, so it forgets the stream.
-                done = TokenOut(rid=msg.rid, new_ids=[], finished=True, finish_reason="abort")
-                send(self.to_detok, TokenBatch(items=[done]))
+                if self.rank == 0:  # tell the detokenizer too, so it forgets the stream
+                    done = TokenOut(rid=msg.rid, new_ids=[], finished=True, finish_reason="abort")
+                    send(self.to_detok, TokenBatch(items=[done]))
             else:
                 self.aborted_early.add(msg.rid)
                 if len(self.aborted_early) > 10000:
@@ -102,11 +128,11 @@ def token_out(o: StepOutput) -> TokenOut:
     )
 
 
-def scheduler_main(cfg: EngineConfig, ep: Endpoints) -> None:
-    """Process entry point (spawned by the launcher)."""
+def scheduler_main(cfg: EngineConfig, ep: Endpoints, spec: RankSpec) -> None:
+    """Process entry point (spawned by the launcher), one per rank."""
 
     def setup():
-        server = SchedulerServer(cfg, ep)
+        server = SchedulerServer(cfg, ep, spec)
         return server.serve, server.info()
 
-    run_child("scheduler", ep.ready, setup)
+    run_child(f"scheduler-{spec.rank}", ep.ready, setup)

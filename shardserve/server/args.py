@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from shardserve.config import DTYPES, EngineConfig
+from shardserve.config import DTYPES, EngineConfig, ParallelInfo
 
 
 def positive_int(text: str) -> int:
@@ -45,6 +45,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-model-len", type=positive_int, default=None, help="context limit (default: the model's)")
     g.add_argument("--no-prefix-cache", action="store_true", help="disable prefix (KV page) reuse")
     g.add_argument("--seed", type=int, default=0, help="seed for requests that give none")
+    g.add_argument("--tp-size", "--tensor-parallel-size", dest="tp_size", type=positive_int, default=1,
+                   help="tensor-parallel ranks (one scheduler process each)")
+    g.add_argument("--dist-timeout", type=float, default=60.0,
+                   help="seconds before a collective between ranks counts as failed")
 
 
 def engine_config(args: argparse.Namespace, **overrides) -> EngineConfig:
@@ -53,6 +57,7 @@ def engine_config(args: argparse.Namespace, **overrides) -> EngineConfig:
         num_pages=args.num_pages, kv_cache_memory=args.kv_cache_memory,
         max_num_batched_tokens=args.max_num_batched_tokens, max_running_requests=args.max_running_requests,
         max_model_len=args.max_model_len, enable_prefix_cache=not args.no_prefix_cache, seed=args.seed,
+        parallel=ParallelInfo(tp_size=args.tp_size), dist_timeout=args.dist_timeout,
     )
     fields.update(overrides)
     return EngineConfig(**fields)

@@ -2,7 +2,8 @@
 
     API process (this one: FastAPI + uvicorn, EngineClient)
       -> tokenizer-0..N-1   (text -> token ids; chat templates)
-      -> scheduler          (EngineCore: batching, model, sampling)
+      -> scheduler-0        (EngineCore: batching, model, sampling; fans messages out to
+           scheduler-1..N-1  the other tensor-parallel ranks, which run in lockstep)
       -> detokenizer        (token ids -> text; in tokenizer-0 when --num-tokenizers 0)
       -> back to the API process
 """
@@ -18,9 +19,10 @@ import sys
 
 import uvicorn
 
+from shardserve.config import EngineConfig
 from shardserve.ipc.sockets import Endpoints
 from shardserve.loader.model_path import resolve_checkpoint
-from shardserve.scheduler.process import scheduler_main
+from shardserve.scheduler.process import RankSpec, scheduler_main
 from shardserve.server.app import ServerState, build_app
 from shardserve.server.args import engine_config
 from shardserve.server.client import EngineClient
@@ -31,8 +33,21 @@ from shardserve.tokenizer.worker import detokenizer_main, tokenizer_main
 log = logging.getLogger("shardserve.launch")
 
 
-def children(model: str | None, cfg, ep: Endpoints, num_tokenizers: int) -> list[Child]:
-    kids = [Child("scheduler", scheduler_main, (cfg, ep))]
+def scheduler_children(cfg: EngineConfig, ep: Endpoints) -> list[Child]:
+    """One scheduler process per tensor-parallel rank, meeting at a free local port."""
+    world = cfg.parallel.tp_size
+    master = f"127.0.0.1:{free_port()}" if world > 1 else ""
+    return [Child(f"scheduler-{r}", scheduler_main, (cfg, ep, RankSpec(r, world, master))) for r in range(world)]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def children(model: str | None, cfg: EngineConfig, ep: Endpoints, num_tokenizers: int) -> list[Child]:
+    kids = scheduler_children(cfg, ep)
     if num_tokenizers == 0:
         kids.append(Child("tokenizer-0", tokenizer_main, (model, ep, 0, True)))
     else:
@@ -68,7 +83,7 @@ def serve(args: argparse.Namespace) -> int:
     try:
         tree.start()
         infos = tree.wait_ready(args.startup_timeout)
-        return run_http(args, ckpt.name.removesuffix(".gguf"), infos["scheduler"], ep, tree, sock)
+        return run_http(args, ckpt.name.removesuffix(".gguf"), infos["scheduler-0"], ep, tree, sock)
     except LaunchError as e:
         print(f"shardserve: error: {e}", file=sys.stderr)
         return 1

@@ -87,7 +87,7 @@ def test_killed_scheduler_fails_requests_and_exits_nonzero(tiny_model, tmp_path)
     t = threading.Thread(target=long_request)
     t.start()
     time.sleep(0.5)
-    os.kill(server.child_pid("scheduler"), signal.SIGKILL)
+    os.kill(server.child_pid("scheduler-0"), signal.SIGKILL)
     saw_503 = False
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline and server.proc.poll() is None:
@@ -100,7 +100,7 @@ def test_killed_scheduler_fails_requests_and_exits_nonzero(tiny_model, tmp_path)
     code, left = server.stop()
     assert saw_503
     assert code != 0 and left == []
-    assert "scheduler exited unexpectedly" in server.read_log()
+    assert "scheduler-0 exited unexpectedly" in server.read_log()
     events = result.get("events", [])
     assert "error" in result or any('"error"' in e for e in events), result
 
@@ -115,7 +115,7 @@ def test_child_that_fails_to_start_is_reported(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "shardserve", "serve", "--model", str(bad),
                            "--port", str(free_port())], capture_output=True, text=True, timeout=120)
     assert proc.returncode != 0
-    assert "scheduler failed to start" in proc.stderr and "NoSuchForCausalLM" in proc.stderr
+    assert "scheduler-0 failed to start" in proc.stderr and "NoSuchForCausalLM" in proc.stderr
     assert time.monotonic() - start < 60
 
 

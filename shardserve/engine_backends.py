@@ -1,0 +1,81 @@
+"""Where the offline `LLM` runs its engine: in this process, or in N scheduler processes.
+
+Both backends take tokenized requests and hand back `TokenOut` items, so `LLM` is the same
+code for one device and for tensor parallelism. The multi-process backend is the server's
+process tree minus HTTP and tokenizer workers: this process talks ZeroMQ to scheduler-0.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import zmq
+
+from shardserve.config import EngineConfig
+from shardserve.core import SamplingParams
+from shardserve.ipc.messages import AbortReq, ErrorOut, TokenBatch, TokenizedReq, TokenOut
+from shardserve.ipc.sockets import Endpoints, push, recv, send
+from shardserve.scheduler.engine_core import EngineCore, RequestLimits
+from shardserve.scheduler.process import token_out
+from shardserve.server.launch import scheduler_children
+from shardserve.server.process_tree import ProcessTree
+
+
+class LocalBackend:
+    def __init__(self, cfg: EngineConfig, decode, extra_eos: tuple[int, ...]):
+        self.engine = EngineCore(cfg, decode=decode, extra_eos=extra_eos)
+        self.limits = self.engine.limits
+
+    def add(self, rid: str, ids: list[int], params: SamplingParams) -> None:
+        self.engine.add_request(rid, ids, params)
+
+    def poll(self) -> list[TokenOut]:
+        return [token_out(o) for o in self.engine.step()]
+
+    def abort(self, rid: str) -> None:
+        self.engine.abort(rid)
+
+    def shutdown(self) -> None:
+        self.engine = None
+
+
+class ProcessBackend:
+    """tp_size scheduler processes; requests go to rank 0, which fans them out."""
+
+    def __init__(self, cfg: EngineConfig, startup_timeout: float = 600.0):
+        self.ep = Endpoints.create(1)
+        self.tree = ProcessTree(self.ep, scheduler_children(cfg, self.ep))
+        self.ctx = zmq.Context()
+        self.inbox = self.ctx.socket(zmq.PULL)
+        for addr in (self.ep.detokenizer, self.ep.api):  # scheduler-0's token and error outputs
+            self.inbox.bind(addr)
+        self.to_scheduler = push(self.ctx, self.ep.scheduler)
+        self.timeout_s = cfg.dist_timeout
+        try:
+            self.tree.start()
+            info = self.tree.wait_ready(startup_timeout)["scheduler-0"]
+        except BaseException:
+            self.shutdown()
+            raise
+        self.limits = RequestLimits(**info["limits"])
+
+    def add(self, rid: str, ids: list[int], params: SamplingParams) -> None:
+        send(self.to_scheduler, TokenizedReq(rid=rid, token_ids=ids, params=dataclasses.replace(params)))
+
+    def poll(self) -> list[TokenOut]:
+        msg = recv(self.inbox, timeout_ms=int(self.timeout_s * 1000))
+        if msg is None:
+            dead = self.tree.dead_child()
+            raise RuntimeError(f"{dead} died" if dead else f"no output from the engine in {self.timeout_s:.0f} s")
+        if isinstance(msg, ErrorOut):
+            raise ValueError(msg.message)
+        return msg.items if isinstance(msg, TokenBatch) else []
+
+    def abort(self, rid: str) -> None:
+        send(self.to_scheduler, AbortReq(rid=rid))
+
+    def shutdown(self) -> None:
+        self.tree.stop()
+        self.inbox.close(linger=0)
+        self.to_scheduler.close(linger=0)
+        self.ctx.term()

@@ -1,0 +1,50 @@
+"""`shardserve bench serve` against a live server on the tiny Llama: every request succeeds, token
+counts are exact, and the latency percentiles are ordered."""
+
+from __future__ import annotations
+
+import json
+
+from server_util import Server
+
+from shardserve.server.cli import main
+
+NUM_REQUESTS = 8
+MAX_OUTPUT = 12
+
+
+def last_json(out: str) -> dict:
+    """The final JSON line the benchmark prints."""
+    return json.loads(out.strip().splitlines()[-1])
+
+
+def assert_ordered(stats: dict) -> None:
+    assert 0 < stats["p50"] <= stats["p90"] <= stats["p99"], stats
+    assert stats["mean"] > 0
+
+
+def test_bench_serve_against_tiny_server(tiny_model, tmp_path, capsys):
+    from shardserve.bench.serve import make_requests, resolve_ranges
+    from shardserve.server.cli import build_parser
+
+    path, _ = tiny_model("llama")
+    server = Server("--model", path, "--num-pages", "128", log_path=str(tmp_path / "server.log"))
+    try:
+        argv = ["bench", "serve", "--url", server.url, "--num-requests", str(NUM_REQUESTS), "--max-prompt", "40",
+                "--max-output", str(MAX_OUTPUT), "--request-rate", "20"]
+        assert main(argv) == 0
+        result = last_json(capsys.readouterr().out)
+    finally:
+        code, left = server.stop()
+    assert left == [], f"processes left behind: {left}"
+    assert code == 0, server.read_log()[-3000:]
+
+    args = build_parser().parse_args(argv)
+    resolve_ranges(args)
+    requested = sum(r.output_len for r in make_requests(args))
+    assert result["requests"] == NUM_REQUESTS and result["failed"] == 0
+    assert result["output_tokens"] == result["requested_output_tokens"] == requested
+    assert result["prompt_tokens"] > 0
+    assert result["request_throughput"] > 0 and result["output_tokens_per_s"] > 0 and result["duration_s"] > 0
+    for key in ("ttft_ms", "itl_ms", "e2e_latency_ms"):
+        assert_ordered(result[key])
