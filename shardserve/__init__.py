@@ -1,7 +1,15 @@
 """shardserve: serve large language models split across many devices."""
 
 from shardserve.core import RequestOutput, SamplingParams
-from shardserve.llm import LLM
 
 __all__ = ["LLM", "RequestOutput", "SamplingParams"]
 __version__ = "0.1.0"
+
+
+def __getattr__(name: str):
+    # Lazy, so worker processes that import shardserve.* do not pay for the offline API's imports.
+    if name == "LLM":
+        from shardserve.llm import LLM
+
+        return LLM
+    raise AttributeError(name)

@@ -8,17 +8,17 @@ process tree minus HTTP and tokenizer workers: this process talks ZeroMQ to sche
 from __future__ import annotations
 
 import dataclasses
+import time
 
 import zmq
 
 from shardserve.config import EngineConfig
 from shardserve.core import SamplingParams
-from shardserve.ipc.messages import AbortReq, ErrorOut, TokenBatch, TokenizedReq, TokenOut
+from shardserve.ipc.messages import AbortReq, ErrorOut, Stats, TokenBatch, TokenizedReq, TokenOut
 from shardserve.ipc.sockets import Endpoints, push, recv, send
 from shardserve.scheduler.engine_core import EngineCore, RequestLimits
 from shardserve.scheduler.process import token_out
-from shardserve.server.launch import scheduler_children
-from shardserve.server.process_tree import ProcessTree
+from shardserve.server.process_tree import ProcessTree, scheduler_children
 
 
 class LocalBackend:
@@ -34,6 +34,9 @@ class LocalBackend:
 
     def abort(self, rid: str) -> None:
         self.engine.abort(rid)
+
+    def stats(self) -> Stats:
+        return self.engine.stats()
 
     def shutdown(self) -> None:
         self.engine = None
@@ -58,6 +61,7 @@ class ProcessBackend:
             self.shutdown()
             raise
         self.limits = RequestLimits(**info["limits"])
+        self.last_stats: Stats | None = None
 
     def add(self, rid: str, ids: list[int], params: SamplingParams) -> None:
         send(self.to_scheduler, TokenizedReq(rid=rid, token_ids=ids, params=dataclasses.replace(params)))
@@ -69,7 +73,18 @@ class ProcessBackend:
             raise RuntimeError(f"{dead} died" if dead else f"no output from the engine in {self.timeout_s:.0f} s")
         if isinstance(msg, ErrorOut):
             raise ValueError(msg.message)
+        if isinstance(msg, Stats):
+            self.last_stats = msg
         return msg.items if isinstance(msg, TokenBatch) else []
+
+    def stats(self, wait_s: float = 2.0) -> Stats | None:
+        """rank 0's latest stats; waits briefly for the report it sends on falling idle."""
+        deadline = time.monotonic() + wait_s
+        while time.monotonic() < deadline and (self.last_stats is None or self.last_stats.running):
+            msg = recv(self.inbox, timeout_ms=50)
+            if isinstance(msg, Stats):
+                self.last_stats = msg
+        return self.last_stats
 
     def abort(self, rid: str) -> None:
         send(self.to_scheduler, AbortReq(rid=rid))

@@ -145,6 +145,10 @@ class LLM:
         return RequestOutput(samples[0].rid, prompt if isinstance(prompt, str) else None, ids, comps,
                              samples[0].out.cached_tokens)
 
+    def stats(self):
+        """Engine counters: steps, KV pages, and (rank 0's) traffic on the TP and control groups."""
+        return self._live().stats()
+
     def shutdown(self) -> None:
         if self._backend is not None:
             self._backend.shutdown()

@@ -9,6 +9,9 @@ from shardserve.server.args import add_engine_args, positive_int
 
 def add_bench_args(bench: argparse.ArgumentParser) -> None:
     sub = bench.add_subparsers(dest="bench", required=True)
+    from shardserve.bench.dist import add_dist_args
+
+    add_dist_args(sub.add_parser("dist", help="tensor-parallel runs at several sizes, with traffic counts"))
     off = sub.add_parser("offline", help="offline throughput on a fixed random workload")
     add_engine_args(off)
     off.add_argument("--num-requests", type=positive_int, default=64)
@@ -37,4 +40,8 @@ def run_bench(args: argparse.Namespace) -> int:
         from shardserve.bench.serve import run_serve_bench
 
         return run_serve_bench(args)
+    if args.bench == "dist":
+        from shardserve.bench.dist import run_dist
+
+        return run_dist(args)
     raise SystemExit(f"unknown benchmark {args.bench!r}")

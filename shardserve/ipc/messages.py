@@ -112,7 +112,9 @@ class Stats(Msg):
     pages_used: int
     pages_total: int
     prefix_hit_rate: float
-    traffic: dict = {}
+    steps: int = 0
+    traffic: dict = {}  # rank 0's tensor-parallel group counts, by operation
+    control: dict = {}  # rank 0's control group counts (message fan-out, token agreement)
 
 
 class Ready(Msg):

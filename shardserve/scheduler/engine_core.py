@@ -18,6 +18,7 @@ from shardserve.core import Batch, Request, SamplingParams, Status
 from shardserve.distributed.groups import ParallelGroups
 from shardserve.engine.model_runner import ModelRunner
 from shardserve.engine.sampler import Sampler
+from shardserve.ipc.messages import Stats
 from shardserve.kvcache.pages import PageAllocator
 from shardserve.loader.model_path import Checkpoint, resolve_checkpoint
 from shardserve.loader.weights import read_model_config
@@ -79,6 +80,7 @@ class EngineCore:
         self.decode = decode
         self.eos_ids = tuple(sorted(set(self.model_cfg.eos_token_ids) | set(extra_eos) | self._generation_eos()))
         self.requests: dict[str, Request] = {}
+        self.num_steps = 0
         self._seed_rng = torch.Generator().manual_seed(cfg.seed)
 
     def _generation_eos(self) -> set[int]:
@@ -126,6 +128,7 @@ class EngineCore:
         batch = self.scheduler.schedule()
         if batch is None:
             return []
+        self.num_steps += 1
         sampled = batch.sampled()
         logits = self.runner.forward(batch)
         tokens, logprobs = self.sampler(logits, sampled)
@@ -168,6 +171,12 @@ class EngineCore:
             return False
         req.text_cut, req.stop_reason = min(hits)
         return True
+
+    def stats(self) -> Stats:
+        s = self.running_status()
+        return Stats(running=s["running"], waiting=s["waiting"], pages_used=s["pages_used"],
+                     pages_total=s["pages_total"], prefix_hit_rate=self.allocator.hit_rate, steps=self.num_steps,
+                     traffic=self.runner.comm.traffic_report(), control=self.control.traffic_report())
 
     def running_status(self) -> dict[str, int]:
         return {

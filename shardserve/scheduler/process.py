@@ -19,7 +19,7 @@ import zmq
 from shardserve.config import EngineConfig, ParallelInfo
 from shardserve.distributed.groups import init_distributed, single_process_groups
 from shardserve.ipc.child import run_child
-from shardserve.ipc.messages import AbortReq, ErrorOut, Shutdown, Stats, TokenBatch, TokenizedReq, TokenOut
+from shardserve.ipc.messages import AbortReq, ErrorOut, Shutdown, TokenBatch, TokenizedReq, TokenOut
 from shardserve.ipc.sockets import Endpoints, push, send
 from shardserve.loader.model_path import resolve_checkpoint
 from shardserve.loader.tokenizer import load_tokenizer
@@ -112,9 +112,7 @@ class SchedulerServer:
         if s == self.last_status or (busy and now - self.last_stats < STATS_INTERVAL):
             return
         self.last_stats, self.last_status = now, s
-        send(self.to_api, Stats(running=s["running"], waiting=s["waiting"], pages_used=s["pages_used"],
-                                pages_total=s["pages_total"], prefix_hit_rate=self.engine.allocator.hit_rate,
-                                traffic=self.engine.runner.comm.traffic_report()))
+        send(self.to_api, self.engine.stats())
 
 
 def token_out(o: StepOutput) -> TokenOut:

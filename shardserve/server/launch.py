@@ -22,28 +22,14 @@ import uvicorn
 from shardserve.config import EngineConfig
 from shardserve.ipc.sockets import Endpoints
 from shardserve.loader.model_path import resolve_checkpoint
-from shardserve.scheduler.process import RankSpec, scheduler_main
 from shardserve.server.app import ServerState, build_app
 from shardserve.server.args import engine_config
 from shardserve.server.client import EngineClient
 from shardserve.server.metrics import Metrics
-from shardserve.server.process_tree import Child, LaunchError, ProcessTree
+from shardserve.server.process_tree import Child, LaunchError, ProcessTree, scheduler_children
 from shardserve.tokenizer.worker import detokenizer_main, tokenizer_main
 
 log = logging.getLogger("shardserve.launch")
-
-
-def scheduler_children(cfg: EngineConfig, ep: Endpoints) -> list[Child]:
-    """One scheduler process per tensor-parallel rank, meeting at a free local port."""
-    world = cfg.parallel.tp_size
-    master = f"127.0.0.1:{free_port()}" if world > 1 else ""
-    return [Child(f"scheduler-{r}", scheduler_main, (cfg, ep, RankSpec(r, world, master))) for r in range(world)]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def children(model: str | None, cfg: EngineConfig, ep: Endpoints, num_tokenizers: int) -> list[Child]:

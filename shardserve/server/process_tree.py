@@ -10,6 +10,7 @@ import logging
 import multiprocessing as mp
 import os
 import shutil
+import socket
 import threading
 import time
 from collections.abc import Callable
@@ -17,8 +18,10 @@ from dataclasses import dataclass
 
 import zmq
 
+from shardserve.config import EngineConfig
 from shardserve.ipc.messages import Failed, Ready
 from shardserve.ipc.sockets import Endpoints, pull, recv
+from shardserve.scheduler.process import RankSpec, scheduler_main
 
 log = logging.getLogger(__name__)
 
@@ -32,6 +35,19 @@ class Child:
     name: str
     target: Callable
     args: tuple
+
+
+def scheduler_children(cfg: EngineConfig, ep: Endpoints) -> list[Child]:
+    """One scheduler process per tensor-parallel rank, meeting at a free local port."""
+    world = cfg.parallel.tp_size
+    master = f"127.0.0.1:{free_port()}" if world > 1 else ""
+    return [Child(f"scheduler-{r}", scheduler_main, (cfg, ep, RankSpec(r, world, master))) for r in range(world)]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 class ProcessTree:
@@ -79,14 +95,20 @@ class ProcessTree:
                 return name
         return None
 
+    def death_report(self) -> str:
+        """Every dead child and how it ended, those killed by a signal (the likely cause) first."""
+        dead = [(n, p.exitcode) for n, p in self.procs.items() if not p.is_alive()]
+        dead.sort(key=lambda d: (d[1] is None or d[1] >= 0, d[0]))
+        return "; ".join(f"{n} was killed by signal {-c}" if c is not None and c < 0 else
+                         f"{n} exited unexpectedly with code {c}" for n, c in dead)
+
     def watch(self, on_death: Callable[[str], None], interval: float = 0.5) -> None:
         """Call `on_death(message)` once, from a thread, when any child exits."""
 
         def loop() -> None:
             while not self._stop_watch.wait(interval):
-                dead = self.dead_child()
-                if dead:
-                    on_death(f"{dead} exited unexpectedly with code {self.procs[dead].exitcode}")
+                if self.dead_child():
+                    on_death(self.death_report())
                     return
 
         threading.Thread(target=loop, name="child-watchdog", daemon=True).start()

@@ -44,7 +44,36 @@ def test_bench_serve_against_tiny_server(tiny_model, tmp_path, capsys):
     requested = sum(r.output_len for r in make_requests(args))
     assert result["requests"] == NUM_REQUESTS and result["failed"] == 0
     assert result["output_tokens"] == result["requested_output_tokens"] == requested
-    assert result["prompt_tokens"] > 0
+    assert result["prompt_tokens"] > 0 and result["stopped_early"] == 0
     assert result["request_throughput"] > 0 and result["output_tokens_per_s"] > 0 and result["duration_s"] > 0
     for key in ("ttft_ms", "itl_ms", "e2e_latency_ms"):
         assert_ordered(result[key])
+
+
+def test_workload_and_arrivals_are_seeded():
+    from shardserve.bench.serve import arrival_times, make_requests, resolve_ranges
+    from shardserve.server.cli import build_parser
+
+    args = build_parser().parse_args(["bench", "serve", "--url", "x", "--num-requests", "50", "--max-output", "8"])
+    resolve_ranges(args)
+    assert (args.min_output, args.max_output, args.min_prompt, args.max_prompt) == (8, 8, 32, 256)
+    reqs = make_requests(args)
+    assert reqs == make_requests(args) and all(32 <= len(r.prompt.split()) <= 256 for r in reqs)
+    assert arrival_times(3, float("inf"), 0) == [0.0, 0.0, 0.0]
+    times = arrival_times(2000, 10.0, 0)
+    assert times == arrival_times(2000, 10.0, 0) and times == sorted(times)
+    assert abs(times[-1] / 1999 - 0.1) < 0.01  # mean gap 1/rate
+
+
+def test_stream_timer_counts_text_chunks_without_usage():
+    from shardserve.bench.serve import StreamTimer
+
+    timer = StreamTimer(0.0)
+    timer.add({"choices": [{"delta": {"role": "assistant", "content": ""}, "finish_reason": None}]}, 0.5)
+    for t in (1.0, 1.25, 1.75):
+        timer.add({"choices": [{"delta": {"content": "a"}, "finish_reason": None}]}, t)
+    timer.add({"choices": [{"delta": {}, "finish_reason": "stop"}]}, 2.0)
+    r = timer.result(2.5)
+    assert (r.ok, r.ttft, r.itls, r.latency, r.output_tokens, r.prompt_tokens) == (True, 1.0, [0.25, 0.5], 2.5, 3,
+                                                                                    None)
+    assert r.finish_reason == "stop"

@@ -1,0 +1,94 @@
+"""`shardserve bench dist`: the same workload at several tensor-parallel sizes, with traffic.
+
+One JSON line per run: mode, ranks, same_tokens (equal to the first run's), steps,
+kv_pages_per_rank, seconds, and rank 0's collective counts on the tensor-parallel group
+(`traffic`) and on the control group (`control`), MB = 10^6 bytes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import tempfile
+import time
+
+import torch
+
+from shardserve.core import SamplingParams
+
+
+def add_dist_args(p: argparse.ArgumentParser) -> None:
+    from shardserve.server.args import positive_int
+
+    p.add_argument("--model", default=None, help="checkpoint (default: a random model of the shape below)")
+    p.add_argument("--layers", type=positive_int, default=4)
+    p.add_argument("--hidden", type=positive_int, default=512)
+    p.add_argument("--heads", type=positive_int, default=8)
+    p.add_argument("--kv-heads", type=positive_int, default=4)
+    p.add_argument("--intermediate", type=positive_int, default=1536)
+    p.add_argument("--vocab", type=positive_int, default=1024)
+    p.add_argument("--num-prompts", type=positive_int, default=8)
+    p.add_argument("--prompt-len", type=positive_int, default=64)
+    p.add_argument("--new-tokens", type=positive_int, default=16)
+    p.add_argument("--page-size", type=positive_int, default=16)
+    p.add_argument("--kv-cache-memory", type=float, default=64 * 2**20, help="bytes of KV cache per rank")
+    p.add_argument("--tp-sizes", default="1,2,4", help="comma-separated tensor-parallel sizes")
+    p.add_argument("--dtype", default="float32")
+
+
+def random_model(args: argparse.Namespace, path: str) -> None:
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=args.intermediate,
+                      num_hidden_layers=args.layers, num_attention_heads=args.heads,
+                      num_key_value_heads=args.kv_heads, max_position_embeddings=4096,
+                      bos_token_id=None, eos_token_id=None, pad_token_id=None)
+    AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).save_pretrained(path)
+
+
+def one_run(path: str, tp: int, args: argparse.Namespace, prompts: list[list[int]]) -> tuple[dict, list]:
+    from shardserve.llm import LLM
+
+    params = SamplingParams(max_tokens=args.new_tokens, temperature=0, ignore_eos=True)
+    with LLM(path, tp_size=tp, dtype=args.dtype, page_size=args.page_size, kv_cache_memory=args.kv_cache_memory,
+             show_progress=False) as llm:
+        llm.generate(prompts[:1], SamplingParams(max_tokens=2), use_tqdm=False)  # warm-up, untimed
+        warm = llm.stats()
+        start = time.perf_counter()
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        seconds = time.perf_counter() - start
+        stats = llm.stats()
+        pages = llm._live().limits.num_pages
+    tokens = [o.token_ids for o in outs]
+    return {"mode": "tensor", "ranks": tp, "steps": stats.steps - warm.steps, "kv_pages_per_rank": pages,
+            "seconds": round(seconds, 3), "traffic": _minus(stats.traffic, warm.traffic),
+            "control": _minus(stats.control, warm.control)}, tokens
+
+
+def _minus(after: dict, before: dict) -> dict:
+    """Counts of the timed run alone (the warm-up's subtracted)."""
+    out = {}
+    for op, rec in after.items():
+        base = before.get(op, {"calls": 0, "MB": 0.0})
+        out[op] = {"calls": rec["calls"] - base["calls"], "MB": round(rec["MB"] - base["MB"], 6)}
+    return out
+
+
+def run_dist(args: argparse.Namespace) -> int:
+    sizes = [int(x) for x in args.tp_sizes.split(",")]
+    with tempfile.TemporaryDirectory() as tmp:
+        path = args.model or os.path.join(tmp, "model")
+        if args.model is None:
+            random_model(args, path)
+        g = torch.Generator().manual_seed(0)
+        vocab = args.vocab if args.model is None else 1000
+        prompts = [torch.randint(vocab, (args.prompt_len,), generator=g).tolist() for _ in range(args.num_prompts)]
+        first = None
+        for tp in sizes:
+            record, tokens = one_run(path, tp, args, prompts)
+            first = first if first is not None else tokens
+            record = {"mode": record.pop("mode"), "ranks": tp, "same_tokens": tokens == first, **record}
+            print(json.dumps(record), flush=True)
+    return 0

@@ -1,0 +1,59 @@
+"""The server at --tp-size 3: openai client answers equal transformers'; killing one rank ends
+the server with an error naming it, and leaves no process behind."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import sys
+import threading
+import time
+
+import httpx
+import openai
+import torch
+from transformers import AutoTokenizer
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "e2e"))
+from server_util import Server  # noqa: E402
+
+
+def test_tp3_server_matches_transformers_and_dies_whole(tiny_model, tmp_path):
+    path, model = tiny_model("qwen3_moe")
+    server = Server("--model", path, "--tp-size", "3", "--num-pages", "64", "--page-size", "8",
+                    log_path=str(tmp_path / "log"))
+    try:
+        client = openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0)
+        batch = [[5, 6, 7], [100, 200, 33, 44, 55, 66, 77, 88, 99]]
+        tok = AutoTokenizer.from_pretrained(path)
+        r = client.completions.create(model=None, prompt=batch, max_tokens=16, temperature=0)
+        for choice, ids in zip(r.choices, batch):
+            with torch.no_grad():
+                ref = model.generate(torch.tensor([ids]), max_new_tokens=16, min_new_tokens=16, do_sample=False)
+            assert choice.text == tok.decode(ref[0, len(ids):].tolist())
+        metrics = httpx.get(server.url + "/metrics").text
+        calls = float(re.search(r'shardserve_comm_calls\{op="all_reduce"\} (\S+)', metrics).group(1))
+        assert calls > 0
+
+        # A long request in flight, then rank 1 dies.
+        def long_request() -> None:
+            body = {"prompt": [5, 6], "max_tokens": 400, "ignore_eos": True}
+            try:
+                httpx.post(server.url + "/v1/completions", json=body, timeout=60)
+            except httpx.HTTPError:
+                pass
+
+        t = threading.Thread(target=long_request)
+        t.start()
+        time.sleep(0.5)
+        os.kill(server.child_pid("scheduler-1"), signal.SIGKILL)
+        start = time.monotonic()
+        server.proc.wait(30)
+        assert time.monotonic() - start < 30
+        t.join(30)
+    finally:
+        code, left = server.stop()
+    assert code != 0 and left == []
+    assert "scheduler-1 was killed by signal 9" in server.read_log(), server.read_log()[-4000:]
+
