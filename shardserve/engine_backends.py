@@ -16,6 +16,7 @@ from shardserve.config import EngineConfig
 from shardserve.core import SamplingParams
 from shardserve.ipc.messages import AbortReq, ErrorOut, Stats, TokenBatch, TokenizedReq, TokenOut
 from shardserve.ipc.sockets import Endpoints, push, recv, send
+from shardserve.platform import peak_rss_mb
 from shardserve.scheduler.engine_core import EngineCore, RequestLimits
 from shardserve.scheduler.process import token_out
 from shardserve.server.process_tree import ProcessTree, scheduler_children
@@ -25,6 +26,8 @@ class LocalBackend:
     def __init__(self, cfg: EngineConfig, decode, extra_eos: tuple[int, ...]):
         self.engine = EngineCore(cfg, decode=decode, extra_eos=extra_eos)
         self.limits = self.engine.limits
+        peak_mb = peak_rss_mb()
+        self.infos = {"scheduler-0": {"peak_load_rss_mb": round(peak_mb, 1)}}
 
     def add(self, rid: str, ids: list[int], params: SamplingParams) -> None:
         self.engine.add_request(rid, ids, params)
@@ -56,12 +59,13 @@ class ProcessBackend:
         self.timeout_s = cfg.dist_timeout
         try:
             self.tree.start()
-            info = self.tree.wait_ready(startup_timeout)["scheduler-0"]
+            self.infos = self.tree.wait_ready(startup_timeout)
         except BaseException:
             self.shutdown()
             raise
-        self.limits = RequestLimits(**info["limits"])
+        self.limits = RequestLimits(**self.infos["scheduler-0"]["limits"])
         self.last_stats: Stats | None = None
+        self.finished = 0
 
     def add(self, rid: str, ids: list[int], params: SamplingParams) -> None:
         send(self.to_scheduler, TokenizedReq(rid=rid, token_ids=ids, params=dataclasses.replace(params)))
@@ -75,15 +79,21 @@ class ProcessBackend:
             raise ValueError(msg.message)
         if isinstance(msg, Stats):
             self.last_stats = msg
-        return msg.items if isinstance(msg, TokenBatch) else []
+        if not isinstance(msg, TokenBatch):
+            return []
+        self.finished += sum(o.finished for o in msg.items)
+        return msg.items
 
-    def stats(self, wait_s: float = 2.0) -> Stats | None:
-        """rank 0's latest stats; waits briefly for the report it sends on falling idle."""
+    def stats(self, wait_s: float = 5.0) -> Stats | None:
+        """rank 0's stats as of every request this process has seen finish (the report sent on
+        falling idle can trail the last tokens, so wait for it)."""
         deadline = time.monotonic() + wait_s
-        while time.monotonic() < deadline and (self.last_stats is None or self.last_stats.running):
+        while self.last_stats is None or self.last_stats.finished < self.finished:
             msg = recv(self.inbox, timeout_ms=50)
             if isinstance(msg, Stats):
                 self.last_stats = msg
+            if time.monotonic() > deadline:
+                break
         return self.last_stats
 
     def abort(self, rid: str) -> None:

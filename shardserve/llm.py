@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
 from tqdm import tqdm
@@ -37,14 +37,15 @@ class _Sample:
 
 class LLM:
     """An engine driven from this process. Keyword arguments are EngineConfig fields (dtype,
-    page_size, ...); `tp_size=N` runs the model over N scheduler processes."""
+    page_size, ...); `tp_size=N` runs the model over N scheduler processes, and `isolated=True`
+    uses a scheduler process even for one rank (as the server does)."""
 
-    def __init__(self, model: str | None = None, tp_size: int = 1, **kwargs):
+    def __init__(self, model: str | None = None, tp_size: int = 1, isolated: bool = False, **kwargs):
         kwargs.setdefault("parallel", ParallelInfo(tp_size=tp_size))
         self.config = EngineConfig(model=model, **kwargs)
         self.tokenizer = load_tokenizer(resolve_checkpoint(model))
         tok = self.tokenizer
-        if self.config.parallel.tp_size > 1:
+        if self.config.parallel.tp_size > 1 or isolated:
             self._backend = ProcessBackend(self.config)
         else:
             extra_eos = (tok.eos_token_id,) if tok is not None and tok.eos_token_id is not None else ()
@@ -105,6 +106,23 @@ class LLM:
         text = self.tokenizer.apply_chat_template(conversation, add_generation_prompt=True, tokenize=False)
         return self.tokenizer.encode(text, add_special_tokens=False)
 
+    def stream(self, prompt: Prompt, params: SamplingParams) -> Iterator[TokenOut]:
+        """One request's progress step by step (new token ids, then the final item)."""
+        backend = self._live()
+        ids = self._encode(prompt)
+        backend.limits.check(ids, params)
+        sample = self._add(ids, dataclasses.replace(params, n=1), 0)
+        done = False
+        try:
+            while not done:
+                for o in backend.poll():
+                    if o.rid == sample.rid:
+                        done = o.finished
+                        yield o
+        finally:
+            if not done:
+                backend.abort(sample.rid)
+
     def _add(self, ids: list[int], sp: SamplingParams, index: int) -> _Sample:
         # n samples are n requests sharing the prompt (and, through the prefix cache, its KV).
         seed = None if sp.seed is None else sp.seed + index
@@ -144,6 +162,16 @@ class LLM:
                                           s.logprobs if s.params.logprobs is not None else None))
         return RequestOutput(samples[0].rid, prompt if isinstance(prompt, str) else None, ids, comps,
                              samples[0].out.cached_tokens)
+
+    @property
+    def limits(self):
+        """What a request must fit (vocabulary, context, KV pages)."""
+        return self._live().limits
+
+    @property
+    def worker_info(self) -> dict[str, dict]:
+        """Each scheduler rank's start-up report (e.g. peak_load_rss_mb), by process name."""
+        return self._live().infos
 
     def stats(self):
         """Engine counters: steps, KV pages, and (rank 0's) traffic on the TP and control groups."""

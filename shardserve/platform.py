@@ -32,3 +32,13 @@ def available_memory(device: torch.device) -> int:
             if line.startswith("MemAvailable:"):
                 return int(line.split()[1]) * 1024
     raise RuntimeError("cannot read MemAvailable from /proc/meminfo")
+
+
+def peak_rss_mb() -> float:
+    """This process's peak resident memory (VmHWM). Not ru_maxrss: Linux carries that across
+    exec, so a spawned worker would report its parent's peak."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024
+    return 0.0

@@ -52,19 +52,22 @@ def one_run(path: str, tp: int, args: argparse.Namespace, prompts: list[list[int
     from shardserve.llm import LLM
 
     params = SamplingParams(max_tokens=args.new_tokens, temperature=0, ignore_eos=True)
-    with LLM(path, tp_size=tp, dtype=args.dtype, page_size=args.page_size, kv_cache_memory=args.kv_cache_memory,
-             show_progress=False) as llm:
-        llm.generate(prompts[:1], SamplingParams(max_tokens=2), use_tqdm=False)  # warm-up, untimed
+    # isolated: every size runs in scheduler processes, so timings and memory compare fairly.
+    with LLM(path, tp_size=tp, isolated=True, dtype=args.dtype, page_size=args.page_size,
+             kv_cache_memory=args.kv_cache_memory, show_progress=False) as llm:
+        # Warm-up (untimed) on a prompt that shares no page with the workload.
+        llm.generate([[1] * args.page_size * 2], SamplingParams(max_tokens=2), use_tqdm=False)
         warm = llm.stats()
         start = time.perf_counter()
         outs = llm.generate(prompts, params, use_tqdm=False)
         seconds = time.perf_counter() - start
         stats = llm.stats()
-        pages = llm._live().limits.num_pages
+        pages = llm.limits.num_pages
+        rss = [llm.worker_info[f"scheduler-{r}"]["peak_load_rss_mb"] for r in range(tp)]
     tokens = [o.token_ids for o in outs]
     return {"mode": "tensor", "ranks": tp, "steps": stats.steps - warm.steps, "kv_pages_per_rank": pages,
             "seconds": round(seconds, 3), "traffic": _minus(stats.traffic, warm.traffic),
-            "control": _minus(stats.control, warm.control)}, tokens
+            "control": _minus(stats.control, warm.control), "peak_load_rss_mb": rss}, tokens
 
 
 def _minus(after: dict, before: dict) -> dict:

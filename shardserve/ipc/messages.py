@@ -113,6 +113,7 @@ class Stats(Msg):
     pages_total: int
     prefix_hit_rate: float
     steps: int = 0
+    finished: int = 0  # requests finished (or aborted) so far
     traffic: dict = {}  # rank 0's tensor-parallel group counts, by operation
     control: dict = {}  # rank 0's control group counts (message fan-out, token agreement)
 

@@ -80,7 +80,7 @@ class EngineCore:
         self.decode = decode
         self.eos_ids = tuple(sorted(set(self.model_cfg.eos_token_ids) | set(extra_eos) | self._generation_eos()))
         self.requests: dict[str, Request] = {}
-        self.num_steps = 0
+        self.num_steps = self.num_finished = 0
         self._seed_rng = torch.Generator().manual_seed(cfg.seed)
 
     def _generation_eos(self) -> set[int]:
@@ -118,6 +118,7 @@ class EngineCore:
         req = self.requests.pop(request_id, None)
         if req is None or req.finished:
             return False
+        self.num_finished += 1
         self.scheduler.finish(req, "abort")
         return True
 
@@ -143,6 +144,7 @@ class EngineCore:
                 req.logprobs.append(lp)
             reason = self._finish_reason(req, tok)
             if reason:
+                self.num_finished += 1
                 self.scheduler.finish(req, reason)
                 self.requests.pop(req.request_id, None)
             outputs.append(StepOutput(req, [tok], reason is not None))
@@ -176,10 +178,13 @@ class EngineCore:
         s = self.running_status()
         return Stats(running=s["running"], waiting=s["waiting"], pages_used=s["pages_used"],
                      pages_total=s["pages_total"], prefix_hit_rate=self.allocator.hit_rate, steps=self.num_steps,
+                     finished=self.num_finished,
                      traffic=self.runner.comm.traffic_report(), control=self.control.traffic_report())
 
     def running_status(self) -> dict[str, int]:
         return {
+            "steps": self.num_steps,
+            "finished": self.num_finished,
             "running": len(self.scheduler.running),
             "waiting": len(self.scheduler.waiting),
             "pages_used": self.allocator.num_used,

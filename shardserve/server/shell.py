@@ -8,33 +8,32 @@ import sys
 
 from shardserve.core import SamplingParams
 from shardserve.llm import LLM
-from shardserve.scheduler.process import token_out
 from shardserve.server.args import engine_config
 from shardserve.tokenizer.detokenizer import Detokenizer
 
 HELP = "Type a message. /reset clears the conversation, /exit (or Ctrl-D) leaves."
 
 
-def stream_reply(llm: LLM, conversation: list[dict], params: SamplingParams, rid: str):
+def stream_reply(llm: LLM, conversation: list[dict], params: SamplingParams):
     """Yield the assistant's reply piece by piece."""
     detok = Detokenizer(llm.tokenizer)
-    llm.engine.add_request(rid, llm.render_chat(conversation), params)
-    done = False
-    while not done:
-        for out in llm.engine.step():
-            if out.request.request_id == rid:
-                msg = detok.feed(token_out(out))
-                done = msg.finished
-                yield msg.text
+    for out in llm.stream(llm.render_chat(conversation), params):
+        yield detok.feed(out).text
 
 
 def chat(args: argparse.Namespace) -> int:
     cfg = engine_config(args)
     llm = LLM(**{f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg)})
+    try:
+        return _loop(llm, args)
+    finally:
+        llm.shutdown()
+
+
+def _loop(llm: LLM, args: argparse.Namespace) -> int:
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature)
     conversation: list[dict] = []
     print(HELP, flush=True)
-    turn = 0
     while True:
         try:
             line = input("> ").strip()
@@ -50,10 +49,9 @@ def chat(args: argparse.Namespace) -> int:
         if not line:
             continue
         conversation.append({"role": "user", "content": line})
-        turn += 1
         reply = ""
         try:
-            for piece in stream_reply(llm, conversation, params, f"chat-{turn}"):
+            for piece in stream_reply(llm, conversation, params):
                 reply += piece
                 sys.stdout.write(piece)
                 sys.stdout.flush()
