@@ -80,6 +80,12 @@ def build_metadata(
     return AttentionMetadata(slots, len(decodes), dec_slots, dec_mask, chunks)
 
 
+def _gather(cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    """cache rows at `slots` (any shape). index_select on a flat index is ~5x faster on CPU than
+    advanced indexing with a 2-D index."""
+    return cache.index_select(0, slots.reshape(-1)).view(*slots.shape, *cache.shape[1:])
+
+
 class TorchAttention:
     """Stateless backend; `kv_of_q` is set when query groups are uneven (see HeadShard)."""
 
@@ -101,8 +107,8 @@ class TorchAttention:
         out = torch.empty_like(q)
         if meta.num_decode:
             n = meta.num_decode
-            kk = k_cache[meta.decode_slots].transpose(1, 2)  # [D, Hkv, L, d]
-            vv = v_cache[meta.decode_slots].transpose(1, 2)
+            kk = _gather(k_cache, meta.decode_slots).transpose(1, 2)  # [D, Hkv, L, d]
+            vv = _gather(v_cache, meta.decode_slots).transpose(1, 2)
             kk, vv, gqa = self._expand(kk, vv)
             o = F.scaled_dot_product_attention(
                 q[:n].unsqueeze(2), kk, vv, attn_mask=meta.decode_mask, scale=self.scale, enable_gqa=gqa
@@ -114,7 +120,7 @@ class TorchAttention:
                 kk = k[c.start : c.start + c.q_len].transpose(0, 1)
                 vv = v[c.start : c.start + c.q_len].transpose(0, 1)
             else:
-                kk, vv = k_cache[c.kv_slots].transpose(0, 1), v_cache[c.kv_slots].transpose(0, 1)
+                kk, vv = _gather(k_cache, c.kv_slots).transpose(0, 1), _gather(v_cache, c.kv_slots).transpose(0, 1)
             kk, vv, gqa = self._expand(kk, vv)
             o = F.scaled_dot_product_attention(
                 qq, kk, vv, attn_mask=c.mask, is_causal=c.mask is None, scale=self.scale, enable_gqa=gqa

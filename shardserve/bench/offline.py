@@ -1,0 +1,211 @@
+"""`shardserve bench offline`: throughput and time to first token on a fixed random workload.
+
+Our engine is driven step by step (`EngineCore.add_request` / `step`) so each request's first
+token can be timestamped. With `--compare transformers` the same requests also go through
+transformers' batched `generate` (static batches, left padding), which streams nothing: its
+"TTFT" is the time until the request's batch completes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+from dataclasses import dataclass
+
+import torch
+
+from shardserve.config import DTYPES
+from shardserve.core import SamplingParams
+from shardserve.llm import LLM
+from shardserve.loader.model_path import resolve_checkpoint
+from shardserve.server.args import engine_config
+
+BATCH1_PROMPT = 32
+NUM_CHECKED = 4  # requests whose greedy tokens are compared with transformers'
+
+
+@dataclass
+class Workload:
+    """The requests: token-id prompts and the number of tokens each must generate."""
+
+    prompts: list[list[int]]
+    output_lens: list[int]
+
+
+def make_workload(args: argparse.Namespace, vocab: int) -> Workload:
+    """Seeded random prompts drawn from [min(100, vocab // 2), vocab), avoiding special ids."""
+    if args.min_prompt > args.max_prompt or args.min_output > args.max_output:
+        raise SystemExit("shardserve bench offline: --min-* must not exceed --max-*")
+    g = torch.Generator().manual_seed(args.workload_seed)
+    low = min(100, vocab // 2)
+    n = args.num_requests
+    plens = torch.randint(args.min_prompt, args.max_prompt + 1, (n,), generator=g).tolist()
+    olens = torch.randint(args.min_output, args.max_output + 1, (n,), generator=g).tolist()
+    prompts = [torch.randint(low, vocab, (p,), generator=g).tolist() for p in plens]
+    return Workload(prompts, olens)
+
+
+def summarize(wall: float, ttfts: list[float], prompt_tokens: int, output_tokens: int) -> dict[str, float]:
+    """Throughputs over wall time and TTFT statistics (seconds) across requests."""
+    q = statistics.quantiles(ttfts, n=10, method="inclusive") if len(ttfts) > 1 else ttfts * 9
+    return {
+        "wall_s": wall, "prompt_tokens": prompt_tokens, "output_tokens": output_tokens,
+        "output_tps": output_tokens / wall, "total_tps": (prompt_tokens + output_tokens) / wall,
+        "ttft_mean_s": statistics.fmean(ttfts), "ttft_p50_s": statistics.median(ttfts), "ttft_p90_s": q[8],
+    }
+
+
+def run_ours(llm: LLM, wl: Workload) -> tuple[dict[str, float], list[list[int]]]:
+    """Run every request through our engine at once; timestamp each request's first token."""
+    engine = llm.engine
+    start = time.perf_counter()
+    reqs = [engine.add_request(f"bench-{i}", p, SamplingParams(max_tokens=n, temperature=0, ignore_eos=True))
+            for i, (p, n) in enumerate(zip(wl.prompts, wl.output_lens, strict=True))]
+    first: dict[str, float] = {}
+    while engine.has_unfinished():
+        for out in engine.step():
+            first.setdefault(out.request.request_id, time.perf_counter() - start)
+    wall = time.perf_counter() - start
+    outputs = [r.output_token_ids for r in reqs]
+    stats = summarize(wall, [first[r.request_id] for r in reqs], sum(map(len, wl.prompts)),
+                      sum(map(len, outputs)))
+    return stats, outputs
+
+
+def load_transformers(args: argparse.Namespace, device: torch.device) -> torch.nn.Module:
+    """The same checkpoint in transformers, in the same dtype, on the same device."""
+    from transformers import AutoModelForCausalLM
+
+    ckpt = resolve_checkpoint(args.model)
+    kw = {"gguf_file": os.path.basename(ckpt.path)} if ckpt.is_gguf else {}
+    where = os.path.dirname(ckpt.path) if ckpt.is_gguf else ckpt.path
+    model = AutoModelForCausalLM.from_pretrained(where, dtype=DTYPES[args.dtype], **kw)
+    return model.to(device).eval()
+
+
+def hf_generate(model: torch.nn.Module, prompts: list[list[int]], new_tokens: int) -> list[list[int]]:
+    """Greedy batched generate with left padding; exactly `new_tokens` tokens per row."""
+    width = max(map(len, prompts))
+    ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts], device=model.device)
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=model.device)
+    with torch.no_grad():
+        out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new_tokens,
+                             min_new_tokens=new_tokens, do_sample=False, pad_token_id=0)
+    return out[:, width:].tolist()
+
+
+def run_transformers(model: torch.nn.Module, wl: Workload, batch_size: int) -> tuple[dict[str, float],
+                                                                                     list[list[int]]]:
+    """Static batches in request order; tokens past each request's own length are discarded."""
+    start = time.perf_counter()
+    outputs: list[list[int]] = []
+    ttfts: list[float] = []
+    for b in range(0, len(wl.prompts), batch_size):
+        lens = wl.output_lens[b:b + batch_size]
+        rows = hf_generate(model, wl.prompts[b:b + batch_size], max(lens))
+        outputs += [row[:n] for row, n in zip(rows, lens, strict=True)]
+        ttfts += [time.perf_counter() - start] * len(lens)
+    wall = time.perf_counter() - start
+    stats = summarize(wall, ttfts, sum(map(len, wl.prompts)), sum(map(len, outputs)))
+    return stats, outputs
+
+
+def batch1_ours(llm: LLM, prompt: list[int], k: int) -> float:
+    """Decode tokens/s of one request alone, excluding its first token (the prefill)."""
+    engine = llm.engine
+    req = engine.add_request("bench-batch1", prompt, SamplingParams(max_tokens=k, temperature=0, ignore_eos=True))
+    t1 = 0.0
+    while engine.has_unfinished():
+        engine.step()
+        if not t1 and req.output_token_ids:
+            t1 = time.perf_counter()
+    return (k - 1) / (time.perf_counter() - t1)
+
+
+def batch1_transformers(model: torch.nn.Module, prompt: list[int], k: int) -> float:
+    """Decode tokens/s at batch 1: (time for k tokens - time for 1 token) over k - 1 tokens."""
+    t0 = time.perf_counter()
+    hf_generate(model, [prompt], 1)
+    one = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    hf_generate(model, [prompt], k)
+    return (k - 1) / (time.perf_counter() - t0 - one)
+
+
+def greedy_match(ours: list[list[int]], theirs: list[list[int]]) -> dict[str, int]:
+    """How many of the first NUM_CHECKED requests produced identical tokens in both engines."""
+    pairs = list(zip(ours, theirs, strict=True))[:NUM_CHECKED]
+    return {"equal": sum(a == b for a, b in pairs), "compared": len(pairs)}
+
+
+def print_table(ours: dict, theirs: dict | None) -> None:
+    """Print both engines' numbers side by side."""
+    rows = [("output tokens/s", "output_tps"), ("total tokens/s", "total_tps"), ("TTFT mean (s)*", "ttft_mean_s"),
+            ("TTFT p50 (s)*", "ttft_p50_s"), ("TTFT p90 (s)*", "ttft_p90_s"), ("wall time (s)", "wall_s"),
+            ("output tokens", "output_tokens"), ("prompt tokens", "prompt_tokens")]
+    print(f"{'':<18}{'shardserve':>14}" + (f"{'transformers':>14}" if theirs else ""))
+    for label, key in rows:
+        fmt = "{:>14d}" if key.endswith("tokens") else "{:>14.3f}"
+        print(f"{label:<18}" + fmt.format(ours[key]) + (fmt.format(theirs[key]) if theirs else ""))
+    print("* TTFT: time from the start of the run to the request's first token"
+          + ("; transformers streams nothing, so its TTFT is the time until the request's batch completes"
+             if theirs else ""))
+
+
+def run_batch1(args: argparse.Namespace, llm: LLM, hf: torch.nn.Module | None, low: int) -> dict:
+    """Batch-1 decode tokens/s for us and (if compared) transformers, plus their ratio."""
+    g = torch.Generator().manual_seed(args.workload_seed + 1)
+    prompt = torch.randint(low, llm.engine.vocab_size, (BATCH1_PROMPT,), generator=g).tolist()
+    k = args.batch1_tokens
+    res: dict = {"tokens": k, "prompt_tokens": BATCH1_PROMPT, "ours_decode_tps": batch1_ours(llm, prompt, k)}
+    print(f"batch-1 decode tokens/s ({k} tokens after a {BATCH1_PROMPT}-token prompt, first token excluded):")
+    print(f"  shardserve    {res['ours_decode_tps']:.2f}")
+    if hf is not None:
+        res["transformers_decode_tps"] = batch1_transformers(hf, prompt, k)
+        res["ratio"] = res["ours_decode_tps"] / res["transformers_decode_tps"]
+        print(f"  transformers  {res['transformers_decode_tps']:.2f}")
+        print(f"  ratio ours/transformers  {res['ratio']:.2f}x")
+    return res
+
+
+def warm_up(llm: LLM, hf: torch.nn.Module | None, low: int) -> None:
+    """One short generation in each engine, so one-time setup costs stay out of the timings."""
+    prompt = list(range(low, low + 8))
+    llm.generate([prompt], SamplingParams(max_tokens=2, temperature=0, ignore_eos=True), use_tqdm=False)
+    if hf is not None:
+        hf_generate(hf, [prompt], 2)
+
+
+def run_offline(args: argparse.Namespace) -> int:
+    """Run the benchmark, print a table and one final JSON line with every number."""
+    if args.batch1_tokens == 1 or args.batch1_tokens < 0:
+        raise SystemExit("shardserve bench offline: --batch1-tokens must be 0 (skip) or >= 2")
+    cfg = engine_config(args)
+    llm = LLM(**vars(cfg))
+    vocab = llm.engine.vocab_size
+    low = min(100, vocab // 2)
+    wl = make_workload(args, vocab)
+    hf = load_transformers(args, llm.engine.runner.device) if args.compare else None
+    warm_up(llm, hf, low)
+    result: dict = {"ours": None, "transformers": None, "ratio_output_tps": None, "batch1": None,
+                    "torch_threads": torch.get_num_threads()}
+    result["ours"], ours_tokens = run_ours(llm, wl)
+    if hf is not None:
+        result["transformers"], hf_tokens = run_transformers(hf, wl, args.hf_batch_size)
+        result["ratio_output_tps"] = result["ours"]["output_tps"] / result["transformers"]["output_tps"]
+        result["greedy_match"] = greedy_match(ours_tokens, hf_tokens)
+    print(f"workload: {len(wl.prompts)} requests, prompts {args.min_prompt}-{args.max_prompt} tokens, "
+          f"outputs {args.min_output}-{args.max_output} tokens, ignore_eos, greedy, dtype {args.dtype}, "
+          f"{result['torch_threads']} torch threads")
+    print_table(result["ours"], result["transformers"])
+    if hf is not None:
+        m = result["greedy_match"]
+        print(f"output tokens/s ratio ours/transformers: {result['ratio_output_tps']:.2f}x")
+        print(f"greedy tokens equal to transformers' (first {NUM_CHECKED} requests): {m['equal']}/{m['compared']}")
+    if args.batch1_tokens:
+        result["batch1"] = run_batch1(args, llm, hf, low)
+    print(json.dumps(result))
+    return 0
