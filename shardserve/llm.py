@@ -106,6 +106,18 @@ class LLM:
         text = self.tokenizer.apply_chat_template(conversation, add_generation_prompt=True, tokenize=False)
         return self.tokenizer.encode(text, add_special_tokens=False)
 
+    def add_request(self, prompt: Prompt, params: SamplingParams) -> str:
+        """Queue one request (n must be 1) without waiting; returns its id. Drive with `step`."""
+        if params.n != 1:
+            raise ValueError("add_request takes n=1; use generate for n > 1")
+        ids = self._encode(prompt)
+        self._live().limits.check(ids, params)
+        return self._add(ids, params, 0).rid
+
+    def step(self) -> list[TokenOut]:
+        """Progress of every request added with `add_request`: new token ids, finish reasons."""
+        return self._live().poll()
+
     def stream(self, prompt: Prompt, params: SamplingParams) -> Iterator[TokenOut]:
         """One request's progress step by step (new token ids, then the final item)."""
         backend = self._live()

@@ -1,8 +1,9 @@
 """Attention over the paged KV cache with torch's scaled_dot_product_attention (CPU and CUDA).
 
 The batch is flat: the first `num_decode` tokens are one-token decodes, the rest are prefill
-chunks laid end to end. Decodes run as one padded SDPA call; each prefill chunk runs as its own
-call (padding a 512-token chunk beside 63 decodes would waste 63x the work). A chunk with no
+chunks laid end to end. Decodes are grouped by context length and each group runs as one padded
+SDPA call (so a 30-token context is not padded to 500); each prefill chunk runs as its own call
+(padding a 512-token chunk beside 63 decodes would waste 63x the work). A chunk with no
 earlier context attends to its own fresh K/V; one with context (a later chunk, or a prefix-cache
 hit) gathers its pages from the cache. Everything that does not depend on the layer is built
 once per step in `AttentionMetadata`.
@@ -28,12 +29,55 @@ class PrefillChunk:
 
 
 @dataclass
+class DecodeGroup:
+    """Decodes of similar context length: batch rows `rows`, their padded cache slots [g, L] and
+    a mask [g, 1, 1, L] (None when every context in the group has length L)."""
+
+    rows: torch.Tensor
+    slots: torch.Tensor
+    mask: torch.Tensor | None
+
+
+@dataclass
 class AttentionMetadata:
     slot_mapping: torch.Tensor  # [T] cache slot of every new token
     num_decode: int
-    decode_slots: torch.Tensor | None  # [D, L] cache slots, padded
-    decode_mask: torch.Tensor | None  # [D, 1, 1, L] bool
+    decode_groups: list[DecodeGroup]
     prefills: list[PrefillChunk]
+
+
+# A decode joins the current group while its context is at least this fraction of the group's
+# longest: padding waste stays under 1 - GROUP_RATIO, at a few extra SDPA calls per layer.
+GROUP_RATIO = 0.6
+
+
+def _decode_groups(decodes: list[tuple[list[int], int]], page_size: int,
+                   device: torch.device) -> tuple[list[DecodeGroup], torch.Tensor]:
+    """The groups, and each decode's new-token slot in batch order."""
+    lens = torch.tensor([n for _, n in decodes])
+    order = sorted(range(len(decodes)), key=lambda i: -decodes[i][1])
+    groups, new_slots = [], torch.empty(len(decodes), dtype=torch.long)
+    start = 0
+    while start < len(order):
+        width = decodes[order[start]][1]
+        end = start
+        while end < len(order) and decodes[order[end]][1] >= GROUP_RATIO * width:
+            end += 1
+        rows = torch.tensor(order[start:end])
+        table = torch.zeros(len(rows), -(-width // page_size), dtype=torch.long)
+        for j, i in enumerate(order[start:end]):
+            table[j, : len(decodes[i][0])] = torch.tensor(decodes[i][0])
+        g_lens = lens[rows]
+        pos = torch.arange(width)
+        # Padding reads the sequence's last real slot, never an unwritten one: the mask hides it,
+        # but 0 * NaN from uninitialised cache memory would still poison the output.
+        real = torch.minimum(pos[None, :], g_lens[:, None] - 1)
+        slots = table.gather(1, real // page_size) * page_size + real % page_size
+        new_slots[rows] = slots.gather(1, (g_lens - 1)[:, None]).squeeze(1)
+        mask = None if bool((g_lens == width).all()) else (pos[None, :] < g_lens[:, None]).view(len(rows), 1, 1, width)
+        groups.append(DecodeGroup(rows.to(device), slots.to(device), None if mask is None else mask.to(device)))
+        start = end
+    return groups, new_slots
 
 
 def _slots(pages: torch.Tensor, length: int, page_size: int) -> torch.Tensor:
@@ -50,21 +94,10 @@ def build_metadata(
     """decodes: (pages, context length including the new token), in batch order;
     prefills: (pages, chunk length, context length through the chunk's last token)."""
     slot_parts: list[torch.Tensor] = []
-    dec_slots = dec_mask = None
+    groups: list[DecodeGroup] = []
     if decodes:
-        width = max(n for _, n in decodes)
-        table = torch.zeros(len(decodes), -(-width // page_size), dtype=torch.long)
-        for i, (pages, _) in enumerate(decodes):
-            table[i, : len(pages)] = torch.tensor(pages)
-        lens = torch.tensor([n for _, n in decodes])
-        pos = torch.arange(width)
-        # Padding reads the sequence's last real slot, never an unwritten one: the mask hides it,
-        # but 0 * NaN from uninitialised cache memory would still poison the output.
-        real = torch.minimum(pos[None, :], lens[:, None] - 1)
-        dec_slots = table.gather(1, real // page_size) * page_size + real % page_size
-        dec_mask = (pos[None, :] < lens[:, None]).view(len(decodes), 1, 1, width)
-        slot_parts.append(dec_slots.gather(1, (lens - 1)[:, None]).squeeze(1))
-        dec_slots, dec_mask = dec_slots.to(device), dec_mask.to(device)
+        groups, new_slots = _decode_groups(decodes, page_size, device)
+        slot_parts.append(new_slots)
     chunks, start = [], len(decodes)
     for pages, q_len, kv_len in prefills:
         ctx = _slots(torch.tensor(pages, dtype=torch.long), kv_len, page_size)
@@ -77,7 +110,7 @@ def build_metadata(
             chunks.append(PrefillChunk(start, q_len, kv_len, ctx.to(device), mask.to(device)))
         start += q_len
     slots = torch.cat(slot_parts).to(device)
-    return AttentionMetadata(slots, len(decodes), dec_slots, dec_mask, chunks)
+    return AttentionMetadata(slots, len(decodes), groups, chunks)
 
 
 def _gather(cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
@@ -105,15 +138,14 @@ class TorchAttention:
         k_cache.index_copy_(0, meta.slot_mapping, k)
         v_cache.index_copy_(0, meta.slot_mapping, v)
         out = torch.empty_like(q)
-        if meta.num_decode:
-            n = meta.num_decode
-            kk = _gather(k_cache, meta.decode_slots).transpose(1, 2)  # [D, Hkv, L, d]
-            vv = _gather(v_cache, meta.decode_slots).transpose(1, 2)
+        for g in meta.decode_groups:
+            kk = _gather(k_cache, g.slots).transpose(1, 2)  # [g, Hkv, L, d]
+            vv = _gather(v_cache, g.slots).transpose(1, 2)
             kk, vv, gqa = self._expand(kk, vv)
             o = F.scaled_dot_product_attention(
-                q[:n].unsqueeze(2), kk, vv, attn_mask=meta.decode_mask, scale=self.scale, enable_gqa=gqa
+                q.index_select(0, g.rows).unsqueeze(2), kk, vv, attn_mask=g.mask, scale=self.scale, enable_gqa=gqa
             )
-            out[:n] = o.squeeze(2)
+            out.index_copy_(0, g.rows, o.squeeze(2))
         for c in meta.prefills:
             qq = q[c.start : c.start + c.q_len].transpose(0, 1)
             if c.kv_slots is None:

@@ -21,6 +21,7 @@ from shardserve.config import DTYPES
 from shardserve.core import SamplingParams
 from shardserve.llm import LLM
 from shardserve.loader.model_path import resolve_checkpoint
+from shardserve.platform import pick_device
 from shardserve.server.args import engine_config
 
 BATCH1_PROMPT = 32
@@ -60,18 +61,21 @@ def summarize(wall: float, ttfts: list[float], prompt_tokens: int, output_tokens
 
 def run_ours(llm: LLM, wl: Workload) -> tuple[dict[str, float], list[list[int]]]:
     """Run every request through our engine at once; timestamp each request's first token."""
-    engine = llm.engine
     start = time.perf_counter()
-    reqs = [engine.add_request(f"bench-{i}", p, SamplingParams(max_tokens=n, temperature=0, ignore_eos=True))
-            for i, (p, n) in enumerate(zip(wl.prompts, wl.output_lens, strict=True))]
+    rids = [llm.add_request(p, SamplingParams(max_tokens=n, temperature=0, ignore_eos=True))
+            for p, n in zip(wl.prompts, wl.output_lens, strict=True)]
     first: dict[str, float] = {}
-    while engine.has_unfinished():
-        for out in engine.step():
-            first.setdefault(out.request.request_id, time.perf_counter() - start)
+    tokens: dict[str, list[int]] = {r: [] for r in rids}
+    left = set(rids)
+    while left:
+        for out in llm.step():
+            first.setdefault(out.rid, time.perf_counter() - start)
+            tokens[out.rid].extend(out.new_ids)
+            if out.finished:
+                left.discard(out.rid)
     wall = time.perf_counter() - start
-    outputs = [r.output_token_ids for r in reqs]
-    stats = summarize(wall, [first[r.request_id] for r in reqs], sum(map(len, wl.prompts)),
-                      sum(map(len, outputs)))
+    outputs = [tokens[r] for r in rids]
+    stats = summarize(wall, [first[r] for r in rids], sum(map(len, wl.prompts)), sum(map(len, outputs)))
     return stats, outputs
 
 
@@ -115,12 +119,9 @@ def run_transformers(model: torch.nn.Module, wl: Workload, batch_size: int) -> t
 
 def batch1_ours(llm: LLM, prompt: list[int], k: int) -> float:
     """Decode tokens/s of one request alone, excluding its first token (the prefill)."""
-    engine = llm.engine
-    req = engine.add_request("bench-batch1", prompt, SamplingParams(max_tokens=k, temperature=0, ignore_eos=True))
     t1 = 0.0
-    while engine.has_unfinished():
-        engine.step()
-        if not t1 and req.output_token_ids:
+    for out in llm.stream(prompt, SamplingParams(max_tokens=k, temperature=0, ignore_eos=True)):
+        if not t1 and out.new_ids:
             t1 = time.perf_counter()
     return (k - 1) / (time.perf_counter() - t1)
 
@@ -158,7 +159,7 @@ def print_table(ours: dict, theirs: dict | None) -> None:
 def run_batch1(args: argparse.Namespace, llm: LLM, hf: torch.nn.Module | None, low: int) -> dict:
     """Batch-1 decode tokens/s for us and (if compared) transformers, plus their ratio."""
     g = torch.Generator().manual_seed(args.workload_seed + 1)
-    prompt = torch.randint(low, llm.engine.vocab_size, (BATCH1_PROMPT,), generator=g).tolist()
+    prompt = torch.randint(low, llm.limits.vocab_size, (BATCH1_PROMPT,), generator=g).tolist()
     k = args.batch1_tokens
     res: dict = {"tokens": k, "prompt_tokens": BATCH1_PROMPT, "ours_decode_tps": batch1_ours(llm, prompt, k)}
     print(f"batch-1 decode tokens/s ({k} tokens after a {BATCH1_PROMPT}-token prompt, first token excluded):")
@@ -185,10 +186,10 @@ def run_offline(args: argparse.Namespace) -> int:
         raise SystemExit("shardserve bench offline: --batch1-tokens must be 0 (skip) or >= 2")
     cfg = engine_config(args)
     llm = LLM(**vars(cfg))
-    vocab = llm.engine.vocab_size
+    vocab = llm.limits.vocab_size
     low = min(100, vocab // 2)
     wl = make_workload(args, vocab)
-    hf = load_transformers(args, llm.engine.runner.device) if args.compare else None
+    hf = load_transformers(args, pick_device(args.device)) if args.compare else None
     warm_up(llm, hf, low)
     result: dict = {"ours": None, "transformers": None, "ratio_output_tps": None, "batch1": None,
                     "torch_threads": torch.get_num_threads()}
