@@ -13,7 +13,7 @@ from shardserve.config import ModelConfig
 from shardserve.distributed.communicator import Communicator
 from shardserve.layers.linear import RowParallelLinear, qkv_linear
 from shardserve.layers.norm import RMSNorm
-from shardserve.layers.rotary import RotaryEmbedding
+from shardserve.layers.rotary import apply_rotary
 from shardserve.layers.sharding import head_shard
 
 
@@ -23,15 +23,16 @@ class ForwardContext:
 
     kv_caches: list[tuple[torch.Tensor, torch.Tensor]]  # per layer: ([slots, Hkv, d], same)
     attn: AttentionMetadata
+    rope: tuple[torch.Tensor, torch.Tensor] | None = None  # cos, sin of this step's positions
 
 
 class SelfAttention(nn.Module):
     """Llama-family attention. `qk_norm` adds Qwen3's per-head RMSNorm on q and k before RoPE."""
 
-    def __init__(self, cfg: ModelConfig, layer_idx: int, comm: Communicator, rotary: RotaryEmbedding,
-                 dtype, device, qk_norm: bool = False):
+    def __init__(self, cfg: ModelConfig, layer_idx: int, comm: Communicator, dtype, device,
+                 qk_norm: bool = False):
         super().__init__()
-        self.layer_idx, self.rotary = layer_idx, rotary
+        self.layer_idx = layer_idx
         shard = head_shard(cfg.num_heads, cfg.num_kv_heads, comm.size, comm.rank)
         self.hq, self.hkv, self.d = shard.num_q, shard.num_kv, cfg.head_dim
         self.qkv_proj = qkv_linear(cfg.hidden_size, self.d, shard, cfg.attention_bias, dtype, device)
@@ -49,7 +50,7 @@ class SelfAttention(nn.Module):
         q, k, v = q.view(t, self.hq, self.d), k.view(t, self.hkv, self.d), v.view(t, self.hkv, self.d)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary(positions, q, k)
+        q, k = apply_rotary(q, k, *ctx.rope)
         k_cache, v_cache = ctx.kv_caches[self.layer_idx]
         o = self.backend.forward(q, k, v, k_cache, v_cache, ctx.attn)
         return self.o_proj(o.reshape(t, self.hq * self.d))

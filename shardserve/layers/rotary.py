@@ -37,13 +37,16 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos", freqs.cos().to(device), persistent=False)
         self.register_buffer("sin", freqs.sin().to(device), persistent=False)
 
-    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
-        cos = self.cos[positions].unsqueeze(1)
-        sin = self.sin[positions].unsqueeze(1)
-        return _rotate(q, cos, sin), _rotate(k, cos, sin)
+    def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """[tokens, 1, dim/2] tables for this step's positions, looked up once for all layers."""
+        return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
 
 
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+def apply_rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+    """Rotate q [T, Hq, d] and k [T, Hk, d] together (one pass over both), in float32."""
+    hq = q.shape[1]
+    x = torch.cat((q, k), dim=1)
     dtype = x.dtype
     x1, x2 = x.float().chunk(2, dim=-1)
-    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(dtype)
+    out = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(dtype)
+    return out[:, :hq], out[:, hq:]

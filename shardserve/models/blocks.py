@@ -56,7 +56,7 @@ class CausalLM(nn.Module):
                                       cfg.rope_scaling, device)
         self.layers = nn.ModuleList(
             DecoderLayer(
-                SelfAttention(cfg, i, comm, self.rotary, dtype, device, qk_norm=self.qk_norm),
+                SelfAttention(cfg, i, comm, dtype, device, qk_norm=self.qk_norm),
                 self.make_mlp(cfg, i, comm, dtype, device),
                 cfg, dtype, device,
             )
@@ -71,6 +71,7 @@ class CausalLM(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         x = self.embed_tokens(input_ids)
+        ctx.rope = self.rotary.cos_sin(positions)
         for layer in self.layers:
             x = layer(positions, x, ctx)
         return self.norm(x)
