@@ -30,28 +30,7 @@ def copy_into(dst: torch.Tensor, src: torch.Tensor, what: str) -> None:
     dst.copy_(src)
 
 
-class _Linear(nn.Module):
-    """y = x W^T + b. On CPU the weight is re-laid [in, out] after loading: MKL streams a
-    pre-transposed matrix about twice as fast when few rows are multiplied (decode), and no
-    slower for many. `weight` keeps the checkpoint layout until then, for the loader hooks."""
-
-    weight: nn.Parameter
-    bias: nn.Parameter | None
-    weight_t: torch.Tensor | None = None
-
-    def process_after_loading(self) -> None:
-        if self.weight.device.type == "cpu":
-            self.weight_t = self.weight.detach().t().contiguous()
-            self.weight.data = self.weight.data.new_empty(0)  # one copy of the weight, not two
-
-    def _mm(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        if self.weight_t is None:
-            return F.linear(x, self.weight, bias)
-        y = x @ self.weight_t
-        return y if bias is None else y + bias
-
-
-class ReplicatedLinear(_Linear):
+class ReplicatedLinear(nn.Module):
     """Every rank holds the whole weight (small layers such as the MoE router)."""
 
     def __init__(self, in_f: int, out_f: int, bias: bool, dtype: torch.dtype, device: torch.device):
@@ -63,10 +42,10 @@ class ReplicatedLinear(_Linear):
         copy_into(param.data, src.read(), src.name)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self._mm(x, self.bias)
+        return F.linear(x, self.weight, self.bias)
 
 
-class ColumnParallelLinear(_Linear):
+class ColumnParallelLinear(nn.Module):
     """Output features split across ranks; each rank returns its slice of the output.
 
     `pieces` lists the fused sub-matrices as (shard_id, global_rows, (start, end) of this rank):
@@ -90,7 +69,7 @@ class ColumnParallelLinear(_Linear):
         copy_into(param.data.narrow(0, local, end - start), src.read(0, start, end), src.name)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self._mm(x, self.bias)
+        return F.linear(x, self.weight, self.bias)
 
 
 def column_linear(in_f: int, out_f: int, bias: bool, comm: Communicator, dtype, device) -> ColumnParallelLinear:
@@ -114,7 +93,7 @@ def qkv_linear(hidden: int, head_dim: int, shard: HeadShard, bias: bool, dtype, 
     return ColumnParallelLinear(hidden, pieces, bias, dtype, device)
 
 
-class RowParallelLinear(_Linear):
+class RowParallelLinear(nn.Module):
     """Input features split across ranks; partial outputs are summed by one all-reduce.
 
     The bias is added once, after the reduction. `reduce=False` leaves the partial sum to the
@@ -139,7 +118,7 @@ class RowParallelLinear(_Linear):
         copy_into(param.data, src.read(), src.name)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self._mm(x, None)
+        y = F.linear(x, self.weight)
         if self.reduce:
             y = self.comm.all_reduce(y)
         if self.bias is not None:
