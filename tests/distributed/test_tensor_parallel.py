@@ -55,7 +55,7 @@ def test_tp_matches_transformers_and_tp1(reference, arch, tp):
     assert sampled == seeded
 
 
-@pytest.mark.parametrize("tp", [2, 3])
+@pytest.mark.parametrize("tp", [2, 3, 4])
 def test_smollm2_tp_answers_paris_with_tp1_tokens(smollm2_path, tp):
     question = [{"role": "user", "content": "What is the capital of France?"}]
     greedy = SamplingParams(max_tokens=16, temperature=0)

@@ -12,11 +12,31 @@ import time
 
 import httpx
 import openai
+import pytest
 import torch
 from transformers import AutoTokenizer
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "e2e"))
 from server_util import Server  # noqa: E402
+
+
+@pytest.mark.parametrize("arch,tp", [("llama", 4), ("qwen3", 2), ("qwen2_moe", 3)])
+def test_tp_server_matches_transformers(tiny_model, tmp_path, arch, tp):
+    path, model = tiny_model(arch)
+    server = Server("--model", path, "--tp-size", str(tp), "--num-pages", "64", "--page-size", "8",
+                    log_path=str(tmp_path / "log"))
+    try:
+        client = openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0)
+        tok = AutoTokenizer.from_pretrained(path)
+        prompt = "The capital of France is"
+        r = client.completions.create(model=None, prompt=prompt, max_tokens=12, temperature=0)
+        ids = tok.encode(prompt)
+        with torch.no_grad():
+            ref = model.generate(torch.tensor([ids]), max_new_tokens=12, min_new_tokens=12, do_sample=False)
+        assert r.choices[0].text == tok.decode(ref[0, len(ids):].tolist())
+    finally:
+        code, left = server.stop()
+    assert code == 0 and left == []
 
 
 def test_tp3_server_matches_transformers_and_dies_whole(tiny_model, tmp_path):
