@@ -16,7 +16,7 @@ from shardserve.config import EngineConfig
 from shardserve.core import SamplingParams
 from shardserve.ipc.messages import AbortReq, ErrorOut, Stats, TokenBatch, TokenizedReq, TokenOut
 from shardserve.ipc.sockets import Endpoints, push, recv, send
-from shardserve.platform import peak_rss_mb
+from shardserve.platform import anon_rss_mb, peak_rss_mb
 from shardserve.scheduler.engine_core import EngineCore, RequestLimits
 from shardserve.scheduler.process import token_out
 from shardserve.server.process_tree import ProcessTree, scheduler_children
@@ -27,7 +27,7 @@ class LocalBackend:
         self.engine = EngineCore(cfg, decode=decode, extra_eos=extra_eos)
         self.limits = self.engine.limits
         peak_mb = peak_rss_mb()
-        self.infos = {"scheduler-0": {"peak_load_rss_mb": round(peak_mb, 1)}}
+        self.infos = {"scheduler-0": {"peak_load_rss_mb": round(peak_mb, 1), "anon_rss_mb": round(anon_rss_mb(), 1)}}
 
     def add(self, rid: str, ids: list[int], params: SamplingParams) -> None:
         self.engine.add_request(rid, ids, params)

@@ -34,11 +34,21 @@ def available_memory(device: torch.device) -> int:
     raise RuntimeError("cannot read MemAvailable from /proc/meminfo")
 
 
-def peak_rss_mb() -> float:
-    """This process's peak resident memory (VmHWM). Not ru_maxrss: Linux carries that across
-    exec, so a spawned worker would report its parent's peak."""
+def _status_mb(field: str) -> float:
     with open("/proc/self/status") as f:
         for line in f:
-            if line.startswith("VmHWM:"):
+            if line.startswith(field + ":"):
                 return int(line.split()[1]) / 1024
     return 0.0
+
+
+def peak_rss_mb() -> float:
+    """This process's peak resident memory (VmHWM), file-backed pages of mmapped checkpoints
+    included. Not ru_maxrss: Linux carries that across exec, so a spawned worker would report
+    its parent's peak."""
+    return _status_mb("VmHWM")
+
+
+def anon_rss_mb() -> float:
+    """Resident memory the process owns (RssAnon): tensors, not the page cache of a checkpoint."""
+    return _status_mb("RssAnon")

@@ -64,10 +64,12 @@ def one_run(path: str, tp: int, args: argparse.Namespace, prompts: list[list[int
         stats = llm.stats()
         pages = llm.limits.num_pages
         rss = [llm.worker_info[f"scheduler-{r}"]["peak_load_rss_mb"] for r in range(tp)]
+        anon = [llm.worker_info[f"scheduler-{r}"]["anon_rss_mb"] for r in range(tp)]
     tokens = [o.token_ids for o in outs]
     return {"mode": "tensor", "ranks": tp, "steps": stats.steps - warm.steps, "kv_pages_per_rank": pages,
             "seconds": round(seconds, 3), "traffic": _minus(stats.traffic, warm.traffic),
-            "control": _minus(stats.control, warm.control), "peak_load_rss_mb": rss}, tokens
+            "control": _minus(stats.control, warm.control), "peak_load_rss_mb": rss,
+            "anon_rss_mb_after_load": anon}, tokens
 
 
 def _minus(after: dict, before: dict) -> dict:

@@ -23,7 +23,7 @@ from shardserve.ipc.messages import AbortReq, ErrorOut, Shutdown, TokenBatch, To
 from shardserve.ipc.sockets import Endpoints, push, send
 from shardserve.loader.model_path import resolve_checkpoint
 from shardserve.loader.tokenizer import load_tokenizer
-from shardserve.platform import peak_rss_mb, pick_device
+from shardserve.platform import anon_rss_mb, peak_rss_mb, pick_device
 from shardserve.scheduler.engine_core import EngineCore, StepOutput
 from shardserve.scheduler.inbox import Inbox
 
@@ -70,7 +70,7 @@ class SchedulerServer:
         # allocated untouched), so TP sizes can be compared.
         peak_mb = peak_rss_mb()
         return {"max_model_len": self.engine.max_model_len, "limits": dataclasses.asdict(self.engine.limits),
-                "peak_load_rss_mb": round(peak_mb, 1)}
+                "peak_load_rss_mb": round(peak_mb, 1), "anon_rss_mb": round(anon_rss_mb(), 1)}
 
     def serve(self) -> None:
         while self.running:
