@@ -52,7 +52,8 @@ class SamplingParams:
             (self.repetition_penalty > 0, "repetition_penalty", "must be > 0"),
             (-2 <= self.presence_penalty <= 2, "presence_penalty", "must be in [-2, 2]"),
             (-2 <= self.frequency_penalty <= 2, "frequency_penalty", "must be in [-2, 2]"),
-            (self.seed is None or _is_int(self.seed), "seed", "must be an integer"),
+            (self.seed is None or (_is_int(self.seed) and -(2**63) <= self.seed < 2**63), "seed",
+             "must be a 64-bit signed integer"),
             (all(isinstance(s, str) and s for s in self.stop), "stop", "must be non-empty strings"),
             (all(_is_int(t) and t >= 0 for t in self.stop_token_ids), "stop_token_ids", "must be ids >= 0"),
             (
@@ -68,6 +69,12 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0 or self.top_k == 1
+
+    def sample_seed(self, index: int) -> int | None:
+        """The seed of the index-th of n samples: seed + index, wrapped to stay a 64-bit int."""
+        if self.seed is None:
+            return None
+        return (self.seed + index + 2**63) % 2**64 - 2**63
 
 
 def _is_int(x: object) -> bool:

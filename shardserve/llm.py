@@ -137,8 +137,7 @@ class LLM:
 
     def _add(self, ids: list[int], sp: SamplingParams, index: int) -> _Sample:
         # n samples are n requests sharing the prompt (and, through the prefix cache, its KV).
-        seed = None if sp.seed is None else sp.seed + index
-        one = dataclasses.replace(sp, n=1, seed=seed)
+        one = dataclasses.replace(sp, n=1, seed=sp.sample_seed(index))
         self._next_id += 1
         rid = str(self._next_id)
         self._backend.add(rid, ids, one)

@@ -92,7 +92,7 @@ class SchedulerServer:
                 if msg.auto_max_tokens:  # chat without max_tokens: whatever the context leaves
                     msg.params.max_tokens = max(1, self.engine.max_model_len - len(msg.token_ids))
                 self.engine.add_request(msg.rid, msg.token_ids, msg.params)
-            except ValueError as e:
+            except Exception as e:  # whatever a request carries, refusing it must not stop the engine
                 if self.rank == 0:
                     send(self.to_api, ErrorOut(rid=msg.rid, message=str(e), status=400))
         elif isinstance(msg, AbortReq):

@@ -35,8 +35,8 @@ def fan_out(prompts: list[dict], params: SamplingParams, n: int, **extra) -> lis
     reqs = []
     for p in prompts:
         for i in range(n):
-            seed = None if params.seed is None else params.seed + i
-            reqs.append(GenerateReq(rid=_rid(), params=dataclasses.replace(params, seed=seed), **p, **extra))
+            one = dataclasses.replace(params, seed=params.sample_seed(i))
+            reqs.append(GenerateReq(rid=_rid(), params=one, **p, **extra))
     return reqs
 
 

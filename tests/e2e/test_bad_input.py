@@ -21,6 +21,14 @@ CASES = [
     ("chat without messages", "/v1/chat/completions", {"messages": []}, 400, "messages"),
     ("chat bad role", "/v1/chat/completions", {"messages": [{"role": "wizard", "content": "x"}]}, 400, None),
     ("body not an object", "/v1/completions", b"[1, 2]", 400, None),
+    ("seed beyond 64 bits", "/v1/completions", {"prompt": "hi", "seed": 2**70}, 400, "seed"),
+    ("logprobs too many", "/v1/completions", {"prompt": "hi", "logprobs": 100}, 400, "logprobs"),
+    ("top_k zero", "/v1/completions", {"prompt": "hi", "top_k": 0}, 400, "top_k"),
+    ("n zero", "/v1/completions", {"prompt": "hi", "n": 0}, 400, "n"),
+    ("negative token id", "/v1/completions", {"prompt": [3, -1]}, 400, None),
+    ("empty stop string", "/v1/completions", {"prompt": "hi", "stop": [""]}, 400, "stop"),
+    ("chat content not text", "/v1/chat/completions", {"messages": [{"role": "user", "content": 5}]}, 400, None),
+    ("tokenize without input", "/tokenize", {}, 400, "prompt"),
 ]
 
 
