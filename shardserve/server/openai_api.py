@@ -11,6 +11,7 @@ from fastapi.responses import StreamingResponse
 
 from shardserve.core import SamplingParams
 from shardserve.ipc.messages import DetokenizeOut, DetokenizeReq, GenerateReq
+from shardserve.server.client import EngineClient
 from shardserve.server.errors import APIError
 from shardserve.server.generation import Choice, collect, stream_choices, usage
 from shardserve.server.protocol import ChatRequest, CompletionRequest, error_body
@@ -36,14 +37,8 @@ def fan_out(prompts: list[dict], params: SamplingParams, n: int, **extra) -> lis
     for p in prompts:
         for i in range(n):
             one = dataclasses.replace(params, seed=params.sample_seed(i))
-            reqs.append(GenerateReq(rid=_rid(), params=one, **p, **extra))
+            reqs.append(GenerateReq(rid=EngineClient.new_rid(), params=one, **p, **extra))
     return reqs
-
-
-def _rid() -> str:
-    import uuid
-
-    return uuid.uuid4().hex
 
 
 def completion_prompts(prompt) -> list[dict]:
@@ -78,7 +73,7 @@ class OpenAIHandlers:
         params = sampling_params(body, body.max_tokens, body.logprobs)
         reqs = fan_out(prompts, params, body.n)
         echo = [await self._prompt_text(p) for p in prompts] if body.echo else None
-        meta = {"id": f"cmpl-{_rid()}", "created": int(time.time()), "model": self.s.model_name}
+        meta = {"id": f"cmpl-{EngineClient.new_rid()}", "created": int(time.time()), "model": self.s.model_name}
         if body.stream:
             return await self._sse(self._completion_chunks(reqs, meta, body, echo))
         choices = await collect(self.s.client, self.s.metrics, reqs, self.s.request_timeout)
@@ -92,7 +87,7 @@ class OpenAIHandlers:
     async def _prompt_text(self, prompt: dict) -> str:
         if "text" in prompt:
             return prompt["text"]
-        reply = await self.s.client.call(DetokenizeReq(rid=_rid(), token_ids=prompt["token_ids"]))
+        reply = await self.s.client.call(DetokenizeReq(rid=EngineClient.new_rid(), token_ids=prompt["token_ids"]))
         return reply.text if isinstance(reply, DetokenizeOut) else ""
 
     async def _completion_chunks(self, reqs, meta, body, echo) -> AsyncIterator[dict]:
@@ -118,7 +113,7 @@ class OpenAIHandlers:
         params = sampling_params(body, max_tokens or 1, top)
         messages = [m.model_dump() for m in body.messages]
         reqs = fan_out([{"messages": messages}], params, body.n, auto_max_tokens=max_tokens is None)
-        meta = {"id": f"chatcmpl-{_rid()}", "created": int(time.time()), "model": self.s.model_name}
+        meta = {"id": f"chatcmpl-{EngineClient.new_rid()}", "created": int(time.time()), "model": self.s.model_name}
         if body.stream:
             return await self._sse(self._chat_chunks(reqs, meta, body))
         choices = await collect(self.s.client, self.s.metrics, reqs, self.s.request_timeout)
