@@ -77,7 +77,7 @@ def test_killed_scheduler_fails_requests_and_exits_nonzero(tiny_model, tmp_path)
     result: dict = {}
 
     def long_request() -> None:
-        body = {"prompt": [5, 6], "max_tokens": 480, "ignore_eos": True, "stream": True}
+        body = {"prompt": [5, 6], "max_tokens": 505, "ignore_eos": True, "stream": True}
         try:
             with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=30) as r:
                 result["events"] = [line for line in r.iter_lines() if line]
