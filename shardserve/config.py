@@ -149,6 +149,11 @@ def _rope_scaling(rope: dict[str, Any], d: dict[str, Any]) -> RopeScaling | None
     )
 
 
+# Decode attention: "cpu" = the C kernel reading pages in place (CPU, float32), "torch" = page
+# gather + SDPA (any device and dtype), "auto" = cpu where it applies and builds, else torch.
+ATTENTION_BACKENDS = ("auto", "torch", "cpu")
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     """The knobs of one engine instance (one rank). Defaults suit a CPU run of a small model."""
@@ -167,6 +172,7 @@ class EngineConfig:
     show_progress: bool = True
     parallel: ParallelInfo = field(default_factory=ParallelInfo)
     dist_timeout: float = 60.0  # seconds before a collective that never completes is an error
+    attention_backend: str = "auto"  # see ATTENTION_BACKENDS
 
     def __post_init__(self) -> None:
         checks = [
@@ -176,6 +182,8 @@ class EngineConfig:
             (self.kv_cache_memory > 0, "kv_cache_memory", "must be > 0"),
             (self.max_num_batched_tokens >= 1, "max_num_batched_tokens", "must be >= 1"),
             (self.max_running_requests >= 1, "max_running_requests", "must be >= 1"),
+            (self.attention_backend in ATTENTION_BACKENDS, "attention_backend",
+             f"must be one of {list(ATTENTION_BACKENDS)}"),
         ]
         for ok, name, why in checks:
             if not ok:

@@ -1,116 +1,19 @@
 """Attention over the paged KV cache with torch's scaled_dot_product_attention (CPU and CUDA).
 
-The batch is flat: the first `num_decode` tokens are one-token decodes, the rest are prefill
-chunks laid end to end. Decodes are grouped by context length and each group runs as one padded
-SDPA call (so a 30-token context is not padded to 500); each prefill chunk runs as its own call
-(padding a 512-token chunk beside 63 decodes would waste 63x the work). A chunk with no
-earlier context attends to its own fresh K/V; one with context (a later chunk, or a prefix-cache
-hit) gathers its pages from the cache. Everything that does not depend on the layer is built
-once per step in `AttentionMetadata`.
+Each prefill chunk runs as its own SDPA call (padding a 512-token chunk beside 63 decodes would
+waste 63x the work); a chunk with earlier context gathers its pages from the cache. Decodes run
+either through the CPU C kernel, which reads pages in place (`meta.paged`), or as one padded
+SDPA call per group of similar context lengths over gathered pages (`meta.decode_groups`).
+What does not depend on the layer is built once per step (attention/metadata.py).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 import torch.nn.functional as F
 
-
-@dataclass
-class PrefillChunk:
-    """One sequence's chunk: tokens [start, start+q_len) of the batch, ending at context kv_len."""
-
-    start: int
-    q_len: int
-    kv_len: int
-    kv_slots: torch.Tensor | None  # cache slots of all kv_len tokens; None when kv_len == q_len
-    mask: torch.Tensor | None  # [q_len, kv_len] bool, True = may attend
-
-
-@dataclass
-class DecodeGroup:
-    """Decodes of similar context length: batch rows `rows`, their padded cache slots [g, L] and
-    a mask [g, 1, 1, L] (None when every context in the group has length L)."""
-
-    rows: torch.Tensor
-    slots: torch.Tensor
-    mask: torch.Tensor | None
-
-
-@dataclass
-class AttentionMetadata:
-    slot_mapping: torch.Tensor  # [T] cache slot of every new token
-    num_decode: int
-    decode_groups: list[DecodeGroup]
-    prefills: list[PrefillChunk]
-
-
-# A decode joins the current group while its context is at least this fraction of the group's
-# longest: padding waste stays under 1 - GROUP_RATIO, at a few extra SDPA calls per layer.
-GROUP_RATIO = 0.6
-
-
-def _decode_groups(decodes: list[tuple[list[int], int]], page_size: int,
-                   device: torch.device) -> tuple[list[DecodeGroup], torch.Tensor]:
-    """The groups, and each decode's new-token slot in batch order."""
-    lens = torch.tensor([n for _, n in decodes])
-    order = sorted(range(len(decodes)), key=lambda i: -decodes[i][1])
-    groups, new_slots = [], torch.empty(len(decodes), dtype=torch.long)
-    start = 0
-    while start < len(order):
-        width = decodes[order[start]][1]
-        end = start
-        while end < len(order) and decodes[order[end]][1] >= GROUP_RATIO * width:
-            end += 1
-        rows = torch.tensor(order[start:end])
-        table = torch.zeros(len(rows), -(-width // page_size), dtype=torch.long)
-        for j, i in enumerate(order[start:end]):
-            table[j, : len(decodes[i][0])] = torch.tensor(decodes[i][0])
-        g_lens = lens[rows]
-        pos = torch.arange(width)
-        # Padding reads the sequence's last real slot, never an unwritten one: the mask hides it,
-        # but 0 * NaN from uninitialised cache memory would still poison the output.
-        real = torch.minimum(pos[None, :], g_lens[:, None] - 1)
-        slots = table.gather(1, real // page_size) * page_size + real % page_size
-        new_slots[rows] = slots.gather(1, (g_lens - 1)[:, None]).squeeze(1)
-        mask = None if bool((g_lens == width).all()) else (pos[None, :] < g_lens[:, None]).view(len(rows), 1, 1, width)
-        groups.append(DecodeGroup(rows.to(device), slots.to(device), None if mask is None else mask.to(device)))
-        start = end
-    return groups, new_slots
-
-
-def _slots(pages: torch.Tensor, length: int, page_size: int) -> torch.Tensor:
-    pos = torch.arange(length)
-    return pages[pos // page_size] * page_size + pos % page_size
-
-
-def build_metadata(
-    page_size: int,
-    decodes: list[tuple[list[int], int]],
-    prefills: list[tuple[list[int], int, int]],
-    device: torch.device,
-) -> AttentionMetadata:
-    """decodes: (pages, context length including the new token), in batch order;
-    prefills: (pages, chunk length, context length through the chunk's last token)."""
-    slot_parts: list[torch.Tensor] = []
-    groups: list[DecodeGroup] = []
-    if decodes:
-        groups, new_slots = _decode_groups(decodes, page_size, device)
-        slot_parts.append(new_slots)
-    chunks, start = [], len(decodes)
-    for pages, q_len, kv_len in prefills:
-        ctx = _slots(torch.tensor(pages, dtype=torch.long), kv_len, page_size)
-        slot_parts.append(ctx[kv_len - q_len :])
-        if kv_len == q_len:
-            chunks.append(PrefillChunk(start, q_len, kv_len, None, None))
-        else:
-            pos = torch.arange(kv_len - q_len, kv_len)
-            mask = torch.arange(kv_len)[None, :] <= pos[:, None]
-            chunks.append(PrefillChunk(start, q_len, kv_len, ctx.to(device), mask.to(device)))
-        start += q_len
-    slots = torch.cat(slot_parts).to(device)
-    return AttentionMetadata(slots, len(decodes), groups, chunks)
+from shardserve.attention import cpu_kernel
+from shardserve.attention.metadata import AttentionMetadata
 
 
 def _gather(cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
@@ -120,12 +23,16 @@ def _gather(cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
 
 
 class TorchAttention:
-    """Stateless backend; `kv_of_q` is set when query groups are uneven (see HeadShard)."""
+    """Stateless backend for one layer's local heads; `kv_of_q[h]` is the KV head query head h
+    reads (uneven groups happen when tensor parallelism replicates a KV head, see HeadShard)."""
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float,
-                 kv_of_q: torch.Tensor | None = None):
+                 kv_of_q: tuple[int, ...], device: torch.device | None = None):
         self.h, self.hkv, self.d, self.scale = num_heads, num_kv_heads, head_dim, scale
-        self.kv_of_q = kv_of_q
+        self.kv_index = torch.tensor(kv_of_q, dtype=torch.long, device=device)
+        uniform = num_heads % num_kv_heads == 0 and kv_of_q == tuple(
+            i // (num_heads // num_kv_heads) for i in range(num_heads))
+        self.kv_of_q = None if uniform else self.kv_index  # SDPA needs K/V expanded only then
 
     def _expand(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, bool]:
         """K/V laid [..., heads, seq, dim]; returns them with a flag for SDPA's grouped mode."""
@@ -137,7 +44,11 @@ class TorchAttention:
         """q: [T, H, d]; k, v: [T, Hkv, d]; caches: [slots, Hkv, d]. Returns [T, H, d]."""
         k_cache.index_copy_(0, meta.slot_mapping, k)
         v_cache.index_copy_(0, meta.slot_mapping, v)
-        out = torch.empty_like(q)
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        if meta.paged is not None:
+            p = meta.paged
+            cpu_kernel.paged_decode(q[: meta.num_decode], k_cache, v_cache, p.block_tables, p.context_lens,
+                                    self.kv_index, meta.page_size, self.scale, out=out[: meta.num_decode])
         for g in meta.decode_groups:
             kk = _gather(k_cache, g.slots).transpose(1, 2)  # [g, Hkv, L, d]
             vv = _gather(v_cache, g.slots).transpose(1, 2)

@@ -6,7 +6,8 @@ import logging
 
 import torch
 
-from shardserve.attention.torch_backend import build_metadata
+from shardserve.attention import cpu_kernel
+from shardserve.attention.metadata import build_metadata
 from shardserve.config import EngineConfig, ModelConfig
 from shardserve.core import Batch
 from shardserve.distributed.groups import ParallelGroups, single_process_groups
@@ -45,6 +46,25 @@ class ModelRunner:
         self.pool = KVPool(model_cfg.num_layers, self.num_pages, cfg.page_size, shard.num_kv,
                            model_cfg.head_dim, self.dtype, self.device)
         self.kv_views = self.pool.layer_views()
+        self.paged_decode = self._pick_attention(cfg.attention_backend)
+
+    def _pick_attention(self, choice: str) -> bool:
+        """Whether decodes use the CPU C kernel (True) or gather + SDPA (False)."""
+        if choice == "torch":
+            return False
+        if not cpu_kernel.supports(self.device, self.dtype):
+            if choice == "cpu":
+                raise ValueError(f"attention_backend 'cpu' needs a CPU device and float32, got {self.device} "
+                                 f"and {self.cfg.dtype}")
+            return False
+        try:
+            cpu_kernel.load()
+        except cpu_kernel.KernelUnavailable as e:
+            if choice == "cpu":
+                raise
+            log.warning("decode attention falls back to torch SDPA: %s", e)
+            return False
+        return True
 
     def _pages_from_budget(self, num_kv_heads: int) -> int:
         """`kv_cache_memory` <= 1 is a fraction of free device memory; above 1 it is bytes."""
@@ -71,7 +91,7 @@ class ModelRunner:
             offset += n
             if start + n == req.num_tokens:
                 sample_rows.append(offset - 1)
-        meta = build_metadata(self.cfg.page_size, decodes, prefills, self.device)
+        meta = build_metadata(self.cfg.page_size, decodes, prefills, self.device, self.paged_decode)
         ctx = ForwardContext(self.kv_views, meta)
         input_ids = torch.tensor(ids, dtype=torch.long, device=self.device)
         pos = torch.tensor(positions, dtype=torch.long, device=self.device)

@@ -8,7 +8,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from shardserve.attention.torch_backend import AttentionMetadata, TorchAttention
+from shardserve.attention.metadata import AttentionMetadata
+from shardserve.attention.torch_backend import TorchAttention
 from shardserve.config import ModelConfig
 from shardserve.distributed.communicator import Communicator
 from shardserve.layers.linear import RowParallelLinear, qkv_linear
@@ -41,8 +42,7 @@ class SelfAttention(nn.Module):
                                         in_range=o_range)
         self.q_norm = RMSNorm(self.d, cfg.rms_norm_eps, dtype, device) if qk_norm else None
         self.k_norm = RMSNorm(self.d, cfg.rms_norm_eps, dtype, device) if qk_norm else None
-        kv_of_q = None if shard.uniform_groups else torch.tensor(shard.kv_of_q, device=device)
-        self.backend = TorchAttention(self.hq, self.hkv, self.d, self.d**-0.5, kv_of_q)
+        self.backend = TorchAttention(self.hq, self.hkv, self.d, self.d**-0.5, shard.kv_of_q, device)
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         t = x.shape[0]

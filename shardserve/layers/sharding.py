@@ -39,14 +39,6 @@ class HeadShard:
     def num_kv(self) -> int:
         return self.kv_end - self.kv_start
 
-    @property
-    def uniform_groups(self) -> bool:
-        """True when every local KV head serves the same number of consecutive query heads."""
-        if self.num_q % self.num_kv:
-            return False
-        g = self.num_q // self.num_kv
-        return self.kv_of_q == tuple(i // g for i in range(self.num_q))
-
 
 def head_shard(num_heads: int, num_kv_heads: int, tp_size: int, tp_rank: int) -> HeadShard:
     if num_heads % num_kv_heads:

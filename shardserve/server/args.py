@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from shardserve.config import DTYPES, EngineConfig, ParallelInfo
+from shardserve.config import ATTENTION_BACKENDS, DTYPES, EngineConfig, ParallelInfo
 
 
 def positive_int(text: str) -> int:
@@ -49,6 +49,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="tensor-parallel ranks (one scheduler process each)")
     g.add_argument("--dist-timeout", type=float, default=60.0,
                    help="seconds before a collective between ranks counts as failed")
+    g.add_argument("--attention-backend", choices=ATTENTION_BACKENDS, default="auto",
+                   help="decode attention: cpu = C kernel over the pages (CPU float32), torch = gather + SDPA, "
+                        "auto = cpu where it applies")
 
 
 def engine_config(args: argparse.Namespace, **overrides) -> EngineConfig:
@@ -58,6 +61,7 @@ def engine_config(args: argparse.Namespace, **overrides) -> EngineConfig:
         max_num_batched_tokens=args.max_num_batched_tokens, max_running_requests=args.max_running_requests,
         max_model_len=args.max_model_len, enable_prefix_cache=not args.no_prefix_cache, seed=args.seed,
         parallel=ParallelInfo(tp_size=args.tp_size), dist_timeout=args.dist_timeout,
+        attention_backend=args.attention_backend,
     )
     fields.update(overrides)
     return EngineConfig(**fields)

@@ -65,6 +65,13 @@ def test_matches_transformers(tiny_model, arch):
     check(tiny_model, arch)
 
 
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_torch_attention_backend(tiny_model, arch):
+    """The gather + SDPA decode path (the one CUDA and half precision use) on the CPU too."""
+    core = check(tiny_model, arch, attention_backend="torch")
+    assert not core.runner.paged_decode
+
+
 @pytest.mark.parametrize("arch", ["llama", "qwen3_moe"])
 def test_chunked_prefill(tiny_model, arch):
     core = check(tiny_model, arch, max_num_batched_tokens=7)

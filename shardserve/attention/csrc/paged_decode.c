@@ -1,0 +1,182 @@
+/* Decode attention over a paged KV cache, for the CPU, in float32.
+ *
+ * One query token per sequence attends to that sequence's first `context_lens[b]` cached
+ * tokens, read in place from the pages named by its block table: no gather, no padding.
+ * Work is split by sequence, so a page's K/V block is fetched from memory once for every
+ * query head that reads it (GQA); the threads of torch's OpenMP pool share the sequences. Head dims of 16, 32, 64, 128 and 256 take a path written with GCC vector
+ * extensions (16 floats, one AVX-512 register); others take a plain loop.
+ *
+ * Layouts (row-major): q [B, q_stride] with heads [H, D] at the start of each row;
+ * k_cache, v_cache [slots, Hkv, D]; block_tables [B, max_pages]; out [B, H, D].
+ * kv_of_q[h] is the kv head that query head h reads (uneven groups allowed).
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+typedef float v16 __attribute__((vector_size(64)));
+#define MAX_D 256
+
+static inline v16 load16(const float *p) { v16 x; memcpy(&x, p, sizeof x); return x; }
+static inline void store16(float *p, v16 x) { memcpy(p, &x, sizeof x); }
+
+typedef int32_t i16v __attribute__((vector_size(64)));
+
+/* Lane t of the result is the sum of the 16 lanes of a[t]: a transpose-and-add tree, 30
+ * shuffles and 15 adds for 16 dot products instead of a 4-level horizontal sum for each. */
+static inline v16 transpose_sum16(const v16 a[16]) {
+    const i16v lo8 = {0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23};
+    const i16v hi8 = {8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31};
+    const i16v lo4 = {0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27};
+    const i16v hi4 = {4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31};
+    const i16v lo2 = {0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29};
+    const i16v hi2 = {2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30, 31};
+    const i16v lo1 = {0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30};
+    const i16v hi1 = {1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31};
+    v16 b[8], c[4], d[2];
+    for (int k = 0; k < 8; ++k)
+        b[k] = __builtin_shuffle(a[2 * k], a[2 * k + 1], lo8) + __builtin_shuffle(a[2 * k], a[2 * k + 1], hi8);
+    for (int k = 0; k < 4; ++k)
+        c[k] = __builtin_shuffle(b[2 * k], b[2 * k + 1], lo4) + __builtin_shuffle(b[2 * k], b[2 * k + 1], hi4);
+    for (int k = 0; k < 2; ++k)
+        d[k] = __builtin_shuffle(c[2 * k], c[2 * k + 1], lo2) + __builtin_shuffle(c[2 * k], c[2 * k + 1], hi2);
+    return __builtin_shuffle(d[0], d[1], lo1) + __builtin_shuffle(d[0], d[1], hi1);
+}
+
+/* The vector paths take the number of 16-float chunks per head as a compile-time constant
+ * (via the switches below), so accumulators stay in registers instead of a stack array. */
+static inline __attribute__((always_inline)) void
+scores_vec(const float *q, const float *k, int64_t n, int64_t row_stride, float scale, float *scores,
+           const int nv) {
+    v16 qv[MAX_D / 16], acc[16];
+    int64_t t = 0;
+    for (int c = 0; c < nv; ++c) qv[c] = load16(q + 16 * c) * scale;
+    for (; t + 16 <= n; t += 16, k += 16 * row_stride) {
+        for (int r = 0; r < 16; ++r) {
+            const float *kr = k + r * row_stride;
+            acc[r] = qv[0] * load16(kr);
+            for (int c = 1; c < nv; ++c) acc[r] += qv[c] * load16(kr + 16 * c);
+        }
+        store16(scores + t, transpose_sum16(acc));
+    }
+    for (; t < n; ++t, k += row_stride) {
+        v16 a = qv[0] * load16(k);
+        for (int c = 1; c < nv; ++c) a += qv[c] * load16(k + 16 * c);
+        float s = 0.f;
+        for (int i = 0; i < 16; ++i) s += a[i];
+        scores[t] = s;
+    }
+}
+
+static inline __attribute__((always_inline)) void
+values_vec(const float *p, const float *v, int64_t n, int64_t row_stride, float *out, const int nv) {
+    v16 acc[MAX_D / 16];
+    for (int c = 0; c < nv; ++c) acc[c] = load16(out + 16 * c);
+    for (int64_t t = 0; t < n; ++t, v += row_stride)
+        for (int c = 0; c < nv; ++c) acc[c] += p[t] * load16(v + 16 * c);
+    for (int c = 0; c < nv; ++c) store16(out + 16 * c, acc[c]);
+}
+
+/* scores[t] = scale * q . k_t for the n rows of one page, rows `row_stride` floats apart. */
+static void page_scores(const float *q, const float *k, int64_t n, int64_t row_stride, int64_t D,
+                        float scale, float *scores) {
+    switch (D) {
+    case 64: scores_vec(q, k, n, row_stride, scale, scores, 4); return;
+    case 128: scores_vec(q, k, n, row_stride, scale, scores, 8); return;
+    case 32: scores_vec(q, k, n, row_stride, scale, scores, 2); return;
+    case 16: scores_vec(q, k, n, row_stride, scale, scores, 1); return;
+    case 256: scores_vec(q, k, n, row_stride, scale, scores, 16); return;
+    }
+    for (int64_t t = 0; t < n; ++t, k += row_stride) {
+        float s = 0.f;
+        for (int64_t i = 0; i < D; ++i) s += q[i] * k[i];
+        scores[t] = s * scale;
+    }
+}
+
+/* out += sum_t p[t] * v_t over the n rows of one page. */
+static void page_values(const float *p, const float *v, int64_t n, int64_t row_stride, int64_t D, float *out) {
+    switch (D) {
+    case 64: values_vec(p, v, n, row_stride, out, 4); return;
+    case 128: values_vec(p, v, n, row_stride, out, 8); return;
+    case 32: values_vec(p, v, n, row_stride, out, 2); return;
+    case 16: values_vec(p, v, n, row_stride, out, 1); return;
+    case 256: values_vec(p, v, n, row_stride, out, 16); return;
+    }
+    for (int64_t t = 0; t < n; ++t, v += row_stride)
+        for (int64_t i = 0; i < D; ++i) out[i] += p[t] * v[i];
+}
+
+static void softmax(float *s, int64_t n) {
+    float mx = -INFINITY, sum = 0.f;
+    for (int64_t t = 0; t < n; ++t) mx = s[t] > mx ? s[t] : mx;
+    for (int64_t t = 0; t < n; ++t) { s[t] = expf(s[t] - mx); sum += s[t]; }
+    float inv = 1.f / sum;
+    for (int64_t t = 0; t < n; ++t) s[t] *= inv;
+}
+
+static inline void prefetch_block(const float *p, int64_t floats) {
+    for (int64_t i = 0; i < floats; i += 16) __builtin_prefetch(p + i);
+}
+
+/* One sequence's query heads whose kv head is in [kv0, kv1), page by page. Each page's K (then
+ * V) block [n, Hkv, D] is contiguous, and the next page's block is prefetched while this one is
+ * used: pages sit at random places in the pool, beyond what the hardware prefetcher predicts. */
+static void one_item(const float *q_row, const float *k_cache, const float *v_cache, const int64_t *table,
+                     int64_t len, const int64_t *kv_of_q, float *out_row, int64_t kv0, int64_t kv1, int64_t H,
+                     int64_t Hkv, int64_t D, int64_t page_size, float scale, float *scores) {
+    int64_t stride = Hkv * D, block = page_size * stride, npages = (len + page_size - 1) / page_size;
+    int64_t span = (kv1 - kv0) * D;  /* floats of a row this item reads */
+    for (int64_t pg = 0, t0 = 0; pg < npages; ++pg, t0 += page_size) {
+        int64_t n = len - t0 < page_size ? len - t0 : page_size;
+        const float *k = k_cache + table[pg] * block;
+        if (pg + 1 < npages)
+            for (int64_t r = 0; r < page_size; ++r) prefetch_block(k_cache + table[pg + 1] * block + r * stride + kv0 * D, span);
+        for (int64_t h = 0; h < H; ++h)
+            if (kv_of_q[h] >= kv0 && kv_of_q[h] < kv1)
+                page_scores(q_row + h * D, k + kv_of_q[h] * D, n, stride, D, scale, scores + h * len + t0);
+    }
+    for (int64_t h = 0; h < H; ++h) {
+        if (kv_of_q[h] < kv0 || kv_of_q[h] >= kv1) continue;
+        softmax(scores + h * len, len);
+        memset(out_row + h * D, 0, sizeof(float) * D);
+    }
+    for (int64_t pg = 0, t0 = 0; pg < npages; ++pg, t0 += page_size) {
+        int64_t n = len - t0 < page_size ? len - t0 : page_size;
+        const float *v = v_cache + table[pg] * block;
+        if (pg + 1 < npages)
+            for (int64_t r = 0; r < page_size; ++r) prefetch_block(v_cache + table[pg + 1] * block + r * stride + kv0 * D, span);
+        for (int64_t h = 0; h < H; ++h)
+            if (kv_of_q[h] >= kv0 && kv_of_q[h] < kv1)
+                page_values(scores + h * len + t0, v + kv_of_q[h] * D, n, stride, D, out_row + h * D);
+    }
+}
+
+/* Returns 0, or -1 when a scores buffer could not be allocated. */
+int paged_decode_f32(const float *q, int64_t q_stride, const float *k_cache, const float *v_cache,
+                     const int64_t *block_tables, int64_t max_pages, const int64_t *context_lens,
+                     const int64_t *kv_of_q, float *out, int64_t B, int64_t H, int64_t Hkv,
+                     int64_t D, int64_t page_size, float scale, int num_threads) {
+    int64_t max_len = 0;
+    for (int64_t b = 0; b < B; ++b) max_len = context_lens[b] > max_len ? context_lens[b] : max_len;
+    /* A whole sequence per item reads its pages contiguously; with fewer sequences than
+     * threads x 2, items are (sequence, kv head) so every thread has work. */
+    int64_t per_seq = B < 2 * num_threads ? Hkv : 1;
+    int failed = 0;
+#pragma omp parallel num_threads(num_threads) reduction(| : failed)
+    {
+        float *scores = malloc(sizeof(float) * (size_t)(max_len * H + 1));
+        if (!scores) failed = 1;
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t item = 0; item < B * per_seq; ++item) {
+            if (!scores) continue;
+            int64_t b = item / per_seq, part = item % per_seq;
+            int64_t kv0 = per_seq == 1 ? 0 : part, kv1 = per_seq == 1 ? Hkv : part + 1;
+            one_item(q + b * q_stride, k_cache, v_cache, block_tables + b * max_pages, context_lens[b], kv_of_q,
+                     out + b * H * D, kv0, kv1, H, Hkv, D, page_size, scale, scores);
+        }
+        free(scores);
+    }
+    return failed ? -1 : 0;
+}

@@ -1,0 +1,146 @@
+"""Per-step attention inputs, built once per step and shared by every layer.
+
+The batch is flat: the first `num_decode` tokens are one-token decodes, the rest are prefill
+chunks laid end to end. Decodes are described one of two ways, chosen by the engine:
+- `paged`: each decode's block table and context length, for a kernel that reads the pages in
+  place (the CPU C kernel);
+- `decode_groups`: decodes grouped by context length, each group with padded cache slots for a
+  page gather + one SDPA call (so a 30-token context is not padded to 500).
+A prefill chunk with no earlier context attends to its own fresh K/V; one with context (a later
+chunk, or a prefix-cache hit) lists the cache slots of its whole context.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class PrefillChunk:
+    """One sequence's chunk: tokens [start, start+q_len) of the batch, ending at context kv_len."""
+
+    start: int
+    q_len: int
+    kv_len: int
+    kv_slots: torch.Tensor | None  # cache slots of all kv_len tokens; None when kv_len == q_len
+    mask: torch.Tensor | None  # [q_len, kv_len] bool, True = may attend
+
+
+@dataclass
+class DecodeGroup:
+    """Decodes of similar context length: batch rows `rows`, their padded cache slots [g, L] and
+    a mask [g, 1, 1, L] (None when every context in the group has length L)."""
+
+    rows: torch.Tensor
+    slots: torch.Tensor
+    mask: torch.Tensor | None
+
+
+@dataclass
+class PagedDecode:
+    """Every decode's pages: block_tables [B, max_pages] (unused entries 0) and context_lens [B]."""
+
+    block_tables: torch.Tensor
+    context_lens: torch.Tensor
+
+
+@dataclass
+class AttentionMetadata:
+    slot_mapping: torch.Tensor  # [T] cache slot of every new token
+    num_decode: int
+    decode_groups: list[DecodeGroup]
+    prefills: list[PrefillChunk]
+    page_size: int = 0
+    paged: PagedDecode | None = None
+
+
+# A decode joins the current group while its context is at least this fraction of the group's
+# longest: padding waste stays under 1 - GROUP_RATIO, at a few extra SDPA calls per layer.
+GROUP_RATIO = 0.6
+
+
+def _decode_groups(decodes: list[tuple[list[int], int]], page_size: int,
+                   device: torch.device) -> tuple[list[DecodeGroup], torch.Tensor]:
+    """The groups, and each decode's new-token slot in batch order."""
+    lens = torch.tensor([n for _, n in decodes])
+    order = sorted(range(len(decodes)), key=lambda i: -decodes[i][1])
+    groups, new_slots = [], torch.empty(len(decodes), dtype=torch.long)
+    start = 0
+    while start < len(order):
+        width = decodes[order[start]][1]
+        end = start
+        while end < len(order) and decodes[order[end]][1] >= GROUP_RATIO * width:
+            end += 1
+        rows = torch.tensor(order[start:end])
+        table = _block_table([decodes[i] for i in order[start:end]], page_size)
+        g_lens = lens[rows]
+        pos = torch.arange(width)
+        # Padding reads the sequence's last real slot, never an unwritten one: the mask hides it,
+        # but 0 * NaN from uninitialised cache memory would still poison the output.
+        real = torch.minimum(pos[None, :], g_lens[:, None] - 1)
+        slots = table.gather(1, real // page_size) * page_size + real % page_size
+        new_slots[rows] = slots.gather(1, (g_lens - 1)[:, None]).squeeze(1)
+        mask = None if bool((g_lens == width).all()) else (pos[None, :] < g_lens[:, None]).view(len(rows), 1, 1, width)
+        groups.append(DecodeGroup(rows.to(device), slots.to(device), None if mask is None else mask.to(device)))
+        start = end
+    return groups, new_slots
+
+
+def _block_table(decodes: list[tuple[list[int], int]], page_size: int) -> torch.Tensor:
+    """[len(decodes), pages of the longest context], rows padded with page 0."""
+    width = max(-(-n // page_size) for _, n in decodes)
+    table = torch.zeros(len(decodes), width, dtype=torch.long)
+    for j, (pages, n) in enumerate(decodes):
+        used = -(-n // page_size)
+        table[j, :used] = torch.tensor(pages[:used])
+    return table
+
+
+def _paged(decodes: list[tuple[list[int], int]], page_size: int,
+           device: torch.device) -> tuple[PagedDecode, torch.Tensor]:
+    table = _block_table(decodes, page_size)
+    lens = torch.tensor([n for _, n in decodes], dtype=torch.long)
+    last = lens - 1
+    new_slots = table.gather(1, (last // page_size)[:, None]).squeeze(1) * page_size + last % page_size
+    return PagedDecode(table.to(device), lens.to(device)), new_slots
+
+
+def _slots(pages: torch.Tensor, length: int, page_size: int) -> torch.Tensor:
+    pos = torch.arange(length)
+    return pages[pos // page_size] * page_size + pos % page_size
+
+
+def build_metadata(
+    page_size: int,
+    decodes: list[tuple[list[int], int]],
+    prefills: list[tuple[list[int], int, int]],
+    device: torch.device,
+    paged_decode: bool = False,
+) -> AttentionMetadata:
+    """decodes: (pages, context length including the new token), in batch order;
+    prefills: (pages, chunk length, context length through the chunk's last token).
+    `paged_decode` describes decodes by block table instead of by padded groups."""
+    slot_parts: list[torch.Tensor] = []
+    groups: list[DecodeGroup] = []
+    paged = None
+    if decodes and paged_decode:
+        paged, new_slots = _paged(decodes, page_size, device)
+        slot_parts.append(new_slots)
+    elif decodes:
+        groups, new_slots = _decode_groups(decodes, page_size, device)
+        slot_parts.append(new_slots)
+    chunks, start = [], len(decodes)
+    for pages, q_len, kv_len in prefills:
+        ctx = _slots(torch.tensor(pages, dtype=torch.long), kv_len, page_size)
+        slot_parts.append(ctx[kv_len - q_len :])
+        if kv_len == q_len:
+            chunks.append(PrefillChunk(start, q_len, kv_len, None, None))
+        else:
+            pos = torch.arange(kv_len - q_len, kv_len)
+            mask = torch.arange(kv_len)[None, :] <= pos[:, None]
+            chunks.append(PrefillChunk(start, q_len, kv_len, ctx.to(device), mask.to(device)))
+        start += q_len
+    slots = torch.cat(slot_parts).to(device)
+    return AttentionMetadata(slots, len(decodes), groups, chunks, page_size, paged)

@@ -1,0 +1,97 @@
+"""The CPU decode kernel against a plain reference and against the torch (gather + SDPA) path."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from shardserve.attention import cpu_kernel
+from shardserve.attention.metadata import build_metadata
+from shardserve.attention.torch_backend import TorchAttention
+from shardserve.config import EngineConfig
+from shardserve.scheduler.engine_core import EngineCore
+
+
+def reference(q, k_cache, v_cache, tables, lens, kv_of_q, page_size, scale):
+    out = torch.empty_like(q)
+    for b, n in enumerate(lens.tolist()):
+        pos = torch.arange(n)
+        slots = tables[b][pos // page_size] * page_size + pos % page_size
+        k = k_cache[slots][:, kv_of_q].transpose(0, 1)  # [H, n, D]
+        v = v_cache[slots][:, kv_of_q].transpose(0, 1)
+        out[b] = F.scaled_dot_product_attention(q[b].unsqueeze(1), k, v, scale=scale).squeeze(1)
+    return out
+
+
+def random_case(heads, kv_of_q, dim, page_size, lens, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    hkv = max(kv_of_q) + 1
+    pages = [-(-n // page_size) for n in lens]
+    num_pages = sum(pages) + 3
+    order = torch.randperm(num_pages, generator=g).tolist()  # pages scattered over the pool
+    page_lists, at = [], 0
+    for n in pages:
+        page_lists.append(order[at : at + n])
+        at += n
+    k_cache = torch.randn(num_pages * page_size, hkv, dim, generator=g)
+    v_cache = torch.randn(num_pages * page_size, hkv, dim, generator=g)
+    q = torch.randn(len(lens), heads, dim, generator=g)
+    return q, k_cache, v_cache, page_lists
+
+
+@pytest.mark.parametrize("heads,kv_of_q,dim,page_size", [
+    (9, (0, 0, 0, 1, 1, 1, 2, 2, 2), 64, 16),   # SmolLM2's grouping, vector path
+    (4, (0, 1, 2, 3), 32, 4),                  # no grouping
+    (5, (0, 0, 0, 1, 1), 24, 3),               # uneven groups (a TP rank's share), scalar path
+    (2, (0, 0), 16, 1),                        # one-token pages
+])
+def test_kernel_matches_reference(heads, kv_of_q, dim, page_size):
+    lens = [1, 2, page_size, page_size + 1, 37, 200]
+    q, kc, vc, page_lists = random_case(heads, kv_of_q, dim, page_size, lens)
+    meta = build_metadata(page_size, list(zip(page_lists, lens)), [], torch.device("cpu"), paged_decode=True)
+    kv = torch.tensor(kv_of_q)
+    scale = dim**-0.5
+    got = cpu_kernel.paged_decode(q, kc, vc, meta.paged.block_tables, meta.paged.context_lens, kv, page_size, scale)
+    want = reference(q, kc, vc, meta.paged.block_tables, meta.paged.context_lens, kv, page_size, scale)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+def test_backends_agree_on_a_mixed_batch():
+    """Decodes and a prefill chunk with context in one step: both decode paths, same output and
+    the same cache writes."""
+    heads, kv_of_q, dim, ps = 6, (0, 0, 0, 1, 1, 1), 32, 8
+    lens = [5, 30, 64]
+    q, kc, vc, page_lists = random_case(heads, kv_of_q, dim, ps, lens + [40])
+    decodes = list(zip(page_lists[:3], lens))
+    prefills = [(page_lists[3], 12, 40)]
+    t = len(lens) + 12
+    g = torch.Generator().manual_seed(1)
+    q = torch.randn(t, heads, dim, generator=g)
+    k, v = torch.randn(t, 2, dim, generator=g), torch.randn(t, 2, dim, generator=g)
+    att = TorchAttention(heads, 2, dim, dim**-0.5, kv_of_q)
+    outs, caches = [], []
+    for paged in (False, True):
+        meta = build_metadata(ps, decodes, prefills, torch.device("cpu"), paged_decode=paged)
+        kcc, vcc = kc.clone(), vc.clone()
+        outs.append(att.forward(q, k, v, kcc, vcc, meta))
+        caches.append((kcc, vcc))
+    torch.testing.assert_close(outs[0], outs[1], atol=1e-5, rtol=1e-5)
+    assert torch.equal(caches[0][0], caches[1][0]) and torch.equal(caches[0][1], caches[1][1])
+
+
+def test_a_compiler_failure_is_a_clear_error(tmp_path):
+    with pytest.raises(cpu_kernel.KernelUnavailable, match="failed on paged_decode.c"):
+        cpu_kernel._compile("false", tmp_path / "k.so")
+    assert list(tmp_path.iterdir()) == []  # no half-written library left behind
+
+
+def test_backend_choice(tiny_model):
+    path, _ = tiny_model("llama")
+    base = dict(model=path, show_progress=False, num_pages=64)
+    assert EngineCore(EngineConfig(**base)).runner.paged_decode
+    assert not EngineCore(EngineConfig(**base, attention_backend="torch")).runner.paged_decode
+    with pytest.raises(ValueError, match="attention_backend 'cpu' needs a CPU device and float32"):
+        EngineCore(EngineConfig(**base, dtype="bfloat16", attention_backend="cpu"))
+    with pytest.raises(ValueError, match="attention_backend must be one of"):
+        EngineConfig(**base, attention_backend="flash")
