@@ -16,7 +16,9 @@ class SamplingParams:
     """How to pick tokens for one prompt; the fields and meanings follow vLLM's.
 
     `temperature == 0` means greedy. `logprobs=None` returns none; `logprobs=k` returns the
-    sampled token's log-probability and the top k (k may be 0). Penalties follow the usual
+    sampled token's log-probability and the top k (k may be 0). `prompt_logprobs=k` does the same
+    for every prompt token after the first (the model's own distribution; such a request skips
+    the prefix cache, since cached tokens are never scored). Penalties follow the usual
     conventions: `repetition_penalty` (Hugging Face, over prompt and output, 1 = off) and
     `presence_penalty` / `frequency_penalty` (OpenAI, over output only, 0 = off).
     """
@@ -35,6 +37,7 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     logprobs: int | None = None
+    prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
 
     def __post_init__(self) -> None:
@@ -59,6 +62,12 @@ class SamplingParams:
             (
                 self.logprobs is None or (_is_int(self.logprobs) and 0 <= self.logprobs <= _MAX_LOGPROBS),
                 "logprobs",
+                f"must be None or an integer in [0, {_MAX_LOGPROBS}]",
+            ),
+            (
+                self.prompt_logprobs is None
+                or (_is_int(self.prompt_logprobs) and 0 <= self.prompt_logprobs <= _MAX_LOGPROBS),
+                "prompt_logprobs",
                 f"must be None or an integer in [0, {_MAX_LOGPROBS}]",
             ),
         ]
@@ -113,10 +122,17 @@ class Request:
     finish_reason: str | None = None
     stop_reason: str | int | None = None
     logprobs: list[dict] = field(default_factory=list)
+    # With params.prompt_logprobs: one entry per prompt token scored so far; the first token has
+    # no context, so its entry has logprob None.
+    prompt_logprobs: list[dict] = field(default_factory=list)
     generator: torch.Generator | None = None
     arrival: int = field(default_factory=lambda: next(_request_counter))
     # Set by the scheduler when a stop string matched: how many characters of text to keep.
     text_cut: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.params.prompt_logprobs is not None and not self.prompt_logprobs:
+            self.prompt_logprobs = [{"token_id": self.prompt_token_ids[0], "logprob": None, "top_logprobs": []}]
 
     @property
     def all_token_ids(self) -> list[int]:
@@ -152,6 +168,7 @@ class RequestOutput:
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput]
     num_cached_tokens: int = 0
+    prompt_logprobs: list[dict] | None = None  # with SamplingParams.prompt_logprobs; see Request
 
     @property
     def text(self) -> str:
@@ -187,3 +204,18 @@ class Batch:
 
     def sampled(self) -> list[Request]:
         return [r for r, n in self.entries if r.num_computed_tokens + n == r.num_tokens]
+
+    def prompt_scoring(self) -> list[tuple[Request, int, int, int]]:
+        """(request, first batch row, first position, count) of the rows whose logits score the
+        next prompt token, for requests with prompt_logprobs. Row of position p scores token p+1;
+        positions already scored (before a preemption) are skipped."""
+        out, offset = [], 0
+        for req, n in self.entries:
+            if req.params.prompt_logprobs is not None:
+                start = req.num_computed_tokens
+                p0 = max(start, len(req.prompt_logprobs) - 1)
+                p1 = min(start + n, len(req.prompt_token_ids) - 1)
+                if p1 > p0:
+                    out.append((req, offset + p0 - start, p0, p1 - p0))
+            offset += n
+        return out

@@ -26,11 +26,14 @@ class _Sample:
     params: SamplingParams
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[dict] = field(default_factory=list)
+    prompt_logprobs: list[dict] | None = None
     out: TokenOut | None = None  # the final one
 
     def feed(self, o: TokenOut) -> None:
         self.token_ids.extend(o.new_ids)
         self.logprobs.extend(o.logprobs or [])
+        if o.prompt_logprobs is not None:
+            self.prompt_logprobs = o.prompt_logprobs
         if o.finished:
             self.out = o
 
@@ -172,7 +175,7 @@ class LLM:
             comps.append(CompletionOutput(i, text, s.token_ids, s.out.finish_reason, s.out.stop_reason,
                                           s.logprobs if s.params.logprobs is not None else None))
         return RequestOutput(samples[0].rid, prompt if isinstance(prompt, str) else None, ids, comps,
-                             samples[0].out.cached_tokens)
+                             samples[0].out.cached_tokens, samples[0].prompt_logprobs)
 
     @property
     def limits(self):

@@ -23,7 +23,8 @@ log = logging.getLogger(__name__)
 
 
 class ModelRunner:
-    """Owns the model and the KV pool of one rank. `forward` returns logits of sampled rows."""
+    """Owns the model and the KV pool of one rank. `forward` returns logits of the sampled rows,
+    then of the rows in `batch.prompt_scoring()` (requests asking for prompt logprobs)."""
 
     def __init__(self, cfg: EngineConfig, ckpt: Checkpoint, model_cfg: ModelConfig,
                  groups: ParallelGroups | None = None):
@@ -96,6 +97,8 @@ class ModelRunner:
         input_ids = torch.tensor(ids, dtype=torch.long, device=self.device)
         pos = torch.tensor(positions, dtype=torch.long, device=self.device)
         hidden = self.model(input_ids, pos, ctx)
-        # Only rows that sample need logits: the LM head is the largest matmul of a step.
+        # Only rows that sample (or score a prompt) need logits: the LM head is the largest matmul.
+        for _, row, _, count in batch.prompt_scoring():
+            sample_rows.extend(range(row, row + count))
         rows = torch.tensor(sample_rows, dtype=torch.long, device=self.device)
         return self.model.compute_logits(hidden.index_select(0, rows))

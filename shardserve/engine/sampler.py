@@ -51,6 +51,18 @@ def top_logprobs(logprobs: torch.Tensor, token: int, k: int) -> dict:
     return entry
 
 
+def score_prompt(logits: torch.Tensor, req: Request, first_pos: int) -> None:
+    """Append the logprob entries of prompt tokens first_pos+1 .. first_pos+len(logits)."""
+    lp = torch.log_softmax(logits.float(), -1)
+    targets = torch.tensor(req.prompt_token_ids[first_pos + 1 : first_pos + 1 + len(lp)])
+    chosen = lp.gather(1, targets[:, None]).squeeze(1).tolist()
+    k = req.params.prompt_logprobs
+    top_v, top_i = lp.topk(k, dim=-1) if k else (None, None)
+    for j, (tok, val) in enumerate(zip(targets.tolist(), chosen)):
+        top = [[int(i), float(v)] for i, v in zip(top_i[j], top_v[j])] if k else []
+        req.prompt_logprobs.append({"token_id": tok, "logprob": val, "top_logprobs": top})
+
+
 class Sampler:
     def __call__(self, logits: torch.Tensor, reqs: list[Request]) -> tuple[list[int], list[dict | None]]:
         """logits: [len(reqs), vocab]. Returns a token per request and, where asked, its logprobs."""

@@ -50,6 +50,7 @@ class TokenOut(Msg):
     hold: int = 0  # characters to withhold while streaming: a stop string may be forming
     skip_special_tokens: bool = True
     logprobs: list[dict] | None = None
+    prompt_logprobs: list[dict] | None = None  # with the first token, when the request asked
     prompt_tokens: int = 0
     cached_tokens: int = 0
 
@@ -66,6 +67,7 @@ class TextOut(Msg):
     finish_reason: str | None = None
     stop_reason: str | int | None = None
     logprobs: list[dict] | None = None
+    prompt_logprobs: list[dict] | None = None
     prompt_tokens: int = 0
     completion_tokens: int = 0
     cached_tokens: int = 0

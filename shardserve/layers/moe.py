@@ -13,7 +13,7 @@ from torch import nn
 
 from shardserve.config import ModelConfig
 from shardserve.distributed.communicator import Communicator
-from shardserve.layers.linear import ReplicatedLinear, copy_into, make_param
+from shardserve.layers.linear import ReplicatedLinear, apply_linear, copy_into, make_param, pack_weight, packable
 from shardserve.layers.mlp import GatedMLP
 from shardserve.layers.sharding import split_range
 
@@ -34,6 +34,7 @@ class SparseMoE(nn.Module):
         self.w13 = make_param((n_local, 2 * inter, h), dtype, device, self._load,
                               [(e, p) for e in local for p in ("gate_proj", "up_proj")])
         self.w2 = make_param((n_local, h, inter), dtype, device, self._load, [(e, "down_proj") for e in local])
+        self.packed: list[tuple[torch.Tensor | None, torch.Tensor | None]] = []
         self.shared_expert = self.shared_expert_gate = None
         if cfg.shared_expert_intermediate_size:
             self.shared_expert = GatedMLP(h, cfg.shared_expert_intermediate_size, comm, dtype, device, reduce=False)
@@ -50,6 +51,21 @@ class SparseMoE(nn.Module):
             dst = dst.narrow(0, half * rows, rows)
         copy_into(dst, src.read(), src.name)
 
+    def process_after_loading(self) -> None:
+        """Where oneDNN applies (see layers/linear.pack_weight), each local expert's matrices are
+        packed one by one and the dense stacks dropped."""
+        if self.w13.shape[0] == 0 or not packable(self.w13):
+            return
+        self.packed = [(pack_weight(self.w13[i]), pack_weight(self.w2[i])) for i in range(self.w13.shape[0])]
+        self.w13 = self.w2 = None
+
+    def expert(self, i: int, x: torch.Tensor) -> torch.Tensor:
+        if self.packed:
+            gate, up = apply_linear(x, None, self.packed[i][0]).chunk(2, dim=-1)
+            return apply_linear(F.silu(gate) * up, None, self.packed[i][1])
+        gate, up = F.linear(x, self.w13[i]).chunk(2, dim=-1)
+        return F.linear(F.silu(gate) * up, self.w2[i])
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         probs = F.softmax(self.gate(x), dim=-1, dtype=torch.float32)
         weights, experts = probs.topk(self.top_k, dim=-1)
@@ -61,8 +77,7 @@ class SparseMoE(nn.Module):
             rows, slot = (experts == e).nonzero(as_tuple=True)
             if rows.numel() == 0:
                 continue
-            gate, up = F.linear(x[rows], self.w13[e - self.e0]).chunk(2, dim=-1)
-            y = F.linear(F.silu(gate) * up, self.w2[e - self.e0])
+            y = self.expert(e - self.e0, x[rows])
             out.index_add_(0, rows, y * weights[rows, slot].unsqueeze(-1))
         if self.shared_expert is not None:
             out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)

@@ -17,7 +17,7 @@ from shardserve.config import EngineConfig
 from shardserve.core import Batch, Request, SamplingParams, Status
 from shardserve.distributed.groups import ParallelGroups
 from shardserve.engine.model_runner import ModelRunner
-from shardserve.engine.sampler import Sampler
+from shardserve.engine.sampler import Sampler, score_prompt
 from shardserve.ipc.messages import Stats
 from shardserve.kvcache.pages import PageAllocator
 from shardserve.loader.model_path import Checkpoint, resolve_checkpoint
@@ -131,8 +131,13 @@ class EngineCore:
             return []
         self.num_steps += 1
         sampled = batch.sampled()
+        scoring = batch.prompt_scoring()
         logits = self.runner.forward(batch)
-        tokens, logprobs = self.sampler(logits, sampled)
+        row = len(sampled)
+        for req, _, pos, count in scoring:
+            score_prompt(logits[row : row + count], req, pos)
+            row += count
+        tokens, logprobs = self.sampler(logits[: len(sampled)], sampled)
         if self.control.size > 1 and tokens:
             # Ranks see identical logits, but float noise must never let them drift apart.
             tokens = self.control.broadcast(torch.tensor(tokens, dtype=torch.int64)).tolist()

@@ -60,7 +60,9 @@ class Scheduler:
         while self.waiting and budget > 0 and len(self.running) < self.max_running:
             req = self.waiting[0]
             tokens = req.all_token_ids
-            req.pages = self.alloc.match_prefix(tokens)
+            # Cached tokens are never computed, so a request scoring its prompt cannot use them.
+            scores_prompt = req.params.prompt_logprobs is not None
+            req.pages = [] if scores_prompt else self.alloc.match_prefix(tokens)
             req.num_computed_tokens = len(req.pages) * self.page_size
             n = min(req.num_tokens - req.num_computed_tokens, budget)
             if not self._grow(req, req.num_computed_tokens + n):
@@ -69,7 +71,8 @@ class Scheduler:
                 break
             if req.num_preemptions == 0:
                 req.num_cached_tokens = req.num_computed_tokens
-                self.alloc.record_lookup(len(tokens), req.num_computed_tokens)
+                if not scores_prompt:
+                    self.alloc.record_lookup(len(tokens), req.num_computed_tokens)
             self.waiting.popleft()
             req.status = Status.RUNNING
             self.running.append(req)

@@ -25,6 +25,7 @@ class Choice:
     text: str = ""
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[dict] = field(default_factory=list)
+    prompt_logprobs: list[dict] | None = None
     finish_reason: str | None = None
     stop_reason: str | int | None = None
     prompt_tokens: int = 0
@@ -34,6 +35,8 @@ class Choice:
         self.text += out.text
         self.token_ids.extend(out.new_ids)
         self.logprobs.extend(out.logprobs or [])
+        if out.prompt_logprobs is not None:
+            self.prompt_logprobs = out.prompt_logprobs
         self.prompt_tokens, self.cached_tokens = out.prompt_tokens, out.cached_tokens
         if out.finished:
             self.finish_reason, self.stop_reason = out.finish_reason, out.stop_reason

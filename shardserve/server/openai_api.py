@@ -17,14 +17,14 @@ from shardserve.server.generation import Choice, collect, stream_choices, usage
 from shardserve.server.protocol import ChatRequest, CompletionRequest, error_body
 
 
-def sampling_params(body, max_tokens: int, logprobs: int | None) -> SamplingParams:
+def sampling_params(body, max_tokens: int, logprobs: int | None, prompt_logprobs: int | None = None) -> SamplingParams:
     try:
         return SamplingParams(
             n=1, max_tokens=max_tokens, temperature=body.temperature, top_k=body.top_k, top_p=body.top_p,
             min_p=body.min_p, repetition_penalty=body.repetition_penalty, presence_penalty=body.presence_penalty,
             frequency_penalty=body.frequency_penalty, seed=body.seed, stop=body.stop or [],
             stop_token_ids=body.stop_token_ids or [], ignore_eos=body.ignore_eos, logprobs=logprobs,
-            skip_special_tokens=body.skip_special_tokens,
+            prompt_logprobs=prompt_logprobs, skip_special_tokens=body.skip_special_tokens,
         )
     except ValueError as e:
         param = str(e).split(".", 1)[1].split(" ", 1)[0] if str(e).startswith("SamplingParams.") else None
@@ -70,7 +70,8 @@ class OpenAIHandlers:
     async def completions(self, body: CompletionRequest):
         prompts = completion_prompts(body.prompt)
         self._admit(body, len(prompts) * body.n)
-        params = sampling_params(body, body.max_tokens, body.logprobs)
+        # echo + logprobs scores the prompt too, as OpenAI's legacy completions do.
+        params = sampling_params(body, body.max_tokens, body.logprobs, body.logprobs if body.echo else None)
         reqs = fan_out(prompts, params, body.n)
         echo = [await self._prompt_text(p) for p in prompts] if body.echo else None
         meta = {"id": f"cmpl-{EngineClient.new_rid()}", "created": int(time.time()), "model": self.s.model_name}
@@ -80,8 +81,9 @@ class OpenAIHandlers:
         out = []
         for i, c in enumerate(choices):
             text = (echo[i // body.n] if echo else "") + c.text
+            lps = (c.prompt_logprobs or []) + c.logprobs if echo else c.logprobs
             out.append({"index": i, "text": text, "finish_reason": c.finish_reason, "stop_reason": c.stop_reason,
-                        "logprobs": completion_logprobs(c.logprobs) if body.logprobs is not None else None})
+                        "logprobs": completion_logprobs(lps) if body.logprobs is not None else None})
         return {"object": "text_completion", **meta, "choices": out, "usage": usage(choices, body.n)}
 
     async def _prompt_text(self, prompt: dict) -> str:
@@ -93,11 +95,10 @@ class OpenAIHandlers:
     async def _completion_chunks(self, reqs, meta, body, echo) -> AsyncIterator[dict]:
         choices = [Choice() for _ in reqs]
         async for i, out in stream_choices(self.s.client, self.s.metrics, reqs, self.s.request_timeout):
-            if echo and not any(c.token_ids for c in choices):  # echo only once the request is accepted
-                for j in range(len(reqs)):
-                    yield {"object": "text_completion", **meta, "choices": [
-                        {"index": j, "text": echo[j // body.n], "finish_reason": None, "logprobs": None}]}
-                echo = None
+            if echo and not choices[i].token_ids:  # a choice echoes once it runs (refusals stay HTTP errors)
+                lp = completion_logprobs(out.prompt_logprobs) if body.logprobs is not None else None
+                yield {"object": "text_completion", **meta, "choices": [
+                    {"index": i, "text": echo[i // body.n], "finish_reason": None, "logprobs": lp}]}
             choices[i].add(out)
             lp = completion_logprobs(out.logprobs) if body.logprobs is not None else None
             yield {"object": "text_completion", **meta, "choices": [
@@ -171,8 +172,10 @@ def completion_logprobs(lps: list[dict] | None) -> dict:
     for lp in lps:
         offsets.append(pos)
         pos += len(lp["token"])
+    # A prompt's first token has no logprob (nothing precedes it): null, as OpenAI reports it.
     return {"tokens": [lp["token"] for lp in lps], "token_logprobs": [lp["logprob"] for lp in lps],
-            "top_logprobs": [{t[2]: t[1] for t in reversed(lp["top_logprobs"])} for lp in lps], "text_offset": offsets}
+            "top_logprobs": [None if lp["logprob"] is None else {t[2]: t[1] for t in reversed(lp["top_logprobs"])}
+                             for lp in lps], "text_offset": offsets}
 
 
 def chat_logprobs(lps: list[dict] | None) -> dict:

@@ -51,6 +51,7 @@ class Detokenizer:
         return TextOut(
             rid=out.rid, text=delta, new_ids=out.new_ids, finished=out.finished, finish_reason=out.finish_reason,
             stop_reason=out.stop_reason, logprobs=self._name_tokens(out.logprobs, skip),
+            prompt_logprobs=self._name_tokens(out.prompt_logprobs, skip),
             prompt_tokens=out.prompt_tokens,
             completion_tokens=len(s.ids), cached_tokens=out.cached_tokens,
         )

@@ -67,6 +67,25 @@ def test_n_stop_logprobs_echo(client, tiny_server, tok):
     assert echo.choices[0].text == PROMPT + lp.choices[0].text
 
 
+def test_echo_with_logprobs_scores_the_prompt(client, tiny_server, tok):
+    ids = tok.encode(PROMPT)
+    with torch.no_grad():
+        full = torch.log_softmax(tiny_server.model(torch.tensor([ids])).logits[0].float(), -1)
+    want = full[:-1].gather(1, torch.tensor(ids[1:])[:, None]).squeeze(1)
+    r = client.completions.create(model=None, prompt=PROMPT, max_tokens=4, temperature=0, echo=True, logprobs=1)
+    lps = r.choices[0].logprobs
+    assert len(lps.tokens) == len(ids) + 4 and "".join(lps.tokens) == r.choices[0].text
+    assert lps.token_logprobs[0] is None and lps.top_logprobs[0] is None
+    torch.testing.assert_close(torch.tensor(lps.token_logprobs[1 : len(ids)]), want, atol=1e-4, rtol=1e-4)
+    assert lps.text_offset[len(ids)] == len(PROMPT)
+    chunks = list(client.completions.create(model=None, prompt=[ids, ids], max_tokens=2, temperature=0, echo=True,
+                                            logprobs=0, stream=True))
+    for i in (0, 1):  # each choice's first chunk is its echo, with the prompt's logprobs
+        first = next(c.choices[0] for c in chunks if c.choices and c.choices[0].index == i)
+        assert first.text == PROMPT and first.logprobs.token_logprobs[0] is None
+        torch.testing.assert_close(torch.tensor(first.logprobs.token_logprobs[1:]), want, atol=1e-4, rtol=1e-4)
+
+
 def test_chat_and_stream(client, tiny_server, tok):
     messages = [{"role": "user", "content": "Hello, how are you?"}]
     r = client.chat.completions.create(model=None, messages=messages, max_tokens=10, temperature=0,

@@ -3,8 +3,9 @@
  * One query token per sequence attends to that sequence's first `context_lens[b]` cached
  * tokens, read in place from the pages named by its block table: no gather, no padding.
  * Work is split by sequence, so a page's K/V block is fetched from memory once for every
- * query head that reads it (GQA); the threads of torch's OpenMP pool share the sequences. Head dims of 16, 32, 64, 128 and 256 take a path written with GCC vector
- * extensions (16 floats, one AVX-512 register); others take a plain loop.
+ * query head that reads it (GQA); the threads of torch's OpenMP pool share the sequences.
+ * Head dims of 16, 32, 64, 128 and 256 take a path written with GCC/clang vector extensions
+ * (16 floats: one AVX-512 register, or what the target has); others take a plain loop.
  *
  * Layouts (row-major): q [B, q_stride] with heads [H, D] at the start of each row;
  * k_cache, v_cache [slots, Hkv, D]; block_tables [B, max_pages]; out [B, H, D].
@@ -21,27 +22,25 @@ typedef float v16 __attribute__((vector_size(64)));
 static inline v16 load16(const float *p) { v16 x; memcpy(&x, p, sizeof x); return x; }
 static inline void store16(float *p, v16 x) { memcpy(p, &x, sizeof x); }
 
-typedef int32_t i16v __attribute__((vector_size(64)));
+#define LO8 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23
+#define HI8 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31
+#define LO4 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27
+#define HI4 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31
+#define LO2 0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29
+#define HI2 2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30, 31
+#define LO1 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30
+#define HI1 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31
+/* Sum of x and y after each picks its lanes from the pair (GCC >= 12 and clang). */
+#define FOLD(x, y, LO, HI) (__builtin_shufflevector(x, y, LO) + __builtin_shufflevector(x, y, HI))
 
 /* Lane t of the result is the sum of the 16 lanes of a[t]: a transpose-and-add tree, 30
  * shuffles and 15 adds for 16 dot products instead of a 4-level horizontal sum for each. */
 static inline v16 transpose_sum16(const v16 a[16]) {
-    const i16v lo8 = {0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23};
-    const i16v hi8 = {8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31};
-    const i16v lo4 = {0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27};
-    const i16v hi4 = {4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31};
-    const i16v lo2 = {0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29};
-    const i16v hi2 = {2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30, 31};
-    const i16v lo1 = {0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30};
-    const i16v hi1 = {1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31};
     v16 b[8], c[4], d[2];
-    for (int k = 0; k < 8; ++k)
-        b[k] = __builtin_shuffle(a[2 * k], a[2 * k + 1], lo8) + __builtin_shuffle(a[2 * k], a[2 * k + 1], hi8);
-    for (int k = 0; k < 4; ++k)
-        c[k] = __builtin_shuffle(b[2 * k], b[2 * k + 1], lo4) + __builtin_shuffle(b[2 * k], b[2 * k + 1], hi4);
-    for (int k = 0; k < 2; ++k)
-        d[k] = __builtin_shuffle(c[2 * k], c[2 * k + 1], lo2) + __builtin_shuffle(c[2 * k], c[2 * k + 1], hi2);
-    return __builtin_shuffle(d[0], d[1], lo1) + __builtin_shuffle(d[0], d[1], hi1);
+    for (int k = 0; k < 8; ++k) b[k] = FOLD(a[2 * k], a[2 * k + 1], LO8, HI8);
+    for (int k = 0; k < 4; ++k) c[k] = FOLD(b[2 * k], b[2 * k + 1], LO4, HI4);
+    for (int k = 0; k < 2; ++k) d[k] = FOLD(c[2 * k], c[2 * k + 1], LO2, HI2);
+    return FOLD(d[0], d[1], LO1, HI1);
 }
 
 /* The vector paths take the number of 16-float chunks per head as a compile-time constant
