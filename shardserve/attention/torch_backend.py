@@ -65,8 +65,10 @@ class TorchAttention:
             else:
                 kk, vv = _gather(k_cache, c.kv_slots).transpose(0, 1), _gather(v_cache, c.kv_slots).transpose(0, 1)
             kk, vv, gqa = self._expand(kk, vv)
+            # 4-D inputs: on the CPU, 3-D ones take SDPA's math path (~2.2x slower), 4-D its flash kernel.
             o = F.scaled_dot_product_attention(
-                qq, kk, vv, attn_mask=c.mask, is_causal=c.mask is None, scale=self.scale, enable_gqa=gqa
+                qq[None], kk[None], vv[None], attn_mask=c.mask, is_causal=c.mask is None, scale=self.scale,
+                enable_gqa=gqa,
             )
-            out[c.start : c.start + c.q_len] = o.transpose(0, 1)
+            out[c.start : c.start + c.q_len] = o[0].transpose(0, 1)
         return out

@@ -115,41 +115,51 @@ static void softmax(float *s, int64_t n) {
     for (int64_t t = 0; t < n; ++t) s[t] *= inv;
 }
 
-static inline void prefetch_block(const float *p, int64_t floats) {
-    for (int64_t i = 0; i < floats; i += 16) __builtin_prefetch(p + i);
+/* Prefetch rows [r0, r1) of page `page`'s block, the part of each row this item reads. */
+static inline void prefetch_rows(const float *page, int64_t r0, int64_t r1, int64_t stride, int64_t offset,
+                                 int64_t span) {
+    for (int64_t r = r0; r < r1; ++r)
+        for (int64_t i = 0; i < span; i += 16) __builtin_prefetch(page + r * stride + offset + i);
 }
 
-/* One sequence's query heads whose kv head is in [kv0, kv1), page by page. Each page's K (then
- * V) block [n, Hkv, D] is contiguous, and the next page's block is prefetched while this one is
- * used: pages sit at random places in the pool, beyond what the hardware prefetcher predicts. */
+/* One pass over a sequence's pages (K when `values` is 0, else V) for the query heads whose kv
+ * head is in [kv0, kv1). Pages sit at random places in the pool, beyond what the hardware
+ * prefetcher predicts, so while a page is used the next one is prefetched, a slice of rows
+ * before each head: one burst per page would fill the miss queue and stall. */
+static void pass(const float *cache, const int64_t *table, int64_t len, const float *q_row, const int64_t *kv_of_q,
+                 float *out_row, int64_t kv0, int64_t kv1, int64_t H, int64_t Hkv, int64_t D, int64_t page_size,
+                 float scale, float *scores, int values) {
+    int64_t stride = Hkv * D, block = page_size * stride, npages = (len + page_size - 1) / page_size;
+    int64_t heads = 0;
+    for (int64_t h = 0; h < H; ++h) heads += kv_of_q[h] >= kv0 && kv_of_q[h] < kv1;
+    for (int64_t pg = 0, t0 = 0; pg < npages; ++pg, t0 += page_size) {
+        int64_t n = len - t0 < page_size ? len - t0 : page_size;
+        const float *page = cache + table[pg] * block, *next = pg + 1 < npages ? cache + table[pg + 1] * block : 0;
+        for (int64_t h = 0, j = 0; h < H; ++h) {
+            if (kv_of_q[h] < kv0 || kv_of_q[h] >= kv1) continue;
+            if (next) prefetch_rows(next, j * page_size / heads, (j + 1) * page_size / heads, stride, kv0 * D,
+                                    (kv1 - kv0) * D);
+            ++j;
+            const float *rows = page + kv_of_q[h] * D;
+            if (values)
+                page_values(scores + h * len + t0, rows, n, stride, D, out_row + h * D);
+            else
+                page_scores(q_row + h * D, rows, n, stride, D, scale, scores + h * len + t0);
+        }
+    }
+}
+
+/* One sequence's query heads whose kv head is in [kv0, kv1): scores, softmax, weighted values. */
 static void one_item(const float *q_row, const float *k_cache, const float *v_cache, const int64_t *table,
                      int64_t len, const int64_t *kv_of_q, float *out_row, int64_t kv0, int64_t kv1, int64_t H,
                      int64_t Hkv, int64_t D, int64_t page_size, float scale, float *scores) {
-    int64_t stride = Hkv * D, block = page_size * stride, npages = (len + page_size - 1) / page_size;
-    int64_t span = (kv1 - kv0) * D;  /* floats of a row this item reads */
-    for (int64_t pg = 0, t0 = 0; pg < npages; ++pg, t0 += page_size) {
-        int64_t n = len - t0 < page_size ? len - t0 : page_size;
-        const float *k = k_cache + table[pg] * block;
-        if (pg + 1 < npages)
-            for (int64_t r = 0; r < page_size; ++r) prefetch_block(k_cache + table[pg + 1] * block + r * stride + kv0 * D, span);
-        for (int64_t h = 0; h < H; ++h)
-            if (kv_of_q[h] >= kv0 && kv_of_q[h] < kv1)
-                page_scores(q_row + h * D, k + kv_of_q[h] * D, n, stride, D, scale, scores + h * len + t0);
-    }
+    pass(k_cache, table, len, q_row, kv_of_q, out_row, kv0, kv1, H, Hkv, D, page_size, scale, scores, 0);
     for (int64_t h = 0; h < H; ++h) {
         if (kv_of_q[h] < kv0 || kv_of_q[h] >= kv1) continue;
         softmax(scores + h * len, len);
         memset(out_row + h * D, 0, sizeof(float) * D);
     }
-    for (int64_t pg = 0, t0 = 0; pg < npages; ++pg, t0 += page_size) {
-        int64_t n = len - t0 < page_size ? len - t0 : page_size;
-        const float *v = v_cache + table[pg] * block;
-        if (pg + 1 < npages)
-            for (int64_t r = 0; r < page_size; ++r) prefetch_block(v_cache + table[pg + 1] * block + r * stride + kv0 * D, span);
-        for (int64_t h = 0; h < H; ++h)
-            if (kv_of_q[h] >= kv0 && kv_of_q[h] < kv1)
-                page_values(scores + h * len + t0, v + kv_of_q[h] * D, n, stride, D, out_row + h * D);
-    }
+    pass(v_cache, table, len, q_row, kv_of_q, out_row, kv0, kv1, H, Hkv, D, page_size, scale, scores, 1);
 }
 
 /* Returns 0, or -1 when a scores buffer could not be allocated. */
