@@ -7,6 +7,8 @@ layers (q/k/v, gate/up) are filled piece by piece *after* each piece is sharded.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -34,8 +36,22 @@ def copy_into(dst: torch.Tensor, src: torch.Tensor, what: str) -> None:
 PACK_ROWS_HINT = 64
 
 
+@functools.cache
+def _onednn_linear_works() -> bool:
+    """The packing ops are private to torch (inductor uses them): check once that this build has
+    them and that they agree with F.linear, else keep F.linear."""
+    try:
+        w, x = torch.randn(8, 4), torch.randn(3, 4)
+        packed = torch.ops.mkldnn._reorder_linear_weight(w, PACK_ROWS_HINT)
+        y = torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
+        return bool(torch.allclose(y, F.linear(x, w), atol=1e-5))
+    except (AttributeError, RuntimeError):
+        return False
+
+
 def packable(weight: torch.Tensor) -> bool:
-    return weight.device.type == "cpu" and weight.dtype == torch.float32 and torch.backends.mkldnn.is_available()
+    return (weight.device.type == "cpu" and weight.dtype == torch.float32 and torch.backends.mkldnn.is_available()
+            and _onednn_linear_works())
 
 
 def pack_weight(weight: torch.Tensor) -> torch.Tensor | None:

@@ -1,4 +1,5 @@
-"""The CPU decode kernel against a plain reference and against the torch (gather + SDPA) path."""
+"""The CPU fast paths: the C decode kernel against a plain reference and the torch (gather + SDPA)
+path, the backend choice, and oneDNN-packed linear weights."""
 
 from __future__ import annotations
 
@@ -10,6 +11,8 @@ from shardserve.attention import cpu_kernel
 from shardserve.attention.metadata import build_metadata
 from shardserve.attention.torch_backend import TorchAttention
 from shardserve.config import EngineConfig
+from shardserve.layers.linear import PackedLinear
+from shardserve.layers.moe import SparseMoE
 from shardserve.scheduler.engine_core import EngineCore
 
 
@@ -95,3 +98,17 @@ def test_backend_choice(tiny_model):
         EngineCore(EngineConfig(**base, dtype="bfloat16", attention_backend="cpu"))
     with pytest.raises(ValueError, match="attention_backend must be one of"):
         EngineConfig(**base, attention_backend="flash")
+
+
+def test_cpu_float32_weights_are_packed_once(tiny_model):
+    """Linear layers swap their dense weight for oneDNN's packed one (memory does not double);
+    half precision keeps the dense weights."""
+    path, _ = tiny_model("qwen3_moe")
+    model = EngineCore(EngineConfig(model=path, show_progress=False, num_pages=64)).runner.model
+    linears = [m for m in model.modules() if isinstance(m, PackedLinear)]
+    assert linears and all(m.packed is not None and m.weight is None for m in linears)
+    moes = [m for m in model.modules() if isinstance(m, SparseMoE)]
+    assert moes and all(m.packed and m.w13 is None for m in moes)
+    assert model.lm_head.packed is not None
+    half = EngineCore(EngineConfig(model=path, show_progress=False, num_pages=64, dtype="bfloat16")).runner.model
+    assert all(m.packed is None and m.weight is not None for m in half.modules() if isinstance(m, PackedLinear))
