@@ -140,7 +140,9 @@ class LLM:
 
     def _add(self, ids: list[int], sp: SamplingParams, index: int) -> _Sample:
         # n samples are n requests sharing the prompt (and, through the prefix cache, its KV).
-        one = dataclasses.replace(sp, n=1, seed=sp.sample_seed(index))
+        # Only the first sample scores the prompt: RequestOutput reports it once.
+        one = dataclasses.replace(sp, n=1, seed=sp.sample_seed(index),
+                                  prompt_logprobs=sp.prompt_logprobs if index == 0 else None)
         self._next_id += 1
         rid = str(self._next_id)
         self._backend.add(rid, ids, one)

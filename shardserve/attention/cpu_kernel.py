@@ -12,9 +12,11 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import glob
 import hashlib
 import logging
 import os
+import shlex
 import shutil
 import subprocess
 import tempfile
@@ -25,7 +27,7 @@ import torch
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("csrc") / "paged_decode.c"
-FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-shared", "-fPIC", "-std=c11"]
+FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC", "-std=c11"]
 
 
 class KernelUnavailable(RuntimeError):
@@ -46,31 +48,43 @@ def _cache_dir() -> Path:
     return Path(root) / "kernels"
 
 
-def _compile(cc: str, out: Path) -> None:
+def _torch_openmp() -> str | None:
+    """torch's own OpenMP runtime, where the wheel bundles one. Linking the kernel against that
+    file makes it share torch's thread pool; a second runtime would spin beside the first."""
+    libs = sorted(glob.glob(os.path.join(os.path.dirname(torch.__file__), "lib", "libgomp*.so*")))
+    return libs[0] if libs else None
+
+
+def _commands(cc: list[str], obj: str, out: str) -> list[list[str]]:
+    omp = _torch_openmp()
+    link = [omp, f"-Wl,-rpath,{os.path.dirname(omp)}"] if omp else ["-fopenmp"]
+    return [[*cc, *FLAGS, "-c", str(SOURCE), "-o", obj], [*cc, "-shared", obj, *link, "-lm", "-o", out]]
+
+
+def _compile(cc: list[str], out: Path) -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
-    # Several ranks may build at once: each writes its own file, the rename is atomic.
-    fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
-    os.close(fd)
-    try:
-        proc = subprocess.run([cc, *FLAGS, str(SOURCE), "-o", tmp, "-lm"], capture_output=True, text=True,
-                              timeout=120)
-        if proc.returncode != 0:
-            raise KernelUnavailable(f"{cc} failed on {SOURCE.name}: {proc.stderr.strip()[-500:]}")
-        os.replace(tmp, out)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
+    # Several ranks may build at once: each writes its own files, the rename is atomic.
+    with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
+        obj, lib = os.path.join(tmp, "k.o"), os.path.join(tmp, "k.so")
+        for cmd in _commands(cc, obj, lib):
+            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+            if proc.returncode != 0:
+                raise KernelUnavailable(f"{cc[0]} failed on {SOURCE.name}: {proc.stderr.strip()[-500:]}")
+        os.replace(lib, out)
 
 
 @functools.cache
 def load() -> ctypes.CDLL:
     """The compiled kernel library; raises KernelUnavailable with the reason."""
-    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-    if cc is None:
+    cc = shlex.split(os.environ.get("CC", "")) or [shutil.which("cc") or shutil.which("gcc") or ""]
+    if not cc[0]:
         raise KernelUnavailable("no C compiler (cc/gcc) on PATH")
-    version = subprocess.run([cc, "--version"], capture_output=True, text=True).stdout
-    key = hashlib.sha256("\0".join([SOURCE.read_text(), " ".join(FLAGS), version, _cpu_signature()]).encode())
-    path = _cache_dir() / f"paged_decode-{key.hexdigest()[:16]}.so"
+    try:
+        version = subprocess.run([*cc, "--version"], capture_output=True, text=True, timeout=30).stdout
+        parts = [SOURCE.read_text(), repr(_commands(cc, "", "")), version, _cpu_signature()]
+    except (OSError, subprocess.SubprocessError) as e:
+        raise KernelUnavailable(f"cannot run the C compiler {cc[0]!r}: {e}") from e
+    path = _cache_dir() / f"paged_decode-{hashlib.sha256(chr(0).join(parts).encode()).hexdigest()[:16]}.so"
     if not path.exists():
         log.info("building the CPU decode-attention kernel into %s", path)
         try:

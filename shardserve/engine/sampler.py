@@ -51,16 +51,22 @@ def top_logprobs(logprobs: torch.Tensor, token: int, k: int) -> dict:
     return entry
 
 
+# Rows per log-softmax when scoring a prompt: bounds the extra memory to this many vocab rows.
+SCORE_BLOCK = 256
+
+
 def score_prompt(logits: torch.Tensor, req: Request, first_pos: int) -> None:
     """Append the logprob entries of prompt tokens first_pos+1 .. first_pos+len(logits)."""
-    lp = torch.log_softmax(logits.float(), -1)
-    targets = torch.tensor(req.prompt_token_ids[first_pos + 1 : first_pos + 1 + len(lp)])
-    chosen = lp.gather(1, targets[:, None]).squeeze(1).tolist()
     k = req.params.prompt_logprobs
-    top_v, top_i = lp.topk(k, dim=-1) if k else (None, None)
-    for j, (tok, val) in enumerate(zip(targets.tolist(), chosen)):
-        top = [[int(i), float(v)] for i, v in zip(top_i[j], top_v[j])] if k else []
-        req.prompt_logprobs.append({"token_id": tok, "logprob": val, "top_logprobs": top})
+    for b in range(0, len(logits), SCORE_BLOCK):
+        lp = torch.log_softmax(logits[b : b + SCORE_BLOCK].float(), -1)
+        pos = first_pos + 1 + b
+        targets = torch.tensor(req.prompt_token_ids[pos : pos + len(lp)], device=lp.device)
+        chosen = lp.gather(1, targets[:, None]).squeeze(1).tolist()
+        top_v, top_i = (t.tolist() for t in lp.topk(k, dim=-1)) if k else ([[]] * len(lp), [[]] * len(lp))
+        for tok, val, ids, vals in zip(targets.tolist(), chosen, top_i, top_v):
+            req.prompt_logprobs.append({"token_id": tok, "logprob": val,
+                                        "top_logprobs": [[i, v] for i, v in zip(ids, vals)]})
 
 
 class Sampler:

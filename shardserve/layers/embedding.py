@@ -47,13 +47,15 @@ class ParallelLMHead(VocabParallelEmbedding):
     def __init__(self, vocab: int, hidden: int, comm: Communicator, dtype, device,
                  tied_to: VocabParallelEmbedding | None = None):
         super().__init__(vocab, hidden, comm, dtype, device)
-        if tied_to is not None:
+        self.tied = tied_to is not None
+        if self.tied:
             self.weight = tied_to.weight
         self.packed: torch.Tensor | None = None
 
     def process_after_loading(self) -> None:
-        # The dense weight stays: a tied embedding still looks rows up in it.
         self.packed = pack_weight(self.weight)
+        if self.packed is not None and not self.tied:  # a tied embedding still looks rows up in it
+            self.weight = None
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         logits = apply_linear(hidden, self.weight, self.packed)

@@ -61,7 +61,8 @@ class Scheduler:
             req = self.waiting[0]
             tokens = req.all_token_ids
             # Cached tokens are never computed, so a request scoring its prompt cannot use them.
-            scores_prompt = req.params.prompt_logprobs is not None
+            scores_prompt = (req.params.prompt_logprobs is not None
+                             and len(req.prompt_logprobs) < len(req.prompt_token_ids))
             req.pages = [] if scores_prompt else self.alloc.match_prefix(tokens)
             req.num_computed_tokens = len(req.pages) * self.page_size
             n = min(req.num_tokens - req.num_computed_tokens, budget)

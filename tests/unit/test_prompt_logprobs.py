@@ -74,5 +74,7 @@ def test_offline_api_and_bad_value(tiny_model):
         out = llm.generate([[5, 6, 7, 8]], SamplingParams(max_tokens=2, temperature=0, prompt_logprobs=1))[0]
         assert [e["token_id"] for e in out.prompt_logprobs] == [5, 6, 7, 8]
         assert llm.generate([[5, 6]], SamplingParams(max_tokens=1))[0].prompt_logprobs is None
+        two = llm.generate([[5, 6, 7, 8]], SamplingParams(n=2, max_tokens=2, temperature=0, prompt_logprobs=1))[0]
+        assert len(two.outputs) == 2 and two.prompt_logprobs == out.prompt_logprobs
     with pytest.raises(ValueError, match="SamplingParams.prompt_logprobs must be None or an integer"):
         SamplingParams(prompt_logprobs=-1)
