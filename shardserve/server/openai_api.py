@@ -94,13 +94,16 @@ class OpenAIHandlers:
 
     async def _completion_chunks(self, reqs, meta, body, echo) -> AsyncIterator[dict]:
         choices = [Choice() for _ in reqs]
+        offset = [0] * len(reqs)  # text_offset where each choice's next chunk starts
         async for i, out in stream_choices(self.s.client, self.s.metrics, reqs, self.s.request_timeout):
             if echo and not choices[i].token_ids:  # a choice echoes once it runs (refusals stay HTTP errors)
                 lp = completion_logprobs(out.prompt_logprobs) if body.logprobs is not None else None
+                offset[i] = sum(len(e["token"]) for e in out.prompt_logprobs or [])
                 yield {"object": "text_completion", **meta, "choices": [
                     {"index": i, "text": echo[i // body.n], "finish_reason": None, "logprobs": lp}]}
             choices[i].add(out)
-            lp = completion_logprobs(out.logprobs) if body.logprobs is not None else None
+            lp = completion_logprobs(out.logprobs, offset[i]) if body.logprobs is not None else None
+            offset[i] += sum(len(e["token"]) for e in out.logprobs or [])
             yield {"object": "text_completion", **meta, "choices": [
                 {"index": i, "text": out.text, "finish_reason": out.finish_reason if out.finished else None,
                  "logprobs": lp}]}
@@ -164,11 +167,12 @@ class OpenAIHandlers:
         return StreamingResponse(events(), media_type="text/event-stream")
 
 
-def completion_logprobs(lps: list[dict] | None) -> dict:
+def completion_logprobs(lps: list[dict] | None, start: int = 0) -> dict:
     """The legacy format keys top_logprobs by token text; where two tokens share a text (partial
-    UTF-8), the likelier one's value is kept."""
+    UTF-8), the likelier one's value is kept. Offsets count from `start`: a stream's chunks
+    continue where the choice's text so far ends."""
     lps = lps or []
-    offsets, pos = [], 0
+    offsets, pos = [], start
     for lp in lps:
         offsets.append(pos)
         pos += len(lp["token"])
