@@ -27,7 +27,8 @@ class LocalBackend:
         self.engine = EngineCore(cfg, decode=decode, extra_eos=extra_eos)
         self.limits = self.engine.limits
         peak_mb = peak_rss_mb()
-        self.infos = {"scheduler-0": {"peak_load_rss_mb": round(peak_mb, 1), "anon_rss_mb": round(anon_rss_mb(), 1)}}
+        self.infos = {"scheduler-0": {"peak_load_rss_mb": round(peak_mb, 1), "anon_rss_mb": round(anon_rss_mb(), 1),
+                                      "decode_attention": self.engine.runner.decode_attention}}
 
     def add(self, rid: str, ids: list[int], params: SamplingParams) -> None:
         self.engine.add_request(rid, ids, params)

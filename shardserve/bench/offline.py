@@ -192,7 +192,8 @@ def run_offline(args: argparse.Namespace) -> int:
     hf = load_transformers(args, pick_device(args.device)) if args.compare else None
     warm_up(llm, hf, low)
     result: dict = {"ours": None, "transformers": None, "ratio_output_tps": None, "batch1": None,
-                    "torch_threads": torch.get_num_threads()}
+                    "torch_threads": torch.get_num_threads(),
+                    "decode_attention": llm.worker_info["scheduler-0"]["decode_attention"]}
     result["ours"], ours_tokens = run_ours(llm, wl)
     if hf is not None:
         result["transformers"], hf_tokens = run_transformers(hf, wl, args.hf_batch_size)
@@ -200,7 +201,7 @@ def run_offline(args: argparse.Namespace) -> int:
         result["greedy_match"] = greedy_match(ours_tokens, hf_tokens)
     print(f"workload: {len(wl.prompts)} requests, prompts {args.min_prompt}-{args.max_prompt} tokens, "
           f"outputs {args.min_output}-{args.max_output} tokens, ignore_eos, greedy, dtype {args.dtype}, "
-          f"{result['torch_threads']} torch threads")
+          f"{result['torch_threads']} torch threads, decode attention {result['decode_attention']}")
     print_table(result["ours"], result["transformers"])
     if hf is not None:
         m = result["greedy_match"]

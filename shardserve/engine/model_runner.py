@@ -49,6 +49,11 @@ class ModelRunner:
         self.kv_views = self.pool.layer_views()
         self.paged_decode = self._pick_attention(cfg.attention_backend)
 
+    @property
+    def decode_attention(self) -> str:
+        """Which decode attention runs: 'cpu' (the C kernel) or 'torch' (gather + SDPA)."""
+        return "cpu" if self.paged_decode else "torch"
+
     def _pick_attention(self, choice: str) -> bool:
         """Whether decodes use the CPU C kernel (True) or gather + SDPA (False)."""
         if choice == "torch":

@@ -70,7 +70,8 @@ class SchedulerServer:
         # allocated untouched), so TP sizes can be compared.
         peak_mb = peak_rss_mb()
         return {"max_model_len": self.engine.max_model_len, "limits": dataclasses.asdict(self.engine.limits),
-                "peak_load_rss_mb": round(peak_mb, 1), "anon_rss_mb": round(anon_rss_mb(), 1)}
+                "peak_load_rss_mb": round(peak_mb, 1), "anon_rss_mb": round(anon_rss_mb(), 1),
+                "decode_attention": self.engine.runner.decode_attention}
 
     def serve(self) -> None:
         while self.running:
