@@ -3,9 +3,10 @@
 Decode attention dominates a CPU decode step when done with torch ops: every layer gathers each
 sequence's pages into a padded tensor and SDPA reads that copy again. The C kernel reads K/V in
 place from the pages. It is built with the system C compiler on first use (about a second) into
-a cache keyed by the source, the compiler and the CPU (it is compiled with -march=native), and
-links no torch headers. Where no compiler works, `load()` says why and the engine keeps the
-torch path.
+a cache keyed by the source, the build commands, the compiler and the CPU (it is compiled with
+-march=native). It includes no torch headers; it links torch's bundled OpenMP runtime so its
+threads are torch's. Where no compiler works, `load()` says why and the engine keeps the torch
+path.
 """
 
 from __future__ import annotations
