@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import multiprocessing as mp
+import pickle
 import socket
 import traceback
 
@@ -21,7 +22,9 @@ def _entry(fn, rank: int, world: int, port: int, queue) -> None:
     try:
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
         group = dist.new_group(list(range(world)))
-        queue.put((rank, fn(Communicator(group, rank, world, "test")), None))
+        # Plain pickle, not the queue's: torch would share tensors by file descriptor, and the
+        # descriptor's owner (this process) may be gone before the parent unpickles them.
+        queue.put((rank, pickle.dumps(fn(Communicator(group, rank, world, "test"))), None))
         dist.destroy_process_group()
     except BaseException:
         queue.put((rank, None, traceback.format_exc()))
@@ -42,7 +45,7 @@ def run_ranks(fn, world: int, timeout: float = 120, report: int | None = None) -
             rank, value, err = queue.get(timeout=timeout)
             if err:
                 raise AssertionError(f"rank {rank} failed:\n{err}")
-            results[rank] = value
+            results[rank] = pickle.loads(value)
     finally:
         for p in procs:
             p.join(10)

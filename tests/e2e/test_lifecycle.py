@@ -6,7 +6,9 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -120,8 +122,6 @@ def test_child_that_fails_to_start_is_reported(tmp_path):
 
 
 def test_busy_port_fails_fast(tiny_model, tmp_path):
-    import socket
-
     path, _ = tiny_model("llama")
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -137,3 +137,85 @@ def test_sigint_stops_everything(tiny_model, tmp_path):
     server = Server("--model", path, "--num-pages", "64", log_path=str(tmp_path / "log"))
     code, left = server.stop(signal.SIGINT)
     assert code == 0 and left == []
+
+
+def engine(url: str) -> dict[str, float]:
+    return {k: metric(url, f"shardserve_{k}") for k in
+            ("engine_steps", "num_requests_running", "kv_pages_used", "engine_requests_finished")}
+
+
+def wait_idle(url: str, timeout: float = 10) -> dict[str, float]:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        now = engine(url)
+        if now["num_requests_running"] == 0 and now["kv_pages_used"] == 0:
+            return now
+        time.sleep(0.05)
+    raise AssertionError(f"the engine did not go idle: {engine(url)}")
+
+
+@pytest.mark.parametrize("endpoint, body", [
+    ("/v1/completions", {"prompt": [5, 6, 7], "max_tokens": 480}),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "n": 2, "max_tokens": 480}),
+])
+def test_disconnect_of_a_non_streaming_request_aborts_it(tiny_server, endpoint, body):
+    url = tiny_server.url
+    before = wait_idle(url)
+    payload = json.dumps({**body, "ignore_eos": True}).encode()
+    with socket.create_connection(("127.0.0.1", tiny_server.port)) as conn:
+        conn.sendall(f"POST {endpoint} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     f"Content-Length: {len(payload)}\r\n\r\n".encode() + payload)
+        deadline = time.monotonic() + 10
+        while engine(url)["num_requests_running"] < body.get("n", 1):  # generating: now leave
+            assert time.monotonic() < deadline, "the request never started"
+            time.sleep(0.005)
+    after = wait_idle(url)
+    # Aborted, not finished: far fewer steps than the generation needed, and every page back.
+    assert after["engine_steps"] - before["engine_steps"] < body["max_tokens"] / 2, (before, after)
+    assert after["engine_requests_finished"] - before["engine_requests_finished"] == body.get("n", 1)
+    assert "its request was aborted" in tiny_server.read_log()
+
+
+def test_model_defaults_then_sigint_with_requests_in_flight(tiny_model, tmp_path):
+    """One server for two checks (each start costs seconds): a model shipping generation defaults
+    has them applied to requests that leave fields out; then Ctrl-C with requests running."""
+    src, _ = tiny_model("llama")
+    path = tmp_path / "model"
+    shutil.copytree(src, path)
+    (path / "generation_config.json").write_text(json.dumps({"temperature": 0.0, "top_k": 0}))
+    server = Server("--model", str(path), "--num-pages", "128", log_path=str(tmp_path / "log"))
+    assert "sampling defaults: temperature=0 top_p=1 top_k=-1 min_p=0 repetition_penalty=1 (from " \
+           "generation_config.json)" in server.read_log()
+    texts = {httpx.post(server.url + "/v1/completions", timeout=30, json={
+        "prompt": "Hello there", "max_tokens": 12, "seed": seed, **extra}).json()["choices"][0]["text"]
+        for seed, extra in ((1, {}), (2, {}), (3, {"temperature": 0}))}
+    assert len(texts) == 1  # greedy by the model's default, whatever the seed
+    results: dict[str, object] = {}
+    long = {"prompt": [5, 6], "max_tokens": 505, "ignore_eos": True}
+
+    def streamed() -> None:
+        with httpx.stream("POST", server.url + "/v1/completions", json={**long, "stream": True}, timeout=30) as r:
+            results["stream"] = [line for line in r.iter_lines() if line]
+
+    def whole() -> None:
+        results["whole"] = httpx.post(server.url + "/v1/completions", json={**long, "n": 2}, timeout=30)
+
+    threads = [threading.Thread(target=streamed), threading.Thread(target=whole)]
+    for t in threads:
+        t.start()
+    deadline = time.monotonic() + 10
+    while metric(server.url, "shardserve_num_requests_running") < 3 and time.monotonic() < deadline:
+        time.sleep(0.02)
+    start = time.monotonic()
+    code, left = server.stop(signal.SIGINT)
+    took = time.monotonic() - start
+    for t in threads:
+        t.join(10)
+    log = server.read_log()
+    assert code == 0 and left == [] and took < 5, (code, left, took)
+    assert "shutting down: 2 requests in flight cut off" in log
+    assert "Traceback" not in log and "CancelledError" not in log, log[-3000:]
+    assert results["whole"].status_code == 503
+    assert results["whole"].json()["error"]["message"] == "the server is shutting down"
+    events = results["stream"]
+    assert events[-1] == "data: [DONE]" and "the server is shutting down" in events[-2], events[-3:]

@@ -23,7 +23,8 @@ def stream_reply(llm: LLM, conversation: list[dict], params: SamplingParams):
 
 def chat(args: argparse.Namespace) -> int:
     cfg = engine_config(args)
-    llm = LLM(**{f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg)})
+    fields = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg)}
+    llm = LLM(generation_config=args.generation_config, **fields)
     try:
         return _loop(llm, args)
     finally:
@@ -31,7 +32,11 @@ def chat(args: argparse.Namespace) -> int:
 
 
 def _loop(llm: LLM, args: argparse.Namespace) -> int:
-    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature)
+    # Greedy unless the model ships defaults or the user asks; the user's flags win.
+    chosen = {"temperature": 0.0, **llm.generation_defaults}
+    if args.temperature is not None:
+        chosen["temperature"] = args.temperature
+    params = SamplingParams(**chosen, max_tokens=args.max_tokens)
     conversation: list[dict] = []
     print(HELP, flush=True)
     while True:

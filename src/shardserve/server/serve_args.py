@@ -4,18 +4,19 @@ from __future__ import annotations
 
 import argparse
 
-from shardserve.server.args import positive_int
+from shardserve.server.args import non_negative_int, port_number, positive_float, positive_int
 
 
 def add_serve_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("server")
-    g.add_argument("--host", default="127.0.0.1")
-    g.add_argument("--port", type=int, default=8000)
+    g.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    g.add_argument("--port", type=port_number, default=8000)
     g.add_argument("--served-model-name", default=None, help="model name in the API (default: the file's)")
-    g.add_argument("--num-tokenizers", type=int, default=1,
+    g.add_argument("--num-tokenizers", type=non_negative_int, default=1,
                    help="tokenizer workers; 0 = one worker tokenizes and detokenizes")
     g.add_argument("--max-queued-requests", type=positive_int, default=1024,
                    help="requests waiting or running beyond which the server answers 503")
     g.add_argument("--max-n", type=positive_int, default=16, help="largest n a request may ask for")
-    g.add_argument("--max-body-bytes", type=positive_int, default=8 * 2**20)
-    g.add_argument("--startup-timeout", type=float, default=300.0, help="seconds to wait for workers to be ready")
+    g.add_argument("--max-body-bytes", type=positive_int, default=8 * 2**20, help="largest request body")
+    g.add_argument("--startup-timeout", type=positive_float, default=300.0,
+                   help="seconds to wait for workers to be ready")

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -11,6 +11,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from shardserve.ipc.messages import DetokenizeReq, ErrorOut, TokenizeReq
 from shardserve.server.client import EngineClient
+from shardserve.server.disconnect import cancel_on_disconnect
 from shardserve.server.errors import APIError, parse_body
 from shardserve.server.metrics import Metrics
 from shardserve.server.openai_api import OpenAIHandlers
@@ -33,6 +34,7 @@ class ServerState:
     max_queued: int = 1024
     max_body: int = 8 * 2**20
     request_timeout: float = 600.0
+    sampling_defaults: dict = field(default_factory=dict)  # the model's, for fields a request leaves out
 
 
 def build_app(state: ServerState) -> FastAPI:
@@ -61,11 +63,13 @@ def build_app(state: ServerState) -> FastAPI:
 
     @app.post("/v1/completions")
     async def completions(request: Request):
-        return await api.completions(await parse_body(request, CompletionRequest, state.max_body))
+        body = await parse_body(request, CompletionRequest, state.max_body)
+        return await cancel_on_disconnect(request, api.completions(body))
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request):
-        return await api.chat(await parse_body(request, ChatRequest, state.max_body))
+        body = await parse_body(request, ChatRequest, state.max_body)
+        return await cancel_on_disconnect(request, api.chat(body))
 
     @app.get("/v1/models")
     async def models():

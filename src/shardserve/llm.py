@@ -12,6 +12,7 @@ from shardserve.config import EngineConfig, ParallelInfo
 from shardserve.core import CompletionOutput, RequestOutput, SamplingParams
 from shardserve.engine_backends import LocalBackend, ProcessBackend
 from shardserve.ipc.messages import TokenOut
+from shardserve.loader.generation_config import generation_defaults
 from shardserve.loader.model_path import resolve_checkpoint
 from shardserve.loader.tokenizer import load_tokenizer
 
@@ -41,12 +42,17 @@ class _Sample:
 class LLM:
     """An engine driven from this process. Keyword arguments are EngineConfig fields (dtype,
     page_size, ...); `tp_size=N` runs the model over N scheduler processes, and `isolated=True`
-    uses a scheduler process even for one rank (as the server does)."""
+    uses a scheduler process even for one rank (as the server does). `generation_config` says
+    where `generate(prompts)` without SamplingParams takes its defaults: 'auto' (the model's),
+    'none', or a directory with a generation_config.json."""
 
-    def __init__(self, model: str | None = None, tp_size: int = 1, isolated: bool = False, **kwargs):
+    def __init__(self, model: str | None = None, tp_size: int = 1, isolated: bool = False,
+                 generation_config: str = "auto", **kwargs):
         kwargs.setdefault("parallel", ParallelInfo(tp_size=tp_size))
         self.config = EngineConfig(model=model, **kwargs)
-        self.tokenizer = load_tokenizer(resolve_checkpoint(model))
+        ckpt = resolve_checkpoint(model)
+        self.generation_defaults, _ = generation_defaults(ckpt, generation_config)
+        self.tokenizer = load_tokenizer(ckpt)
         tok = self.tokenizer
         if self.config.parallel.tp_size > 1 or isolated:
             self._backend = ProcessBackend(self.config)
@@ -86,6 +92,8 @@ class LLM:
         """Generate for each prompt (a string or token ids); outputs keep the input order."""
         backend = self._live()
         prompts = _as_prompt_list(prompts)
+        if sampling_params is None:
+            sampling_params = self.get_default_sampling_params()
         params = _as_params_list(sampling_params, len(prompts))
         encoded = [self._encode(p) for p in prompts]
         for ids, sp in zip(encoded, params):
@@ -102,6 +110,10 @@ class LLM:
         prompts = [self.render_chat(c) for c in convs]
         outs = self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
         return outs[0] if single else outs
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        """SamplingParams with the model's generation defaults (temperature, top_p, ...) applied."""
+        return SamplingParams(**self.generation_defaults)
 
     def render_chat(self, conversation: list[dict]) -> list[int]:
         if self.tokenizer is None or not self.tokenizer.chat_template:
@@ -224,8 +236,6 @@ def _as_prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
 
 
 def _as_params_list(sp, n: int) -> list[SamplingParams]:
-    if sp is None:
-        return [SamplingParams()] * n
     if isinstance(sp, SamplingParams):
         return [sp] * n
     sp = list(sp)

@@ -19,7 +19,7 @@ from shardserve.core import SamplingParams
 
 
 def add_dist_args(p: argparse.ArgumentParser) -> None:
-    from shardserve.server.args import positive_int
+    from shardserve.server.args import positive_float, positive_int
 
     p.add_argument("--model", default=None, help="checkpoint (default: a random model of the shape below)")
     p.add_argument("--layers", type=positive_int, default=4)
@@ -32,9 +32,9 @@ def add_dist_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prompt-len", type=positive_int, default=64)
     p.add_argument("--new-tokens", type=positive_int, default=16)
     p.add_argument("--page-size", type=positive_int, default=16)
-    p.add_argument("--kv-cache-memory", type=float, default=64 * 2**20, help="bytes of KV cache per rank")
+    p.add_argument("--kv-cache-memory", type=positive_float, default=64 * 2**20, help="bytes of KV cache per rank")
     p.add_argument("--tp-sizes", default="1,2,4", help="comma-separated tensor-parallel sizes")
-    p.add_argument("--dtype", default="float32")
+    p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32")
 
 
 def random_model(args: argparse.Namespace, path: str) -> None:

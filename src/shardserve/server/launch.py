@@ -21,6 +21,7 @@ import uvicorn
 
 from shardserve.config import EngineConfig
 from shardserve.ipc.sockets import Endpoints
+from shardserve.loader.generation_config import describe, generation_defaults
 from shardserve.loader.model_path import resolve_checkpoint
 from shardserve.server.app import ServerState, build_app
 from shardserve.server.args import engine_config
@@ -54,11 +55,10 @@ def bind_socket(host: str, port: int) -> socket.socket:
 
 
 def serve(args: argparse.Namespace) -> int:
-    if args.num_tokenizers < 0:
-        print("shardserve: error: --num-tokenizers must be >= 0", file=sys.stderr)
-        return 2
     cfg = engine_config(args)
     ckpt = resolve_checkpoint(cfg.model)
+    defaults, origin = generation_defaults(ckpt, args.generation_config)
+    log.info(describe(defaults, origin))
     try:
         sock = bind_socket(args.host, args.port)
     except LaunchError as e:
@@ -69,7 +69,7 @@ def serve(args: argparse.Namespace) -> int:
     try:
         tree.start()
         infos = tree.wait_ready(args.startup_timeout)
-        return run_http(args, ckpt.name.removesuffix(".gguf"), infos["scheduler-0"], ep, tree, sock)
+        return run_http(args, ckpt.name.removesuffix(".gguf"), infos["scheduler-0"], ep, tree, sock, defaults)
     except LaunchError as e:
         print(f"shardserve: error: {e}", file=sys.stderr)
         return 1
@@ -77,15 +77,39 @@ def serve(args: argparse.Namespace) -> int:
         tree.stop()
 
 
-def run_http(args, default_name: str, info: dict, ep: Endpoints, tree: ProcessTree, sock: socket.socket) -> int:
+class _Server(uvicorn.Server):
+    """uvicorn, plus: the first stop signal ends every in-flight request at once with a clean
+    error (503, or an error event then [DONE] on a stream), so shutdown does not wait out
+    generations nobody will finish, nor cancel handlers mid-await."""
+
+    def __init__(self, config: uvicorn.Config, client: EngineClient):
+        super().__init__(config)
+        self.client = client
+        self.loop: asyncio.AbstractEventLoop | None = None
+
+    def handle_exit(self, sig: int, frame) -> None:
+        if not self.should_exit and self.loop is not None:
+            self.loop.call_soon_threadsafe(self._cut_off)
+        super().handle_exit(sig, frame)
+
+    def _cut_off(self) -> None:
+        if self.client.dead:
+            return
+        cut = self.client.fail_all("the server is shutting down", status=503)
+        log.info("shutting down: %d request%s in flight cut off", cut, "" if cut == 1 else "s")
+
+
+def run_http(args, default_name: str, info: dict, ep: Endpoints, tree: ProcessTree, sock: socket.socket,
+             sampling_defaults: dict) -> int:
     client = EngineClient(ep, max(1, args.num_tokenizers))
     state = ServerState(client, Metrics(), args.served_model_name or default_name, info["max_model_len"],
-                        max_n=args.max_n, max_queued=args.max_queued_requests, max_body=args.max_body_bytes)
-    server = uvicorn.Server(uvicorn.Config(build_app(state), log_level="info", timeout_graceful_shutdown=5))
+                        max_n=args.max_n, max_queued=args.max_queued_requests, max_body=args.max_body_bytes,
+                        sampling_defaults=sampling_defaults)
+    server = _Server(uvicorn.Config(build_app(state), log_level="info", timeout_graceful_shutdown=5), client)
     failure: list[str] = []
 
     async def main() -> None:
-        loop = asyncio.get_running_loop()
+        loop = server.loop = asyncio.get_running_loop()
 
         def on_death(reason: str) -> None:  # runs on the watchdog thread
             log.error("%s; shutting down", reason)
@@ -102,5 +126,8 @@ def run_http(args, default_name: str, info: dict, ep: Endpoints, tree: ProcessTr
     # stop the workers and exit 0 instead of dying by that signal with them still to clean up.
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: None)
-    asyncio.run(main())
+    try:
+        asyncio.run(main())
+    finally:
+        client.close()
     return 1 if failure else 0

@@ -23,6 +23,7 @@ from shardserve.ipc.messages import (
     encode,
 )
 from shardserve.ipc.sockets import Endpoints
+from shardserve.server.errors import APIError
 
 log = logging.getLogger(__name__)
 
@@ -75,7 +76,7 @@ class EngineClient:
 
     async def submit(self, req: GenerateReq, queue: asyncio.Queue) -> None:
         if self.dead:
-            raise RuntimeError(self.dead)
+            raise APIError(503, self.dead)
         self.queues[req.rid] = queue
         await self._send_tokenizer(req)
 
@@ -96,12 +97,22 @@ class EngineClient:
         finally:
             self.queues.pop(msg.rid, None)
 
-    def fail_all(self, reason: str) -> None:
-        """A worker died: every waiter gets an error now rather than hanging."""
+    def fail_all(self, reason: str, status: int = 500) -> int:
+        """A worker died, or the server is stopping: every waiter gets an error now rather than
+        hanging, and nothing new is taken. Returns how many HTTP requests were cut off (their
+        sub-requests share one queue)."""
         self.dead = reason
         for rid, q in list(self.queues.items()):
-            q.put_nowait(ErrorOut(rid=rid, message=reason, status=500))
+            q.put_nowait(ErrorOut(rid=rid, message=reason, status=status))
+        cut = len({id(q) for q in self.queues.values()})
         self.queues.clear()
+        return cut
+
+    def close(self) -> None:
+        """Drop unsent messages (aborts towards stopped workers) rather than wait to deliver them."""
+        for s in (self.inbox, self.scheduler, *self.tokenizers):
+            s.close(linger=0)
+        self.ctx.term()
 
     @property
     def num_active(self) -> int:

@@ -282,3 +282,10 @@ def _apply_special_tokens(tokenizer: Any, reader: GGUFReader) -> None:
         token = tokenizer.convert_ids_to_tokens(int(token_id))
         if getattr(tokenizer, f"{role}_token") != token:
             setattr(tokenizer, f"{role}_token", token)
+
+
+def read_gguf_sampling(path: str) -> dict[str, Any]:
+    """The `general.sampling.*` keys a GGUF may carry (llama.cpp's names), as raw values."""
+    reader = _open_reader(path)
+    prefix = "general.sampling."
+    return {k.removeprefix(prefix): _field_value(reader, k) for k in reader.fields if k.startswith(prefix)}

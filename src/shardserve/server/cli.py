@@ -1,4 +1,7 @@
-"""`shardserve` command line: serve (the default), chat, bench."""
+"""`shardserve` command line: serve (the default), chat, bench.
+
+Parsing imports only what flags need; each subcommand imports its own machinery when it runs.
+"""
 
 from __future__ import annotations
 
@@ -6,11 +9,11 @@ import argparse
 import logging
 import sys
 
-from shardserve.server.args import add_engine_args
+from shardserve.server.args import Parser, add_engine_args, non_negative_float, positive_int
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="shardserve", description="Serve LLMs split across devices.")
+    parser = Parser(prog="shardserve", description="Serve LLMs split across devices.")
     sub = parser.add_subparsers(dest="command")
     serve = sub.add_parser("serve", help="start the OpenAI-compatible server (the default)")
     add_engine_args(serve)
@@ -19,8 +22,9 @@ def build_parser() -> argparse.ArgumentParser:
     add_serve_args(serve)
     chat = sub.add_parser("chat", help="interactive chat in the terminal")
     add_engine_args(chat)
-    chat.add_argument("--max-tokens", type=int, default=256)
-    chat.add_argument("--temperature", type=float, default=0.0)
+    chat.add_argument("--max-tokens", type=positive_int, default=256, help="longest reply")
+    chat.add_argument("--temperature", type=non_negative_float, default=None,
+                      help="(default: the model's generation defaults, else 0 = greedy)")
     bench = sub.add_parser("bench", help="benchmarks")
     from shardserve.bench.cli import add_bench_args
 
@@ -37,9 +41,10 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         if args.command == "serve":
+            from shardserve.ipc.child import fast_exit
             from shardserve.server.launch import serve
 
-            return serve(args)
+            fast_exit(serve(args))  # every worker is stopped by now: skip the slow module teardown
         if args.command == "chat":
             from shardserve.server.shell import chat
 
@@ -48,7 +53,7 @@ def main(argv: list[str] | None = None) -> int:
             from shardserve.bench.cli import run_bench
 
             return run_bench(args)
-    except FileNotFoundError as e:
+    except (FileNotFoundError, ValueError) as e:
         print(f"shardserve: error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

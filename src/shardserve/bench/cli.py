@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from shardserve.server.args import add_engine_args, positive_int
+from shardserve.server.args import add_engine_args, non_negative_int, positive_int, seed_int
 
 
 def add_bench_args(bench: argparse.ArgumentParser) -> None:
@@ -19,12 +19,12 @@ def add_bench_args(bench: argparse.ArgumentParser) -> None:
     off.add_argument("--max-prompt", type=positive_int, default=512)
     off.add_argument("--min-output", type=positive_int, default=16)
     off.add_argument("--max-output", type=positive_int, default=256)
-    off.add_argument("--workload-seed", type=int, default=0)
+    off.add_argument("--workload-seed", type=seed_int, default=0)
     off.add_argument("--compare", choices=["transformers"], default=None,
                      help="also run this peer on the same requests and print the ratio")
     off.add_argument("--hf-batch-size", type=positive_int, default=16,
                      help="static batch size for the transformers peer")
-    off.add_argument("--batch1-tokens", type=int, default=64,
+    off.add_argument("--batch1-tokens", type=non_negative_int, default=64,
                      help="also time batch-1 decode of this many tokens (0 = skip)")
     from shardserve.bench.serve import add_serve_bench_args
 

@@ -16,12 +16,17 @@ from shardserve.server.errors import APIError
 from shardserve.server.generation import Choice, collect, stream_choices, usage
 from shardserve.server.protocol import ChatRequest, CompletionRequest, error_body
 
+MODEL_DEFAULTED = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
 
-def sampling_params(body, max_tokens: int, logprobs: int | None, prompt_logprobs: int | None = None) -> SamplingParams:
+
+def sampling_params(body, defaults: dict, max_tokens: int, logprobs: int | None,
+                    prompt_logprobs: int | None = None) -> SamplingParams:
+    """The request's fields; those it leaves out come from `defaults` (the model's), else
+    SamplingParams' own."""
+    given = {k: getattr(body, k) for k in MODEL_DEFAULTED if getattr(body, k) is not None}
     try:
         return SamplingParams(
-            n=1, max_tokens=max_tokens, temperature=body.temperature, top_k=body.top_k, top_p=body.top_p,
-            min_p=body.min_p, repetition_penalty=body.repetition_penalty, presence_penalty=body.presence_penalty,
+            **{**defaults, **given}, n=1, max_tokens=max_tokens, presence_penalty=body.presence_penalty,
             frequency_penalty=body.frequency_penalty, seed=body.seed, stop=body.stop or [],
             stop_token_ids=body.stop_token_ids or [], ignore_eos=body.ignore_eos, logprobs=logprobs,
             prompt_logprobs=prompt_logprobs, skip_special_tokens=body.skip_special_tokens,
@@ -71,7 +76,8 @@ class OpenAIHandlers:
         prompts = completion_prompts(body.prompt)
         self._admit(body, len(prompts) * body.n)
         # echo + logprobs scores the prompt too, as OpenAI's legacy completions do.
-        params = sampling_params(body, body.max_tokens, body.logprobs, body.logprobs if body.echo else None)
+        params = sampling_params(body, self.s.sampling_defaults, body.max_tokens, body.logprobs,
+                                 body.logprobs if body.echo else None)
         reqs = fan_out(prompts, params, body.n)
         echo = [await self._prompt_text(p) for p in prompts] if body.echo else None
         meta = {"id": f"cmpl-{EngineClient.new_rid()}", "created": int(time.time()), "model": self.s.model_name}
@@ -114,7 +120,7 @@ class OpenAIHandlers:
         self._admit(body, body.n)
         max_tokens = body.max_completion_tokens or body.max_tokens
         top = (body.top_logprobs or 0) if body.logprobs else None
-        params = sampling_params(body, max_tokens or 1, top)
+        params = sampling_params(body, self.s.sampling_defaults, max_tokens or 1, top)
         messages = [m.model_dump() for m in body.messages]
         reqs = fan_out([{"messages": messages}], params, body.n, auto_max_tokens=max_tokens is None)
         meta = {"id": f"chatcmpl-{EngineClient.new_rid()}", "created": int(time.time()), "model": self.s.model_name}

@@ -60,11 +60,11 @@ class RequestResult:
 
 def add_serve_bench_args(p: argparse.ArgumentParser) -> None:
     """Flags of `shardserve bench serve`."""
-    from shardserve.server.args import positive_int
+    from shardserve.server.args import positive_float, positive_int, seed_int
 
     p.add_argument("--url", required=True, help="base URL of an OpenAI-compatible server, e.g. http://127.0.0.1:8000")
     p.add_argument("--num-requests", type=positive_int, default=64)
-    p.add_argument("--request-rate", type=float, default=math.inf,
+    p.add_argument("--request-rate", type=positive_float, default=math.inf,
                    help="requests/s with Poisson arrivals (default inf: all at once)")
     p.add_argument("--min-prompt", type=positive_int, default=None,
                    help=f"prompt length in words (default {DEFAULT_PROMPT[0]}, or --max-prompt if smaller)")
@@ -72,7 +72,7 @@ def add_serve_bench_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--min-output", type=positive_int, default=None,
                    help=f"output tokens (default {DEFAULT_OUTPUT[0]}, or --max-output if smaller)")
     p.add_argument("--max-output", type=positive_int, default=DEFAULT_OUTPUT[1])
-    p.add_argument("--seed", type=int, default=0, help="seeds the prompts, output lengths and arrival times")
+    p.add_argument("--seed", type=seed_int, default=0, help="seeds the prompts, output lengths and arrival times")
     p.add_argument("--model-name", default=None, help="`model` field to send (default: first id of GET /v1/models)")
     p.add_argument("--endpoint", choices=["completions", "chat"], default="completions")
 

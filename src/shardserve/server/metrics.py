@@ -16,6 +16,9 @@ class Metrics:
         self.waiting = Gauge("shardserve_num_requests_waiting", "Requests waiting to be scheduled", registry=r)
         self.pages_used = Gauge("shardserve_kv_pages_used", "KV cache pages in use", registry=r)
         self.pages_total = Gauge("shardserve_kv_pages_total", "KV cache pages in the pool", registry=r)
+        self.steps = Gauge("shardserve_engine_steps", "Engine steps run so far", registry=r)
+        self.finished = Gauge("shardserve_engine_requests_finished", "Requests finished or aborted in the engine",
+                              registry=r)
         self.hit_rate = Gauge("shardserve_prefix_cache_hit_rate", "Prompt tokens served from cache", registry=r)
         self.prompt_tokens = Counter("shardserve_prompt_tokens", "Prompt tokens processed", registry=r)
         self.generation_tokens = Counter("shardserve_generation_tokens", "Tokens generated", registry=r)
@@ -34,6 +37,8 @@ class Metrics:
         self.pages_used.set(s.pages_used)
         self.pages_total.set(s.pages_total)
         self.hit_rate.set(s.prefix_hit_rate)
+        self.steps.set(s.steps)
+        self.finished.set(s.finished)
         for op, rec in s.traffic.items():
             self.comm_calls.labels(op).set(rec["calls"])
             self.comm_bytes.labels(op).set(rec["MB"] * 1e6)

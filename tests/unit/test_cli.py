@@ -1,0 +1,76 @@
+"""The command line: every numeric flag refused in one line before anything starts, help shows
+defaults, parsing stays light, and the installed package is never shadowed by a clone."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+
+import pytest
+
+from shardserve.server.cli import build_parser, main
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["serve", "--port", "99999"], "argument --port: must be in [1, 65535], got 99999"),
+    (["serve", "--port", "0"], "argument --port: must be in [1, 65535], got 0"),
+    (["--port", "http"], "argument --port: expected an integer, got 'http'"),
+    (["serve", "--num-tokenizers", "-1"], "argument --num-tokenizers: must be >= 0, got -1"),
+    (["serve", "--max-n", "0"], "argument --max-n: must be >= 1, got 0"),
+    (["serve", "--startup-timeout", "-5"], "argument --startup-timeout: must be > 0, got -5"),
+    (["serve", "--dist-timeout", "nan"], "argument --dist-timeout: must be a number, got nan"),
+    (["serve", "--kv-cache-memory", "0"], "argument --kv-cache-memory: must be > 0, got 0"),
+    (["serve", "--seed", str(2**64)], f"argument --seed: must be in [{-(2**63)}, {2**63 - 1}], got {2**64}"),
+    (["chat", "--temperature", "-1"], "argument --temperature: must be >= 0, got -1"),
+    (["chat", "--max-tokens", "0"], "argument --max-tokens: must be >= 1, got 0"),
+    (["bench", "offline", "--batch1-tokens", "-2"], "argument --batch1-tokens: must be >= 0, got -2"),
+    (["bench", "dist", "--kv-cache-memory", "-1"], "argument --kv-cache-memory: must be > 0, got -1"),
+    (["bench", "serve", "--url", "x", "--request-rate", "0"], "argument --request-rate: must be > 0, got 0"),
+])
+def test_bad_numbers_are_one_line_naming_the_flag(capsys, argv, message):
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and message in err and "Traceback" not in err, err
+
+
+def _subparsers(parser: argparse.ArgumentParser):
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for name, sub in action.choices.items():
+                yield name, sub
+                yield from _subparsers(sub)
+
+
+def test_help_shows_every_default():
+    checked = 0
+    for name, sub in _subparsers(build_parser()):
+        text = " ".join(sub.format_help().split())
+        for action in sub._actions:
+            if action.option_strings and action.default not in (None, False, argparse.SUPPRESS):
+                shown = f"(default: {action.default})"
+                assert shown in text, f"{name} {action.option_strings[0]}: {shown} missing from --help"
+                checked += 1
+    assert checked > 40
+
+
+def test_parsing_imports_no_server_or_model_machinery(tmp_path):
+    code = ("import sys; from shardserve.server.cli import build_parser; build_parser(); "
+            "print([m for m in ('transformers', 'fastapi', 'uvicorn', 'openai', 'zmq') if m in sys.modules])")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]"
+
+
+def test_a_clone_named_shardserve_does_not_shadow_the_package(tmp_path):
+    # A script run from the parent of a clone called `shardserve`: that directory is on sys.path
+    # first, and with a flat layout it would win as an empty namespace package.
+    (tmp_path / "shardserve" / "tests").mkdir(parents=True)
+    out = subprocess.run([sys.executable, "-c", "from shardserve import LLM, SamplingParams; print(LLM.__module__)"],
+                         capture_output=True, text=True, cwd=tmp_path, timeout=120,
+                         env={**os.environ, "PYTHONPATH": ""})
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "shardserve.llm"
