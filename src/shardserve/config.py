@@ -1,15 +1,15 @@
 """Frozen configuration objects: the model's shape, the engine's knobs, and parallel state.
 
-Everything here is plain data. Nothing reads a global: the parallel layout in particular is a
-`ParallelInfo` handed to every constructor that needs it, so a layer never asks "which rank am
-I?" of a module-level variable.
+Everything here is plain data. Nothing reads a global. Where a rank sits in the grid is not
+configuration: it is `distributed.layout.Layout` plus the rank, carried by `ParallelGroups` and
+handed to the constructors that need it.
 """
 
 from __future__ import annotations
 
 import json
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -19,26 +19,6 @@ DTYPES: dict[str, torch.dtype] = {
     "bfloat16": torch.bfloat16,
     "float16": torch.float16,
 }
-
-
-@dataclass(frozen=True)
-class ParallelInfo:
-    """Where this process sits in the parallel layout.
-
-    With one process every size is 1 and every rank 0; the seams exist so tensor, pipeline and
-    expert parallelism slot in without changing the layers that read this.
-    """
-
-    tp_rank: int = 0
-    tp_size: int = 1
-    pp_rank: int = 0
-    pp_size: int = 1
-
-    def __post_init__(self) -> None:
-        if not 0 <= self.tp_rank < self.tp_size:
-            raise ValueError(f"tp_rank {self.tp_rank} outside tp_size {self.tp_size}")
-        if not 0 <= self.pp_rank < self.pp_size:
-            raise ValueError(f"pp_rank {self.pp_rank} outside pp_size {self.pp_size}")
 
 
 @dataclass(frozen=True)
@@ -170,7 +150,6 @@ class EngineConfig:
     enable_prefix_cache: bool = True
     seed: int = 0
     show_progress: bool = True
-    parallel: ParallelInfo = field(default_factory=ParallelInfo)
     dist_timeout: float = 60.0  # seconds before a collective that never completes is an error
     attention_backend: str = "auto"  # see ATTENTION_BACKENDS
 

@@ -7,19 +7,30 @@ process tree minus HTTP and tokenizer workers: this process talks ZeroMQ to sche
 
 from __future__ import annotations
 
-import dataclasses
 import time
 
 import zmq
 
 from shardserve.config import EngineConfig
 from shardserve.core import SamplingParams
-from shardserve.ipc.messages import AbortReq, ErrorOut, Stats, TokenBatch, TokenizedReq, TokenOut
+from shardserve.distributed.layout import Layout
+from shardserve.ipc.messages import (
+    AbortReq,
+    AddRequests,
+    ErrorOut,
+    RankReports,
+    ReportReq,
+    Stats,
+    TokenBatch,
+    TokenizedReq,
+    TokenOut,
+)
 from shardserve.ipc.sockets import Endpoints, push, recv, send
+from shardserve.launch.process_tree import ProcessTree
+from shardserve.launch.ranks import scheduler_children
 from shardserve.platform import anon_rss_mb, peak_rss_mb
 from shardserve.scheduler.engine_core import EngineCore, RequestLimits
 from shardserve.scheduler.process import token_out
-from shardserve.server.process_tree import ProcessTree, scheduler_children
 
 
 class LocalBackend:
@@ -30,8 +41,12 @@ class LocalBackend:
         self.infos = {"scheduler-0": {"peak_load_rss_mb": round(peak_mb, 1), "anon_rss_mb": round(anon_rss_mb(), 1),
                                       "decode_attention": self.engine.runner.decode_attention}}
 
-    def add(self, rid: str, ids: list[int], params: SamplingParams) -> None:
-        self.engine.add_request(rid, ids, params)
+    def add(self, items: list[tuple[str, list[int], SamplingParams]]) -> None:
+        for rid, ids, params in items:
+            self.engine.add_request(rid, ids, params)
+
+    def rank_reports(self) -> list[dict]:
+        return [self.engine.traffic_by_group()]
 
     def poll(self) -> list[TokenOut]:
         return [token_out(o) for o in self.engine.step()]
@@ -47,11 +62,11 @@ class LocalBackend:
 
 
 class ProcessBackend:
-    """tp_size scheduler processes; requests go to rank 0, which fans them out."""
+    """One scheduler process per rank of `layout`; requests go to rank 0, which fans them out."""
 
-    def __init__(self, cfg: EngineConfig, startup_timeout: float = 600.0):
+    def __init__(self, cfg: EngineConfig, layout: Layout, startup_timeout: float = 600.0):
         self.ep = Endpoints.create(1)
-        self.tree = ProcessTree(self.ep, scheduler_children(cfg, self.ep))
+        self.tree = ProcessTree(self.ep, scheduler_children(cfg, self.ep, layout))
         self.ctx = zmq.Context()
         self.inbox = self.ctx.socket(zmq.PULL)
         for addr in (self.ep.detokenizer, self.ep.api):  # scheduler-0's token and error outputs
@@ -68,8 +83,23 @@ class ProcessBackend:
         self.last_stats: Stats | None = None
         self.finished = 0
 
-    def add(self, rid: str, ids: list[int], params: SamplingParams) -> None:
-        send(self.to_scheduler, TokenizedReq(rid=rid, token_ids=ids, params=dataclasses.replace(params)))
+    def add(self, items: list[tuple[str, list[int], SamplingParams]]) -> None:
+        """One message: scheduler-0 admits them all before its next step."""
+        send(self.to_scheduler, AddRequests(items=[TokenizedReq(rid=rid, token_ids=ids, params=params)
+                                                   for rid, ids, params in items]))
+
+    def rank_reports(self) -> list[dict]:
+        """Every rank's traffic, gathered by rank 0 over the control group."""
+        rid = f"report-{time.monotonic_ns()}"
+        send(self.to_scheduler, ReportReq(rid=rid))
+        deadline = time.monotonic() + self.timeout_s
+        while time.monotonic() < deadline:
+            msg = recv(self.inbox, timeout_ms=100)
+            if isinstance(msg, RankReports) and msg.rid == rid:
+                return msg.reports
+            if isinstance(msg, Stats):
+                self.last_stats = msg
+        raise RuntimeError(f"no rank reports from scheduler-0 within {self.timeout_s:.0f} s")
 
     def poll(self) -> list[TokenOut]:
         msg = recv(self.inbox, timeout_ms=int(self.timeout_s * 1000))

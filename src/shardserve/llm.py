@@ -8,8 +8,9 @@ from dataclasses import dataclass, field
 
 from tqdm import tqdm
 
-from shardserve.config import EngineConfig, ParallelInfo
+from shardserve.config import EngineConfig
 from shardserve.core import CompletionOutput, RequestOutput, SamplingParams
+from shardserve.distributed.layout import Layout
 from shardserve.engine_backends import LocalBackend, ProcessBackend
 from shardserve.ipc.messages import TokenOut
 from shardserve.loader.generation_config import generation_defaults
@@ -48,14 +49,14 @@ class LLM:
 
     def __init__(self, model: str | None = None, tp_size: int = 1, isolated: bool = False,
                  generation_config: str = "auto", **kwargs):
-        kwargs.setdefault("parallel", ParallelInfo(tp_size=tp_size))
+        self.layout = Layout(tp=tp_size)
         self.config = EngineConfig(model=model, **kwargs)
         ckpt = resolve_checkpoint(model)
         self.generation_defaults, _ = generation_defaults(ckpt, generation_config)
         self.tokenizer = load_tokenizer(ckpt)
         tok = self.tokenizer
-        if self.config.parallel.tp_size > 1 or isolated:
-            self._backend = ProcessBackend(self.config)
+        if self.layout.world > 1 or isolated:
+            self._backend = ProcessBackend(self.config, self.layout)
         else:
             extra_eos = (tok.eos_token_id,) if tok is not None and tok.eos_token_id is not None else ()
             self._backend = LocalBackend(self.config, self._decode if tok else None, extra_eos)
@@ -98,7 +99,10 @@ class LLM:
         encoded = [self._encode(p) for p in prompts]
         for ids, sp in zip(encoded, params):
             backend.limits.check(ids, sp)  # refuse the batch before anything starts
-        groups = [[self._add(ids, sp, i) for i in range(sp.n)] for ids, sp in zip(encoded, params)]
+        groups = [[self._sample(sp, i) for i in range(sp.n)] for sp in params]
+        # All at once: the engine admits the whole batch before its first step, so a run is
+        # the same steps every time.
+        backend.add([(s.rid, ids, s.params) for ids, g in zip(encoded, groups) for s in g])
         self._run(groups, use_tqdm)
         return [self._output(p, ids, g) for p, ids, g in zip(prompts, encoded, groups)]
 
@@ -127,7 +131,9 @@ class LLM:
             raise ValueError("add_request takes n=1; use generate for n > 1")
         ids = self._encode(prompt)
         self._live().limits.check(ids, params)
-        return self._add(ids, params, 0).rid
+        sample = self._sample(params, 0)
+        self._live().add([(sample.rid, ids, sample.params)])
+        return sample.rid
 
     def step(self) -> list[TokenOut]:
         """Progress of every request added with `add_request`: new token ids, finish reasons."""
@@ -138,7 +144,8 @@ class LLM:
         backend = self._live()
         ids = self._encode(prompt)
         backend.limits.check(ids, params)
-        sample = self._add(ids, dataclasses.replace(params, n=1), 0)
+        sample = self._sample(dataclasses.replace(params, n=1), 0)
+        backend.add([(sample.rid, ids, sample.params)])
         done = False
         try:
             while not done:
@@ -150,15 +157,14 @@ class LLM:
             if not done:
                 backend.abort(sample.rid)
 
-    def _add(self, ids: list[int], sp: SamplingParams, index: int) -> _Sample:
-        # n samples are n requests sharing the prompt (and, through the prefix cache, its KV).
-        # Only the first sample scores the prompt: RequestOutput reports it once.
+    def _sample(self, sp: SamplingParams, index: int) -> _Sample:
+        """The index-th of a prompt's n samples, with its own id and seed, not yet added.
+        n samples are n requests sharing the prompt (and, through the prefix cache, its KV);
+        only the first scores the prompt: RequestOutput reports it once."""
         one = dataclasses.replace(sp, n=1, seed=sp.sample_seed(index),
                                   prompt_logprobs=sp.prompt_logprobs if index == 0 else None)
         self._next_id += 1
-        rid = str(self._next_id)
-        self._backend.add(rid, ids, one)
-        return _Sample(rid, one)
+        return _Sample(str(self._next_id), one)
 
     def _run(self, groups: list[list[_Sample]], use_tqdm: bool) -> None:
         by_rid = {s.rid: (gi, s) for gi, g in enumerate(groups) for s in g}
@@ -204,6 +210,10 @@ class LLM:
     def stats(self):
         """Engine counters: steps, KV pages, and (rank 0's) traffic on the TP and control groups."""
         return self._live().stats()
+
+    def rank_reports(self) -> list[dict]:
+        """Every rank's collective counts, by group kind then operation (see bench dist)."""
+        return self._live().rank_reports()
 
     def shutdown(self) -> None:
         if self._backend is not None:

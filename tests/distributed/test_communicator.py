@@ -17,7 +17,8 @@ def collectives(comm):
     summed = comm.all_reduce(data(r, 2).clone())
     low = comm.all_reduce(torch.tensor([5.0 + r]), op="min")
     even = comm.all_gather(data(r, 2), dim=0)
-    uneven = comm.all_gather(data(r, r + 1), dim=0)  # 1, 2, 3 rows
+    uneven = comm.all_gather(data(r, r + 1), dim=0, sizes=[1, 2, 3])  # sizes known: no exchange
+    comm.barrier()
     # Rank r sends (r + dst) rows to rank dst, tagged with sender and destination.
     pieces = [torch.full((r + dst, 2), float(10 * r + dst)) for dst in range(comm.size)]
     received = comm.all_to_all(pieces)
@@ -41,7 +42,12 @@ def test_collectives_match_single_process():
         assert traffic["all_gather"] == {"calls": 2, "MB": (8 * 4 + (r + 1) * 4 * 4) / 1e6}
         sent = sum((r + dst) * 2 * 4 for dst in range(WORLD))
         assert traffic["all_to_all"] == {"calls": WORLD, "MB": sent / 1e6}
+        # The row counts all_to_all exchanges first are a collective too, and counted.
+        assert traffic["all_to_all_sizes"] == {"calls": 1, "MB": WORLD * 8 / 1e6}
         assert traffic["broadcast"] == {"calls": 1, "MB": 12 / 1e6}
+        assert traffic["barrier"] == {"calls": 1, "MB": 0.0}
+        assert set(traffic) == {"all_reduce", "all_gather", "all_to_all", "all_to_all_sizes", "broadcast",
+                                "barrier"}
 
 
 def failing_peer(comm):

@@ -1,8 +1,10 @@
-"""`shardserve bench dist`: the same workload at several tensor-parallel sizes, with traffic.
+"""`shardserve bench dist`: the same workload at several sizes of one layout, with traffic.
 
 One JSON line per run: mode, ranks, same_tokens (equal to the first run's), steps,
-kv_pages_per_rank, seconds, and rank 0's collective counts on the tensor-parallel group
-(`traffic`) and on the control group (`control`), MB = 10^6 bytes.
+kv_pages_per_rank, seconds, rank 0's collective counts on the tensor-parallel group (`traffic`)
+and on the control group (`control`), and every rank's counts on every group it belongs to
+(`traffic_per_rank`: a list by rank of {kind: {op: {calls, MB}}}), MB = 10^6 bytes. All requests
+are admitted before the first step, so the step and call counts are the same every run.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from shardserve.core import SamplingParams
 
 
 def add_dist_args(p: argparse.ArgumentParser) -> None:
-    from shardserve.server.args import positive_float, positive_int
+    from shardserve.server.args import memory_amount, positive_int
 
     p.add_argument("--model", default=None, help="checkpoint (default: a random model of the shape below)")
     p.add_argument("--layers", type=positive_int, default=4)
@@ -32,7 +34,8 @@ def add_dist_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prompt-len", type=positive_int, default=64)
     p.add_argument("--new-tokens", type=positive_int, default=16)
     p.add_argument("--page-size", type=positive_int, default=16)
-    p.add_argument("--kv-cache-memory", type=positive_float, default=64 * 2**20, help="bytes of KV cache per rank")
+    p.add_argument("--kv-cache-memory", type=memory_amount, default=64 * 2**20, help="bytes of KV cache per rank")
+    p.add_argument("--mode", choices=["tensor"], default="tensor", help="which layout to vary")
     p.add_argument("--tp-sizes", default="1,2,4", help="comma-separated tensor-parallel sizes")
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32")
 
@@ -57,19 +60,25 @@ def one_run(path: str, tp: int, args: argparse.Namespace, prompts: list[list[int
              kv_cache_memory=args.kv_cache_memory, show_progress=False) as llm:
         # Warm-up (untimed) on a prompt that shares no page with the workload.
         llm.generate([[1] * args.page_size * 2], SamplingParams(max_tokens=2), use_tqdm=False)
-        warm = llm.stats()
+        warm, warm_ranks = llm.stats(), llm.rank_reports()
         start = time.perf_counter()
         outs = llm.generate(prompts, params, use_tqdm=False)
         seconds = time.perf_counter() - start
-        stats = llm.stats()
+        stats, ranks = llm.stats(), llm.rank_reports()
         pages = llm.limits.num_pages
         rss = [llm.worker_info[f"scheduler-{r}"]["peak_load_rss_mb"] for r in range(tp)]
         anon = [llm.worker_info[f"scheduler-{r}"]["anon_rss_mb"] for r in range(tp)]
     tokens = [o.token_ids for o in outs]
     return {"mode": "tensor", "ranks": tp, "steps": stats.steps - warm.steps, "kv_pages_per_rank": pages,
             "seconds": round(seconds, 3), "traffic": _minus(stats.traffic, warm.traffic),
-            "control": _minus(stats.control, warm.control), "peak_load_rss_mb": rss,
+            "control": _minus(stats.control, warm.control),
+            "traffic_per_rank": [_per_group(after, before) for after, before in zip(ranks, warm_ranks)],
+            "peak_load_rss_mb": rss,
             "anon_rss_mb_after_load": anon}, tokens
+
+
+def _per_group(after: dict, before: dict) -> dict:
+    return {kind: _minus(ops, before["groups"].get(kind, {})) for kind, ops in after["groups"].items()}
 
 
 def _minus(after: dict, before: dict) -> dict:

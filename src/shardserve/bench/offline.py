@@ -22,7 +22,7 @@ from shardserve.core import SamplingParams
 from shardserve.llm import LLM
 from shardserve.loader.model_path import resolve_checkpoint
 from shardserve.platform import pick_device
-from shardserve.server.args import engine_config
+from shardserve.server.args import llm_kwargs
 
 BATCH1_PROMPT = 32
 NUM_CHECKED = 4  # requests whose greedy tokens are compared with transformers'
@@ -184,8 +184,7 @@ def run_offline(args: argparse.Namespace) -> int:
     """Run the benchmark, print a table and one final JSON line with every number."""
     if args.batch1_tokens == 1 or args.batch1_tokens < 0:
         raise SystemExit("shardserve bench offline: --batch1-tokens must be 0 (skip) or >= 2")
-    cfg = engine_config(args)
-    llm = LLM(**vars(cfg))
+    llm = LLM(**llm_kwargs(args))
     vocab = llm.limits.vocab_size
     low = min(100, vocab // 2)
     wl = make_workload(args, vocab)

@@ -8,6 +8,7 @@ times out raises `CollectiveError` naming the rank, the group and the operation.
 
 from __future__ import annotations
 
+import pickle
 from collections import defaultdict
 from dataclasses import dataclass
 
@@ -30,10 +31,14 @@ class Traffic:
 class Communicator:
     """all_reduce / all_gather / all_to_all / broadcast / send / recv on one group."""
 
-    def __init__(self, group: dist.ProcessGroup | None = None, rank: int = 0, size: int = 1, name: str = "tp"):
+    def __init__(self, group: dist.ProcessGroup | None = None, rank: int = 0, size: int = 1, name: str = "tensor",
+                 members: tuple[int, ...] | None = None):
+        """`rank` and `size` are within the group; `members` are the group's global ranks in order
+        (from the layout, so addressing a peer needs no lookup)."""
         if size > 1 and group is None:
             raise ValueError("a Communicator for more than one rank needs a process group")
         self.group, self.rank, self.size, self.name = group, rank, size, name
+        self.members = members or tuple(range(size))
         self.traffic: dict[str, Traffic] = defaultdict(Traffic)
 
     def _count(self, op: str, t: torch.Tensor) -> None:
@@ -48,7 +53,7 @@ class Communicator:
             raise CollectiveError(f"rank {self.rank}: {what} on the {self.name} group failed: {e}") from e
 
     def _global(self, rank: int) -> int:
-        return dist.get_global_rank(self.group, rank)
+        return self.members[rank]
 
     def all_reduce(self, t: torch.Tensor, op: str = "sum") -> torch.Tensor:
         """Reduce across ranks in place (op: sum, min or max); returns `t`."""
@@ -60,13 +65,13 @@ class Communicator:
         return t
 
     def all_gather(self, t: torch.Tensor, dim: int = -1, sizes: list[int] | None = None) -> torch.Tensor:
-        """Concatenate every rank's `t` along `dim`. Pieces may differ along `dim`; pass their
-        `sizes` when known, else they are exchanged first."""
+        """Concatenate every rank's `t` along `dim`. Pieces are equal unless `sizes` (every
+        rank's length along `dim`, which callers know from how they split) says otherwise."""
         if self.size == 1:
             return t
         self._count("all_gather", t)
         dim = dim % t.dim()
-        sizes = sizes or self._sizes_along(t, dim)
+        sizes = sizes or [t.shape[dim]] * self.size
         t = t.contiguous()
         if len(set(sizes)) == 1:
             pieces = [torch.empty_like(t) for _ in sizes]
@@ -90,6 +95,7 @@ class Communicator:
             self._count("all_to_all", p)
         counts = torch.tensor([p.shape[0] for p in pieces], dtype=torch.int64)
         incoming = [torch.zeros_like(counts) for _ in range(self.size)]
+        self._count("all_to_all_sizes", counts)  # a collective too: every one is counted
         self._run("all_to_all", dist.all_gather, incoming, counts)
         rest = pieces[self.rank].shape[1:]
         out = [t.new_empty((int(incoming[src][self.rank]), *rest)) if src != self.rank else pieces[src]
@@ -119,19 +125,33 @@ class Communicator:
         self._run("recv", dist.recv, t, self._global(src))
         return t
 
+    def gather_objects(self, obj) -> list:
+        """Every rank's picklable `obj`, in rank order, on every rank (for reports, not hot paths)."""
+        if self.size == 1:
+            return [obj]
+        data = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
+        length = torch.tensor([data.numel()], dtype=torch.int64)
+        self._count("gather_objects", length)
+        lengths = [int(n) for n in self._run("gather_objects", _all_gather_list, length, self.size)]
+        self._count("gather_objects", data)
+        padded = torch.cat([data, data.new_zeros(max(lengths) - data.numel())])
+        pieces = self._run("gather_objects", _all_gather_list, padded, self.size)
+        return [pickle.loads(p[:n].numpy().tobytes()) for p, n in zip(pieces, lengths)]
+
     def barrier(self) -> None:
         if self.size > 1:
+            self._count("barrier", torch.empty(0))
             self._run("barrier", dist.barrier)
-
-    def _sizes_along(self, t: torch.Tensor, dim: int) -> list[int]:
-        mine = torch.tensor([t.shape[dim]], dtype=torch.int64, device=t.device)
-        out = [torch.zeros_like(mine) for _ in range(self.size)]
-        self._run("all_gather", dist.all_gather, out, mine)
-        return [int(x) for x in out]
 
     def traffic_report(self) -> dict[str, dict[str, float]]:
         """Counts by operation, bytes as MB (10^6), for logs, /metrics and benchmarks."""
         return {op: {"calls": r.calls, "MB": r.bytes / 1e6} for op, r in sorted(self.traffic.items())}
+
+
+def _all_gather_list(t: torch.Tensor, size: int, group=None) -> list[torch.Tensor]:
+    out = [torch.empty_like(t) for _ in range(size)]
+    dist.all_gather(out, t, group=group)
+    return out
 
 
 def _batch_p2p(ops: list, group=None) -> list:

@@ -1,7 +1,9 @@
-"""Set up torch.distributed for one scheduler rank and build its named groups.
+"""Set up torch.distributed for one rank and build every group of the rank grid.
 
-Two groups over the same ranks: `tp` carries tensors (NCCL on GPUs, gloo on CPU) and `control`
-carries scheduling agreement (always gloo, CPU tensors). Layers only ever see `tp`.
+`ParallelGroups` is the one answer to "where am I": the layout, this rank's global rank, and a
+`Communicator` for each group kind it belongs to (a size-1 one where the group is just itself).
+Tensor-carrying groups use NCCL on GPUs and gloo on CPU; `control` (scheduling agreement) is
+always gloo on CPU tensors. Layers receive only the communicators they shard over.
 """
 
 from __future__ import annotations
@@ -13,29 +15,68 @@ import torch
 import torch.distributed as dist
 
 from shardserve.distributed.communicator import Communicator
+from shardserve.distributed.layout import Coords, Layout
 from shardserve.platform import collective_backend
 
 
 @dataclass
 class ParallelGroups:
-    tp: Communicator
+    layout: Layout
+    rank: int
+    tensor: Communicator
+    context: Communicator
+    pipeline: Communicator
+    data: Communicator
     control: Communicator
+    expert: Communicator
+    moe_tp: Communicator
+
+    @property
+    def coords(self) -> Coords:
+        return self.layout.coords(self.rank)
+
+    @property
+    def local_rank(self) -> int:
+        """Index among this machine's ranks: picks the GPU."""
+        return self.layout.local_rank(self.rank)
+
+    @property
+    def label(self) -> str:
+        """How logs name this rank, e.g. 'rank 3 (node 1, tp 1)': sizes of 1 are left out."""
+        c, grid = self.coords, self.layout
+        parts = [f"node {grid.node_of(self.rank)}"] if grid.nnodes > 1 else []
+        parts += [f"{a} {getattr(c, a)}" for a in ("dp", "pp", "cp", "tp") if getattr(grid, a) > 1]
+        return f"rank {self.rank}" + (f" ({', '.join(parts)})" if parts else "")
+
+    def communicators(self) -> dict[str, Communicator]:
+        return {kind: getattr(self, kind) for kind in ("tensor", "context", "pipeline", "data", "control",
+                                                       "expert", "moe_tp")}
 
 
-def single_process_groups() -> ParallelGroups:
-    return ParallelGroups(Communicator(name="tp"), Communicator(name="control"))
+def single_process_groups(layout: Layout | None = None) -> ParallelGroups:
+    layout = layout or Layout()
+    if layout.world != 1:
+        raise ValueError(f"a single process cannot hold a layout of {layout.world} ranks")
+    return ParallelGroups(layout, 0, **{kind: Communicator(name=kind) for kind in _KINDS})
 
 
-def init_distributed(rank: int, world: int, master: str, device: torch.device, timeout_s: float) -> ParallelGroups:
-    """`master` is host:port of rank 0's rendezvous. Every collective times out after `timeout_s`."""
+_KINDS = ("tensor", "context", "pipeline", "data", "control", "expert", "moe_tp")
+
+
+def init_distributed(layout: Layout, rank: int, master: str, device: torch.device,
+                     timeout_s: float) -> ParallelGroups:
+    """`master` is host:port of the rendezvous. Every collective times out after `timeout_s`."""
     timeout = timedelta(seconds=timeout_s)
     backend = collective_backend(device)
     dist.init_process_group("gloo" if backend == "gloo" else "cpu:gloo,cuda:nccl",
-                            init_method=f"tcp://{master}", rank=rank, world_size=world, timeout=timeout)
-    ranks = list(range(world))
-    tp = dist.new_group(ranks, backend=backend, timeout=timeout)
-    control = dist.new_group(ranks, backend="gloo", timeout=timeout)
-    return ParallelGroups(Communicator(tp, rank, world, "tp"), Communicator(control, rank, world, "control"))
+                            init_method=f"tcp://{master}", rank=rank, world_size=layout.world, timeout=timeout)
+    comms = {kind: Communicator(name=kind) for kind in _KINDS}
+    # Every rank creates every group in this one order, members or not (torch requires it).
+    for kind, members in layout.creation_order():
+        group = dist.new_group(list(members), backend="gloo" if kind == "control" else backend, timeout=timeout)
+        if rank in members:
+            comms[kind] = Communicator(group, members.index(rank), len(members), kind, members)
+    return ParallelGroups(layout, rank, **comms)
 
 
 def shutdown_distributed() -> None:

@@ -30,14 +30,15 @@ class ModelRunner:
                  groups: ParallelGroups | None = None):
         self.cfg, self.model_cfg = cfg, model_cfg
         groups = groups or single_process_groups()
-        self.comm, self.control = groups.tp, groups.control
-        self.device = pick_device(cfg.device, cfg.parallel.tp_rank)
+        self.groups = groups
+        self.comm, self.control = groups.tensor, groups.control
+        self.device = pick_device(cfg.device, groups.local_rank)
         self.dtype = cfg.torch_dtype
         cls = model_class(model_cfg.architecture)
         with torch.device(self.device):
             self.model = cls(model_cfg, self.comm, self.dtype, self.device)
         sources, total = checkpoint_sources(ckpt)
-        desc = f"[tp{cfg.parallel.tp_rank}] Loading {ckpt.name}"
+        desc = f"[{groups.label}] Loading {ckpt.name}"
         load_weights(self.model, sources, total, progress=cfg.show_progress, desc=desc)
         self.model.eval()
         shard = head_shard(model_cfg.num_heads, model_cfg.num_kv_heads, self.comm.size, self.comm.rank)

@@ -34,8 +34,25 @@ class TokenizedReq(Msg):
     auto_max_tokens: bool = False
 
 
+class AddRequests(Msg):
+    """Several requests the scheduler admits together, before its next step (offline batches)."""
+
+    items: list[TokenizedReq]
+
+
 class AbortReq(Msg):
     rid: str
+
+
+class ReportReq(Msg):
+    """Ask every rank for its collective counts; rank 0 answers with RankReports."""
+
+    rid: str
+
+
+class RankReports(Msg):
+    rid: str
+    reports: list[dict]  # by global rank: {"rank": r, "groups": {kind: {op: {"calls", "MB"}}}}
 
 
 class TokenOut(Msg):
@@ -135,7 +152,8 @@ class Shutdown(Msg):
 
 
 Message = (
-    GenerateReq | TokenizedReq | AbortReq | TokenBatch | TextBatch | ErrorOut | TokenizeReq | TokenizeOut
+    GenerateReq | TokenizedReq | AddRequests | AbortReq | ReportReq | RankReports | TokenBatch | TextBatch
+    | ErrorOut | TokenizeReq | TokenizeOut
     | DetokenizeReq | DetokenizeOut | Stats | Ready | Failed | Shutdown
 )
 

@@ -186,6 +186,12 @@ class EngineCore:
                      finished=self.num_finished,
                      traffic=self.runner.comm.traffic_report(), control=self.control.traffic_report())
 
+    def traffic_by_group(self) -> dict:
+        """This rank's counts on every group it is in: {"rank": r, "groups": {kind: report}}."""
+        groups = self.runner.groups
+        return {"rank": groups.rank, "groups": {kind: c.traffic_report() for kind, c in groups.communicators().items()
+                                                if c.size > 1}}
+
     def running_status(self) -> dict[str, int]:
         return {
             "steps": self.num_steps,

@@ -1,25 +1,35 @@
-"""The scheduler process (one per tensor-parallel rank): the engine loop plus its I/O.
+"""The scheduler process (one per rank of the grid): the engine loop plus its I/O.
 
-Per iteration: take this step's messages (the same on every rank, see `Inbox`), add or abort
-requests, run one engine step (every rank runs it; the model's collectives keep them in
-lockstep), and on rank 0 only, send each request's new tokens to the detokenizer. A request
-the engine refuses gets an ErrorOut sent straight to the API.
+Per iteration: take this step's messages (the same on every rank of the replica, see `Inbox`),
+add or abort requests, run one engine step (every rank runs it; the model's collectives keep
+them in lockstep), and on the replica's leader only (rank 0 of its control group), send each
+request's new tokens to the detokenizer. A request the engine refuses gets an ErrorOut sent
+straight to the API.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
-import os
 import time
 
-import torch
 import zmq
 
-from shardserve.config import EngineConfig, ParallelInfo
+from shardserve.config import EngineConfig
 from shardserve.distributed.groups import init_distributed, single_process_groups
+from shardserve.distributed.layout import Layout
 from shardserve.ipc.child import run_child
-from shardserve.ipc.messages import AbortReq, ErrorOut, Shutdown, TokenBatch, TokenizedReq, TokenOut
+from shardserve.ipc.messages import (
+    AbortReq,
+    AddRequests,
+    ErrorOut,
+    RankReports,
+    ReportReq,
+    Shutdown,
+    TokenBatch,
+    TokenizedReq,
+    TokenOut,
+)
 from shardserve.ipc.sockets import Endpoints, push, send
 from shardserve.loader.model_path import resolve_checkpoint
 from shardserve.loader.tokenizer import load_tokenizer
@@ -34,30 +44,27 @@ IDLE_WAIT_MS = 100
 
 @dataclasses.dataclass(frozen=True)
 class RankSpec:
-    """Where one scheduler process sits: its rank, the world, and rank 0's rendezvous address."""
+    """Where one scheduler process sits: its global rank in the layout, and the rendezvous
+    address (host:port) every rank of the grid meets at."""
 
     rank: int = 0
-    world: int = 1
+    layout: Layout = Layout()
     master: str = ""
 
 
 class SchedulerServer:
     def __init__(self, cfg: EngineConfig, ep: Endpoints, spec: RankSpec):
-        self.rank = spec.rank
-        device = pick_device(cfg.device, spec.rank)
-        if device.type == "cpu" and spec.world > 1:
-            # N ranks share the machine's cores; oversubscribing them slows every rank.
-            torch.set_num_threads(max(1, (os.cpu_count() or 1) // spec.world))
-        groups = (init_distributed(spec.rank, spec.world, spec.master, device, cfg.dist_timeout)
-                  if spec.world > 1 else single_process_groups())
-        cfg = dataclasses.replace(cfg, parallel=ParallelInfo(tp_rank=spec.rank, tp_size=spec.world))
+        device = pick_device(cfg.device, spec.layout.local_rank(spec.rank))
+        groups = (init_distributed(spec.layout, spec.rank, spec.master, device, cfg.dist_timeout)
+                  if spec.layout.world > 1 else single_process_groups())
+        self.leader = groups.control.rank == 0  # talks to the tokenizers, detokenizer and API
         tok = load_tokenizer(resolve_checkpoint(cfg.model))
         decode = (lambda ids, skip: tok.decode(ids, skip_special_tokens=skip)) if tok else None
         eos = (tok.eos_token_id,) if tok is not None and tok.eos_token_id is not None else ()
         self.engine = EngineCore(cfg, decode=decode, groups=groups, extra_eos=eos)
         ctx = zmq.Context.instance()
         self.inbox = Inbox(ctx, ep.scheduler, ep.fanout, groups.control, cfg.dist_timeout)
-        if self.rank == 0:
+        if self.leader:
             self.to_detok = push(ctx, ep.detokenizer)
             self.to_api = push(ctx, ep.api)
         self.aborted_early: set[str] = set()  # aborts that overtook their request
@@ -79,13 +86,21 @@ class SchedulerServer:
             for msg in self.inbox.receive(IDLE_WAIT_MS if idle else 0):
                 self.handle(msg)
             outs = self.engine.step()
-            if self.rank == 0:
+            if self.leader:
                 if outs:
                     send(self.to_detok, TokenBatch(items=[token_out(o) for o in outs]))
                 self.maybe_send_stats()
 
     def handle(self, msg) -> None:
-        if isinstance(msg, TokenizedReq):
+        if isinstance(msg, AddRequests):
+            for item in msg.items:
+                self.handle(item)
+        elif isinstance(msg, ReportReq):
+            # Every rank took this message this step, so every rank joins the gather.
+            reports = self.engine.control.gather_objects(self.engine.traffic_by_group())
+            if self.leader:
+                send(self.to_api, RankReports(rid=msg.rid, reports=reports))
+        elif isinstance(msg, TokenizedReq):
             if msg.rid in self.aborted_early:
                 self.aborted_early.discard(msg.rid)
                 return
@@ -94,11 +109,11 @@ class SchedulerServer:
                     msg.params.max_tokens = max(1, self.engine.max_model_len - len(msg.token_ids))
                 self.engine.add_request(msg.rid, msg.token_ids, msg.params)
             except Exception as e:  # whatever a request carries, refusing it must not stop the engine
-                if self.rank == 0:
+                if self.leader:
                     send(self.to_api, ErrorOut(rid=msg.rid, message=str(e), status=400))
         elif isinstance(msg, AbortReq):
             if self.engine.abort(msg.rid):
-                if self.rank == 0:  # tell the detokenizer too, so it forgets the stream
+                if self.leader:  # tell the detokenizer too, so it forgets the stream
                     done = TokenOut(rid=msg.rid, new_ids=[], finished=True, finish_reason="abort")
                     send(self.to_detok, TokenBatch(items=[done]))
             else:

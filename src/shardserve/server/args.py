@@ -7,10 +7,12 @@ starts, and a bad value is one line naming the flag (`Parser.error`).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import math
 import sys
 
-from shardserve.config import ATTENTION_BACKENDS, DTYPES, EngineConfig, ParallelInfo
+from shardserve.config import ATTENTION_BACKENDS, DTYPES, EngineConfig
+from shardserve.distributed.layout import Layout
 
 
 class Parser(argparse.ArgumentParser):
@@ -128,8 +130,20 @@ def engine_config(args: argparse.Namespace, **overrides) -> EngineConfig:
         num_pages=args.num_pages, kv_cache_memory=args.kv_cache_memory,
         max_num_batched_tokens=args.max_num_batched_tokens, max_running_requests=args.max_running_requests,
         max_model_len=args.max_model_len, enable_prefix_cache=not args.no_prefix_cache, seed=args.seed,
-        parallel=ParallelInfo(tp_size=args.tp_size), dist_timeout=args.dist_timeout,
+        dist_timeout=args.dist_timeout,
         attention_backend=args.attention_backend,
     )
     fields.update(overrides)
     return EngineConfig(**fields)
+
+
+def layout_from_args(args: argparse.Namespace) -> Layout:
+    """The rank grid the flags describe (LayoutError names the flag when sizes cannot work)."""
+    return Layout(tp=args.tp_size)
+
+
+def llm_kwargs(args: argparse.Namespace) -> dict:
+    """`LLM(...)` keyword arguments for the engine flags: EngineConfig's fields and the layout."""
+    cfg = engine_config(args)
+    return {**{f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg)}, "tp_size": args.tp_size,
+            "generation_config": args.generation_config}

@@ -20,21 +20,24 @@ import sys
 import uvicorn
 
 from shardserve.config import EngineConfig
+from shardserve.distributed.layout import Layout
 from shardserve.ipc.sockets import Endpoints
+from shardserve.launch.process_tree import Child, LaunchError, ProcessTree
+from shardserve.launch.ranks import scheduler_children
 from shardserve.loader.generation_config import describe, generation_defaults
 from shardserve.loader.model_path import resolve_checkpoint
 from shardserve.server.app import ServerState, build_app
-from shardserve.server.args import engine_config
+from shardserve.server.args import engine_config, layout_from_args
 from shardserve.server.client import EngineClient
 from shardserve.server.metrics import Metrics
-from shardserve.server.process_tree import Child, LaunchError, ProcessTree, scheduler_children
 from shardserve.tokenizer.worker import detokenizer_main, tokenizer_main
 
 log = logging.getLogger("shardserve.launch")
 
 
-def children(model: str | None, cfg: EngineConfig, ep: Endpoints, num_tokenizers: int) -> list[Child]:
-    kids = scheduler_children(cfg, ep)
+def children(model: str | None, cfg: EngineConfig, layout: Layout, ep: Endpoints,
+             num_tokenizers: int) -> list[Child]:
+    kids = scheduler_children(cfg, ep, layout)
     if num_tokenizers == 0:
         kids.append(Child("tokenizer-0", tokenizer_main, (model, ep, 0, True)))
     else:
@@ -55,7 +58,7 @@ def bind_socket(host: str, port: int) -> socket.socket:
 
 
 def serve(args: argparse.Namespace) -> int:
-    cfg = engine_config(args)
+    cfg, layout = engine_config(args), layout_from_args(args)
     ckpt = resolve_checkpoint(cfg.model)
     defaults, origin = generation_defaults(ckpt, args.generation_config)
     log.info(describe(defaults, origin))
@@ -65,7 +68,7 @@ def serve(args: argparse.Namespace) -> int:
         print(f"shardserve: error: {e}", file=sys.stderr)
         return 1
     ep = Endpoints.create(max(1, args.num_tokenizers))
-    tree = ProcessTree(ep, children(cfg.model, cfg, ep, args.num_tokenizers))
+    tree = ProcessTree(ep, children(cfg.model, cfg, layout, ep, args.num_tokenizers))
     try:
         tree.start()
         infos = tree.wait_ready(args.startup_timeout)

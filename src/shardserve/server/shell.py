@@ -3,12 +3,11 @@
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import sys
 
 from shardserve.core import SamplingParams
 from shardserve.llm import LLM
-from shardserve.server.args import engine_config
+from shardserve.server.args import llm_kwargs
 from shardserve.tokenizer.detokenizer import Detokenizer
 
 HELP = "Type a message. /reset clears the conversation, /exit (or Ctrl-D) leaves."
@@ -22,9 +21,7 @@ def stream_reply(llm: LLM, conversation: list[dict], params: SamplingParams):
 
 
 def chat(args: argparse.Namespace) -> int:
-    cfg = engine_config(args)
-    fields = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg)}
-    llm = LLM(generation_config=args.generation_config, **fields)
+    llm = LLM(**llm_kwargs(args))
     try:
         return _loop(llm, args)
     finally:

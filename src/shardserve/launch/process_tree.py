@@ -1,16 +1,19 @@
-"""Start, watch and stop the worker processes (spawn method), shared by serve and offline TP.
+"""Start, watch and stop one machine's worker processes (scheduler ranks, tokenizers, detokenizer).
 
-Children report Ready or Failed on a ZeroMQ socket; a child that dies without a word is noticed
-by polling. Stopping sends SIGTERM, waits, then SIGKILLs: no process outlives the launcher.
+Each child is its own OS process started as a command (`python -m shardserve.launch.worker`),
+not a multiprocessing child. Children report Ready or Failed on a ZeroMQ socket; a child that
+dies without a word is noticed by polling. Stopping sends SIGTERM, waits, then SIGKILLs, and
+children ask Linux for SIGTERM should the launcher die first: no process outlives the launcher.
 """
 
 from __future__ import annotations
 
 import logging
-import multiprocessing as mp
 import os
+import pickle
 import shutil
-import socket
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -18,12 +21,11 @@ from dataclasses import dataclass
 
 import zmq
 
-from shardserve.config import EngineConfig
 from shardserve.ipc.messages import Failed, Ready
 from shardserve.ipc.sockets import Endpoints, pull, recv
-from shardserve.scheduler.process import RankSpec, scheduler_main
+from shardserve.launch.worker import PARENT_ENV
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("shardserve.launch")
 
 
 class LaunchError(RuntimeError):
@@ -32,22 +34,12 @@ class LaunchError(RuntimeError):
 
 @dataclass
 class Child:
+    """A process to start: `target(*args)` runs in it (target importable by name, args picklable)."""
+
     name: str
     target: Callable
     args: tuple
-
-
-def scheduler_children(cfg: EngineConfig, ep: Endpoints) -> list[Child]:
-    """One scheduler process per tensor-parallel rank, meeting at a free local port."""
-    world = cfg.parallel.tp_size
-    master = f"127.0.0.1:{free_port()}" if world > 1 else ""
-    return [Child(f"scheduler-{r}", scheduler_main, (cfg, ep, RankSpec(r, world, master))) for r in range(world)]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    env: dict[str, str] | None = None  # extra environment (e.g. thread counts)
 
 
 class ProcessTree:
@@ -55,14 +47,16 @@ class ProcessTree:
         self.ep, self.specs = ep, children
         self.ctx = zmq.Context()
         self.ready_sock = pull(self.ctx, ep.ready)  # bound before any child can report
-        self.procs: dict[str, mp.Process] = {}
+        self.procs: dict[str, subprocess.Popen] = {}
         self._stop_watch = threading.Event()
 
     def start(self) -> None:
-        spawn = mp.get_context("spawn")
         for c in self.specs:
-            p = spawn.Process(target=c.target, args=c.args, name=c.name, daemon=False)
-            p.start()
+            env = {**os.environ, **(c.env or {}), PARENT_ENV: str(os.getpid())}
+            p = subprocess.Popen([sys.executable, "-m", "shardserve.launch.worker", c.name], stdin=subprocess.PIPE,
+                                 env=env)
+            p.stdin.write(pickle.dumps((c.target, c.args)))
+            p.stdin.close()
             log.info("started %s pid=%d", c.name, p.pid)
             self.procs[c.name] = p
 
@@ -76,7 +70,7 @@ class ProcessTree:
             if dead and dead not in infos:
                 # Its Failed message may still be in flight: it says more than an exit code.
                 self._take(recv(self.ready_sock, timeout_ms=1000), infos)
-                raise LaunchError(f"{dead} exited with code {self.procs[dead].exitcode} while starting")
+                raise LaunchError(f"{dead} exited with code {self.procs[dead].returncode} while starting")
             if time.monotonic() > deadline:
                 missing = sorted(set(self.procs) - set(infos))
                 raise LaunchError(f"timed out after {timeout:.0f} s waiting for {', '.join(missing)} to start")
@@ -91,16 +85,16 @@ class ProcessTree:
 
     def dead_child(self) -> str | None:
         for name, p in self.procs.items():
-            if not p.is_alive():
+            if p.poll() is not None:
                 return name
         return None
 
     def death_report(self) -> str:
         """Every dead child and how it ended, those killed by a signal (the likely cause) first."""
-        dead = [(n, p.exitcode) for n, p in self.procs.items() if not p.is_alive()]
-        dead.sort(key=lambda d: (d[1] is None or d[1] >= 0, d[0]))
-        return "; ".join(f"{n} was killed by signal {-c}" if c is not None and c < 0 else
-                         f"{n} exited unexpectedly with code {c}" for n, c in dead)
+        dead = [(n, p.returncode) for n, p in self.procs.items() if p.poll() is not None]
+        dead.sort(key=lambda d: (d[1] >= 0, d[0]))
+        return "; ".join(f"{n} was killed by signal {-c}" if c < 0 else f"{n} exited unexpectedly with code {c}"
+                         for n, c in dead)
 
     def watch(self, on_death: Callable[[str], None], interval: float = 0.5) -> None:
         """Call `on_death(message)` once, from a thread, when any child exits."""
@@ -116,19 +110,20 @@ class ProcessTree:
     def stop(self, grace: float = 5.0) -> None:
         self._stop_watch.set()
         for p in self.procs.values():
-            if p.is_alive():
+            if p.poll() is None:
                 p.terminate()
         deadline = time.monotonic() + grace
-        for p in self.procs.values():
-            p.join(max(0.0, deadline - time.monotonic()))
-            if p.is_alive():
-                log.warning("%s ignored SIGTERM; killing it", p.name)
+        for name, p in self.procs.items():
+            try:
+                p.wait(max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                log.warning("%s ignored SIGTERM; killing it", name)
                 p.kill()
-                p.join(2)
+                p.wait(2)
         self.ready_sock.close(linger=0)
         self.ctx.term()
         shutil.rmtree(self.ep.root, ignore_errors=True)
 
     @property
     def pids(self) -> list[int]:
-        return [p.pid for p in self.procs.values() if p.pid is not None] + [os.getpid()]
+        return [p.pid for p in self.procs.values()] + [os.getpid()]

@@ -1,0 +1,30 @@
+"""The scheduler processes of one machine's share of the rank grid."""
+
+from __future__ import annotations
+
+import os
+import socket
+
+from shardserve.config import EngineConfig
+from shardserve.distributed.layout import Layout
+from shardserve.ipc.sockets import Endpoints
+from shardserve.launch.process_tree import Child
+from shardserve.scheduler.process import RankSpec, scheduler_main
+
+
+def scheduler_children(cfg: EngineConfig, ep: Endpoints, layout: Layout, master: str = "",
+                       node: int = 0) -> list[Child]:
+    """One scheduler process per rank on `node`. `master` is host:port of the rendezvous (a free
+    local port when empty). CPU threads are shared out among this node's ranks only."""
+    if layout.world > 1 and not master:
+        master = f"127.0.0.1:{free_port()}"
+    threads = str(max(1, (os.cpu_count() or 1) // layout.ranks_per_node))
+    return [Child(f"scheduler-{r}", scheduler_main, (cfg, ep, RankSpec(r, layout, master)),
+                  env={"OMP_NUM_THREADS": threads} if layout.ranks_per_node > 1 else None)
+            for r in layout.node_ranks(node)]
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
