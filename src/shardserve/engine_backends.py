@@ -25,9 +25,9 @@ from shardserve.ipc.messages import (
     TokenizedReq,
     TokenOut,
 )
-from shardserve.ipc.sockets import Endpoints, push, recv, send
-from shardserve.launch.process_tree import ProcessTree
-from shardserve.launch.ranks import scheduler_children
+from shardserve.ipc.sockets import push, recv, send
+from shardserve.launch.grid import LocalGrid, endpoints
+from shardserve.launch.nodes import NodeSpec
 from shardserve.platform import anon_rss_mb, peak_rss_mb
 from shardserve.scheduler.engine_core import EngineCore, RequestLimits
 from shardserve.scheduler.process import token_out
@@ -62,11 +62,13 @@ class LocalBackend:
 
 
 class ProcessBackend:
-    """One scheduler process per rank of `layout`; requests go to rank 0, which fans them out."""
+    """One scheduler process per rank of `layout` on this machine (node 0 of several, or the
+    only one); requests go to rank 0, which fans them out."""
 
-    def __init__(self, cfg: EngineConfig, layout: Layout, startup_timeout: float = 600.0):
-        self.ep = Endpoints.create(1)
-        self.tree = ProcessTree(self.ep, scheduler_children(cfg, self.ep, layout))
+    def __init__(self, cfg: EngineConfig, layout: Layout, node: NodeSpec, model_name: str,
+                 startup_timeout: float = 600.0):
+        self.ep = endpoints(layout, node, 1)
+        self.grid = LocalGrid(cfg, layout, node, self.ep, model_name)
         self.ctx = zmq.Context()
         self.inbox = self.ctx.socket(zmq.PULL)
         for addr in (self.ep.detokenizer, self.ep.api):  # scheduler-0's token and error outputs
@@ -74,8 +76,7 @@ class ProcessBackend:
         self.to_scheduler = push(self.ctx, self.ep.scheduler)
         self.timeout_s = cfg.dist_timeout
         try:
-            self.tree.start()
-            self.infos = self.tree.wait_ready(startup_timeout)
+            self.infos = self.grid.start(startup_timeout)
         except BaseException:
             self.shutdown()
             raise
@@ -102,10 +103,13 @@ class ProcessBackend:
         raise RuntimeError(f"no rank reports from scheduler-0 within {self.timeout_s:.0f} s")
 
     def poll(self) -> list[TokenOut]:
-        msg = recv(self.inbox, timeout_ms=int(self.timeout_s * 1000))
-        if msg is None:
-            dead = self.tree.dead_child()
-            raise RuntimeError(f"{dead} died" if dead else f"no output from the engine in {self.timeout_s:.0f} s")
+        deadline = time.monotonic() + self.timeout_s
+        while (msg := recv(self.inbox, timeout_ms=500)) is None:
+            broken = self.grid.failure()  # a dead rank or a lost node: say which, now
+            if broken:
+                raise RuntimeError(broken)
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"no output from scheduler-0 in {self.timeout_s:.0f} s")
         if isinstance(msg, ErrorOut):
             raise ValueError(msg.message)
         if isinstance(msg, Stats):
@@ -131,7 +135,7 @@ class ProcessBackend:
         send(self.to_scheduler, AbortReq(rid=rid))
 
     def shutdown(self) -> None:
-        self.tree.stop()
+        self.grid.stop()
         self.inbox.close(linger=0)
         self.to_scheduler.close(linger=0)
         self.ctx.term()

@@ -13,9 +13,12 @@ from shardserve.core import CompletionOutput, RequestOutput, SamplingParams
 from shardserve.distributed.layout import Layout
 from shardserve.engine_backends import LocalBackend, ProcessBackend
 from shardserve.ipc.messages import TokenOut
+from shardserve.launch.grid import run_other_node
+from shardserve.launch.nodes import NodeSpec
 from shardserve.loader.generation_config import generation_defaults
 from shardserve.loader.model_path import resolve_checkpoint
 from shardserve.loader.tokenizer import load_tokenizer
+from shardserve.loader.weights import read_model_config
 
 Prompt = str | list[int]
 
@@ -48,15 +51,25 @@ class LLM:
     'none', or a directory with a generation_config.json."""
 
     def __init__(self, model: str | None = None, tp_size: int = 1, isolated: bool = False,
-                 generation_config: str = "auto", **kwargs):
-        self.layout = Layout(tp=tp_size)
+                 generation_config: str = "auto", nnodes: int = 1, node_rank: int = 0, dist_init_addr: str = "",
+                 startup_timeout: float = 600.0, **kwargs):
+        self.layout = Layout(tp=tp_size, nnodes=nnodes)
+        self.node = NodeSpec(node_rank, dist_init_addr)
         self.config = EngineConfig(model=model, **kwargs)
         ckpt = resolve_checkpoint(model)
+        self.node.check(self.layout)
+        mc = read_model_config(ckpt)
+        self.layout.check_model(mc.num_layers, mc.num_heads, mc.num_experts)
+        self._backend = None
+        if node_rank > 0:
+            # Another machine's share of the grid: serve its ranks until node 0 shuts down.
+            self.exit_code = run_other_node(self.config, self.layout, self.node, ckpt.name, startup_timeout)
+            return
         self.generation_defaults, _ = generation_defaults(ckpt, generation_config)
         self.tokenizer = load_tokenizer(ckpt)
         tok = self.tokenizer
         if self.layout.world > 1 or isolated:
-            self._backend = ProcessBackend(self.config, self.layout)
+            self._backend = ProcessBackend(self.config, self.layout, self.node, ckpt.name, startup_timeout)
         else:
             extra_eos = (tok.eos_token_id,) if tok is not None and tok.eos_token_id is not None else ()
             self._backend = LocalBackend(self.config, self._decode if tok else None, extra_eos)
@@ -72,6 +85,8 @@ class LLM:
 
     def _live(self):
         if self._backend is None:
+            if self.node.node_rank > 0:
+                raise RuntimeError(f"this LLM ran node {self.node.node_rank}'s ranks; generate on node 0")
             raise RuntimeError("this LLM has been shut down")
         return self._backend
 

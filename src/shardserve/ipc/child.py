@@ -44,14 +44,15 @@ def run_child(name: str, ready_addr: str, setup: Callable[[], tuple[Callable[[],
     send(ready, Ready(name=name, info=info))
     ready.close(linger=2000)
     ctx.term()
+    code = 0
     try:
         loop()
-    except SystemExit:
-        pass
+    except SystemExit as e:  # SIGTERM (0), or a loop that said why it stops and chose its code
+        code = e.code if isinstance(e.code, int) else 0
     except BaseException:
         logging.getLogger(name).exception("%s crashed", name)
         os._exit(1)
-    fast_exit(0)
+    fast_exit(code)
 
 
 def fast_exit(code: int) -> None:

@@ -151,10 +151,40 @@ class Shutdown(Msg):
     pass
 
 
+# Between launchers of different machines (launch/nodes.py).
+class NodeHello(Msg):
+    node_rank: int
+    nnodes: int
+    world: int
+    layout: str
+    model: str
+
+
+class NodeWelcome(Msg):
+    pass
+
+
+class NodeRefused(Msg):
+    reason: str
+
+
+class NodeBeat(Msg):
+    pass
+
+
+class NodeFailed(Msg):
+    reason: str
+
+
+class NodeStop(Msg):
+    pass
+
+
 Message = (
     GenerateReq | TokenizedReq | AddRequests | AbortReq | ReportReq | RankReports | TokenBatch | TextBatch
     | ErrorOut | TokenizeReq | TokenizeOut
     | DetokenizeReq | DetokenizeOut | Stats | Ready | Failed | Shutdown
+    | NodeHello | NodeWelcome | NodeRefused | NodeBeat | NodeFailed | NodeStop
 )
 
 _encoder = msgspec.msgpack.Encoder()

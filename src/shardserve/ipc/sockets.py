@@ -5,6 +5,7 @@ from __future__ import annotations
 import ctypes
 import os
 import signal
+import socket
 import tempfile
 from dataclasses import dataclass
 
@@ -15,14 +16,16 @@ from shardserve.ipc.messages import Msg, decode, encode
 
 @dataclass(frozen=True)
 class Endpoints:
-    """ipc:// addresses in a fresh per-server temp dir, so two servers never collide."""
+    """ipc:// addresses in a fresh per-server temp dir, so two servers never collide. The message
+    fan-out to the other ranks is TCP instead when ranks live on several machines."""
 
     root: str
     num_tokenizers: int
+    fanout_tcp: str = ""  # tcp://host:port on node 0, reachable from every node
 
     @classmethod
-    def create(cls, num_tokenizers: int) -> Endpoints:
-        return cls(tempfile.mkdtemp(prefix="shardserve-"), num_tokenizers)
+    def create(cls, num_tokenizers: int, fanout_tcp: str = "") -> Endpoints:
+        return cls(tempfile.mkdtemp(prefix="shardserve-"), num_tokenizers, fanout_tcp)
 
     def _addr(self, name: str) -> str:
         return f"ipc://{os.path.join(self.root, name)}"
@@ -41,7 +44,7 @@ class Endpoints:
 
     @property
     def fanout(self) -> str:
-        return self._addr("fanout")
+        return self.fanout_tcp or self._addr("fanout")
 
     @property
     def ready(self) -> str:
@@ -49,6 +52,14 @@ class Endpoints:
 
     def tokenizer(self, i: int) -> str:
         return self._addr(f"tokenizer-{i}")
+
+
+def bind_address(addr: str) -> str:
+    """ZeroMQ binds TCP to an IP, not a host name: resolve `tcp://name:port` first."""
+    if not addr.startswith("tcp://"):
+        return addr
+    host, _, port = addr[len("tcp://"):].rpartition(":")
+    return f"tcp://{socket.gethostbyname(host)}:{port}"
 
 
 def pull(ctx: zmq.Context, addr: str) -> zmq.Socket:

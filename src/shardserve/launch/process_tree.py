@@ -23,13 +23,10 @@ import zmq
 
 from shardserve.ipc.messages import Failed, Ready
 from shardserve.ipc.sockets import Endpoints, pull, recv
+from shardserve.launch import LaunchError
 from shardserve.launch.worker import PARENT_ENV
 
 log = logging.getLogger("shardserve.launch")
-
-
-class LaunchError(RuntimeError):
-    """A child failed to start; the message names it and carries its error."""
 
 
 @dataclass

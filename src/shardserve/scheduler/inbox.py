@@ -14,6 +14,7 @@ import zmq
 
 from shardserve.distributed.communicator import CollectiveError, Communicator
 from shardserve.ipc.messages import Msg, decode
+from shardserve.ipc.sockets import bind_address
 
 SYNC = b"\x00sync"  # published at start-up until every subscriber has seen one; never counted
 
@@ -28,7 +29,7 @@ class Inbox:
             if control.size > 1:
                 self.pub = ctx.socket(zmq.PUB)
                 self.pub.setsockopt(zmq.SNDHWM, 0)
-                self.pub.bind(fanout_addr)
+                self.pub.bind(bind_address(fanout_addr))
         else:
             self.sub = ctx.socket(zmq.SUB)
             self.sub.setsockopt(zmq.RCVHWM, 0)

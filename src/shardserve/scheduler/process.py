@@ -16,6 +16,7 @@ import time
 import zmq
 
 from shardserve.config import EngineConfig
+from shardserve.distributed.communicator import CollectiveError
 from shardserve.distributed.groups import init_distributed, single_process_groups
 from shardserve.distributed.layout import Layout
 from shardserve.ipc.child import run_child
@@ -81,6 +82,14 @@ class SchedulerServer:
                 "decode_attention": self.engine.runner.decode_attention}
 
     def serve(self) -> None:
+        try:
+            self._loop()
+        except CollectiveError as e:
+            # It names this rank, the group and the operation; the launcher names the lost peer.
+            log.error("stopping: %s", str(e).splitlines()[0])
+            raise SystemExit(1) from None
+
+    def _loop(self) -> None:
         while self.running:
             idle = not self.engine.has_unfinished()
             for msg in self.inbox.receive(IDLE_WAIT_MS if idle else 0):

@@ -115,6 +115,11 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="tensor-parallel ranks (one scheduler process each)")
     g.add_argument("--dist-timeout", type=positive_float, default=60.0,
                    help="seconds before a collective between ranks counts as failed")
+    g.add_argument("--nnodes", type=positive_int, default=1, help="machines the ranks are spread over")
+    g.add_argument("--node-rank", type=non_negative_int, default=0,
+                   help="this machine's index; node 0 serves HTTP, the others only run their ranks")
+    g.add_argument("--dist-init-addr", default="",
+                   help="HOST:PORT of node 0 (needed with --nnodes > 1); PORT to PORT+2 must be reachable")
     g.add_argument("--attention-backend", choices=ATTENTION_BACKENDS, default="auto",
                    help="decode attention: cpu = C kernel over the pages (CPU float32), torch = gather + SDPA, "
                         "auto = cpu where it applies")
@@ -139,11 +144,27 @@ def engine_config(args: argparse.Namespace, **overrides) -> EngineConfig:
 
 def layout_from_args(args: argparse.Namespace) -> Layout:
     """The rank grid the flags describe (LayoutError names the flag when sizes cannot work)."""
-    return Layout(tp=args.tp_size)
+    return Layout(tp=args.tp_size, nnodes=args.nnodes)
+
+
+def node_spec_from_args(args: argparse.Namespace):
+    from shardserve.launch.nodes import NodeSpec  # ZeroMQ and the process tree: not for parsing alone
+
+    return NodeSpec(args.node_rank, args.dist_init_addr)
+
+
+def check_layout(layout: Layout, node, ckpt) -> None:
+    """Refuse, before any process starts, a grid this machine's flags or the model cannot take."""
+    from shardserve.loader.weights import read_model_config
+
+    node.check(layout)
+    mc = read_model_config(ckpt)
+    layout.check_model(mc.num_layers, mc.num_heads, mc.num_experts)
 
 
 def llm_kwargs(args: argparse.Namespace) -> dict:
     """`LLM(...)` keyword arguments for the engine flags: EngineConfig's fields and the layout."""
     cfg = engine_config(args)
     return {**{f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg)}, "tp_size": args.tp_size,
+            "nnodes": args.nnodes, "node_rank": args.node_rank, "dist_init_addr": args.dist_init_addr,
             "generation_config": args.generation_config}

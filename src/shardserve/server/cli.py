@@ -9,6 +9,7 @@ import argparse
 import logging
 import sys
 
+from shardserve.launch import LaunchError
 from shardserve.server.args import Parser, add_engine_args, non_negative_float, positive_int
 
 
@@ -40,6 +41,11 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
+        if args.command in ("chat", "bench") and getattr(args, "node_rank", 0) > 0:
+            from shardserve.llm import LLM
+            from shardserve.server.args import llm_kwargs
+
+            return LLM(**llm_kwargs(args)).exit_code  # another machine's ranks, until node 0 stops
         if args.command == "serve":
             from shardserve.ipc.child import fast_exit
             from shardserve.server.launch import serve
@@ -56,6 +62,9 @@ def main(argv: list[str] | None = None) -> int:
     except (FileNotFoundError, ValueError) as e:
         print(f"shardserve: error: {e}", file=sys.stderr)
         return 2
+    except LaunchError as e:
+        print(f"shardserve: error: {e}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         return 130
     parser.print_help()

@@ -6,6 +6,9 @@
            scheduler-1..N-1  the other tensor-parallel ranks, which run in lockstep)
       -> detokenizer        (token ids -> text; in tokenizer-0 when --num-tokenizers 0)
       -> back to the API process
+
+With --nnodes N, this is node 0; `shardserve serve --node-rank K` on another machine runs only
+that node's scheduler ranks (launch/nodes.py), no HTTP.
 """
 
 from __future__ import annotations
@@ -19,15 +22,14 @@ import sys
 
 import uvicorn
 
-from shardserve.config import EngineConfig
-from shardserve.distributed.layout import Layout
 from shardserve.ipc.sockets import Endpoints
-from shardserve.launch.process_tree import Child, LaunchError, ProcessTree
-from shardserve.launch.ranks import scheduler_children
+from shardserve.launch import LaunchError
+from shardserve.launch.grid import LocalGrid, endpoints, run_other_node
+from shardserve.launch.process_tree import Child
 from shardserve.loader.generation_config import describe, generation_defaults
 from shardserve.loader.model_path import resolve_checkpoint
 from shardserve.server.app import ServerState, build_app
-from shardserve.server.args import engine_config, layout_from_args
+from shardserve.server.args import check_layout, engine_config, layout_from_args, node_spec_from_args
 from shardserve.server.client import EngineClient
 from shardserve.server.metrics import Metrics
 from shardserve.tokenizer.worker import detokenizer_main, tokenizer_main
@@ -35,15 +37,11 @@ from shardserve.tokenizer.worker import detokenizer_main, tokenizer_main
 log = logging.getLogger("shardserve.launch")
 
 
-def children(model: str | None, cfg: EngineConfig, layout: Layout, ep: Endpoints,
-             num_tokenizers: int) -> list[Child]:
-    kids = scheduler_children(cfg, ep, layout)
+def tokenizer_children(model: str | None, ep: Endpoints, num_tokenizers: int) -> list[Child]:
     if num_tokenizers == 0:
-        kids.append(Child("tokenizer-0", tokenizer_main, (model, ep, 0, True)))
-    else:
-        kids.append(Child("detokenizer", detokenizer_main, (model, ep)))
-        kids += [Child(f"tokenizer-{i}", tokenizer_main, (model, ep, i, False)) for i in range(num_tokenizers)]
-    return kids
+        return [Child("tokenizer-0", tokenizer_main, (model, ep, 0, True))]
+    return [Child("detokenizer", detokenizer_main, (model, ep))] + [
+        Child(f"tokenizer-{i}", tokenizer_main, (model, ep, i, False)) for i in range(num_tokenizers)]
 
 
 def bind_socket(host: str, port: int) -> socket.socket:
@@ -58,8 +56,11 @@ def bind_socket(host: str, port: int) -> socket.socket:
 
 
 def serve(args: argparse.Namespace) -> int:
-    cfg, layout = engine_config(args), layout_from_args(args)
+    cfg, layout, node = engine_config(args), layout_from_args(args), node_spec_from_args(args)
     ckpt = resolve_checkpoint(cfg.model)
+    check_layout(layout, node, ckpt)
+    if node.node_rank > 0:
+        return run_other_node(cfg, layout, node, ckpt.name, args.startup_timeout)
     defaults, origin = generation_defaults(ckpt, args.generation_config)
     log.info(describe(defaults, origin))
     try:
@@ -67,17 +68,18 @@ def serve(args: argparse.Namespace) -> int:
     except LaunchError as e:
         print(f"shardserve: error: {e}", file=sys.stderr)
         return 1
-    ep = Endpoints.create(max(1, args.num_tokenizers))
-    tree = ProcessTree(ep, children(cfg.model, cfg, layout, ep, args.num_tokenizers))
+    ep = endpoints(layout, node, max(1, args.num_tokenizers))
+    grid = None
     try:
-        tree.start()
-        infos = tree.wait_ready(args.startup_timeout)
-        return run_http(args, ckpt.name.removesuffix(".gguf"), infos["scheduler-0"], ep, tree, sock, defaults)
+        grid = LocalGrid(cfg, layout, node, ep, ckpt.name, tokenizer_children(cfg.model, ep, args.num_tokenizers))
+        infos = grid.start(args.startup_timeout)
+        return run_http(args, ckpt.name.removesuffix(".gguf"), infos["scheduler-0"], ep, grid, sock, defaults)
     except LaunchError as e:
         print(f"shardserve: error: {e}", file=sys.stderr)
         return 1
     finally:
-        tree.stop()
+        if grid is not None:
+            grid.stop()
 
 
 class _Server(uvicorn.Server):
@@ -102,7 +104,7 @@ class _Server(uvicorn.Server):
         log.info("shutting down: %d request%s in flight cut off", cut, "" if cut == 1 else "s")
 
 
-def run_http(args, default_name: str, info: dict, ep: Endpoints, tree: ProcessTree, sock: socket.socket,
+def run_http(args, default_name: str, info: dict, ep: Endpoints, grid: LocalGrid, sock: socket.socket,
              sampling_defaults: dict) -> int:
     client = EngineClient(ep, max(1, args.num_tokenizers))
     state = ServerState(client, Metrics(), args.served_model_name or default_name, info["max_model_len"],
@@ -121,7 +123,7 @@ def run_http(args, default_name: str, info: dict, ep: Endpoints, tree: ProcessTr
             # Give in-flight requests a moment to receive their error, then stop.
             loop.call_soon_threadsafe(loop.call_later, 1.0, setattr, server, "should_exit", True)
 
-        tree.watch(on_death)
+        grid.watch(on_death)
         log.info("serving %s on http://%s:%d", state.model_name, args.host, args.port)
         await server.serve(sockets=[sock])
 

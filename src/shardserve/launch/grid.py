@@ -1,0 +1,90 @@
+"""Node 0's launch of the rank grid, shared by the server and the offline API.
+
+`LocalGrid` starts this machine's scheduler ranks (and any other workers, such as the server's
+tokenizers), and with several machines first admits the other nodes (launch/nodes.py), then
+watches both: a dead local child or a lost node is reported once, naming what was lost.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+
+from shardserve.config import EngineConfig
+from shardserve.distributed.layout import Layout
+from shardserve.ipc.sockets import Endpoints
+from shardserve.launch.nodes import NodeServer, NodeSpec, hello, run_worker_node
+from shardserve.launch.process_tree import Child, ProcessTree
+from shardserve.launch.ranks import scheduler_children
+
+
+def heartbeat_timeout(cfg: EngineConfig) -> float:
+    """Silence after which a node counts as lost. Launchers beat every 0.5 s and do little else."""
+    return min(5.0, cfg.dist_timeout)
+
+
+def endpoints(layout: Layout, node: NodeSpec, num_tokenizers: int) -> Endpoints:
+    return Endpoints.create(num_tokenizers, fanout_tcp=node.fanout if layout.nnodes > 1 else "")
+
+
+class LocalGrid:
+    def __init__(self, cfg: EngineConfig, layout: Layout, node: NodeSpec, ep: Endpoints, model_name: str,
+                 others: list[Child] = ()):
+        master = node.rendezvous if layout.nnodes > 1 else ""
+        self.tree = ProcessTree(ep, scheduler_children(cfg, ep, layout, master, node.node_rank) + list(others))
+        self.nodes = (NodeServer(node, hello(layout, 0, model_name), layout, heartbeat_timeout(cfg))
+                      if layout.nnodes > 1 else None)
+        self._lock = threading.Lock()
+        self._reported = False
+
+    def start(self, timeout: float) -> dict[str, dict]:
+        """Admit the other nodes, start this node's workers, wait for them; their Ready infos."""
+        if self.nodes is not None:
+            self.nodes.admit(timeout)
+        self.tree.start()
+        return self.tree.wait_ready(timeout)
+
+    def failure(self) -> str | None:
+        """Why the grid is broken now, if it is: a lost node before a dead local child."""
+        lost = self.nodes.lost if self.nodes is not None else None
+        if lost:
+            return lost
+        if self.tree.dead_child():
+            if self.nodes is not None:
+                # A local rank dying may be the echo of a lost node: give the heartbeat time to say so.
+                lost = self.nodes.wait_lost(self.nodes.timeout_s + 1)
+            report = self.tree.death_report()
+            return f"{lost}; then {report}" if lost else report
+        return None
+
+    def watch(self, on_failure: Callable[[str], None]) -> None:
+        """Call `on_failure(reason)` once, from a thread, when a local child dies or a node is lost."""
+
+        def once(reason: str = "") -> None:
+            with self._lock:
+                if self._reported:
+                    return
+                self._reported = True
+            on_failure(self.failure() or reason)
+
+        self.tree.watch(lambda _: once())
+        if self.nodes is not None:
+            self.nodes.watch(once)
+
+    def stop(self) -> None:
+        if self.nodes is not None:
+            self.nodes.stop()
+        self.tree.stop()
+
+
+def run_other_node(cfg: EngineConfig, layout: Layout, node: NodeSpec, model_name: str,
+                   startup_timeout: float) -> int:
+    """Node k > 0, whatever the command: this node's ranks only (no HTTP, no tokenizers), until
+    node 0 stops them. Returns the exit code."""
+    ep = endpoints(layout, node, 1)
+
+    def tree() -> ProcessTree:
+        return ProcessTree(ep, scheduler_children(cfg, ep, layout, node.rendezvous, node.node_rank))
+
+    return run_worker_node(node, hello(layout, node.node_rank, model_name), tree, startup_timeout,
+                           heartbeat_timeout(cfg))

@@ -1,0 +1,165 @@
+"""Two launchers on one machine acting as two nodes (--nnodes 2): TP 2 across them gives TP 1's
+tokens through the server and through LLM; a mismatched node, a node started first, a node
+killed mid-generation and Ctrl-C on node 0 each end as the user must see, with no process left."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import httpx
+import openai
+import pytest
+from test_launch import session_members
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "e2e"))
+from server_util import free_port  # noqa: E402
+
+pytestmark = pytest.mark.slow
+
+
+class Node:
+    """One launcher in its own session, so everything it started can be found afterwards."""
+
+    def __init__(self, args: list[str], log: str, module: str = "shardserve"):
+        self.log_path = log
+        self.log = open(log, "w")
+        self.proc = subprocess.Popen([sys.executable, "-m", module, *args], stdout=self.log,
+                                     stderr=subprocess.STDOUT, start_new_session=True)
+
+    def read(self) -> str:
+        with open(self.log_path) as f:
+            return f.read()
+
+    def wait_for(self, text: str, timeout: float = 120) -> None:
+        deadline = time.monotonic() + timeout
+        while text not in self.read():
+            assert self.proc.poll() is None or text in self.read(), f"exited before {text!r}:\n{self.read()[-3000:]}"
+            assert time.monotonic() < deadline, f"no {text!r} in:\n{self.read()[-3000:]}"
+            time.sleep(0.1)
+
+    def finish(self, timeout: float = 30) -> tuple[int, list[int]]:
+        """Exit code, and any process of its session still alive a few seconds later."""
+        try:
+            code = self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            code = self.proc.wait()
+        deadline = time.monotonic() + 5
+        while session_members(self.proc.pid) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        left = session_members(self.proc.pid)
+        for pid in left:
+            os.kill(pid, signal.SIGKILL)
+        self.log.close()
+        return code, left
+
+
+def grid_flags(path: str, addr: str, rank: int, tp: int = 2) -> list[str]:
+    return ["serve", "--model", path, "--tp-size", str(tp), "--nnodes", "2", "--node-rank", str(rank),
+            "--dist-init-addr", addr, "--num-pages", "64", "--dist-timeout", "20"]
+
+
+def test_server_across_two_nodes_matches_one_process(tiny_model, tmp_path):
+    path, _ = tiny_model("llama")
+    addr, port = f"127.0.0.1:{free_port()}", free_port()
+    # Node 1 first: it waits, bounded, saying for what.
+    node1 = Node(grid_flags(path, addr, 1), str(tmp_path / "node1.log"))
+    node1.wait_for(f"node 1: waiting for node 0 at tcp://{addr.rsplit(':')[0]}:{int(addr.rsplit(':')[1]) + 1}")
+    node0 = Node([*grid_flags(path, addr, 0), "--port", str(port)], str(tmp_path / "node0.log"))
+    node0.wait_for(f"serving {os.path.basename(path)} on http://127.0.0.1:{port}")
+    assert "node 1 joined (2 of 2 nodes)" in node0.read()
+    client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0)
+    got = client.completions.create(model=None, prompt=[5, 6, 7], max_tokens=12, temperature=0).choices[0].text
+    assert "on http://" not in node1.read() and "Uvicorn" not in node1.read()  # node 1 serves no HTTP
+    node0.proc.send_signal(signal.SIGINT)  # Ctrl-C on node 0 stops node 1 too
+    assert node0.finish() == (0, [])
+    assert node1.finish() == (0, [])
+    assert "node 1: node 0 stopped; stopping this node's ranks" in node1.read()
+
+    from shardserve import LLM, SamplingParams
+
+    with LLM(path, num_pages=64, show_progress=False) as one:
+        want = one.generate([[5, 6, 7]], SamplingParams(max_tokens=12, temperature=0), use_tqdm=False)[0].text
+    assert got == want
+
+
+LLM_SCRIPT = """
+import sys
+from shardserve import LLM, SamplingParams
+llm = LLM({path!r}, tp_size=2, nnodes=2, node_rank=int(sys.argv[1]), dist_init_addr={addr!r}, num_pages=64,
+          show_progress=False)
+if llm.node.node_rank == 0:
+    print("TOKENS", llm.generate([[5, 6, 7]], SamplingParams(max_tokens=8, temperature=0), use_tqdm=False)[0].token_ids)
+    llm.shutdown()
+else:
+    print("NODE1 EXIT", llm.exit_code)
+"""
+
+
+def test_llm_across_two_nodes(tiny_model, tmp_path):
+    path, model = tiny_model("llama")
+    script = tmp_path / "two_nodes.py"
+    script.write_text(LLM_SCRIPT.format(path=path, addr=f"127.0.0.1:{free_port()}"))
+    nodes = [subprocess.Popen([sys.executable, str(script), str(r)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              text=True, start_new_session=True) for r in (0, 1)]
+    outs = [n.communicate(timeout=240) for n in nodes]
+    assert [n.returncode for n in nodes] == [0, 0], outs[0][1][-2000:] + outs[1][1][-2000:]
+    import torch
+
+    with torch.no_grad():
+        ref = model.generate(torch.tensor([[5, 6, 7]]), max_new_tokens=8, min_new_tokens=8, do_sample=False)
+    assert f"TOKENS {ref[0, 3:].tolist()}" in outs[0][0]
+    assert "NODE1 EXIT 0" in outs[1][0]
+    assert session_members(nodes[0].pid) == [] and session_members(nodes[1].pid) == []
+
+
+def test_node_with_another_world_size_is_refused_on_both(tiny_model, tmp_path):
+    path, _ = tiny_model("llama")
+    addr = f"127.0.0.1:{free_port()}"
+    node0 = Node([*grid_flags(path, addr, 0), "--port", str(free_port())], str(tmp_path / "node0.log"))
+    node1 = Node(grid_flags(path, addr, 1, tp=4), str(tmp_path / "node1.log"))
+    (code0, left0), (code1, left1) = node0.finish(60), node1.finish(60)
+    why = "node 1 was started with world size 4 but node 0 runs 2"
+    assert code0 != 0 and code1 != 0 and left0 == [] and left1 == []
+    assert why in node0.read() and f"node 0 refused node 1: {why}" in node1.read()
+    assert "Traceback" not in node0.read() + node1.read()
+
+
+def test_killed_node_fails_node0_naming_it(tiny_model, tmp_path):
+    path, _ = tiny_model("llama")
+    addr, port = f"127.0.0.1:{free_port()}", free_port()
+    node1 = Node(grid_flags(path, addr, 1), str(tmp_path / "node1.log"))
+    node0 = Node([*grid_flags(path, addr, 0), "--port", str(port)], str(tmp_path / "node0.log"))
+    node0.wait_for("serving")
+    result: dict = {}
+
+    def long_request() -> None:
+        body = {"prompt": [5, 6], "max_tokens": 500, "ignore_eos": True, "stream": True}
+        with httpx.stream("POST", f"http://127.0.0.1:{port}/v1/completions", json=body, timeout=60) as r:
+            result["events"] = [line for line in r.iter_lines() if line]
+
+    t = threading.Thread(target=long_request)
+    t.start()
+    time.sleep(1.0)
+    start = time.monotonic()
+    os.kill(node1.proc.pid, signal.SIGKILL)  # the launcher; its ranks follow it (PR_SET_PDEATHSIG)
+    saw_503 = False
+    while node0.proc.poll() is None and time.monotonic() - start < 30:
+        try:
+            saw_503 |= httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 503
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.05)
+    t.join(30)
+    code0, left0 = node0.finish()
+    _, left1 = node1.finish()
+    assert code0 != 0 and left0 == [] and left1 == []
+    assert time.monotonic() - start < 20  # within --dist-timeout
+    assert saw_503
+    assert "lost node 1 (rank 1)" in node0.read(), node0.read()[-3000:]
+    assert any('"error"' in e for e in result.get("events", [])), result
