@@ -118,13 +118,17 @@ def test_llm_across_two_nodes(tiny_model, tmp_path):
     assert session_members(nodes[0].pid) == [] and session_members(nodes[1].pid) == []
 
 
-def test_node_with_another_world_size_is_refused_on_both(tiny_model, tmp_path):
+@pytest.mark.parametrize("other", ["world", "model"])
+def test_node_with_other_flags_is_refused_on_both(tiny_model, tmp_path, other):
     path, _ = tiny_model("llama")
+    path1 = tiny_model("qwen3")[0] if other == "model" else path
     addr = f"127.0.0.1:{free_port()}"
     node0 = Node([*grid_flags(path, addr, 0), "--port", str(free_port())], str(tmp_path / "node0.log"))
-    node1 = Node(grid_flags(path, addr, 1, tp=4), str(tmp_path / "node1.log"))
+    node1 = Node(grid_flags(path1, addr, 1, tp=4 if other == "world" else 2), str(tmp_path / "node1.log"))
     (code0, left0), (code1, left1) = node0.finish(60), node1.finish(60)
-    why = "node 1 was started with world size 4 but node 0 runs 2"
+    why = {"world": "node 1 was started with world size 4 but node 0 runs 2",
+           "model": f"node 1 was started with model {os.path.basename(path1)} but node 0 runs "
+                    f"{os.path.basename(path)}"}[other]
     assert code0 != 0 and code1 != 0 and left0 == [] and left1 == []
     assert why in node0.read() and f"node 0 refused node 1: {why}" in node1.read()
     assert "Traceback" not in node0.read() + node1.read()

@@ -65,11 +65,13 @@ _KINDS = ("tensor", "context", "pipeline", "data", "control", "expert", "moe_tp"
 
 def init_distributed(layout: Layout, rank: int, master: str, device: torch.device,
                      timeout_s: float) -> ParallelGroups:
-    """`master` is host:port of the rendezvous. Every collective times out after `timeout_s`."""
+    """`master` is host:port of the rendezvous, or `env://` under torchrun (its agent's store).
+    Every collective times out after `timeout_s`."""
     timeout = timedelta(seconds=timeout_s)
     backend = collective_backend(device)
-    dist.init_process_group("gloo" if backend == "gloo" else "cpu:gloo,cuda:nccl",
-                            init_method=f"tcp://{master}", rank=rank, world_size=layout.world, timeout=timeout)
+    init = master if "://" in master else f"tcp://{master}"
+    dist.init_process_group("gloo" if backend == "gloo" else "cpu:gloo,cuda:nccl", init_method=init, rank=rank,
+                            world_size=layout.world, timeout=timeout)
     comms = {kind: Communicator(name=kind) for kind in _KINDS}
     # Every rank creates every group in this one order, members or not (torch requires it).
     for kind, members in layout.creation_order():

@@ -23,17 +23,27 @@ def heartbeat_timeout(cfg: EngineConfig) -> float:
     return min(5.0, cfg.dist_timeout)
 
 
-def endpoints(layout: Layout, node: NodeSpec, num_tokenizers: int) -> Endpoints:
-    return Endpoints.create(num_tokenizers, fanout_tcp=node.fanout if layout.nnodes > 1 else "")
+def endpoints(layout: Layout, node: NodeSpec, num_tokenizers: int, torchrun: bool = False) -> Endpoints:
+    """With ranks that are not this launcher's children (other nodes, torchrun's processes) the
+    fan-out is TCP on node 0; otherwise an ipc path."""
+    remote = layout.nnodes > 1 or torchrun
+    return Endpoints.create(num_tokenizers, fanout_tcp=node.fanout if remote else "")
 
 
 class LocalGrid:
+    """`torchrun=True`: the other ranks are torchrun's processes, so start scheduler-0 alone (it
+    joins torch's rendezvous through the inherited environment) and run no node channel."""
+
     def __init__(self, cfg: EngineConfig, layout: Layout, node: NodeSpec, ep: Endpoints, model_name: str,
-                 others: list[Child] = ()):
-        master = node.rendezvous if layout.nnodes > 1 else ""
-        self.tree = ProcessTree(ep, scheduler_children(cfg, ep, layout, master, node.node_rank) + list(others))
+                 others: list[Child] = (), torchrun: bool = False):
+        if torchrun:
+            ranks = scheduler_children(cfg, ep, layout, "env://", only=range(1))
+        else:
+            master = node.rendezvous if layout.nnodes > 1 else ""
+            ranks = scheduler_children(cfg, ep, layout, master, node.node_rank)
+        self.tree = ProcessTree(ep, ranks + list(others))
         self.nodes = (NodeServer(node, hello(layout, 0, model_name), layout, heartbeat_timeout(cfg))
-                      if layout.nnodes > 1 else None)
+                      if layout.nnodes > 1 and not torchrun else None)
         self._lock = threading.Lock()
         self._reported = False
 

@@ -13,15 +13,16 @@ from shardserve.scheduler.process import RankSpec, scheduler_main
 
 
 def scheduler_children(cfg: EngineConfig, ep: Endpoints, layout: Layout, master: str = "",
-                       node: int = 0) -> list[Child]:
-    """One scheduler process per rank on `node`. `master` is host:port of the rendezvous (a free
-    local port when empty). CPU threads are shared out among this node's ranks only."""
+                       node: int = 0, only: range | None = None) -> list[Child]:
+    """One scheduler process per rank on `node` (or just the ranks in `only`). `master` is
+    host:port of the rendezvous (a free local port when empty). CPU threads are shared out among
+    this node's ranks only."""
     if layout.world > 1 and not master:
         master = f"127.0.0.1:{free_port()}"
     threads = str(max(1, (os.cpu_count() or 1) // layout.ranks_per_node))
     return [Child(f"scheduler-{r}", scheduler_main, (cfg, ep, RankSpec(r, layout, master)),
                   env={"OMP_NUM_THREADS": threads} if layout.ranks_per_node > 1 else None)
-            for r in layout.node_ranks(node)]
+            for r in (only if only is not None else layout.node_ranks(node))]
 
 
 def free_port(host: str = "127.0.0.1") -> int:

@@ -26,6 +26,7 @@ from shardserve.ipc.sockets import Endpoints
 from shardserve.launch import LaunchError
 from shardserve.launch.grid import LocalGrid, endpoints, run_other_node
 from shardserve.launch.process_tree import Child
+from shardserve.launch.torchrun import run_rank_here, torchrun_env, torchrun_layout
 from shardserve.loader.generation_config import describe, generation_defaults
 from shardserve.loader.model_path import resolve_checkpoint
 from shardserve.server.app import ServerState, build_app
@@ -58,6 +59,11 @@ def bind_socket(host: str, port: int) -> socket.socket:
 def serve(args: argparse.Namespace) -> int:
     cfg, layout, node = engine_config(args), layout_from_args(args), node_spec_from_args(args)
     ckpt = resolve_checkpoint(cfg.model)
+    env = torchrun_env()
+    if env is not None:  # torchrun started this process as one rank: it decides rank and nodes
+        layout, node = torchrun_layout(layout, env), env.node()
+        if env.rank > 0:
+            return run_rank_here(cfg, layout, env)
     check_layout(layout, node, ckpt)
     if node.node_rank > 0:
         return run_other_node(cfg, layout, node, ckpt.name, args.startup_timeout)
@@ -68,10 +74,11 @@ def serve(args: argparse.Namespace) -> int:
     except LaunchError as e:
         print(f"shardserve: error: {e}", file=sys.stderr)
         return 1
-    ep = endpoints(layout, node, max(1, args.num_tokenizers))
+    ep = endpoints(layout, node, max(1, args.num_tokenizers), torchrun=env is not None)
     grid = None
     try:
-        grid = LocalGrid(cfg, layout, node, ep, ckpt.name, tokenizer_children(cfg.model, ep, args.num_tokenizers))
+        grid = LocalGrid(cfg, layout, node, ep, ckpt.name, tokenizer_children(cfg.model, ep, args.num_tokenizers),
+                         torchrun=env is not None)
         infos = grid.start(args.startup_timeout)
         return run_http(args, ckpt.name.removesuffix(".gguf"), infos["scheduler-0"], ep, grid, sock, defaults)
     except LaunchError as e:
