@@ -25,11 +25,13 @@ pytestmark = pytest.mark.slow
 class Node:
     """One launcher in its own session, so everything it started can be found afterwards."""
 
-    def __init__(self, args: list[str], log: str, module: str = "shardserve"):
+    def __init__(self, args: list[str], log: str, module: str = "shardserve", prefix: tuple[str, ...] = (),
+                 env: dict[str, str] | None = None):
         self.log_path = log
         self.log = open(log, "w")
-        self.proc = subprocess.Popen([sys.executable, "-m", module, *args], stdout=self.log,
-                                     stderr=subprocess.STDOUT, start_new_session=True)
+        self.proc = subprocess.Popen([*prefix, sys.executable, "-m", module, *args], stdout=self.log,
+                                     stderr=subprocess.STDOUT, start_new_session=True,
+                                     env={**os.environ, **(env or {})})
 
     def read(self) -> str:
         with open(self.log_path) as f:
@@ -64,13 +66,41 @@ def grid_flags(path: str, addr: str, rank: int, tp: int = 2) -> list[str]:
             "--dist-init-addr", addr, "--num-pages", "64", "--dist-timeout", "20"]
 
 
-def test_server_across_two_nodes_matches_one_process(tiny_model, tmp_path):
+@pytest.fixture
+def two_hosts():
+    """Node 1's network namespace joined to this one by a veth pair (10.213.N.1 here, .2 there),
+    as two machines are; None where the machine allows no namespaces."""
+    tag = os.getpid() % 10000
+    ns, here, there, net = f"ss-{tag}", f"ssa{tag}", f"ssb{tag}", f"10.213.{tag % 250}"
+    setup = [["ip", "netns", "add", ns], ["ip", "link", "add", here, "type", "veth", "peer", "name", there],
+             ["ip", "link", "set", there, "netns", ns], ["ip", "addr", "add", f"{net}.1/24", "dev", here],
+             ["ip", "link", "set", here, "up"], ["ip", "-n", ns, "addr", "add", f"{net}.2/24", "dev", there],
+             ["ip", "-n", ns, "link", "set", there, "up"], ["ip", "-n", ns, "link", "set", "lo", "up"]]
+    try:
+        for cmd in setup:
+            subprocess.run(cmd, check=True, capture_output=True, timeout=10)
+    except (OSError, subprocess.SubprocessError):
+        subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+        yield None
+        return
+    yield {"addr": f"{net}.1", "here": here, "there": there, "prefix": ("ip", "netns", "exec", ns)}
+    subprocess.run(["ip", "netns", "del", ns], capture_output=True)  # takes the veth pair with it
+
+
+@pytest.mark.parametrize("hosts", ["loopback", "namespaces"])
+def test_server_across_two_nodes_matches_one_process(tiny_model, tmp_path, two_hosts, hosts):
     path, _ = tiny_model("llama")
-    addr, port = f"127.0.0.1:{free_port()}", free_port()
+    host, prefix, env0, env1 = "127.0.0.1", (), {}, {}
+    if hosts == "namespaces":
+        if two_hosts is None:
+            pytest.skip("this machine allows no network namespaces; the loopback case covers the rest")
+        host, prefix = two_hosts["addr"], two_hosts["prefix"]
+        env0, env1 = {"GLOO_SOCKET_IFNAME": two_hosts["here"]}, {"GLOO_SOCKET_IFNAME": two_hosts["there"]}
+    addr, port = f"{host}:{free_port()}", free_port()
     # Node 1 first: it waits, bounded, saying for what.
-    node1 = Node(grid_flags(path, addr, 1), str(tmp_path / "node1.log"))
-    node1.wait_for(f"node 1: waiting for node 0 at tcp://{addr.rsplit(':')[0]}:{int(addr.rsplit(':')[1]) + 1}")
-    node0 = Node([*grid_flags(path, addr, 0), "--port", str(port)], str(tmp_path / "node0.log"))
+    node1 = Node(grid_flags(path, addr, 1), str(tmp_path / "node1.log"), prefix=prefix, env=env1)
+    node1.wait_for(f"node 1: waiting for node 0 at tcp://{host}:{int(addr.rsplit(':')[1]) + 1}")
+    node0 = Node([*grid_flags(path, addr, 0), "--port", str(port)], str(tmp_path / "node0.log"), env=env0)
     node0.wait_for(f"serving {os.path.basename(path)} on http://127.0.0.1:{port}")
     assert "node 1 joined (2 of 2 nodes)" in node0.read()
     client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0)
