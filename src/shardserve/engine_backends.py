@@ -7,6 +7,7 @@ process tree minus HTTP and tokenizer workers: this process talks ZeroMQ to sche
 
 from __future__ import annotations
 
+import logging
 import time
 
 import zmq
@@ -31,6 +32,8 @@ from shardserve.launch.nodes import NodeSpec
 from shardserve.platform import anon_rss_mb, peak_rss_mb
 from shardserve.scheduler.engine_core import EngineCore, RequestLimits
 from shardserve.scheduler.process import token_out
+
+log = logging.getLogger(__name__)
 
 
 class LocalBackend:
@@ -77,6 +80,8 @@ class ProcessBackend:
         self.timeout_s = cfg.dist_timeout
         try:
             self.infos = self.grid.start(startup_timeout)
+            # With several nodes this also keeps the heartbeats going; poll() reports a failure.
+            self.grid.watch(lambda reason: log.error("%s", reason))
         except BaseException:
             self.shutdown()
             raise

@@ -120,10 +120,12 @@ def test_server_across_two_nodes_matches_one_process(tiny_model, tmp_path, two_h
 
 LLM_SCRIPT = """
 import sys
+import time
 from shardserve import LLM, SamplingParams
 llm = LLM({path!r}, tp_size=2, nnodes=2, node_rank=int(sys.argv[1]), dist_init_addr={addr!r}, num_pages=64,
           show_progress=False)
 if llm.node.node_rank == 0:
+    time.sleep(7)  # longer than the heartbeat timeout: node 1 must still be there
     print("TOKENS", llm.generate([[5, 6, 7]], SamplingParams(max_tokens=8, temperature=0), use_tqdm=False)[0].token_ids)
     llm.shutdown()
 else:
