@@ -22,6 +22,23 @@ from server_util import free_port  # noqa: E402
 pytestmark = pytest.mark.slow
 
 
+STARTED: list[Node] = []
+
+
+@pytest.fixture(autouse=True)
+def no_node_outlives_its_test():
+    """A failed assertion must not leave launchers running into the next tests."""
+    yield
+    while STARTED:
+        node = STARTED.pop()
+        for pid in [node.proc.pid, *session_members(node.proc.pid)]:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        node.proc.wait()
+
+
 class Node:
     """One launcher in its own session, so everything it started can be found afterwards."""
 
@@ -32,6 +49,7 @@ class Node:
         self.proc = subprocess.Popen([*prefix, sys.executable, "-m", module, *args], stdout=self.log,
                                      stderr=subprocess.STDOUT, start_new_session=True,
                                      env={**os.environ, **(env or {})})
+        STARTED.append(self)
 
     def read(self) -> str:
         with open(self.log_path) as f:

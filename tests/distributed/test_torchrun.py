@@ -10,7 +10,7 @@ import sys
 
 import openai
 import pytest
-from test_multinode import Node
+from test_multinode import Node, no_node_outlives_its_test  # noqa: F401  (the fixture: cleanup)
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "e2e"))
 from server_util import free_port  # noqa: E402

@@ -62,9 +62,9 @@ def serve(args: argparse.Namespace) -> int:
     env = torchrun_env()
     if env is not None:  # torchrun started this process as one rank: it decides rank and nodes
         layout, node = torchrun_layout(layout, env), env.node()
-        if env.rank > 0:
-            return run_rank_here(cfg, layout, env)
     check_layout(layout, node, ckpt)
+    if env is not None and env.rank > 0:
+        return run_rank_here(cfg, layout, env)
     if node.node_rank > 0:
         return run_other_node(cfg, layout, node, ckpt.name, args.startup_timeout)
     defaults, origin = generation_defaults(ckpt, args.generation_config)
