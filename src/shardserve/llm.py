@@ -13,12 +13,11 @@ from shardserve.core import CompletionOutput, RequestOutput, SamplingParams
 from shardserve.distributed.layout import Layout
 from shardserve.engine_backends import LocalBackend, ProcessBackend
 from shardserve.ipc.messages import TokenOut
-from shardserve.launch.grid import run_other_node
+from shardserve.launch.grid import check_layout, run_other_node
 from shardserve.launch.nodes import NodeSpec
 from shardserve.loader.generation_config import generation_defaults
 from shardserve.loader.model_path import resolve_checkpoint
 from shardserve.loader.tokenizer import load_tokenizer
-from shardserve.loader.weights import read_model_config
 
 Prompt = str | list[int]
 
@@ -57,9 +56,7 @@ class LLM:
         self.node = NodeSpec(node_rank, dist_init_addr)
         self.config = EngineConfig(model=model, **kwargs)
         ckpt = resolve_checkpoint(model)
-        self.node.check(self.layout)
-        mc = read_model_config(ckpt)
-        self.layout.check_model(mc.num_layers, mc.num_heads, mc.num_experts)
+        check_layout(self.layout, self.node, ckpt)
         self._backend = None
         if node_rank > 0:
             # Another machine's share of the grid: serve its ranks until node 0 shuts down.

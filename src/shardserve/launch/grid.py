@@ -16,6 +16,15 @@ from shardserve.ipc.sockets import Endpoints
 from shardserve.launch.nodes import NodeServer, NodeSpec, hello, run_worker_node
 from shardserve.launch.process_tree import Child, ProcessTree
 from shardserve.launch.ranks import scheduler_children
+from shardserve.loader.model_path import Checkpoint
+from shardserve.loader.weights import read_model_config
+
+
+def check_layout(layout: Layout, node: NodeSpec, ckpt: Checkpoint) -> None:
+    """Refuse, before any process starts, a grid this machine's flags or the model cannot take."""
+    node.check(layout)
+    mc = read_model_config(ckpt)
+    layout.check_model(mc.num_layers, mc.num_heads, mc.num_experts)
 
 
 def heartbeat_timeout(cfg: EngineConfig) -> float:
@@ -77,7 +86,7 @@ class LocalGrid:
                 self._reported = True
             on_failure(self.failure() or reason)
 
-        self.tree.watch(lambda _: once())
+        self.tree.watch(once)
         if self.nodes is not None:
             self.nodes.watch(once)
 

@@ -10,6 +10,7 @@ the processes: one that dies takes the others down.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import shutil
@@ -55,7 +56,7 @@ def torchrun_env() -> TorchrunEnv | None:
 
 def torchrun_layout(layout: Layout, env: TorchrunEnv) -> Layout:
     """The flags' layout with torchrun's node count, checked against torchrun's world size."""
-    grid = Layout(tp=layout.tp, pp=layout.pp, dp=layout.dp, cp=layout.cp, ep=layout.ep, nnodes=env.nnodes)
+    grid = dataclasses.replace(layout, nnodes=env.nnodes)
     grid.check_world(env.world, "torchrun's WORLD_SIZE")
     return grid
 

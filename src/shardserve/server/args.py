@@ -153,14 +153,6 @@ def node_spec_from_args(args: argparse.Namespace):
     return NodeSpec(args.node_rank, args.dist_init_addr)
 
 
-def check_layout(layout: Layout, node, ckpt) -> None:
-    """Refuse, before any process starts, a grid this machine's flags or the model cannot take."""
-    from shardserve.loader.weights import read_model_config
-
-    node.check(layout)
-    mc = read_model_config(ckpt)
-    layout.check_model(mc.num_layers, mc.num_heads, mc.num_experts)
-
 
 def llm_kwargs(args: argparse.Namespace) -> dict:
     """`LLM(...)` keyword arguments for the engine flags: EngineConfig's fields and the layout."""

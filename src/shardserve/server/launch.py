@@ -24,13 +24,13 @@ import uvicorn
 
 from shardserve.ipc.sockets import Endpoints
 from shardserve.launch import LaunchError
-from shardserve.launch.grid import LocalGrid, endpoints, run_other_node
+from shardserve.launch.grid import LocalGrid, check_layout, endpoints, run_other_node
 from shardserve.launch.process_tree import Child
 from shardserve.launch.torchrun import run_rank_here, torchrun_env, torchrun_layout
 from shardserve.loader.generation_config import describe, generation_defaults
 from shardserve.loader.model_path import resolve_checkpoint
 from shardserve.server.app import ServerState, build_app
-from shardserve.server.args import check_layout, engine_config, layout_from_args, node_spec_from_args
+from shardserve.server.args import engine_config, layout_from_args, node_spec_from_args
 from shardserve.server.client import EngineClient
 from shardserve.server.metrics import Metrics
 from shardserve.tokenizer.worker import detokenizer_main, tokenizer_main
