@@ -17,22 +17,25 @@ COMMON = dict(vocab_size=301, hidden_size=64, num_hidden_layers=2, num_attention
 MOE = dict(moe_intermediate_size=32, num_experts=6, num_experts_per_tok=2)
 
 TINY_CONFIGS = {
-    "llama": lambda: LlamaConfig(intermediate_size=96, **COMMON),
-    "llama_tied": lambda: LlamaConfig(intermediate_size=96, tie_word_embeddings=True,
+    "llama": lambda **kw: LlamaConfig(intermediate_size=96, **COMMON | kw),
+    "llama_tied": lambda **kw: LlamaConfig(intermediate_size=96, tie_word_embeddings=True,
                                       rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
                                                     "high_freq_factor": 4.0,
                                                     "original_max_position_embeddings": 64},
-                                      **COMMON),
-    "qwen2": lambda: Qwen2Config(intermediate_size=96, **COMMON),
-    "qwen3": lambda: Qwen3Config(intermediate_size=96, head_dim=16, **COMMON),
-    "qwen3_moe": lambda: Qwen3MoeConfig(intermediate_size=96, head_dim=16, norm_topk_prob=True, **MOE, **COMMON),
-    "qwen2_moe": lambda: Qwen2MoeConfig(intermediate_size=96, shared_expert_intermediate_size=48, **MOE, **COMMON),
+                                      **COMMON | kw),
+    "qwen2": lambda **kw: Qwen2Config(intermediate_size=96, **COMMON | kw),
+    "qwen3": lambda **kw: Qwen3Config(intermediate_size=96, head_dim=16, **COMMON | kw),
+    "qwen3_moe": lambda **kw: Qwen3MoeConfig(intermediate_size=96, head_dim=16, norm_topk_prob=True, **MOE,
+                                              **COMMON | kw),
+    "qwen2_moe": lambda **kw: Qwen2MoeConfig(intermediate_size=96, shared_expert_intermediate_size=48, **MOE,
+                                              **COMMON | kw),
 }
 
 
-def make_tiny(kind: str, path: str) -> torch.nn.Module:
+def make_tiny(kind: str, path: str, layers: int | None = None) -> torch.nn.Module:
     torch.manual_seed(1234)
-    model = AutoModelForCausalLM.from_config(TINY_CONFIGS[kind](), dtype=torch.float32).eval()
+    cfg = TINY_CONFIGS[kind](**({"num_hidden_layers": layers} if layers else {}))
+    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
     # Random init gives near-uniform logits and fragile argmaxes; widen them so greedy ties
     # cannot flip between two correct fp32 implementations.
     with torch.no_grad():
@@ -46,14 +49,16 @@ def make_tiny(kind: str, path: str) -> torch.nn.Module:
 
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory):
-    """tiny_model(kind) -> (checkpoint dir, the transformers model)."""
-    cache: dict[str, tuple[str, torch.nn.Module]] = {}
+    """tiny_model(kind, layers=None) -> (checkpoint dir, the transformers model); 2 layers unless
+    `layers` says otherwise."""
+    cache: dict[tuple, tuple[str, torch.nn.Module]] = {}
 
-    def get(kind: str):
-        if kind not in cache:
+    def get(kind: str, layers: int | None = None):
+        key = (kind, layers)
+        if key not in cache:
             path = str(tmp_path_factory.mktemp(kind))
-            cache[kind] = (path, make_tiny(kind, path))
-        return cache[kind]
+            cache[key] = (path, make_tiny(kind, path, layers))
+        return cache[key]
 
     return get
 

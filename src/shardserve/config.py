@@ -152,6 +152,10 @@ class EngineConfig:
     show_progress: bool = True
     dist_timeout: float = 60.0  # seconds before a collective that never completes is an error
     attention_backend: str = "auto"  # see ATTENTION_BACKENDS
+    # Pipeline parallelism (the stage count is the layout's pp): layers per stage (None: even
+    # split) and how many micro-batches may be in flight (None: one per stage).
+    pp_layer_partition: tuple[int, ...] | None = None
+    pp_micro_batches: int | None = None
 
     def __post_init__(self) -> None:
         checks = [
@@ -161,6 +165,7 @@ class EngineConfig:
             (self.kv_cache_memory > 0, "kv_cache_memory", "must be > 0"),
             (self.max_num_batched_tokens >= 1, "max_num_batched_tokens", "must be >= 1"),
             (self.max_running_requests >= 1, "max_running_requests", "must be >= 1"),
+            (self.pp_micro_batches is None or self.pp_micro_batches >= 1, "pp_micro_batches", "must be >= 1"),
             (self.attention_backend in ATTENTION_BACKENDS, "attention_backend",
              f"must be one of {list(ATTENTION_BACKENDS)}"),
         ]

@@ -129,6 +129,11 @@ class Request:
     arrival: int = field(default_factory=lambda: next(_request_counter))
     # Set by the scheduler when a stop string matched: how many characters of text to keep.
     text_cut: int | None = None
+    # The leader's bookkeeping of what the other ranks know (see engine/stage_worker.py): whether
+    # they have heard of this request, and how many leading pages their copy still shares.
+    seed: int = 0
+    announced: bool = False
+    pages_synced: int = 0
 
     def __post_init__(self) -> None:
         if self.params.prompt_logprobs is not None and not self.prompt_logprobs:

@@ -29,7 +29,6 @@ from shardserve.ipc.messages import (
 from shardserve.ipc.sockets import push, recv, send
 from shardserve.launch.grid import LocalGrid, endpoints
 from shardserve.launch.nodes import NodeSpec
-from shardserve.platform import anon_rss_mb, peak_rss_mb
 from shardserve.scheduler.engine_core import EngineCore, RequestLimits
 from shardserve.scheduler.process import token_out
 
@@ -40,9 +39,7 @@ class LocalBackend:
     def __init__(self, cfg: EngineConfig, decode, extra_eos: tuple[int, ...]):
         self.engine = EngineCore(cfg, decode=decode, extra_eos=extra_eos)
         self.limits = self.engine.limits
-        peak_mb = peak_rss_mb()
-        self.infos = {"scheduler-0": {"peak_load_rss_mb": round(peak_mb, 1), "anon_rss_mb": round(anon_rss_mb(), 1),
-                                      "decode_attention": self.engine.runner.decode_attention}}
+        self.infos = {"scheduler-0": self.engine.worker.info()}
 
     def add(self, items: list[tuple[str, list[int], SamplingParams]]) -> None:
         for rid, ids, params in items:

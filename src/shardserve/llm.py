@@ -44,19 +44,22 @@ class _Sample:
 
 class LLM:
     """An engine driven from this process. Keyword arguments are EngineConfig fields (dtype,
-    page_size, ...); `tp_size=N` runs the model over N scheduler processes, and `isolated=True`
+    page_size, pp_layer_partition, pp_micro_batches, ...); `tp_size=T` and `pp_size=P` run the
+    model over T x P scheduler processes (P pipeline stages of T tensor ranks), and `isolated=True`
     uses a scheduler process even for one rank (as the server does). `generation_config` says
     where `generate(prompts)` without SamplingParams takes its defaults: 'auto' (the model's),
     'none', or a directory with a generation_config.json."""
 
-    def __init__(self, model: str | None = None, tp_size: int = 1, isolated: bool = False,
+    def __init__(self, model: str | None = None, tp_size: int = 1, pp_size: int = 1, isolated: bool = False,
                  generation_config: str = "auto", nnodes: int = 1, node_rank: int = 0, dist_init_addr: str = "",
                  startup_timeout: float = 600.0, **kwargs):
-        self.layout = Layout(tp=tp_size, nnodes=nnodes)
+        self.layout = Layout(tp=tp_size, pp=pp_size, nnodes=nnodes)
         self.node = NodeSpec(node_rank, dist_init_addr)
+        if kwargs.get("pp_layer_partition") is not None:
+            kwargs["pp_layer_partition"] = tuple(kwargs["pp_layer_partition"])
         self.config = EngineConfig(model=model, **kwargs)
         ckpt = resolve_checkpoint(model)
-        check_layout(self.layout, self.node, ckpt)
+        check_layout(self.layout, self.node, ckpt, self.config)
         self._backend = None
         if node_rank > 0:
             # Another machine's share of the grid: serve its ranks until node 0 shuts down.
@@ -74,10 +77,10 @@ class LLM:
 
     @property
     def engine(self):
-        """The in-process EngineCore (tp_size 1 only)."""
+        """The in-process EngineCore (one rank only)."""
         backend = self._live()
         if not isinstance(backend, LocalBackend):
-            raise RuntimeError("with tp_size > 1 the engine runs in other processes")
+            raise RuntimeError("with more than one rank the engine runs in other processes")
         return backend.engine
 
     def _live(self):

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from engine_util import record_logits
 
 from shardserve.config import EngineConfig
 from shardserve.core import SamplingParams
@@ -30,16 +31,7 @@ def hf_reference(model, prompt: list[int]) -> tuple[list[int], torch.Tensor]:
 
 def run_engine(path: str, batch: list[list[int]], **cfg) -> tuple[list[list[int]], list[torch.Tensor], EngineCore]:
     core = EngineCore(EngineConfig(model=path, show_progress=False, **cfg))
-    seen: dict[str, list[torch.Tensor]] = {}
-    forward = core.runner.forward
-
-    def recording(b):
-        logits = forward(b)
-        for row, req in zip(logits, b.sampled()):
-            seen.setdefault(req.request_id, []).append(row.clone())
-        return logits
-
-    core.runner.forward = recording
+    seen = record_logits(core)
     greedy = SamplingParams(max_tokens=NEW_TOKENS, temperature=0)
     reqs = [core.add_request(str(i), p, greedy) for i, p in enumerate(batch)]
     while core.has_unfinished():

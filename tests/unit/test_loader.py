@@ -8,6 +8,7 @@ import shutil
 
 import pytest
 import torch
+from engine_util import record_logits
 from safetensors.torch import load_file, save_file
 
 from shardserve.config import EngineConfig
@@ -80,8 +81,9 @@ def test_half_precision_logits_track_transformers(tiny_model, dtype, torch_dtype
     core = EngineCore(EngineConfig(model=path, dtype=dtype, show_progress=False, num_pages=32))
     prompt = [5, 17, 42, 99, 150, 7]
     req = core.add_request("r", prompt, SamplingParams(max_tokens=1, temperature=0))
-    batch = core.scheduler.schedule()
-    ours = core.runner.forward(batch)[0].float()
+    seen = record_logits(core)
+    core.step()
+    ours = seen["r"][0].float()
     with torch.no_grad():
         ref = hf(torch.tensor([prompt])).logits[0, -1].float()
     assert core.runner.pool.k.dtype == torch_dtype

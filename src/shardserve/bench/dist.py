@@ -1,10 +1,14 @@
 """`shardserve bench dist`: the same workload at several sizes of one layout, with traffic.
 
-One JSON line per run: mode, ranks, same_tokens (equal to the first run's), steps,
-kv_pages_per_rank, seconds, rank 0's collective counts on the tensor-parallel group (`traffic`)
-and on the control group (`control`), and every rank's counts on every group it belongs to
-(`traffic_per_rank`: a list by rank of {kind: {op: {calls, MB}}}), MB = 10^6 bytes. All requests
-are admitted before the first step, so the step and call counts are the same every run.
+`--mode tensor` varies --tp-size, `--mode pipeline` varies --pp-size (`--sizes`). One JSON line per
+run: mode, ranks, same_tokens (equal to the first run's), steps (micro-batches under pipeline
+parallelism), kv_pages_per_rank, seconds, rank 0's counts on the tensor-parallel group
+(`traffic`), on the pipeline group (`pipeline`) and on the control group (`control`: what keeps
+the ranks' schedules in agreement), every rank's counts on every group it belongs to
+(`traffic_per_rank`: a list by rank of {kind: {op: {calls, MB}}}), MB = 10^6 bytes, and each
+rank's peak memory while loading. All requests are admitted before the first step, so the step
+and call counts are the same every run. `--mode bubble` is the pipeline's throughput benchmark
+(bench/bubble.py).
 """
 
 from __future__ import annotations
@@ -21,7 +25,7 @@ from shardserve.core import SamplingParams
 
 
 def add_dist_args(p: argparse.ArgumentParser) -> None:
-    from shardserve.server.args import memory_amount, positive_int
+    from shardserve.server.args import memory_amount, positive_int, positive_ints
 
     p.add_argument("--model", default=None, help="checkpoint (default: a random model of the shape below)")
     p.add_argument("--layers", type=positive_int, default=4)
@@ -35,9 +39,16 @@ def add_dist_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--new-tokens", type=positive_int, default=16)
     p.add_argument("--page-size", type=positive_int, default=16)
     p.add_argument("--kv-cache-memory", type=memory_amount, default=64 * 2**20, help="bytes of KV cache per rank")
-    p.add_argument("--mode", choices=["tensor"], default="tensor", help="which layout to vary")
-    p.add_argument("--tp-sizes", default="1,2,4", help="comma-separated tensor-parallel sizes")
+    p.add_argument("--mode", choices=["tensor", "pipeline", "bubble"], default="tensor",
+                   help="which layout to vary (bubble: pipeline micro-batches against one, and TP, on throughput)")
+    p.add_argument("--sizes", "--tp-sizes", dest="sizes", type=positive_ints, default=(1, 2, 4),
+                   help="comma-separated sizes of the varied layout (--tp-size or --pp-size)")
+    p.add_argument("--pp-micro-batches", type=positive_int, default=None,
+                   help="pipeline micro-batches in flight (default: one per stage)")
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32")
+    p.add_argument("--bubble-requests", type=positive_int, default=32, help="bubble mode: requests")
+    p.add_argument("--bubble-max-tokens", type=positive_int, default=96,
+                   help="bubble mode: the longest output (lengths vary from a third of it up)")
 
 
 def random_model(args: argparse.Namespace, path: str) -> None:
@@ -51,13 +62,15 @@ def random_model(args: argparse.Namespace, path: str) -> None:
     AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).save_pretrained(path)
 
 
-def one_run(path: str, tp: int, args: argparse.Namespace, prompts: list[list[int]]) -> tuple[dict, list]:
+def one_run(path: str, size: int, args: argparse.Namespace, prompts: list[list[int]]) -> tuple[dict, list]:
     from shardserve.llm import LLM
 
     params = SamplingParams(max_tokens=args.new_tokens, temperature=0, ignore_eos=True)
+    layout = {"tp_size": size} if args.mode == "tensor" else {"pp_size": size}
     # isolated: every size runs in scheduler processes, so timings and memory compare fairly.
-    with LLM(path, tp_size=tp, isolated=True, dtype=args.dtype, page_size=args.page_size,
-             kv_cache_memory=args.kv_cache_memory, show_progress=False) as llm:
+    with LLM(path, **layout, isolated=True, dtype=args.dtype, page_size=args.page_size,
+             kv_cache_memory=args.kv_cache_memory, show_progress=False,
+             pp_micro_batches=args.pp_micro_batches) as llm:
         # Warm-up (untimed) on a prompt that shares no page with the workload.
         llm.generate([[1] * args.page_size * 2], SamplingParams(max_tokens=2), use_tqdm=False)
         warm, warm_ranks = llm.stats(), llm.rank_reports()
@@ -66,15 +79,16 @@ def one_run(path: str, tp: int, args: argparse.Namespace, prompts: list[list[int
         seconds = time.perf_counter() - start
         stats, ranks = llm.stats(), llm.rank_reports()
         pages = llm.limits.num_pages
-        rss = [llm.worker_info[f"scheduler-{r}"]["peak_load_rss_mb"] for r in range(tp)]
-        anon = [llm.worker_info[f"scheduler-{r}"]["anon_rss_mb"] for r in range(tp)]
+        infos = [llm.worker_info[f"scheduler-{r}"] for r in range(size)]
     tokens = [o.token_ids for o in outs]
-    return {"mode": "tensor", "ranks": tp, "steps": stats.steps - warm.steps, "kv_pages_per_rank": pages,
+    per_rank = [_per_group(after, before) for after, before in zip(ranks, warm_ranks)]
+    return {"mode": args.mode, "ranks": size, "steps": stats.steps - warm.steps, "kv_pages_per_rank": pages,
             "seconds": round(seconds, 3), "traffic": _minus(stats.traffic, warm.traffic),
-            "control": _minus(stats.control, warm.control),
-            "traffic_per_rank": [_per_group(after, before) for after, before in zip(ranks, warm_ranks)],
-            "peak_load_rss_mb": rss,
-            "anon_rss_mb_after_load": anon}, tokens
+            "pipeline": per_rank[0].get("pipeline", {}), "control": per_rank[0].get("control", {}),
+            "traffic_per_rank": per_rank,
+            "layers_per_rank": [i["layers"] for i in infos],
+            "peak_load_rss_mb": [i["peak_load_rss_mb"] for i in infos],
+            "anon_rss_mb_after_load": [i["anon_rss_mb"] for i in infos]}, tokens
 
 
 def _per_group(after: dict, before: dict) -> dict:
@@ -91,7 +105,11 @@ def _minus(after: dict, before: dict) -> dict:
 
 
 def run_dist(args: argparse.Namespace) -> int:
-    sizes = [int(x) for x in args.tp_sizes.split(",")]
+    sizes = args.sizes
+    if args.mode == "bubble":
+        from shardserve.bench.bubble import run_bubble
+
+        return run_bubble(args)
     with tempfile.TemporaryDirectory() as tmp:
         path = args.model or os.path.join(tmp, "model")
         if args.model is None:
@@ -100,9 +118,9 @@ def run_dist(args: argparse.Namespace) -> int:
         vocab = args.vocab if args.model is None else 1000
         prompts = [torch.randint(vocab, (args.prompt_len,), generator=g).tolist() for _ in range(args.num_prompts)]
         first = None
-        for tp in sizes:
-            record, tokens = one_run(path, tp, args, prompts)
+        for size in sizes:
+            record, tokens = one_run(path, size, args, prompts)
             first = first if first is not None else tokens
-            record = {"mode": record.pop("mode"), "ranks": tp, "same_tokens": tokens == first, **record}
+            record = {"mode": record.pop("mode"), "ranks": size, "same_tokens": tokens == first, **record}
             print(json.dumps(record), flush=True)
     return 0

@@ -121,9 +121,27 @@ class Communicator:
         self._count("send", t)
         self._run("send", dist.send, t.contiguous(), self._global(dst))
 
+    def isend(self, t: torch.Tensor, dst: int):
+        """Start sending `t` (contiguous, kept alive by the caller) to group rank `dst`; returns
+        the work handle to wait on."""
+        self._count("send", t)
+        return self._run("send", _isend, t, self._global(dst))
+
     def recv(self, t: torch.Tensor, src: int) -> torch.Tensor:
-        self._run("recv", dist.recv, t, self._global(src))
+        """Fill `t` from group rank `src`; the group's timeout bounds the wait."""
+        try:
+            dist.recv(t, self._global(src), group=self.group)
+        except (RuntimeError, ValueError) as e:
+            me = self.members[self.rank]
+            raise CollectiveError(f"rank {me}: recv from rank {self._global(src)} on the {self.name} group "
+                                  f"failed: {str(e).splitlines()[0]}") from e
         return t
+
+    def count(self, op: str, nbytes: int) -> None:
+        """Count traffic this group's ranks exchange by other means (ZeroMQ: plans, results)."""
+        rec = self.traffic[op]
+        rec.calls += 1
+        rec.bytes += nbytes
 
     def gather_objects(self, obj) -> list:
         """Every rank's picklable `obj`, in rank order, on every rank (for reports, not hot paths)."""
@@ -152,6 +170,10 @@ def _all_gather_list(t: torch.Tensor, size: int, group=None) -> list[torch.Tenso
     out = [torch.empty_like(t) for _ in range(size)]
     dist.all_gather(out, t, group=group)
     return out
+
+
+def _isend(t: torch.Tensor, dst: int, group=None):
+    return dist.isend(t, dst, group=group)
 
 
 def _batch_p2p(ops: list, group=None) -> list:

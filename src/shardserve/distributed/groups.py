@@ -52,6 +52,11 @@ class ParallelGroups:
         return {kind: getattr(self, kind) for kind in ("tensor", "context", "pipeline", "data", "control",
                                                        "expert", "moe_tp")}
 
+    def traffic_by_group(self) -> dict:
+        """This rank's counts on every group it is in: {"rank": r, "groups": {kind: report}}."""
+        return {"rank": self.rank, "groups": {kind: c.traffic_report() for kind, c in self.communicators().items()
+                                              if c.size > 1}}
+
 
 def single_process_groups(layout: Layout | None = None) -> ParallelGroups:
     layout = layout or Layout()

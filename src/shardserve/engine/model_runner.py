@@ -1,16 +1,22 @@
-"""One rank's model: build it, stream its weights in, size its KV pool, run a batch forward."""
+"""One rank's model: build it, stream its weights in, size its KV pool, run a batch forward.
+
+Under pipeline parallelism the rank holds only its stage's layers (and their KV pool); the first
+stage embeds token ids, later stages start from the previous stage's residual stream, and only
+the last stage applies the final norm and LM head.
+"""
 
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 
 import torch
 
 from shardserve.attention import cpu_kernel
 from shardserve.attention.metadata import build_metadata
 from shardserve.config import EngineConfig, ModelConfig
-from shardserve.core import Batch
 from shardserve.distributed.groups import ParallelGroups, single_process_groups
+from shardserve.distributed.pipeline import Stage
 from shardserve.kvcache.pool import KVPool, page_bytes
 from shardserve.layers.attention import ForwardContext
 from shardserve.layers.sharding import head_shard
@@ -22,21 +28,32 @@ from shardserve.platform import available_memory, pick_device
 log = logging.getLogger(__name__)
 
 
+@dataclass
+class StepInputs:
+    """One micro-batch, flat: decodes first, then prefill chunks laid end to end."""
+
+    token_ids: list[int]  # the tokens to embed (first stage only; empty elsewhere)
+    positions: list[int]
+    decodes: list[tuple[list[int], int]]  # (pages, context length)
+    prefills: list[tuple[list[int], int, int]]  # (pages, tokens, context length after them)
+    logit_rows: list[int]  # rows that need logits (sampled, then prompt-scored)
+
+
 class ModelRunner:
-    """Owns the model and the KV pool of one rank. `forward` returns logits of the sampled rows,
-    then of the rows in `batch.prompt_scoring()` (requests asking for prompt logprobs)."""
+    """Owns the model and the KV pool of one rank."""
 
     def __init__(self, cfg: EngineConfig, ckpt: Checkpoint, model_cfg: ModelConfig,
-                 groups: ParallelGroups | None = None):
+                 groups: ParallelGroups | None = None, stage: Stage | None = None):
         self.cfg, self.model_cfg = cfg, model_cfg
         groups = groups or single_process_groups()
         self.groups = groups
+        self.stage = stage or Stage(0, 1, 0, model_cfg.num_layers)
         self.comm, self.control = groups.tensor, groups.control
         self.device = pick_device(cfg.device, groups.local_rank)
         self.dtype = cfg.torch_dtype
         cls = model_class(model_cfg.architecture)
         with torch.device(self.device):
-            self.model = cls(model_cfg, self.comm, self.dtype, self.device)
+            self.model = cls(model_cfg, self.comm, self.dtype, self.device, self.stage)
         sources, total = checkpoint_sources(ckpt)
         desc = f"[{groups.label}] Loading {ckpt.name}"
         load_weights(self.model, sources, total, progress=cfg.show_progress, desc=desc)
@@ -45,9 +62,11 @@ class ModelRunner:
         pages = cfg.num_pages or self._pages_from_budget(shard.num_kv)
         # Every rank must schedule identically, so all use the smallest pool any rank can hold.
         self.num_pages = int(self.control.all_reduce(torch.tensor([pages]), op="min")[0])
-        self.pool = KVPool(model_cfg.num_layers, self.num_pages, cfg.page_size, shard.num_kv,
+        st = self.stage
+        self.pool = KVPool(st.end - st.start, self.num_pages, cfg.page_size, shard.num_kv,
                            model_cfg.head_dim, self.dtype, self.device)
-        self.kv_views = self.pool.layer_views()
+        # Indexed by global layer number; other stages' layers have no cache here.
+        self.kv_views = [None] * st.start + self.pool.layer_views() + [None] * (model_cfg.num_layers - st.end)
         self.paged_decode = self._pick_attention(cfg.attention_backend)
 
     @property
@@ -78,7 +97,7 @@ class ModelRunner:
         budget = self.cfg.kv_cache_memory
         if budget <= 1:
             budget *= available_memory(self.device)
-        per_page = page_bytes(self.model_cfg.num_layers, self.cfg.page_size, num_kv_heads,
+        per_page = page_bytes(self.stage.end - self.stage.start, self.cfg.page_size, num_kv_heads,
                               self.model_cfg.head_dim, self.dtype)
         pages = int(budget // per_page)
         if pages < 1:
@@ -86,25 +105,16 @@ class ModelRunner:
         return pages
 
     @torch.inference_mode()
-    def forward(self, batch: Batch) -> torch.Tensor:
-        ids, positions, sample_rows = [], [], []
-        decodes, prefills = [], []
-        offset = 0
-        for req, n in batch.entries:
-            start = req.num_computed_tokens
-            ids.extend(req.all_token_ids[start : start + n])
-            positions.extend(range(start, start + n))
-            (decodes.append((req.pages, start + 1)) if n == 1 else prefills.append((req.pages, n, start + n)))
-            offset += n
-            if start + n == req.num_tokens:
-                sample_rows.append(offset - 1)
-        meta = build_metadata(self.cfg.page_size, decodes, prefills, self.device, self.paged_decode)
+    def forward(self, step: StepInputs, hidden: torch.Tensor | None = None) -> torch.Tensor:
+        """The first stage embeds `step.token_ids`, a later one continues from `hidden`. Returns the
+        residual stream to send on, or on the last stage the logits of `step.logit_rows`."""
+        meta = build_metadata(self.cfg.page_size, step.decodes, step.prefills, self.device, self.paged_decode)
         ctx = ForwardContext(self.kv_views, meta)
-        input_ids = torch.tensor(ids, dtype=torch.long, device=self.device)
-        pos = torch.tensor(positions, dtype=torch.long, device=self.device)
-        hidden = self.model(input_ids, pos, ctx)
+        pos = torch.tensor(step.positions, dtype=torch.long, device=self.device)
+        ids = torch.tensor(step.token_ids, dtype=torch.long, device=self.device) if self.stage.first else None
+        out = self.model(ids, pos, ctx, hidden)
+        if not self.stage.last:
+            return out
         # Only rows that sample (or score a prompt) need logits: the LM head is the largest matmul.
-        for _, row, _, count in batch.prompt_scoring():
-            sample_rows.extend(range(row, row + count))
-        rows = torch.tensor(sample_rows, dtype=torch.long, device=self.device)
-        return self.model.compute_logits(hidden.index_select(0, rows))
+        rows = torch.tensor(step.logit_rows, dtype=torch.long, device=self.device)
+        return self.model.compute_logits(out.index_select(0, rows))

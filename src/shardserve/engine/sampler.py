@@ -55,18 +55,19 @@ def top_logprobs(logprobs: torch.Tensor, token: int, k: int) -> dict:
 SCORE_BLOCK = 256
 
 
-def score_prompt(logits: torch.Tensor, req: Request, first_pos: int) -> None:
-    """Append the logprob entries of prompt tokens first_pos+1 .. first_pos+len(logits)."""
-    k = req.params.prompt_logprobs
+def score_prompt(logits: torch.Tensor, prompt: list[int], k: int, first_pos: int) -> list[dict]:
+    """The logprob entries of prompt tokens first_pos+1 .. first_pos+len(logits), each with the
+    top k (row i of `logits` scores the token after position first_pos + i)."""
+    entries = []
     for b in range(0, len(logits), SCORE_BLOCK):
         lp = torch.log_softmax(logits[b : b + SCORE_BLOCK].float(), -1)
         pos = first_pos + 1 + b
-        targets = torch.tensor(req.prompt_token_ids[pos : pos + len(lp)], device=lp.device)
+        targets = torch.tensor(prompt[pos : pos + len(lp)], device=lp.device)
         chosen = lp.gather(1, targets[:, None]).squeeze(1).tolist()
         top_v, top_i = (t.tolist() for t in lp.topk(k, dim=-1)) if k else ([[]] * len(lp), [[]] * len(lp))
         for tok, val, ids, vals in zip(targets.tolist(), chosen, top_i, top_v):
-            req.prompt_logprobs.append({"token_id": tok, "logprob": val,
-                                        "top_logprobs": [[i, v] for i, v in zip(ids, vals)]})
+            entries.append({"token_id": tok, "logprob": val, "top_logprobs": [[i, v] for i, v in zip(ids, vals)]})
+    return entries
 
 
 class Sampler:

@@ -134,7 +134,63 @@ class Stats(Msg):
     steps: int = 0
     finished: int = 0  # requests finished (or aborted) so far
     traffic: dict = {}  # rank 0's tensor-parallel group counts, by operation
-    control: dict = {}  # rank 0's control group counts (message fan-out, token agreement)
+    control: dict = {}  # rank 0's control group counts (step plans, results)
+    max_in_flight: int = 0  # the most micro-batches in flight at once so far
+    preemptions: int = 0
+    stages: dict = {}  # pipeline stage -> that stage's tensor rank 0's counts by group (StageTraffic.groups)
+
+
+# The leader's step plans, fanned out to every other rank of the replica (engine/stage_worker.py).
+class PlanRequest(msgspec.Struct, array_like=True):
+    """A request the other ranks hear of the first time it is scheduled."""
+
+    rid: str
+    prompt: list[int]
+    params: SamplingParams
+    seed: int  # resolved by the leader, so whichever rank samples draws the same tokens
+
+
+class PlanEntry(msgspec.Struct, array_like=True):
+    """One request's share of a micro-batch: tokens [start, start + n) of its sequence."""
+
+    rid: str
+    start: int
+    token_ids: list[int]  # the n tokens (only the first stage embeds them)
+    page_base: int  # the request's page list becomes pages[:page_base] + new_pages
+    new_pages: list[int]
+    sample: bool  # this chunk reaches the end of the known tokens: sample the next one
+    score_first: int = -1  # prompt logprobs: first position scored in this chunk (-1: none)
+    score_count: int = 0
+
+
+class StepPlan(Msg):
+    """One micro-batch: every rank of the replica runs exactly these, in `mb` order."""
+
+    mb: int
+    entries: list[PlanEntry]
+    new: list[PlanRequest] = []
+    done: list[str] = []  # requests finished or aborted since the last plan: forget them
+
+
+class Tick(Msg):
+    """The leader is alive but idle (the other ranks' wait for plans stays bounded)."""
+
+
+class StepResult(Msg):
+    """What the sampling rank (last stage, tensor rank 0) returns for micro-batch `mb`."""
+
+    mb: int
+    tokens: list[int]  # one per sampled entry, in plan order
+    logprobs: list[dict | None] = []
+    prompt_logprobs: list[list[dict]] = []  # one list per scoring entry, in plan order
+
+
+class StageTraffic(Msg):
+    """A later stage's counts, for /metrics: {kind: {op: {calls, MB}}}."""
+
+    stage: int
+    rank: int
+    groups: dict
 
 
 class Ready(Msg):
@@ -183,7 +239,7 @@ class NodeStop(Msg):
 Message = (
     GenerateReq | TokenizedReq | AddRequests | AbortReq | ReportReq | RankReports | TokenBatch | TextBatch
     | ErrorOut | TokenizeReq | TokenizeOut
-    | DetokenizeReq | DetokenizeOut | Stats | Ready | Failed | Shutdown
+    | DetokenizeReq | DetokenizeOut | Stats | StepPlan | Tick | StepResult | StageTraffic | Ready | Failed | Shutdown
     | NodeHello | NodeWelcome | NodeRefused | NodeBeat | NodeFailed | NodeStop
 )
 

@@ -22,10 +22,11 @@ class Endpoints:
     root: str
     num_tokenizers: int
     fanout_tcp: str = ""  # tcp://host:port on node 0, reachable from every node
+    results_tcp: str = ""  # likewise: later pipeline stages -> the leader
 
     @classmethod
-    def create(cls, num_tokenizers: int, fanout_tcp: str = "") -> Endpoints:
-        return cls(tempfile.mkdtemp(prefix="shardserve-"), num_tokenizers, fanout_tcp)
+    def create(cls, num_tokenizers: int, fanout_tcp: str = "", results_tcp: str = "") -> Endpoints:
+        return cls(tempfile.mkdtemp(prefix="shardserve-"), num_tokenizers, fanout_tcp, results_tcp)
 
     def _addr(self, name: str) -> str:
         return f"ipc://{os.path.join(self.root, name)}"
@@ -45,6 +46,10 @@ class Endpoints:
     @property
     def fanout(self) -> str:
         return self.fanout_tcp or self._addr("fanout")
+
+    @property
+    def results(self) -> str:
+        return self.results_tcp or self._addr("results")
 
     @property
     def ready(self) -> str:

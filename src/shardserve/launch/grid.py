@@ -12,6 +12,7 @@ from collections.abc import Callable
 
 from shardserve.config import EngineConfig
 from shardserve.distributed.layout import Layout
+from shardserve.distributed.pipeline import split_layers
 from shardserve.ipc.sockets import Endpoints
 from shardserve.launch.nodes import NodeServer, NodeSpec, hello, run_worker_node
 from shardserve.launch.process_tree import Child, ProcessTree
@@ -20,11 +21,13 @@ from shardserve.loader.model_path import Checkpoint
 from shardserve.loader.weights import read_model_config
 
 
-def check_layout(layout: Layout, node: NodeSpec, ckpt: Checkpoint) -> None:
+def check_layout(layout: Layout, node: NodeSpec, ckpt: Checkpoint, cfg: EngineConfig) -> None:
     """Refuse, before any process starts, a grid this machine's flags or the model cannot take."""
     node.check(layout)
     mc = read_model_config(ckpt)
     layout.check_model(mc.num_layers, mc.num_heads, mc.num_experts)
+    if cfg.pp_layer_partition is not None or layout.pp > 1:
+        split_layers(mc.num_layers, layout.pp, cfg.pp_layer_partition)
 
 
 def heartbeat_timeout(cfg: EngineConfig) -> float:
@@ -36,7 +39,8 @@ def endpoints(layout: Layout, node: NodeSpec, num_tokenizers: int, torchrun: boo
     """With ranks that are not this launcher's children (other nodes, torchrun's processes) the
     fan-out is TCP on node 0; otherwise an ipc path."""
     remote = layout.nnodes > 1 or torchrun
-    return Endpoints.create(num_tokenizers, fanout_tcp=node.fanout if remote else "")
+    return Endpoints.create(num_tokenizers, fanout_tcp=node.fanout if remote else "",
+                            results_tcp=node.results if remote else "")
 
 
 class LocalGrid:

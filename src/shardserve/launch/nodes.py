@@ -1,10 +1,11 @@
 """Several machines: node 0's launcher admits the others, and every launcher watches the rest.
 
-`--dist-init-addr HOST:PORT` names node 0. Three ports there must be reachable from every node:
+`--dist-init-addr HOST:PORT` names node 0. Four ports there must be reachable from every node:
 
     PORT      torch.distributed's rendezvous (rank 0's TCP store)
     PORT + 1  this node channel (a ZeroMQ ROUTER on node 0; each other node a DEALER)
-    PORT + 2  scheduler-0's message fan-out (PUB), which every other rank subscribes to
+    PORT + 2  scheduler-0's plan feed (PUB), which every other rank subscribes to
+    PORT + 3  scheduler-0's results inbox (PULL): later pipeline stages' results and counts
 
 Before any rank starts, each node k > 0 says hello with its flags; node 0 compares them with its
 own and refuses a mismatch (another --nnodes, world size or model), which both sides report.
@@ -47,8 +48,8 @@ class NodeSpec:
                               f"{layout.nnodes}")
         if layout.nnodes > 1:
             host, _, port = self.dist_init_addr.rpartition(":")
-            if not host or not port.isdigit() or not 0 < int(port) < 65534:
-                raise LayoutError(f"--dist-init-addr must be HOST:PORT (node 0's address, PORT to PORT+2 free) "
+            if not host or not port.isdigit() or not 0 < int(port) < 65533:
+                raise LayoutError(f"--dist-init-addr must be HOST:PORT (node 0's address, PORT to PORT+3 free) "
                                   f"with --nnodes {layout.nnodes}, got {self.dist_init_addr!r}")
 
     def _addr(self, offset: int) -> str:
@@ -66,6 +67,10 @@ class NodeSpec:
     @property
     def fanout(self) -> str:
         return f"tcp://{self._addr(2)}"
+
+    @property
+    def results(self) -> str:
+        return f"tcp://{self._addr(3)}"
 
 
 def ranks_text(layout: Layout, node: int) -> str:

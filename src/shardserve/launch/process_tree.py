@@ -37,6 +37,7 @@ class Child:
     target: Callable
     args: tuple
     env: dict[str, str] | None = None  # extra environment (e.g. thread counts)
+    role: str = ""  # where it sits, for reports, e.g. "pipeline stage 1 of 2"
 
 
 class ProcessTree:
@@ -88,7 +89,8 @@ class ProcessTree:
 
     def death_report(self) -> str:
         """Every dead child and how it ended, those killed by a signal (the likely cause) first."""
-        dead = [(n, p.returncode) for n, p in self.procs.items() if p.poll() is not None]
+        roles = {c.name: f"{c.name} ({c.role})" for c in self.specs if c.role}
+        dead = [(roles.get(n, n), p.returncode) for n, p in self.procs.items() if p.poll() is not None]
         dead.sort(key=lambda d: (d[1] >= 0, d[0]))
         return "; ".join(f"{n} was killed by signal {-c}" if c < 0 else f"{n} exited unexpectedly with code {c}"
                          for n, c in dead)

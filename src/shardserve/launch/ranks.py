@@ -21,8 +21,16 @@ def scheduler_children(cfg: EngineConfig, ep: Endpoints, layout: Layout, master:
         master = f"127.0.0.1:{free_port()}"
     threads = str(max(1, (os.cpu_count() or 1) // layout.ranks_per_node))
     return [Child(f"scheduler-{r}", scheduler_main, (cfg, ep, RankSpec(r, layout, master)),
-                  env={"OMP_NUM_THREADS": threads} if layout.ranks_per_node > 1 else None)
+                  env={"OMP_NUM_THREADS": threads} if layout.ranks_per_node > 1 else None, role=role(layout, r))
             for r in (only if only is not None else layout.node_ranks(node))]
+
+
+def role(layout: Layout, rank: int) -> str:
+    """How reports name a rank's place, e.g. 'pipeline stage 1 of 2, tp 0' (empty with one rank)."""
+    c = layout.coords(rank)
+    parts = [f"pipeline stage {c.pp} of {layout.pp}"] if layout.pp > 1 else []
+    parts += [f"{a} {getattr(c, a)}" for a in ("dp", "cp", "tp") if getattr(layout, a) > 1]
+    return ", ".join(parts)
 
 
 def free_port(host: str = "127.0.0.1") -> int:

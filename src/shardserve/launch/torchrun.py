@@ -23,7 +23,7 @@ from shardserve.distributed.layout import Layout
 from shardserve.ipc.child import setup_logging
 from shardserve.ipc.sockets import Endpoints
 from shardserve.launch.nodes import NodeSpec
-from shardserve.scheduler.process import RankSpec, SchedulerServer
+from shardserve.scheduler.process import RankSpec, rank_server
 
 ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
 
@@ -41,7 +41,7 @@ class TorchrunEnv:
         return self.world // self.local_world
 
     def node(self) -> NodeSpec:
-        """Our own ports (node channel +1, fan-out +2) sit beside torchrun's MASTER_PORT."""
+        """Our own ports (node channel +1, plan feed +2, results +3) sit beside torchrun's MASTER_PORT."""
         return NodeSpec(self.rank // self.local_world, f"{self.master_addr}:{self.master_port}")
 
 
@@ -67,9 +67,9 @@ def run_rank_here(cfg: EngineConfig, layout: Layout, env: TorchrunEnv) -> int:
     setup_logging(name)
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: sys.exit(0))
-    ep = Endpoints.create(1, fanout_tcp=env.node().fanout)
+    ep = Endpoints.create(1, fanout_tcp=env.node().fanout, results_tcp=env.node().results)
     try:
-        server = SchedulerServer(cfg, ep, RankSpec(env.rank, layout, "env://"))
+        server = rank_server(cfg, ep, RankSpec(env.rank, layout, "env://"))
         logging.getLogger("shardserve.launch").info("%s ready (torchrun rank %d of %d)", name, env.rank, env.world)
         server.serve()
     except SystemExit as e:

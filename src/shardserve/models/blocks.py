@@ -13,6 +13,7 @@ from torch import nn
 
 from shardserve.config import ModelConfig
 from shardserve.distributed.communicator import Communicator
+from shardserve.distributed.pipeline import Stage
 from shardserve.layers.attention import ForwardContext, SelfAttention
 from shardserve.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from shardserve.layers.mlp import GatedMLP
@@ -44,14 +45,21 @@ class DecoderLayer(nn.Module):
 
 
 class CausalLM(nn.Module):
-    """Embedding, decoder layers, final norm, LM head. Subclasses override the hooks below."""
+    """Embedding, decoder layers, final norm, LM head. Subclasses override the hooks below.
+
+    A pipeline stage builds only its part: the embedding on the first stage, layers
+    [stage.start, stage.end) (other indices hold empty placeholders, so parameter names keep
+    their checkpoint layer numbers), and the final norm and LM head on the last stage."""
 
     qk_norm = False
 
-    def __init__(self, cfg: ModelConfig, comm: Communicator, dtype: torch.dtype, device: torch.device):
+    def __init__(self, cfg: ModelConfig, comm: Communicator, dtype: torch.dtype, device: torch.device,
+                 stage: Stage | None = None):
         super().__init__()
         self.cfg = cfg
-        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, comm, dtype, device)
+        self.stage = stage = stage or Stage(0, 1, 0, cfg.num_layers)
+        self.embed_tokens = (VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, comm, dtype, device)
+                             if stage.first else None)
         self.rotary = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.max_position_embeddings,
                                       cfg.rope_scaling, device)
         self.layers = nn.ModuleList(
@@ -59,31 +67,41 @@ class CausalLM(nn.Module):
                 SelfAttention(cfg, i, comm, dtype, device, qk_norm=self.qk_norm),
                 self.make_mlp(cfg, i, comm, dtype, device),
                 cfg, dtype, device,
-            )
+            ) if stage.owns(i) else nn.Identity()
             for i in range(cfg.num_layers)
         )
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
-        tied = self.embed_tokens if cfg.tie_word_embeddings else None
-        self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, comm, dtype, device, tied_to=tied)
+        self.norm = self.lm_head = None
+        if stage.last:
+            self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
+            # A tied head on a stage without the embedding loads the embedding matrix itself.
+            tied = self.embed_tokens if cfg.tie_word_embeddings else None
+            self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, comm, dtype, device, tied_to=tied)
 
     def make_mlp(self, cfg: ModelConfig, layer: int, comm: Communicator, dtype, device) -> nn.Module:
         return GatedMLP(cfg.hidden_size, cfg.intermediate_size, comm, dtype, device)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
-        x = self.embed_tokens(input_ids)
+    def forward(self, input_ids: torch.Tensor | None, positions: torch.Tensor, ctx: ForwardContext,
+                hidden: torch.Tensor | None = None) -> torch.Tensor:
+        """The final-normed hidden states on the last stage, the residual stream elsewhere."""
+        x = self.embed_tokens(input_ids) if self.stage.first else hidden
         ctx.rope = self.rotary.cos_sin(positions)
-        for layer in self.layers:
+        for layer in self.layers[self.stage.start : self.stage.end]:
             x = layer(positions, x, ctx)
-        return self.norm(x)
+        return self.norm(x) if self.stage.last else x
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden)
 
     def weight_target(self, name: str) -> tuple[str, object] | None:
-        """Our parameter name and shard id for a checkpoint tensor, or None to skip it."""
+        """Our parameter name and shard id for a checkpoint tensor, or None to skip it (another
+        stage's tensor is never read)."""
         if self.cfg.tie_word_embeddings and name == "lm_head.weight":
             return None  # some tied checkpoints still store it; the embedding is the source
         name = name.removeprefix("model.")
+        if not self._on_this_stage(name):
+            if name == "embed_tokens.weight" and self.cfg.tie_word_embeddings and self.stage.last:
+                return "lm_head.weight", None
+            return None
         if name.startswith("lm_head."):
             return name, None
         m = _EXPERT.match(name)
@@ -96,3 +114,10 @@ class CausalLM(nn.Module):
                 fused, shard = FUSED[p]
                 return ".".join(parts[:i] + [fused] + parts[i + 1 :]), shard
         return name, None
+
+    def _on_this_stage(self, name: str) -> bool:
+        if name.startswith("layers."):
+            return self.stage.owns(int(name.split(".")[1]))
+        if name.startswith("embed_tokens."):
+            return self.stage.first
+        return self.stage.last  # the final norm and the LM head

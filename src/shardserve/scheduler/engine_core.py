@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -15,10 +16,11 @@ import torch
 
 from shardserve.config import EngineConfig
 from shardserve.core import Batch, Request, SamplingParams, Status
-from shardserve.distributed.groups import ParallelGroups
-from shardserve.engine.model_runner import ModelRunner
-from shardserve.engine.sampler import Sampler, score_prompt
-from shardserve.ipc.messages import Stats
+from shardserve.distributed.communicator import CollectiveError
+from shardserve.distributed.groups import ParallelGroups, single_process_groups
+from shardserve.distributed.pipeline import stage_of
+from shardserve.engine.stage_worker import StageWorker
+from shardserve.ipc.messages import PlanEntry, PlanRequest, StageTraffic, Stats, StepPlan, StepResult
 from shardserve.kvcache.pages import PageAllocator
 from shardserve.loader.model_path import Checkpoint, resolve_checkpoint
 from shardserve.loader.weights import read_model_config
@@ -32,6 +34,15 @@ class StepOutput:
     request: Request
     new_token_ids: list[int]
     finished: bool
+
+
+@dataclass
+class InFlight:
+    """A planned micro-batch: when it left, and the requests waiting for its result (request,
+    samples a token, scores prompt tokens), in plan order."""
+
+    sent: float
+    waits: list[tuple[Request, bool, bool]]
 
 
 @dataclass(frozen=True)
@@ -65,23 +76,46 @@ class RequestLimits:
 
 
 class EngineCore:
+    """The leader's engine: requests, scheduling, plans, and what came of them.
+
+    `step()` makes progress in one of two ways: it applies any results that came back, and when
+    fewer than `micro_batches` plans are in flight it schedules the next micro-batch from requests
+    in none of them, hands the plan to the other ranks (`publish`) and runs this rank's stage of
+    it. With one stage the result comes back at once; with several, the last stage's sampling rank
+    sends it (`results`), and a request is scheduled again only once its token is known.
+    """
+
     def __init__(self, cfg: EngineConfig, decode: Callable[[list[int], bool], str] | None = None,
-                 groups: ParallelGroups | None = None, extra_eos: tuple[int, ...] = ()):
+                 groups: ParallelGroups | None = None, extra_eos: tuple[int, ...] = (),
+                 publish: Callable[[StepPlan], None] | None = None,
+                 results: Callable[[int], list] | None = None):
         self.cfg = cfg
+        groups = groups or single_process_groups()
         self.ckpt: Checkpoint = resolve_checkpoint(cfg.model)
         self.model_cfg = read_model_config(self.ckpt)
-        self.runner = ModelRunner(cfg, self.ckpt, self.model_cfg, groups)
+        layout = groups.layout
+        stage = stage_of(groups.coords.pp, self.model_cfg.num_layers, layout.pp, cfg.pp_layer_partition)
+        self.micro_batches = cfg.pp_micro_batches or layout.pp
+        self.worker = StageWorker(cfg, self.ckpt, self.model_cfg, groups, stage, self.micro_batches)
+        self.runner = self.worker.runner
         self.control = self.runner.control
         limit = self.model_cfg.max_position_embeddings
         self.max_model_len = min(cfg.max_model_len or limit, limit)
         self.allocator = PageAllocator(self.runner.num_pages, cfg.page_size, cfg.enable_prefix_cache)
         self.scheduler = Scheduler(self.allocator, cfg.max_num_batched_tokens, cfg.max_running_requests)
-        self.sampler = Sampler()
         self.decode = decode
         self.eos_ids = tuple(sorted(set(self.model_cfg.eos_token_ids) | set(extra_eos) | self._generation_eos()))
         self.requests: dict[str, Request] = {}
         self.num_steps = self.num_finished = 0
         self._seed_rng = torch.Generator().manual_seed(cfg.seed)
+        self.publish, self.results = publish, results
+        self.inflight: dict[int, InFlight] = {}  # by micro-batch number, oldest first
+        self.busy: set[str] = set()  # requests waiting for a result
+        self.starved = False  # nothing was schedulable while plans were in flight
+        self._new: list[PlanRequest] = []
+        self._done: list[str] = []
+        self.stage_traffic: dict[str, dict] = {}
+        self.max_in_flight = 0  # the most micro-batches ever in flight at once
 
     def _generation_eos(self) -> set[int]:
         path = os.path.join(self.ckpt.path, "generation_config.json")
@@ -108,50 +142,137 @@ class EngineCore:
             raise ValueError(f"request id {request_id!r} is already in use")
         self.check_request(prompt_token_ids, params)
         seed = params.seed if params.seed is not None else int(torch.randint(2**62, (1,), generator=self._seed_rng))
-        gen = torch.Generator(device=self.runner.device).manual_seed(seed)
-        req = Request(request_id, list(prompt_token_ids), params, self.eos_ids, generator=gen)
+        req = Request(request_id, list(prompt_token_ids), params, self.eos_ids, seed=seed)
         self.requests[request_id] = req
         self.scheduler.add(req)
+        self.starved = False
         return req
 
     def abort(self, request_id: str) -> bool:
         req = self.requests.pop(request_id, None)
         if req is None or req.finished:
             return False
-        self.num_finished += 1
-        self.scheduler.finish(req, "abort")
+        self._end(req, "abort")
+        self.starved = False
         return True
 
+    def _end(self, req: Request, reason: str) -> None:
+        self.num_finished += 1
+        self.scheduler.finish(req, reason)
+        self.requests.pop(req.request_id, None)
+        if req.announced:
+            self._done.append(req.request_id)
+
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_work()
+        return self.scheduler.has_work() or bool(self.inflight)
+
+    def stalled(self) -> bool:
+        """Whether only a result can let the engine move on (the caller may wait for one)."""
+        return bool(self.inflight) and (len(self.inflight) >= self.micro_batches or self.starved)
 
     def step(self) -> list[StepOutput]:
-        batch = self.scheduler.schedule()
-        if batch is None:
-            return []
-        self.num_steps += 1
-        sampled = batch.sampled()
-        scoring = batch.prompt_scoring()
-        logits = self.runner.forward(batch)
-        row = len(sampled)
-        for req, _, pos, count in scoring:
-            score_prompt(logits[row : row + count], req, pos)
-            row += count
-        tokens, logprobs = self.sampler(logits[: len(sampled)], sampled)
-        if self.control.size > 1 and tokens:
-            # Ranks see identical logits, but float noise must never let them drift apart.
-            tokens = self.control.broadcast(torch.tensor(tokens, dtype=torch.int64)).tolist()
-        self.scheduler.advance(batch)
+        outputs = self._collect(0)
+        if len(self.inflight) < self.micro_batches:
+            batch = self.scheduler.schedule(self.busy, self._seq_cap())
+            if batch is None:
+                self.starved = bool(self.inflight)
+            else:
+                outputs += self._run(batch)
+        return outputs
+
+    def wait_result(self, timeout_ms: int) -> list[StepOutput]:
+        """Apply results arriving within `timeout_ms` (when stalled)."""
+        return self._collect(timeout_ms)
+
+    def drain(self) -> list[StepOutput]:
+        """Wait for every micro-batch in flight (before a collective all ranks must join)."""
         outputs = []
-        for req, tok, lp in zip(sampled, tokens, logprobs):
+        while self.inflight:
+            outputs += self._collect(100)
+        return outputs
+
+    def _seq_cap(self) -> int:
+        """Split the active requests evenly over the micro-batches, so each slot has work."""
+        if self.micro_batches == 1:
+            return self.cfg.max_running_requests
+        active = len(self.scheduler.running) + len(self.scheduler.waiting)
+        return max(1, -(-active // self.micro_batches))
+
+    def _run(self, batch: Batch) -> list[StepOutput]:
+        plan, waits = self._plan(batch)
+        # Tokens count as computed as soon as they are planned: every stage runs plans in order,
+        # so a later micro-batch never reads a page before this one has written it.
+        self.scheduler.advance(batch)
+        self.num_steps += 1
+        self.inflight[plan.mb] = InFlight(time.monotonic(), waits)
+        self.max_in_flight = max(self.max_in_flight, len(self.inflight))
+        self.busy.update(w[0].request_id for w in waits)
+        if self.publish is not None:
+            self.publish(plan)
+        result = self.worker.execute(plan)
+        return self._apply(result) if result is not None else []
+
+    def _plan(self, batch: Batch) -> tuple[StepPlan, list[tuple[Request, bool, bool]]]:
+        scoring = {id(req): (pos, count) for req, _, pos, count in batch.prompt_scoring()}
+        entries, waits = [], []
+        for req, n in batch.entries:
+            if not req.announced:
+                req.announced = True
+                self._new.append(PlanRequest(req.request_id, req.prompt_token_ids, req.params, req.seed))
+            start = req.num_computed_tokens
+            sample = start + n == req.num_tokens
+            first, count = scoring.get(id(req), (-1, 0))
+            base = req.pages_synced
+            req.pages_synced = len(req.pages)
+            entries.append(PlanEntry(req.request_id, start, req.all_token_ids[start : start + n], base,
+                                     req.pages[base:], sample, first, count))
+            if sample or count:
+                waits.append((req, sample, count > 0))
+        plan = StepPlan(mb=self.num_steps, entries=entries, new=self._new, done=self._done)
+        self._new, self._done = [], []
+        return plan, waits
+
+    def _collect(self, timeout_ms: int) -> list[StepOutput]:
+        if self.results is None or not self.inflight:
+            return []
+        outputs = []
+        for msg in self.results(timeout_ms):
+            if isinstance(msg, StageTraffic):
+                self.stage_traffic[str(msg.stage)] = msg.groups
+            else:
+                outputs += self._apply(msg)
+        oldest = next(iter(self.inflight.values()), None)
+        if oldest is not None and time.monotonic() - oldest.sent > self.cfg.dist_timeout:
+            mb = next(iter(self.inflight))
+            raise CollectiveError(f"rank {self.runner.groups.rank}: no result for micro-batch {mb} from the last "
+                                  f"pipeline stage within {self.cfg.dist_timeout:.0f} s")
+        return outputs
+
+    def _apply(self, result: StepResult) -> list[StepOutput]:
+        mb = next(iter(self.inflight))
+        if result.mb != mb:
+            raise CollectiveError(f"rank {self.runner.groups.rank}: result for micro-batch {result.mb} arrived "
+                                  f"while micro-batch {mb} was the oldest in flight")
+        waits = self.inflight.pop(mb).waits
+        self.starved = False
+        tokens = iter(zip(result.tokens, result.logprobs))
+        scored = iter(result.prompt_logprobs)
+        outputs = []
+        for req, sample, scores in waits:
+            self.busy.discard(req.request_id)
+            entries = next(scored) if scores else []
+            tok, lp = next(tokens) if sample else (None, None)
+            if req.finished:  # aborted while its micro-batch was in flight
+                continue
+            req.prompt_logprobs.extend(entries)
+            if tok is None:
+                continue
             req.output_token_ids.append(tok)
             if lp is not None:
                 req.logprobs.append(lp)
             reason = self._finish_reason(req, tok)
             if reason:
-                self.num_finished += 1
-                self.scheduler.finish(req, reason)
-                self.requests.pop(req.request_id, None)
+                self._end(req, reason)
             outputs.append(StepOutput(req, [tok], reason is not None))
         return outputs
 
@@ -184,13 +305,18 @@ class EngineCore:
         return Stats(running=s["running"], waiting=s["waiting"], pages_used=s["pages_used"],
                      pages_total=s["pages_total"], prefix_hit_rate=self.allocator.hit_rate, steps=self.num_steps,
                      finished=self.num_finished,
-                     traffic=self.runner.comm.traffic_report(), control=self.control.traffic_report())
+                     traffic=self.runner.comm.traffic_report(), control=self.control.traffic_report(),
+                     stages=self._stage_traffic(), max_in_flight=self.max_in_flight,
+                     preemptions=self.scheduler.num_preemptions)
+
+    def _stage_traffic(self) -> dict:
+        if self.runner.stage.count == 1:
+            return {}
+        mine = {kind: c.traffic_report() for kind, c in self.runner.groups.communicators().items() if c.size > 1}
+        return {"0": mine, **self.stage_traffic}
 
     def traffic_by_group(self) -> dict:
-        """This rank's counts on every group it is in: {"rank": r, "groups": {kind: report}}."""
-        groups = self.runner.groups
-        return {"rank": groups.rank, "groups": {kind: c.traffic_report() for kind, c in groups.communicators().items()
-                                                if c.size > 1}}
+        return self.runner.groups.traffic_by_group()
 
     def running_status(self) -> dict[str, int]:
         return {

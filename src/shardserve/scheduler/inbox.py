@@ -1,8 +1,14 @@
-"""How every scheduler rank receives the same messages in the same order.
+"""The leader's inbox and the plan feed that keeps every other rank of the replica in step.
 
-Rank 0 alone reads the tokenizers' PULL socket. Each step it broadcasts how many messages it
-took over the gloo control group and publishes their raw bytes on a ZeroMQ PUB socket; every
-other rank reads exactly that many from its SUB socket. With one rank this is a plain PULL.
+The leader (control rank 0) alone reads the tokenizers' PULL socket and decides everything. What
+the other ranks must do, it publishes on a ZeroMQ PUB socket: step plans (`StepPlan`), a `Tick`
+while idle, `ReportReq` and `Shutdown`. Every other rank reads them from a SUB socket in order.
+Publishing is not a collective: the leader never waits for a slow stage, and a stage waits only
+for the plan it runs next, at most `--dist-timeout`.
+
+Sockets are one machine's ipc paths, or TCP on node 0 when ranks span machines. The sampling rank
+(last stage, tensor rank 0) and each later stage's tensor rank 0 send results and traffic
+counts back to the leader on a PUSH socket (`Endpoints.results`).
 """
 
 from __future__ import annotations
@@ -13,71 +19,115 @@ import torch
 import zmq
 
 from shardserve.distributed.communicator import CollectiveError, Communicator
-from shardserve.ipc.messages import Msg, decode
+from shardserve.ipc.messages import Msg, Tick, decode, encode
 from shardserve.ipc.sockets import bind_address
 
 SYNC = b"\x00sync"  # published at start-up until every subscriber has seen one; never counted
+TICK_INTERVAL = 1.0  # seconds between Ticks while the leader publishes nothing else
 
 
 class Inbox:
-    def __init__(self, ctx: zmq.Context, pull_addr: str, fanout_addr: str, control: Communicator,
-                 timeout_s: float):
-        self.control, self.rank, self.timeout_ms = control, control.rank, int(timeout_s * 1000)
-        if self.rank == 0:
-            self.pull = ctx.socket(zmq.PULL)
-            self.pull.bind(pull_addr)
-            if control.size > 1:
-                self.pub = ctx.socket(zmq.PUB)
-                self.pub.setsockopt(zmq.SNDHWM, 0)
-                self.pub.bind(bind_address(fanout_addr))
-        else:
-            self.sub = ctx.socket(zmq.SUB)
-            self.sub.setsockopt(zmq.RCVHWM, 0)
-            self.sub.setsockopt(zmq.SUBSCRIBE, b"")
-            self.sub.connect(fanout_addr)
+    """The leader's side: requests in, plans out, results back."""
+
+    def __init__(self, ctx: zmq.Context, pull_addr: str, fanout_addr: str, results_addr: str,
+                 control: Communicator, timeout_s: float):
+        self.control = control
+        self.pull = ctx.socket(zmq.PULL)
+        self.pull.bind(pull_addr)
+        self.pub = self.results = None
+        self.last_publish = time.monotonic()
         if control.size > 1:
-            self._sync()
+            self.pub = ctx.socket(zmq.PUB)
+            self.pub.setsockopt(zmq.SNDHWM, 0)
+            self.pub.bind(bind_address(fanout_addr))
+            self.results = ctx.socket(zmq.PULL)
+            self.results.bind(bind_address(results_addr))
+            _sync(control, timeout_s, self._send_sync, again=True)
 
-    def _sync(self) -> None:
-        """ZeroMQ drops what a PUB sends before a SUB has joined: publish SYNC until all have one."""
-        deadline = time.monotonic() + self.timeout_ms / 1000
-        flag = torch.zeros(1, dtype=torch.int32)
+    def _send_sync(self) -> bool:
+        self.pub.send(SYNC)
+        return True
+
+    def receive(self, wait_ms: int, results_too: bool = False) -> list[Msg]:
+        """This step's messages; waits up to `wait_ms` for the first one (or, with `results_too`,
+        until a result is ready to collect)."""
+        if wait_ms:
+            poller = zmq.Poller()
+            poller.register(self.pull, zmq.POLLIN)
+            if results_too and self.results is not None:
+                poller.register(self.results, zmq.POLLIN)
+            poller.poll(wait_ms)
+        out = []
         while True:
-            if self.rank == 0:
-                self.pub.send(SYNC)
-                flag[0] = 1
-            elif not flag[0] and self.sub.poll(50):
-                flag[0] = int(self.sub.recv() == SYNC)
-            agreed = self.control.all_reduce(flag.clone(), op="min")
-            if agreed[0]:
-                return
-            if time.monotonic() > deadline:
-                raise CollectiveError(f"rank {self.rank}: subscribers did not join the message fan-out in time")
-            time.sleep(0.02)
+            try:
+                out.append(decode(self.pull.recv(zmq.NOBLOCK)))
+            except zmq.Again:
+                return out
 
-    def receive(self, wait_ms: int) -> list[Msg]:
-        """This step's messages; rank 0 waits up to `wait_ms` for the first when idle."""
-        if self.rank == 0:
-            raw = []
-            if wait_ms and self.pull.poll(wait_ms):
-                raw.append(self.pull.recv())
-            while True:
-                try:
-                    raw.append(self.pull.recv(zmq.NOBLOCK))
-                except zmq.Again:
-                    break
-            if self.control.size > 1:
-                self.control.broadcast(torch.tensor([len(raw)], dtype=torch.int64))
-                for r in raw:
-                    self.pub.send(r)
-            return [decode(r) for r in raw]
-        count = self.control.broadcast(torch.zeros(1, dtype=torch.int64))
-        return [decode(self._next()) for _ in range(int(count[0]))]
+    def publish(self, msg: Msg) -> None:
+        """Send `msg` to every other rank of the replica, counted on the control group."""
+        if self.pub is None:
+            return
+        data = encode(msg)
+        self.control.count("plan_fanout", len(data))
+        self.pub.send(data, copy=False)
+        self.last_publish = time.monotonic()
 
-    def _next(self) -> bytes:
+    def tick(self) -> None:
+        if self.pub is not None and time.monotonic() - self.last_publish > TICK_INTERVAL:
+            self.publish(Tick())
+
+    def take_results(self, timeout_ms: int) -> list[Msg]:
+        """Results and stage traffic that arrived, waiting up to `timeout_ms` for the first."""
+        if self.results is None or (timeout_ms and not self.results.poll(timeout_ms)):
+            return []
+        out = []
+        while True:
+            try:
+                out.append(decode(self.results.recv(zmq.NOBLOCK)))
+            except zmq.Again:
+                return out
+
+
+class Feed:
+    """Every other rank's side: the leader's messages, in order."""
+
+    def __init__(self, ctx: zmq.Context, fanout_addr: str, control: Communicator, timeout_s: float):
+        self.rank = control.members[control.rank]
+        self.leader = control.members[0]
+        self.timeout_ms = int(timeout_s * 1000)
+        self.sub = ctx.socket(zmq.SUB)
+        self.sub.setsockopt(zmq.RCVHWM, 0)
+        self.sub.setsockopt(zmq.SUBSCRIBE, b"")
+        self.sub.connect(fanout_addr)
+        _sync(control, timeout_s, self._saw_sync)
+
+    def _saw_sync(self) -> bool:
+        return bool(self.sub.poll(50)) and self.sub.recv() == SYNC
+
+    def next(self) -> Msg:
         while True:
             if not self.sub.poll(self.timeout_ms):
-                raise CollectiveError(f"rank {self.rank}: no fanned-out message from rank 0 in time")
+                raise CollectiveError(f"rank {self.rank}: nothing from the leader (rank {self.leader}) on the plan "
+                                      f"feed within {self.timeout_ms / 1000:.0f} s")
             data = self.sub.recv()
             if data != SYNC:
-                return data
+                return decode(data)
+
+
+def _sync(control: Communicator, timeout_s: float, attempt, again: bool = False) -> None:
+    """ZeroMQ drops what a PUB sends before a SUB has joined: the leader publishes SYNC (`again`:
+    every round) until every subscriber has seen one (agreed over the control group, at start-up
+    only)."""
+    deadline = time.monotonic() + timeout_s
+    flag = torch.zeros(1, dtype=torch.int32)
+    while True:
+        if again or not flag[0]:
+            flag[0] = int(attempt())
+        agreed = control.all_reduce(flag.clone(), op="min")
+        if agreed[0]:
+            return
+        if time.monotonic() > deadline:
+            raise CollectiveError(f"rank {control.members[control.rank]}: subscribers did not join the plan feed "
+                                  f"in time")
+        time.sleep(0.02)

@@ -1,10 +1,10 @@
 """The scheduler process (one per rank of the grid): the engine loop plus its I/O.
 
-Per iteration: take this step's messages (the same on every rank of the replica, see `Inbox`),
-add or abort requests, run one engine step (every rank runs it; the model's collectives keep
-them in lockstep), and on the replica's leader only (rank 0 of its control group), send each
-request's new tokens to the detokenizer. A request the engine refuses gets an ErrorOut sent
-straight to the API.
+The replica's leader (rank 0 of its control group) runs `SchedulerServer`: per iteration it
+takes new messages (adds, aborts, reports), runs one engine step (apply results that came back,
+plan and run the next micro-batch) and sends each request's new tokens to the detokenizer; a
+request the engine refuses gets an ErrorOut sent straight to the API. Every other rank runs
+`Follower` (scheduler/follower.py): the leader's plans, in order.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import zmq
 
 from shardserve.config import EngineConfig
 from shardserve.distributed.communicator import CollectiveError
-from shardserve.distributed.groups import init_distributed, single_process_groups
+from shardserve.distributed.groups import ParallelGroups, init_distributed, single_process_groups
 from shardserve.distributed.layout import Layout
 from shardserve.ipc.child import run_child
 from shardserve.ipc.messages import (
@@ -34,13 +34,15 @@ from shardserve.ipc.messages import (
 from shardserve.ipc.sockets import Endpoints, push, send
 from shardserve.loader.model_path import resolve_checkpoint
 from shardserve.loader.tokenizer import load_tokenizer
-from shardserve.platform import anon_rss_mb, peak_rss_mb, pick_device
+from shardserve.platform import pick_device
 from shardserve.scheduler.engine_core import EngineCore, StepOutput
+from shardserve.scheduler.follower import Follower
 from shardserve.scheduler.inbox import Inbox
 
 log = logging.getLogger(__name__)
 STATS_INTERVAL = 0.25
 IDLE_WAIT_MS = 100
+STALL_WAIT_MS = 100  # every micro-batch slot is in flight: wait this long for a result (or a message)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,32 +56,28 @@ class RankSpec:
 
 
 class SchedulerServer:
-    def __init__(self, cfg: EngineConfig, ep: Endpoints, spec: RankSpec):
-        device = pick_device(cfg.device, spec.layout.local_rank(spec.rank))
-        groups = (init_distributed(spec.layout, spec.rank, spec.master, device, cfg.dist_timeout)
-                  if spec.layout.world > 1 else single_process_groups())
-        self.leader = groups.control.rank == 0  # talks to the tokenizers, detokenizer and API
+    """The leader of one engine replica (control rank 0): requests in, plans out, tokens out."""
+
+    def __init__(self, cfg: EngineConfig, ep: Endpoints, groups: ParallelGroups):
         tok = load_tokenizer(resolve_checkpoint(cfg.model))
         decode = (lambda ids, skip: tok.decode(ids, skip_special_tokens=skip)) if tok else None
         eos = (tok.eos_token_id,) if tok is not None and tok.eos_token_id is not None else ()
         self.engine = EngineCore(cfg, decode=decode, groups=groups, extra_eos=eos)
         ctx = zmq.Context.instance()
-        self.inbox = Inbox(ctx, ep.scheduler, ep.fanout, groups.control, cfg.dist_timeout)
-        if self.leader:
-            self.to_detok = push(ctx, ep.detokenizer)
-            self.to_api = push(ctx, ep.api)
+        # After the engine: both sides meet in the same control-group collectives in the same order.
+        self.inbox = Inbox(ctx, ep.scheduler, ep.fanout, ep.results, groups.control, cfg.dist_timeout)
+        self.engine.publish = self.inbox.publish if groups.control.size > 1 else None
+        self.engine.results = self.inbox.take_results if groups.layout.pp > 1 else None
+        self.to_detok = push(ctx, ep.detokenizer)
+        self.to_api = push(ctx, ep.api)
         self.aborted_early: set[str] = set()  # aborts that overtook their request
         self.last_stats = 0.0
         self.last_status: dict = {}
         self.running = True
 
     def info(self) -> dict:
-        # Peak resident memory so far: model construction and weight loading (the KV pool is
-        # allocated untouched), so TP sizes can be compared.
-        peak_mb = peak_rss_mb()
         return {"max_model_len": self.engine.max_model_len, "limits": dataclasses.asdict(self.engine.limits),
-                "peak_load_rss_mb": round(peak_mb, 1), "anon_rss_mb": round(anon_rss_mb(), 1),
-                "decode_attention": self.engine.runner.decode_attention}
+                **self.engine.worker.info()}
 
     def serve(self) -> None:
         try:
@@ -92,23 +90,30 @@ class SchedulerServer:
     def _loop(self) -> None:
         while self.running:
             idle = not self.engine.has_unfinished()
-            for msg in self.inbox.receive(IDLE_WAIT_MS if idle else 0):
+            stalled = self.engine.stalled()
+            wait = IDLE_WAIT_MS if idle else STALL_WAIT_MS if stalled else 0
+            for msg in self.inbox.receive(wait, results_too=stalled):
                 self.handle(msg)
-            outs = self.engine.step()
-            if self.leader:
-                if outs:
-                    send(self.to_detok, TokenBatch(items=[token_out(o) for o in outs]))
-                self.maybe_send_stats()
+            self.emit(self.engine.step())
+            self.maybe_send_stats()
+            if idle:
+                self.inbox.tick()
+
+    def emit(self, outs: list[StepOutput]) -> None:
+        if outs:
+            send(self.to_detok, TokenBatch(items=[token_out(o) for o in outs]))
 
     def handle(self, msg) -> None:
         if isinstance(msg, AddRequests):
             for item in msg.items:
                 self.handle(item)
         elif isinstance(msg, ReportReq):
-            # Every rank took this message this step, so every rank joins the gather.
+            # Every rank joins this gather once it has run every plan before it.
+            self.emit(self.engine.drain())
+            self.inbox.publish(msg)
+            self.engine.worker.flush()
             reports = self.engine.control.gather_objects(self.engine.traffic_by_group())
-            if self.leader:
-                send(self.to_api, RankReports(rid=msg.rid, reports=reports))
+            send(self.to_api, RankReports(rid=msg.rid, reports=reports))
         elif isinstance(msg, TokenizedReq):
             if msg.rid in self.aborted_early:
                 self.aborted_early.discard(msg.rid)
@@ -118,18 +123,18 @@ class SchedulerServer:
                     msg.params.max_tokens = max(1, self.engine.max_model_len - len(msg.token_ids))
                 self.engine.add_request(msg.rid, msg.token_ids, msg.params)
             except Exception as e:  # whatever a request carries, refusing it must not stop the engine
-                if self.leader:
-                    send(self.to_api, ErrorOut(rid=msg.rid, message=str(e), status=400))
+                send(self.to_api, ErrorOut(rid=msg.rid, message=str(e), status=400))
         elif isinstance(msg, AbortReq):
             if self.engine.abort(msg.rid):
-                if self.leader:  # tell the detokenizer too, so it forgets the stream
-                    done = TokenOut(rid=msg.rid, new_ids=[], finished=True, finish_reason="abort")
-                    send(self.to_detok, TokenBatch(items=[done]))
+                # Tell the detokenizer too, so it forgets the stream.
+                done = TokenOut(rid=msg.rid, new_ids=[], finished=True, finish_reason="abort")
+                send(self.to_detok, TokenBatch(items=[done]))
             else:
                 self.aborted_early.add(msg.rid)
                 if len(self.aborted_early) > 10000:
                     self.aborted_early.clear()
         elif isinstance(msg, Shutdown):
+            self.inbox.publish(msg)
             self.running = False
 
     def maybe_send_stats(self) -> None:
@@ -157,11 +162,19 @@ def token_out(o: StepOutput) -> TokenOut:
     )
 
 
+def rank_server(cfg: EngineConfig, ep: Endpoints, spec: RankSpec) -> SchedulerServer | Follower:
+    """Join the grid and build this rank's loop: the leader's, or a follower's."""
+    device = pick_device(cfg.device, spec.layout.local_rank(spec.rank))
+    groups = (init_distributed(spec.layout, spec.rank, spec.master, device, cfg.dist_timeout)
+              if spec.layout.world > 1 else single_process_groups())
+    return SchedulerServer(cfg, ep, groups) if groups.control.rank == 0 else Follower(cfg, ep, groups)
+
+
 def scheduler_main(cfg: EngineConfig, ep: Endpoints, spec: RankSpec) -> None:
     """Process entry point (spawned by the launcher), one per rank."""
 
     def setup():
-        server = SchedulerServer(cfg, ep, spec)
+        server = rank_server(cfg, ep, spec)
         return server.serve, server.info()
 
     run_child(f"scheduler-{spec.rank}", ep.ready, setup)

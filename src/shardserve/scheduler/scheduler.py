@@ -6,6 +6,10 @@ if the page pool cannot hold a chunk, the newest running request is preempted (i
 recomputed later) until it fits. Then, if nothing was preempted, waiting requests are admitted
 in arrival order while budget, pages and `max_running_requests` allow, starting after whatever
 prefix of their tokens the prefix cache already holds.
+
+With micro-batches in flight (pipeline parallelism), requests whose result is still on its way
+(`busy`) are neither scheduled nor preempted, and each micro-batch takes at most `max_seqs`
+requests so the next one has some left to take.
 """
 
 from __future__ import annotations
@@ -31,12 +35,13 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def schedule(self) -> Batch | None:
+    def schedule(self, busy: set[str] = frozenset(), max_seqs: int | None = None) -> Batch | None:
         budget = self.max_tokens
+        max_seqs = max_seqs or self.max_running
         entries: list[tuple[Request, int]] = []
-        queue = sorted(self.running, key=lambda r: r.arrival)
+        queue = sorted((r for r in self.running if r.request_id not in busy), key=lambda r: r.arrival)
         preempted = False
-        while queue and budget > 0:
+        while queue and budget > 0 and len(entries) < max_seqs:
             req = queue.pop(0)
             n = min(req.num_tokens - req.num_computed_tokens, budget)
             while not self._grow(req, req.num_computed_tokens + n):
@@ -49,21 +54,22 @@ class Scheduler:
                 entries.append((req, n))
                 budget -= n
         if not preempted:
-            budget = self._admit(entries, budget)
+            budget = self._admit(entries, budget, max_seqs)
         if not entries:
             return None
         # Decodes (one token) first: the attention backend batches them as one call.
         entries.sort(key=lambda e: e[1] != 1)
         return Batch(entries, sum(1 for _, n in entries if n == 1))
 
-    def _admit(self, entries: list[tuple[Request, int]], budget: int) -> int:
-        while self.waiting and budget > 0 and len(self.running) < self.max_running:
+    def _admit(self, entries: list[tuple[Request, int]], budget: int, max_seqs: int) -> int:
+        while self.waiting and budget > 0 and len(self.running) < self.max_running and len(entries) < max_seqs:
             req = self.waiting[0]
             tokens = req.all_token_ids
             # Cached tokens are never computed, so a request scoring its prompt cannot use them.
             scores_prompt = (req.params.prompt_logprobs is not None
                              and len(req.prompt_logprobs) < len(req.prompt_token_ids))
             req.pages = [] if scores_prompt else self.alloc.match_prefix(tokens)
+            req.pages_synced = 0
             req.num_computed_tokens = len(req.pages) * self.page_size
             n = min(req.num_tokens - req.num_computed_tokens, budget)
             if not self._grow(req, req.num_computed_tokens + n):
@@ -94,7 +100,7 @@ class Scheduler:
     def _preempt(self, req: Request) -> None:
         self.running.remove(req)
         self.alloc.release(req.pages)
-        req.pages, req.num_computed_tokens = [], 0
+        req.pages, req.num_computed_tokens, req.pages_synced = [], 0, 0
         req.page_hashes.clear()
         req.status = Status.WAITING
         req.num_preemptions += 1

@@ -83,6 +83,17 @@ port_number = ranged(int, 1, 65535)
 seed_int = ranged(int, -(2**63), 2**63 - 1)
 
 
+def positive_ints(text: str) -> tuple[int, ...]:
+    """Comma-separated integers >= 1, e.g. layer counts per pipeline stage or sizes to benchmark."""
+    try:
+        values = tuple(int(x) for x in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers like 10,10,10, got {text!r}") from None
+    if any(n < 1 for n in values):
+        raise argparse.ArgumentTypeError(f"every value must be >= 1, got {text}")
+    return values
+
+
 def memory_amount(text: str) -> float:
     """A fraction of free memory (0 < x <= 1) or a byte count (> 1; suffixes K, M, G allowed)."""
     units = {"K": 2**10, "M": 2**20, "G": 2**30}
@@ -113,13 +124,20 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--seed", type=seed_int, default=0, help="seed for requests that give none")
     g.add_argument("--tp-size", "--tensor-parallel-size", dest="tp_size", type=positive_int, default=1,
                    help="tensor-parallel ranks (one scheduler process each)")
+    g.add_argument("--pp-size", "--pipeline-parallel-size", dest="pp_size", type=positive_int, default=1,
+                   help="pipeline stages, each holding a contiguous run of layers (x --tp-size ranks in all)")
+    g.add_argument("--pp-layer-partition", type=positive_ints, default=None,
+                   help="layers per stage, e.g. 10,10,10 (default: an even split, the remainder on the first "
+                        "stages)")
+    g.add_argument("--pp-micro-batches", type=positive_int, default=None,
+                   help="micro-batches in flight through the pipeline (default: one per stage)")
     g.add_argument("--dist-timeout", type=positive_float, default=60.0,
                    help="seconds before a collective between ranks counts as failed")
     g.add_argument("--nnodes", type=positive_int, default=1, help="machines the ranks are spread over")
     g.add_argument("--node-rank", type=non_negative_int, default=0,
                    help="this machine's index; node 0 serves HTTP, the others only run their ranks")
     g.add_argument("--dist-init-addr", default="",
-                   help="HOST:PORT of node 0 (needed with --nnodes > 1); PORT to PORT+2 must be reachable")
+                   help="HOST:PORT of node 0 (needed with --nnodes > 1); PORT to PORT+3 must be reachable")
     g.add_argument("--attention-backend", choices=ATTENTION_BACKENDS, default="auto",
                    help="decode attention: cpu = C kernel over the pages (CPU float32), torch = gather + SDPA, "
                         "auto = cpu where it applies")
@@ -137,6 +155,7 @@ def engine_config(args: argparse.Namespace, **overrides) -> EngineConfig:
         max_model_len=args.max_model_len, enable_prefix_cache=not args.no_prefix_cache, seed=args.seed,
         dist_timeout=args.dist_timeout,
         attention_backend=args.attention_backend,
+        pp_layer_partition=args.pp_layer_partition, pp_micro_batches=args.pp_micro_batches,
     )
     fields.update(overrides)
     return EngineConfig(**fields)
@@ -144,7 +163,7 @@ def engine_config(args: argparse.Namespace, **overrides) -> EngineConfig:
 
 def layout_from_args(args: argparse.Namespace) -> Layout:
     """The rank grid the flags describe (LayoutError names the flag when sizes cannot work)."""
-    return Layout(tp=args.tp_size, nnodes=args.nnodes)
+    return Layout(tp=args.tp_size, pp=args.pp_size, nnodes=args.nnodes)
 
 
 def node_spec_from_args(args: argparse.Namespace):
@@ -158,5 +177,6 @@ def llm_kwargs(args: argparse.Namespace) -> dict:
     """`LLM(...)` keyword arguments for the engine flags: EngineConfig's fields and the layout."""
     cfg = engine_config(args)
     return {**{f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg)}, "tp_size": args.tp_size,
-            "nnodes": args.nnodes, "node_rank": args.node_rank, "dist_init_addr": args.dist_init_addr,
+            "pp_size": args.pp_size, "nnodes": args.nnodes, "node_rank": args.node_rank,
+            "dist_init_addr": args.dist_init_addr,
             "generation_config": args.generation_config}

@@ -62,7 +62,7 @@ def serve(args: argparse.Namespace) -> int:
     env = torchrun_env()
     if env is not None:  # torchrun started this process as one rank: it decides rank and nodes
         layout, node = torchrun_layout(layout, env), env.node()
-    check_layout(layout, node, ckpt)
+    check_layout(layout, node, ckpt, cfg)
     if env is not None and env.rank > 0:
         return run_rank_here(cfg, layout, env)
     if node.node_rank > 0:

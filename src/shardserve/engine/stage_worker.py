@@ -1,0 +1,112 @@
+"""One rank's share of every step: apply the leader's plan, run this stage, sample on the last.
+
+Every rank of an engine replica, the leader included, runs the same `StepPlan`s in the same
+order: the leader makes them (scheduler/engine_core.py) and the fan-out delivers them in order
+(scheduler/inbox.py). A rank keeps, for each request it has heard of, only what its own part
+needs: the request's page list (attention reads it on every stage) and, on the one rank that
+samples (the last stage's tensor rank 0), the sampling state: parameters, generator, tokens so far.
+
+Because a plan fully describes its micro-batch (tokens, positions, pages), no rank ever decides
+anything itself, so ranks cannot diverge; and because every stage runs micro-batches in plan
+order, a page written by an earlier micro-batch is in every stage's cache before a later one
+reads it.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from shardserve.config import EngineConfig, ModelConfig
+from shardserve.core import Request
+from shardserve.distributed.groups import ParallelGroups
+from shardserve.distributed.pipeline import Stage, StageLink
+from shardserve.engine.model_runner import ModelRunner, StepInputs
+from shardserve.engine.sampler import Sampler, score_prompt
+from shardserve.ipc.messages import StepPlan, StepResult
+from shardserve.loader.model_path import Checkpoint
+from shardserve.platform import anon_rss_mb, peak_rss_mb
+
+
+class StageWorker:
+    def __init__(self, cfg: EngineConfig, ckpt: Checkpoint, model_cfg: ModelConfig, groups: ParallelGroups,
+                 stage: Stage, max_pending_sends: int = 2):
+        self.runner = ModelRunner(cfg, ckpt, model_cfg, groups, stage)
+        self.stage, self.hidden_size = stage, model_cfg.hidden_size
+        self.samples = stage.last and groups.tensor.rank == 0
+        self.link = (StageLink(groups.pipeline, stage, cfg.dist_timeout, max_pending_sends)
+                     if stage.count > 1 else None)
+        self.pages: dict[str, list[int]] = {}
+        self.sampling: dict[str, Request] = {}  # on the sampling rank only
+        self.sampler = Sampler()
+
+    def execute(self, plan: StepPlan) -> StepResult | None:
+        """Run this rank's part of `plan`; the sampling rank returns the micro-batch's result."""
+        self._learn(plan)
+        step = self._inputs(plan)
+        hidden = None
+        if not self.stage.first:
+            hidden = self.link.recv(len(step.positions), self.hidden_size, self.runner.dtype, self.runner.device)
+        out = self.runner.forward(step, hidden)
+        if not self.stage.last:
+            self.link.send(out)
+            return None
+        return self._sample(plan, out) if self.samples else None
+
+    def _learn(self, plan: StepPlan) -> None:
+        for rid in plan.done:
+            self.pages.pop(rid, None)
+            self.sampling.pop(rid, None)
+        for r in plan.new:
+            self.pages[r.rid] = []
+            if self.samples:
+                gen = torch.Generator(device=self.runner.device).manual_seed(r.seed)
+                self.sampling[r.rid] = Request(r.rid, r.prompt, r.params, generator=gen)
+
+    def _inputs(self, plan: StepPlan) -> StepInputs:
+        step = StepInputs([], [], [], [], [])
+        sample_rows, score_rows, offset = [], [], 0
+        for e in plan.entries:
+            pages = self.pages[e.rid]
+            del pages[e.page_base:]
+            pages.extend(e.new_pages)
+            n = len(e.token_ids)
+            end = e.start + n
+            if self.stage.first:
+                step.token_ids.extend(e.token_ids)
+            step.positions.extend(range(e.start, end))
+            (step.decodes.append((pages, end)) if n == 1 else step.prefills.append((pages, n, end)))
+            if e.sample:
+                sample_rows.append(offset + n - 1)
+            if e.score_count:
+                first = offset + e.score_first - e.start
+                score_rows.extend(range(first, first + e.score_count))
+            offset += n
+        step.logit_rows = sample_rows + score_rows
+        return step
+
+    def _sample(self, plan: StepPlan, logits: torch.Tensor) -> StepResult:
+        reqs = [self.sampling[e.rid] for e in plan.entries if e.sample]
+        tokens, logprobs = self.sampler(logits[: len(reqs)], reqs)
+        for req, tok in zip(reqs, tokens):
+            req.output_token_ids.append(tok)  # penalties read the tokens so far
+        scored, row = [], len(reqs)
+        for e in plan.entries:
+            if e.score_count:
+                req = self.sampling[e.rid]
+                scored.append(score_prompt(logits[row : row + e.score_count], req.prompt_token_ids,
+                                           req.params.prompt_logprobs, e.score_first))
+                row += e.score_count
+        return StepResult(mb=plan.mb, tokens=tokens, logprobs=logprobs, prompt_logprobs=scored)
+
+    def info(self) -> dict:
+        """What every rank reports when ready. Peak resident memory so far covers model
+        construction and weight loading (the KV pool is allocated untouched), so layouts compare."""
+        r = self.runner
+        return {"peak_load_rss_mb": round(peak_rss_mb(), 1), "anon_rss_mb": round(anon_rss_mb(), 1),
+                "decode_attention": r.decode_attention, "layers": [r.stage.start, r.stage.end],
+                "num_pages": r.num_pages}
+
+    def flush(self) -> None:
+        """Wait for this stage's outstanding sends (before a rank-wide collective or exit)."""
+        if self.link is not None:
+            self.link.flush()

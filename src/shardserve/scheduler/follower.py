@@ -1,0 +1,88 @@
+"""Every rank but the leader: run the leader's plans, in order, until told to stop.
+
+A follower decides nothing. It reads the plan feed (scheduler/inbox.py), runs its stage of each
+plan, and, if it is the sampling rank (last stage, tensor rank 0), sends the micro-batch's result
+back to the leader. Each later stage's tensor rank 0 also sends its traffic counts now and then,
+so /metrics shows every stage.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import zmq
+
+from shardserve.config import EngineConfig
+from shardserve.distributed.communicator import CollectiveError
+from shardserve.distributed.groups import ParallelGroups
+from shardserve.distributed.pipeline import stage_of
+from shardserve.engine.stage_worker import StageWorker
+from shardserve.ipc.messages import Msg, ReportReq, Shutdown, StageTraffic, StepPlan, Tick, encode
+from shardserve.ipc.sockets import Endpoints
+from shardserve.loader.model_path import resolve_checkpoint
+from shardserve.loader.weights import read_model_config
+from shardserve.scheduler.inbox import Feed
+
+log = logging.getLogger(__name__)
+TRAFFIC_INTERVAL = 0.25
+
+
+class Follower:
+    def __init__(self, cfg: EngineConfig, ep: Endpoints, groups: ParallelGroups):
+        ckpt = resolve_checkpoint(cfg.model)
+        model_cfg = read_model_config(ckpt)
+        layout = groups.layout
+        stage = stage_of(groups.coords.pp, model_cfg.num_layers, layout.pp, cfg.pp_layer_partition)
+        self.groups = groups
+        self.worker = StageWorker(cfg, ckpt, model_cfg, groups, stage, cfg.pp_micro_batches or layout.pp)
+        ctx = zmq.Context.instance()
+        self.feed = Feed(ctx, ep.fanout, groups.control, cfg.dist_timeout)
+        self.reports_traffic = layout.pp > 1 and not stage.first and groups.tensor.rank == 0
+        self.to_leader = None
+        if self.worker.samples or self.reports_traffic:
+            self.to_leader = ctx.socket(zmq.PUSH)
+            self.to_leader.setsockopt(zmq.LINGER, 1000)
+            self.to_leader.connect(ep.results)
+        self.last_traffic = 0.0
+
+    def info(self) -> dict:
+        return self.worker.info()
+
+    def serve(self) -> None:
+        try:
+            self._loop()
+        except CollectiveError as e:
+            log.error("stopping: %s", str(e).splitlines()[0])
+            raise SystemExit(1) from None
+
+    def _loop(self) -> None:
+        while True:
+            msg = self.feed.next()
+            if isinstance(msg, StepPlan):
+                result = self.worker.execute(msg)
+                if result is not None:
+                    self._send(result, "result")
+                self._maybe_send_traffic()
+            elif isinstance(msg, Tick):
+                self._maybe_send_traffic()
+            elif isinstance(msg, ReportReq):
+                # The leader drained every micro-batch first; all ranks gather here.
+                self.worker.flush()
+                self.groups.control.gather_objects(self.groups.traffic_by_group())
+            elif isinstance(msg, Shutdown):
+                self.worker.flush()
+                return
+
+    def _send(self, msg: Msg, op: str) -> None:
+        data = encode(msg)
+        self.groups.control.count(op, len(data))
+        self.to_leader.send(data, copy=False)
+
+    def _maybe_send_traffic(self) -> None:
+        now = time.monotonic()
+        if not self.reports_traffic or now - self.last_traffic < TRAFFIC_INTERVAL:
+            return
+        self.last_traffic = now
+        groups = self.groups.traffic_by_group()["groups"]
+        self.to_leader.send(encode(StageTraffic(stage=self.worker.stage.index, rank=self.groups.rank, groups=groups)))

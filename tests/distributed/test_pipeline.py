@@ -1,0 +1,172 @@
+"""Pipeline parallelism end to end: stages in their own processes give transformers' tokens and
+log-probabilities, on every architecture, with chunked prefill, prefix hits, preemption, seeded
+sampling and prompt logprobs; several micro-batches really are in flight; a dead stage ends the
+server whole.
+
+The tiny models have 5 layers, so no stage count tested divides them (PP 2 splits 3 + 2, PP 3
+2 + 2 + 1, PP 4 2 + 1 + 1 + 1)."""
+
+from __future__ import annotations
+
+import os
+import sys
+import threading
+import time
+
+import httpx
+import pytest
+import torch
+
+from shardserve import LLM, SamplingParams
+from shardserve.distributed.layout import LayoutError
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "e2e"))
+from server_util import Server  # noqa: E402
+
+LAYERS, NEW, TOP = 5, 12, 3
+# A 16-token step budget cuts the 30-token prompt into chunks on every layout.
+ENGINE = dict(num_pages=64, page_size=8, max_num_batched_tokens=16, show_progress=False)
+GREEDY = SamplingParams(max_tokens=NEW, temperature=0, logprobs=TOP)
+SEEDED = SamplingParams(max_tokens=8, temperature=1.0, top_p=0.9, seed=5, repetition_penalty=1.2)
+SCORED = SamplingParams(max_tokens=2, temperature=0, prompt_logprobs=TOP)
+
+
+def prompts(vocab: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(11)
+    return [torch.randint(vocab, (n,), generator=g).tolist() for n in (1, 9, 30)]
+
+
+def hf_reference(model, prompt: list[int]) -> tuple[list[int], torch.Tensor]:
+    """transformers' greedy tokens and the log-probabilities of every generated position."""
+    with torch.no_grad():
+        out = model.generate(torch.tensor([prompt]), max_new_tokens=NEW, min_new_tokens=NEW, do_sample=False)
+        logits = model(out[:, :-1]).logits[0, len(prompt) - 1 :]
+    return out[0, len(prompt) :].tolist(), torch.log_softmax(logits.float(), -1)
+
+
+def assert_logprobs_close(entries: list[dict], ref: torch.Tensor) -> None:
+    for entry, row in zip(entries, ref, strict=True):
+        assert abs(entry["logprob"] - float(row[entry["token_id"]])) < 1e-4
+        ids = [i for i, _ in entry["top_logprobs"]]
+        got = torch.tensor([v for _, v in entry["top_logprobs"]])
+        assert torch.allclose(got, row[ids], atol=1e-4, rtol=0)
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_model):
+    """Per architecture: the checkpoint, prompts, transformers' tokens and logprobs, and one rank's
+    seeded sample and prompt logprobs."""
+    cache: dict[str, tuple] = {}
+
+    def get(arch: str):
+        if arch not in cache:
+            path, model = tiny_model(arch, LAYERS)
+            batch = prompts(model.config.vocab_size)
+            hf = [hf_reference(model, p) for p in batch]
+            with LLM(path, **ENGINE) as one:
+                seeded = one.generate(batch[1:2], SEEDED, use_tqdm=False)[0].token_ids
+                scored = one.generate(batch[2:], SCORED, use_tqdm=False)[0].prompt_logprobs
+            cache[arch] = (path, batch, hf, seeded, scored)
+        return cache[arch]
+
+    return get
+
+
+LAYOUTS = [(2, 1), (3, 1), (4, 1), (2, 2)]  # (pp, tp)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("pp,tp", LAYOUTS, ids=[f"pp{p}-tp{t}" for p, t in LAYOUTS])
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "qwen3_moe", "qwen2_moe"])
+def test_pp_matches_transformers(reference, arch, pp, tp):
+    path, batch, hf, seeded, scored = reference(arch)
+    with LLM(path, pp_size=pp, tp_size=tp, **ENGINE) as llm:
+        outs = llm.generate(batch, GREEDY, use_tqdm=False)
+        again = llm.generate(batch, GREEDY, use_tqdm=False)  # the prompts' full pages are cached now
+        sampled = llm.generate(batch[1:2], SEEDED, use_tqdm=False)[0].token_ids
+        prompt_lps = llm.generate(batch[2:], SCORED, use_tqdm=False)[0].prompt_logprobs
+        stats = llm.stats()
+        layers = [llm.worker_info[f"scheduler-{r}"]["layers"] for r in range(0, pp * tp, tp)]
+    for out, (tokens, lps) in zip(outs, hf):
+        assert out.token_ids == tokens
+        assert_logprobs_close(out.logprobs, lps)
+    assert [o.token_ids for o in again] == [t for t, _ in hf]
+    assert again[2].num_cached_tokens == 24  # three full pages of the 30-token prompt
+    assert sampled == seeded
+    assert [e["token_id"] for e in prompt_lps] == [e["token_id"] for e in scored]
+    for mine, ref in zip(prompt_lps[1:], scored[1:]):
+        assert abs(mine["logprob"] - ref["logprob"]) < 1e-4
+    # Three requests spread over the micro-batches, all in flight at once (a prompt's chunks that
+    # sample nothing follow each other without waiting, so a fourth can join at PP 4).
+    assert min(pp, len(batch)) <= stats.max_in_flight <= pp
+    base, extra = divmod(LAYERS, pp)
+    counts = [base + (i < extra) for i in range(pp)]
+    assert [b - a for a, b in layers] == counts and layers[0][0] == 0 and layers[-1][1] == LAYERS
+
+
+@pytest.mark.slow
+def test_pp_preemption_and_layer_partition(reference):
+    """A pool too small for every request at once forces preemption mid-pipeline; the tokens stay
+    transformers'. An explicit --pp-layer-partition is honoured."""
+    path, batch, hf, _, _ = reference("llama")
+    with LLM(path, pp_size=2, pp_layer_partition=(1, 4), num_pages=8, page_size=8, show_progress=False) as llm:
+        outs = llm.generate(batch, GREEDY, use_tqdm=False)
+        stats = llm.stats()
+        layers = [llm.worker_info[f"scheduler-{r}"]["layers"] for r in range(2)]
+    assert [o.token_ids for o in outs] == [t for t, _ in hf]
+    assert stats.preemptions > 0
+    assert layers == [[0, 1], [1, 5]]
+
+
+def test_micro_batches_in_flight_against_one(reference):
+    """With the default (one micro-batch per stage) two are in flight at once; with
+    --pp-micro-batches 1, never more than one. The same tokens either way."""
+    path, batch, hf, _, _ = reference("llama")
+    seen = {}
+    for k in (None, 1):
+        with LLM(path, pp_size=2, pp_micro_batches=k, **ENGINE) as llm:
+            tokens = [o.token_ids for o in llm.generate(batch * 2, GREEDY, use_tqdm=False)]
+            seen[k] = (tokens, llm.stats().max_in_flight)
+    assert seen[None][1] == 2 and seen[1][1] == 1
+    assert seen[None][0] == seen[1][0] == [t for t, _ in hf] * 2
+
+
+def test_bad_pipeline_sizes_are_refused_before_any_process_starts(reference):
+    path = reference("llama")[0]
+    start = time.monotonic()
+    with pytest.raises(LayoutError, match="--pp-size 6 exceeds the model's 5 layers"):
+        LLM(path, pp_size=6, show_progress=False)
+    with pytest.raises(LayoutError, match="--pp-layer-partition 2,2 must be 2 counts"):
+        LLM(path, pp_size=2, pp_layer_partition=(2, 2), show_progress=False)
+    with pytest.raises(LayoutError, match="--pp-layer-partition 1,1,3 must be 2 counts"):
+        LLM(path, pp_size=2, pp_layer_partition=(1, 1, 3), show_progress=False)
+    assert time.monotonic() - start < 5
+
+
+def test_dead_stage_ends_the_server_naming_it(reference, tmp_path):
+    path = reference("llama")[0]
+    server = Server("--model", path, "--pp-size", "2", "--num-pages", "64", "--page-size", "8",
+                    log_path=str(tmp_path / "log"))
+    try:
+        r = httpx.post(server.url + "/v1/completions", json={"prompt": [5, 6, 7], "max_tokens": 4}, timeout=60)
+        assert r.status_code == 200
+
+        def long_request() -> None:
+            try:
+                httpx.post(server.url + "/v1/completions", timeout=60,
+                           json={"prompt": [5, 6], "max_tokens": 400, "ignore_eos": True})
+            except httpx.HTTPError:
+                pass
+
+        t = threading.Thread(target=long_request)
+        t.start()
+        time.sleep(0.5)
+        os.kill(server.child_pid("scheduler-1"), 9)
+        start = time.monotonic()
+        server.proc.wait(30)
+        assert time.monotonic() - start < 30
+        t.join(30)
+    finally:
+        code, left = server.stop()
+    assert code != 0 and left == []
+    assert "scheduler-1 (pipeline stage 1 of 2) was killed by signal 9" in server.read_log()
