@@ -6,6 +6,7 @@ import multiprocessing as mp
 import pickle
 import socket
 import traceback
+from datetime import timedelta
 
 import torch.distributed as dist
 
@@ -18,10 +19,11 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _entry(fn, rank: int, world: int, port: int, queue) -> None:
+def _entry(fn, rank: int, world: int, port: int, queue, group_timeout: float | None = None) -> None:
     try:
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
-        group = dist.new_group(list(range(world)))
+        extra = {"timeout": timedelta(seconds=group_timeout)} if group_timeout else {}
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world, **extra)
+        group = dist.new_group(list(range(world)), **extra)
         # Plain pickle, not the queue's: torch would share tensors by file descriptor, and the
         # descriptor's owner (this process) may be gone before the parent unpickles them.
         queue.put((rank, pickle.dumps(fn(Communicator(group, rank, world, "test"))), None))
@@ -30,13 +32,15 @@ def _entry(fn, rank: int, world: int, port: int, queue) -> None:
         queue.put((rank, None, traceback.format_exc()))
 
 
-def run_ranks(fn, world: int, timeout: float = 120, report: int | None = None) -> list:
+def run_ranks(fn, world: int, timeout: float = 120, report: int | None = None,
+              group_timeout: float | None = None) -> list:
     """fn(comm) runs on every rank; returns the results ordered by rank (only the first
-    `report` ranks are waited for, when some are meant to die)."""
+    `report` ranks are waited for, when some are meant to die). `group_timeout` bounds every
+    collective, as --dist-timeout does."""
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     port = _free_port()
-    procs = [ctx.Process(target=_entry, args=(fn, r, world, port, queue)) for r in range(world)]
+    procs = [ctx.Process(target=_entry, args=(fn, r, world, port, queue, group_timeout)) for r in range(world)]
     for p in procs:
         p.start()
     results = {}

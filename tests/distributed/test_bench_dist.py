@@ -28,3 +28,32 @@ def test_bench_dist_counts_follow_from_the_shapes(capsys):
         assert rank["tensor"] == tp2["traffic"]  # every rank runs the same collectives
         assert set(rank) == {"tensor", "control"}
     assert runs[0]["traffic_per_rank"] == [{}]
+
+
+def test_bench_dist_pipeline_counts_follow_from_the_shapes(capsys):
+    """PP 2 and 3 with one micro-batch: every step's residual stream crosses each boundary once;
+    with the default micro-batches the same tokens and bytes, in more (smaller) sends."""
+    prompts, prompt_len, hidden = 6, 20, 64
+    common = ["bench", "dist", "--mode", "pipeline", "--layers", "5", "--hidden", str(hidden), "--heads", "4",
+              "--kv-heads", "2", "--intermediate", "96", "--vocab", "301", "--num-prompts", str(prompts),
+              "--prompt-len", str(prompt_len), "--new-tokens", str(NEW), "--sizes", "1,2,3", "--kv-cache-memory", "4M"]
+    assert main([*common, "--pp-micro-batches", "1"]) == 0
+    one = [json.loads(line) for line in capsys.readouterr().out.splitlines() if line.startswith("{")]
+    assert main(common) == 0
+    default = [json.loads(line) for line in capsys.readouterr().out.splitlines() if line.startswith("{")]
+    tokens = prompts * prompt_len + (NEW - 1) * prompts
+    for runs in (one, default):
+        assert [r["ranks"] for r in runs] == [1, 2, 3] and all(r["same_tokens"] for r in runs)
+        assert [r["layers_per_rank"] for r in runs] == [[[0, 5]], [[0, 3], [3, 5]], [[0, 2], [2, 4], [4, 5]]]
+        # A page of one layer: K and V, 16 tokens x 2 KV heads x 16 dims x 4 bytes. Every rank uses
+        # what the stage with the most layers holds (5, then 3, then 2).
+        per_layer = 2 * 16 * 2 * 16 * 4
+        assert [r["kv_pages_per_rank"] for r in runs] == [4 * 2**20 // (n * per_layer) for n in (5, 3, 2)]
+        for r in runs[1:]:
+            assert r["pipeline"]["send"]["MB"] == tokens * hidden * 4 / 1e6
+            assert r["control"]["plan_fanout"]["calls"] == r["steps"] + 1  # the plans, and the report request
+            assert r["traffic_per_rank"][-1]["control"]["result"]["calls"] == r["steps"]  # tokens back
+    assert [r["steps"] for r in one] == [NEW] * 3
+    assert [r["pipeline"]["send"]["calls"] for r in one[1:]] == [NEW, NEW]
+    # Six requests over 2 and 3 micro-batches: each step of the one-batch run becomes 2 or 3.
+    assert [r["steps"] for r in default] == [NEW, 2 * NEW, 3 * NEW]

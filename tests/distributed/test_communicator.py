@@ -66,3 +66,30 @@ def test_dead_peer_raises_named_error():
     [(kind, message)] = run_ranks(failing_peer, 2, timeout=60, report=1)
     assert kind == "CollectiveError"
     assert "rank 0: all_reduce on the test group failed" in message
+
+
+def silent_stage(comm):
+    """Rank 0 (stage 0) lives but never sends: rank 1's receive of the residual stream gives up."""
+    import time
+
+    from shardserve.distributed.communicator import Communicator
+    from shardserve.distributed.pipeline import Stage, StageLink
+
+    pipe = Communicator(comm.group, comm.rank, comm.size, "pipeline", comm.members)
+    if comm.rank == 0:
+        time.sleep(8)
+        return None
+    link = StageLink(pipe, Stage(1, 2, 2, 4), timeout_s=2)
+    start = time.monotonic()
+    try:
+        link.recv(4, 8, torch.float32, torch.device("cpu"))
+    except Exception as e:
+        return type(e).__name__, str(e), time.monotonic() - start
+    return None
+
+
+def test_a_silent_stage_bounds_the_receive_and_names_it():
+    [_, (kind, message, waited)] = run_ranks(silent_stage, 2, timeout=60, group_timeout=2)
+    assert kind == "CollectiveError"
+    assert message.startswith("rank 1: recv from rank 0 on the pipeline group failed")
+    assert 1.5 < waited < 6

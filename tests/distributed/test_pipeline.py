@@ -9,6 +9,7 @@ The tiny models have 5 layers, so no stage count tested divides them (PP 2 split
 from __future__ import annotations
 
 import os
+import re
 import sys
 import threading
 import time
@@ -150,6 +151,16 @@ def test_dead_stage_ends_the_server_naming_it(reference, tmp_path):
     try:
         r = httpx.post(server.url + "/v1/completions", json={"prompt": [5, 6, 7], "max_tokens": 4}, timeout=60)
         assert r.status_code == 200
+        # /metrics shows both stages: the first sends the residual stream, the last sends results.
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            metrics = httpx.get(server.url + "/metrics").text
+            if 'group="control",op="result",stage="1"' in metrics:
+                break
+            time.sleep(0.3)
+        sends = re.search(r'shardserve_stage_comm_calls\{group="pipeline",op="send",stage="0"\} (\S+)', metrics)
+        assert sends and float(sends.group(1)) >= 4
+        assert 'shardserve_stage_comm_calls{group="control",op="result",stage="1"}' in metrics
 
         def long_request() -> None:
             try:
@@ -170,3 +181,29 @@ def test_dead_stage_ends_the_server_naming_it(reference, tmp_path):
         code, left = server.stop()
     assert code != 0 and left == []
     assert "scheduler-1 (pipeline stage 1 of 2) was killed by signal 9" in server.read_log()
+
+
+@pytest.fixture(scope="module")
+def smollm2_answer(smollm2_path):
+    question = [{"role": "user", "content": "What is the capital of France?"}]
+    with LLM(smollm2_path, kv_cache_memory=2**27, show_progress=False) as one:
+        return one.chat(question, SamplingParams(max_tokens=16, temperature=0), use_tqdm=False)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", [["--pp-size", "2"], ["--pp-size", "2", "--tp-size", "2"]],
+                         ids=["pp2", "tp2-pp2"])
+def test_smollm2_server_answers_paris_with_pp1_tokens(smollm2_path, smollm2_answer, tmp_path, layout):
+    import openai
+
+    server = Server("--model", smollm2_path, *layout, "--kv-cache-memory", "128M", log_path=str(tmp_path / "log"))
+    try:
+        client = openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0)
+        r = client.chat.completions.create(model=None, temperature=0, max_tokens=16, logprobs=True,
+                                           messages=[{"role": "user", "content": "What is the capital of France?"}])
+    finally:
+        code, left = server.stop()
+    assert code == 0 and left == []
+    assert "Paris" in r.choices[0].message.content
+    assert r.choices[0].message.content == smollm2_answer.text
+    assert len(r.choices[0].logprobs.content) == len(smollm2_answer.token_ids)

@@ -23,31 +23,44 @@ import torch
 
 from shardserve.core import SamplingParams
 
+# The traffic modes' default model is small (the counts follow from the shapes); the bubble's is
+# large enough that a half-size micro-batch costs about half a full one on a CPU (see bubble.py).
+_BASE = dict(layers=4, hidden=512, heads=8, kv_heads=4, intermediate=1536, vocab=1024, num_prompts=8,
+             prompt_len=64, new_tokens=16)
+SHAPES = {"tensor": _BASE, "pipeline": _BASE,
+          "bubble": _BASE | dict(layers=8, hidden=1024, heads=16, intermediate=4096, prompt_len=128)}
+
+
+def fill_defaults(args: argparse.Namespace) -> None:
+    """Give every shape flag left out its mode's default."""
+    for flag, value in SHAPES[args.mode].items():
+        if getattr(args, flag) is None:
+            setattr(args, flag, value)
+    if args.kv_cache_memory is None:
+        args.kv_cache_memory = (512 if args.mode == "bubble" else 64) * 2**20
+
 
 def add_dist_args(p: argparse.ArgumentParser) -> None:
     from shardserve.server.args import memory_amount, positive_int, positive_ints
 
     p.add_argument("--model", default=None, help="checkpoint (default: a random model of the shape below)")
-    p.add_argument("--layers", type=positive_int, default=4)
-    p.add_argument("--hidden", type=positive_int, default=512)
-    p.add_argument("--heads", type=positive_int, default=8)
-    p.add_argument("--kv-heads", type=positive_int, default=4)
-    p.add_argument("--intermediate", type=positive_int, default=1536)
-    p.add_argument("--vocab", type=positive_int, default=1024)
-    p.add_argument("--num-prompts", type=positive_int, default=8)
-    p.add_argument("--prompt-len", type=positive_int, default=64)
-    p.add_argument("--new-tokens", type=positive_int, default=16)
+    # Shape and workload: None means the mode's own default (SHAPES), shown in --help.
+    for flag in SHAPES["tensor"]:
+        base, bubble = SHAPES["tensor"][flag], SHAPES["bubble"][flag]
+        text = f"default {base}" + (f" (bubble: {bubble})" if bubble != base else "")
+        p.add_argument(f"--{flag.replace('_', '-')}", type=positive_int, default=None, help=text)
     p.add_argument("--page-size", type=positive_int, default=16)
-    p.add_argument("--kv-cache-memory", type=memory_amount, default=64 * 2**20, help="bytes of KV cache per rank")
+    p.add_argument("--kv-cache-memory", type=memory_amount, default=None,
+                   help="bytes of KV cache per rank (default 64M; bubble: 512M)")
     p.add_argument("--mode", choices=["tensor", "pipeline", "bubble"], default="tensor",
                    help="which layout to vary (bubble: pipeline micro-batches against one, and TP, on throughput)")
-    p.add_argument("--sizes", "--tp-sizes", dest="sizes", type=positive_ints, default=(1, 2, 4),
+    p.add_argument("--sizes", "--tp-sizes", dest="sizes", type=positive_ints, default="1,2,4",
                    help="comma-separated sizes of the varied layout (--tp-size or --pp-size)")
     p.add_argument("--pp-micro-batches", type=positive_int, default=None,
                    help="pipeline micro-batches in flight (default: one per stage)")
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32")
-    p.add_argument("--bubble-requests", type=positive_int, default=32, help="bubble mode: requests")
-    p.add_argument("--bubble-max-tokens", type=positive_int, default=96,
+    p.add_argument("--bubble-requests", type=positive_int, default=96, help="bubble mode: requests")
+    p.add_argument("--bubble-max-tokens", type=positive_int, default=48,
                    help="bubble mode: the longest output (lengths vary from a third of it up)")
 
 
@@ -105,6 +118,7 @@ def _minus(after: dict, before: dict) -> dict:
 
 
 def run_dist(args: argparse.Namespace) -> int:
+    fill_defaults(args)
     sizes = args.sizes
     if args.mode == "bubble":
         from shardserve.bench.bubble import run_bubble

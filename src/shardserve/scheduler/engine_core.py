@@ -116,6 +116,7 @@ class EngineCore:
         self._done: list[str] = []
         self.stage_traffic: dict[str, dict] = {}
         self.max_in_flight = 0  # the most micro-batches ever in flight at once
+        self.stage_reports = 0  # StageTraffic messages received (a change worth a Stats message)
 
     def _generation_eos(self) -> set[int]:
         path = os.path.join(self.ckpt.path, "generation_config.json")
@@ -233,12 +234,13 @@ class EngineCore:
         return plan, waits
 
     def _collect(self, timeout_ms: int) -> list[StepOutput]:
-        if self.results is None or not self.inflight:
+        if self.results is None:
             return []
         outputs = []
         for msg in self.results(timeout_ms):
             if isinstance(msg, StageTraffic):
                 self.stage_traffic[str(msg.stage)] = msg.groups
+                self.stage_reports += 1
             else:
                 outputs += self._apply(msg)
         oldest = next(iter(self.inflight.values()), None)
@@ -326,6 +328,7 @@ class EngineCore:
             "waiting": len(self.scheduler.waiting),
             "pages_used": self.allocator.num_used,
             "pages_total": self.allocator.num_pages,
+            "stage_reports": self.stage_reports,
         }
 
 

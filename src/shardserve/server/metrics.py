@@ -28,6 +28,13 @@ class Metrics:
                              buckets=_LATENCY, registry=r)
         self.comm_calls = Gauge("shardserve_comm_calls", "Collective calls by rank 0", ["op"], registry=r)
         self.comm_bytes = Gauge("shardserve_comm_bytes", "Collective bytes sent by rank 0", ["op"], registry=r)
+        self.stage_calls = Gauge("shardserve_stage_comm_calls", "Calls by each pipeline stage's tensor rank 0",
+                                 ["stage", "group", "op"], registry=r)
+        self.stage_bytes = Gauge("shardserve_stage_comm_bytes", "Bytes sent by each pipeline stage's tensor rank 0",
+                                 ["stage", "group", "op"], registry=r)
+        self.in_flight = Gauge("shardserve_max_micro_batches_in_flight", "Most micro-batches in flight at once",
+                               registry=r)
+        self.preemptions = Gauge("shardserve_num_preemptions", "Requests preempted so far", registry=r)
 
     def update(self, s: Stats | None) -> None:
         if s is None:
@@ -39,9 +46,16 @@ class Metrics:
         self.hit_rate.set(s.prefix_hit_rate)
         self.steps.set(s.steps)
         self.finished.set(s.finished)
+        self.in_flight.set(s.max_in_flight)
+        self.preemptions.set(s.preemptions)
         for op, rec in s.traffic.items():
             self.comm_calls.labels(op).set(rec["calls"])
             self.comm_bytes.labels(op).set(rec["MB"] * 1e6)
+        for stage, groups in s.stages.items():
+            for group, ops in groups.items():
+                for op, rec in ops.items():
+                    self.stage_calls.labels(stage, group, op).set(rec["calls"])
+                    self.stage_bytes.labels(stage, group, op).set(rec["MB"] * 1e6)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
