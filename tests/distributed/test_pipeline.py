@@ -207,3 +207,29 @@ def test_smollm2_server_answers_paris_with_pp1_tokens(smollm2_path, smollm2_answ
     assert "Paris" in r.choices[0].message.content
     assert r.choices[0].message.content == smollm2_answer.text
     assert len(r.choices[0].logprobs.content) == len(smollm2_answer.token_ids)
+
+
+def test_pp_n_samples_stop_strings_and_abort(reference):
+    """n > 1 with a seed and stop strings give PP 1's outputs; a stream abandoned mid-generation is
+    aborted and its pages freed, with a micro-batch possibly in flight."""
+    path, batch, _, _, _ = reference("llama")
+    n2 = SamplingParams(n=2, max_tokens=8, temperature=0.8, seed=3)
+    with LLM(path, **ENGINE) as one:
+        ref_n = one.generate(batch[1:2], n2, use_tqdm=False)[0]
+        text = one.generate(batch[1:2], SamplingParams(max_tokens=10, temperature=0), use_tqdm=False)[0].text
+        stop = SamplingParams(max_tokens=10, temperature=0, stop=[text[3:6]])
+        ref_stop = one.generate(batch[1:2], stop, use_tqdm=False)[0]
+    with LLM(path, pp_size=2, **ENGINE) as llm:
+        got_n = llm.generate(batch[1:2], n2, use_tqdm=False)[0]
+        got_stop = llm.generate(batch[1:2], stop, use_tqdm=False)[0]
+        long = SamplingParams(max_tokens=200, temperature=0, ignore_eos=True)
+        for i, _ in enumerate(llm.stream(batch[2], long)):
+            if i == 3:
+                break  # leaving the stream aborts the request
+        after = llm.generate(batch[:1], SamplingParams(max_tokens=4, temperature=0), use_tqdm=False)
+        stats = llm.stats()
+    assert [c.token_ids for c in got_n.outputs] == [c.token_ids for c in ref_n.outputs]
+    assert got_n.outputs[0].token_ids != got_n.outputs[1].token_ids
+    assert (got_stop.text, got_stop.finish_reason) == (ref_stop.text, "stop") and len(got_stop.text) < len(text)
+    assert len(after[0].token_ids) == 4
+    assert stats.running == stats.waiting == stats.pages_used == 0

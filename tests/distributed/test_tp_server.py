@@ -75,5 +75,5 @@ def test_tp3_server_matches_transformers_and_dies_whole(tiny_model, tmp_path):
     finally:
         code, left = server.stop()
     assert code != 0 and left == []
-    assert "scheduler-1 was killed by signal 9" in server.read_log(), server.read_log()[-4000:]
+    assert "scheduler-1 (tp 1) was killed by signal 9" in server.read_log(), server.read_log()[-4000:]
 

@@ -24,6 +24,7 @@ from shardserve.ipc.messages import PlanEntry, PlanRequest, StageTraffic, Stats,
 from shardserve.kvcache.pages import PageAllocator
 from shardserve.loader.model_path import Checkpoint, resolve_checkpoint
 from shardserve.loader.weights import read_model_config
+from shardserve.scheduler.limits import RequestLimits
 from shardserve.scheduler.scheduler import Scheduler
 
 
@@ -43,36 +44,6 @@ class InFlight:
 
     sent: float
     waits: list[tuple[Request, bool, bool]]
-
-
-@dataclass(frozen=True)
-class RequestLimits:
-    """What a request must fit; also sent to other processes so they can refuse early."""
-
-    vocab_size: int
-    max_model_len: int
-    num_pages: int
-    page_size: int
-    has_tokenizer: bool
-
-    def check(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
-        """Raise ValueError if the request can never run; nothing is truncated silently."""
-        n = len(prompt_token_ids)
-        if n == 0:
-            raise ValueError("the prompt is empty")
-        bad = [t for t in prompt_token_ids if not 0 <= t < self.vocab_size]
-        if bad:
-            raise ValueError(f"prompt token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})")
-        if n + params.max_tokens > self.max_model_len:
-            raise ValueError(
-                f"prompt ({n} tokens) plus max_tokens ({params.max_tokens}) exceeds the model's "
-                f"context of {self.max_model_len} tokens"
-            )
-        pages = -(-(n + params.max_tokens) // self.page_size)
-        if pages > self.num_pages:
-            raise ValueError(f"request needs {pages} KV pages but the pool holds {self.num_pages}")
-        if params.stop and not self.has_tokenizer:
-            raise ValueError("stop strings need a tokenizer")
 
 
 class EngineCore:
@@ -332,4 +303,4 @@ class EngineCore:
         }
 
 
-__all__ = ["Batch", "EngineCore", "Status", "StepOutput"]
+__all__ = ["Batch", "EngineCore", "RequestLimits", "Status", "StepOutput"]

@@ -1,0 +1,37 @@
+"""What a request must fit, checked by the engine and, earlier, by any process that knows them."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from shardserve.core import SamplingParams
+
+
+@dataclass(frozen=True)
+class RequestLimits:
+    """What a request must fit; also sent to other processes so they can refuse early."""
+
+    vocab_size: int
+    max_model_len: int
+    num_pages: int
+    page_size: int
+    has_tokenizer: bool
+
+    def check(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        """Raise ValueError if the request can never run; nothing is truncated silently."""
+        n = len(prompt_token_ids)
+        if n == 0:
+            raise ValueError("the prompt is empty")
+        bad = [t for t in prompt_token_ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(f"prompt token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})")
+        if n + params.max_tokens > self.max_model_len:
+            raise ValueError(
+                f"prompt ({n} tokens) plus max_tokens ({params.max_tokens}) exceeds the model's "
+                f"context of {self.max_model_len} tokens"
+            )
+        pages = -(-(n + params.max_tokens) // self.page_size)
+        if pages > self.num_pages:
+            raise ValueError(f"request needs {pages} KV pages but the pool holds {self.num_pages}")
+        if params.stop and not self.has_tokenizer:
+            raise ValueError("stop strings need a tokenizer")
