@@ -8,6 +8,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from shardserve.text import IncrementalText
+
 _MAX_LOGPROBS = 20
 
 
@@ -115,7 +117,7 @@ class Request:
     output_token_ids: list[int] = field(default_factory=list)
     status: Status = Status.WAITING
     pages: list[int] = field(default_factory=list)
-    page_hashes: list[int] = field(default_factory=list)  # prefix-cache hashes of full pages
+    page_hashes: list[bytes] = field(default_factory=list)  # prefix-cache digests of full pages
     num_computed_tokens: int = 0
     num_cached_tokens: int = 0
     num_preemptions: int = 0
@@ -129,6 +131,7 @@ class Request:
     arrival: int = field(default_factory=lambda: next(_request_counter))
     # Set by the scheduler when a stop string matched: how many characters of text to keep.
     text_cut: int | None = None
+    stop_text: IncrementalText | None = None  # with stop strings: the output's text so far
     # The leader's bookkeeping of what the other ranks know (see engine/stage_worker.py): whether
     # they have heard of this request, and how many leading pages their copy still shares.
     seed: int = 0
@@ -138,14 +141,21 @@ class Request:
     def __post_init__(self) -> None:
         if self.params.prompt_logprobs is not None and not self.prompt_logprobs:
             self.prompt_logprobs = [{"token_id": self.prompt_token_ids[0], "logprob": None, "top_logprobs": []}]
+        self._tokens = self.prompt_token_ids + self.output_token_ids
+
+    def append_token(self, token: int) -> None:
+        """Add one generated token (keeps `all_token_ids` without rebuilding it every step)."""
+        self.output_token_ids.append(token)
+        self._tokens.append(token)
 
     @property
     def all_token_ids(self) -> list[int]:
-        return self.prompt_token_ids + self.output_token_ids
+        """Prompt then output tokens: the request's own list, read it, never change it."""
+        return self._tokens
 
     @property
     def num_tokens(self) -> int:
-        return len(self.prompt_token_ids) + len(self.output_token_ids)
+        return len(self._tokens)
 
     @property
     def finished(self) -> bool:

@@ -145,6 +145,8 @@ def test_bad_pipeline_sizes_are_refused_before_any_process_starts(reference):
         LLM(path, pp_size=2, pp_layer_partition=(2, 2), show_progress=False)
     with pytest.raises(LayoutError, match="--pp-layer-partition 1,1,3 must be 2 counts"):
         LLM(path, pp_size=2, pp_layer_partition=(1, 1, 3), show_progress=False)
+    with pytest.raises(LayoutError, match="--pp-micro-batches 2 needs --pp-size > 1"):
+        LLM(path, pp_micro_batches=2, show_progress=False)
     assert time.monotonic() - start < 5
 
 

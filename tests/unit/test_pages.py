@@ -124,7 +124,7 @@ def test_register_is_incremental_and_keeps_first_copy() -> None:
     alloc = PageAllocator(16, PAGE)
     tokens = list(range(12))
     pages = alloc.allocate(3)
-    chain: list[int] = []
+    chain: list[bytes] = []
     alloc.register(tokens, pages, 5, chain)
     assert chain == page_hashes(tokens[:4], PAGE)
     alloc.register(tokens, pages, 12, chain)
@@ -264,3 +264,49 @@ def test_abort_leaves_other_requests_intact(tiny) -> None:
         core.step()
     assert keep.finish_reason == "length" and keep.output_token_ids == solo.output_token_ids
     assert core.allocator.num_used == 0
+
+
+# ----------------------------------------------------------------------------- digests
+
+
+def test_digests_are_the_same_in_another_process() -> None:
+    """Another process (a router, another replica) computes the same digest for the same prefix;
+    Python's hash() would differ between processes before 3.12 (PYTHONHASHSEED)."""
+    import os
+    import subprocess
+    import sys
+
+    import shardserve
+
+    src = os.path.dirname(os.path.dirname(shardserve.__file__))  # the code under test, wherever installed
+    tokens = list(range(3 * PAGE)) + [2**40, 7]
+    code = ("from shardserve.kvcache.pages import page_hashes;"
+            f"print(','.join(h.hex() for h in page_hashes({tokens!r}, {PAGE})))")
+    theirs = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                            env={**os.environ, "PYTHONHASHSEED": "123", "PYTHONPATH": src}).stdout.strip()
+    mine = page_hashes(tokens, PAGE)
+    assert theirs == ",".join(h.hex() for h in mine)
+    assert len(mine) == 3 and len(set(mine)) == 3 and all(len(h) == 16 for h in mine)
+    # Chained: the same page after another prefix has another digest.
+    assert page_hashes(tokens[PAGE : 2 * PAGE], PAGE)[0] != mine[1]
+
+
+def test_a_forced_collision_never_serves_another_prompts_pages(monkeypatch) -> None:
+    """With a digest that collides for every page, a lookup must still check the content: the
+    second prompt gets none of the first one's pages, and the first still gets its own."""
+    from shardserve.kvcache import pages as pages_mod
+
+    monkeypatch.setattr(pages_mod, "page_digest", lambda parent, tokens: b"same" + parent[:0])
+    alloc = PageAllocator(16, PAGE)
+    a_tokens, b_tokens = list(range(2 * PAGE)), list(range(100, 100 + 2 * PAGE))
+    a = cached_sequence(alloc, a_tokens)
+    assert alloc.match_prefix(b_tokens + [0]) == []
+    hit = alloc.match_prefix(a_tokens + [0])
+    assert hit == a[:1]  # page 2's digest equals page 1's too, so it was never published
+    alloc.release(hit)
+    # The same check covers the parent: equal tokens after another prefix are not a hit.
+    monkeypatch.setattr(pages_mod, "page_digest", lambda parent, tokens: bytes([tokens[0] % 256]))
+    alloc = PageAllocator(16, PAGE)
+    c = cached_sequence(alloc, [1] * PAGE + [2] * PAGE)
+    assert alloc.match_prefix([3] * PAGE + [2] * PAGE + [0]) == []
+    assert alloc.match_prefix([1] * PAGE + [2] * PAGE + [0]) == c

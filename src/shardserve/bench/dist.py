@@ -83,7 +83,7 @@ def one_run(path: str, size: int, args: argparse.Namespace, prompts: list[list[i
     # isolated: every size runs in scheduler processes, so timings and memory compare fairly.
     with LLM(path, **layout, isolated=True, dtype=args.dtype, page_size=args.page_size,
              kv_cache_memory=args.kv_cache_memory, show_progress=False,
-             pp_micro_batches=args.pp_micro_batches) as llm:
+             pp_micro_batches=args.pp_micro_batches if args.mode == "pipeline" and size > 1 else None) as llm:
         # Warm-up (untimed) on a prompt that shares no page with the workload.
         llm.generate([[1] * args.page_size * 2], SamplingParams(max_tokens=2), use_tqdm=False)
         warm, warm_ranks = llm.stats(), llm.rank_reports()

@@ -50,7 +50,7 @@ class Communicator:
         try:
             return fn(*args, group=self.group, **kwargs)
         except (RuntimeError, ValueError) as e:
-            raise CollectiveError(f"rank {self.rank}: {what} on the {self.name} group failed: {e}") from e
+            raise CollectiveError(f"rank {self.members[self.rank]}: {what} on the {self.name} group failed: {e}") from e
 
     def _global(self, rank: int) -> int:
         return self.members[rank]

@@ -88,7 +88,7 @@ class StageWorker:
         reqs = [self.sampling[e.rid] for e in plan.entries if e.sample]
         tokens, logprobs = self.sampler(logits[: len(reqs)], reqs)
         for req, tok in zip(reqs, tokens):
-            req.output_token_ids.append(tok)  # penalties read the tokens so far
+            req.append_token(tok)  # penalties read the tokens so far
         scored, row = [], len(reqs)
         for e in plan.entries:
             if e.score_count:

@@ -1,23 +1,40 @@
-"""Page allocation with reference counts and a prefix cache of chained page hashes.
+"""Page allocation with reference counts and a prefix cache of chained page digests.
 
-A full page's hash is hash(parent page's hash, its tokens), so equal hashes mean equal whole
-prefixes. Pages whose reference count drops to zero are not wiped: they join an LRU queue with
-their hash intact, where a later request with the same prefix can take them back (a cache hit),
-and from whose front allocation evicts when no never-used page is left. This is the chained-
-hash design of vLLM's v1 block manager rather than a radix tree: lookups are one dict probe per
-page and eviction order falls out of the free queue.
+A full page's digest is BLAKE2b(parent page's digest + its tokens as bytes), so equal digests
+mean equal whole prefixes, and the digest of a prefix is the same in every process and on every
+machine (Python's `hash()` is not, before 3.12: other processes, such as a router, could not
+follow it). A hit is still checked: each cached page keeps its parent digest and its tokens, and
+a lookup takes a page only if both equal the request's, so even a digest collision never hands
+out another prompt's KV (nano-vllm checks a block's tokens the same way).
+
+Pages whose reference count drops to zero are not wiped: they join an LRU queue with their
+digest intact, where a later request with the same prefix can take them back (a cache hit), and
+from whose front allocation evicts when no never-used page is left. This is the chained-hash
+design of vLLM's v1 block manager rather than a radix tree: lookups are one dict probe per page
+and eviction order falls out of the free queue.
 """
 
 from __future__ import annotations
 
+import hashlib
+from array import array
 from collections import OrderedDict
 
+ROOT = b""  # the parent digest of a sequence's first page
 
-def page_hashes(tokens: list[int], page_size: int, parent: int | None = None) -> list[int]:
-    """Hashes of every full page of `tokens`, each chained to the one before."""
+
+def page_digest(parent: bytes, tokens: list[int] | tuple[int, ...]) -> bytes:
+    """16 bytes naming a page's content and everything before it; stable across processes."""
+    h = hashlib.blake2b(parent, digest_size=16)
+    h.update(array("q", tokens).tobytes())
+    return h.digest()
+
+
+def page_hashes(tokens: list[int], page_size: int, parent: bytes = ROOT) -> list[bytes]:
+    """Digests of every full page of `tokens`, each chained to the one before."""
     out = []
     for i in range(0, len(tokens) - page_size + 1, page_size):
-        parent = hash((parent, tuple(tokens[i : i + page_size])))
+        parent = page_digest(parent, tokens[i : i + page_size])
         out.append(parent)
     return out
 
@@ -29,8 +46,9 @@ class PageAllocator:
         self.num_pages, self.page_size, self.prefix_cache = num_pages, page_size, prefix_cache
         self.refs = [0] * num_pages
         self.free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_pages))
-        self.hash_of: dict[int, int] = {}  # page -> content hash
-        self.page_of: dict[int, int] = {}  # content hash -> page
+        self.hash_of: dict[int, bytes] = {}  # page -> digest
+        self.page_of: dict[bytes, int] = {}  # digest -> page
+        self.content: dict[int, tuple[bytes, tuple[int, ...]]] = {}  # page -> (parent digest, tokens)
         self.hits = self.queries = 0  # prompt tokens served from / asked of the cache
 
     @property
@@ -68,12 +86,14 @@ class PageAllocator:
         needed to sample."""
         if not self.prefix_cache:
             return []
-        pages = []
-        for h in page_hashes(tokens[: len(tokens) - 1], self.page_size):
+        pages, parent, size = [], ROOT, self.page_size
+        for i, h in enumerate(page_hashes(tokens[: len(tokens) - 1], size)):
             page = self.page_of.get(h)
-            if page is None:
+            # A digest match must also be a content match: never serve a colliding page.
+            if page is None or self.content[page] != (parent, tuple(tokens[i * size : (i + 1) * size])):
                 break
             pages.append(page)
+            parent = h
         for page in pages:
             if self.refs[page] == 0:
                 del self.free[page]
@@ -96,17 +116,20 @@ class PageAllocator:
         if full <= len(chain):
             return
         start = len(chain) * self.page_size
-        chain.extend(page_hashes(tokens[start : full * self.page_size], self.page_size, chain[-1] if chain else None))
-        for i in range(start // self.page_size, full):
+        size = self.page_size
+        chain.extend(page_hashes(tokens[start : full * size], size, chain[-1] if chain else ROOT))
+        for i in range(start // size, full):
             page, h = pages[i], chain[i]
             if page in self.hash_of or h in self.page_of:
-                continue  # already known, or the same content lives in another page
+                continue  # already known, or the same content (or a colliding one) lives in another page
             self.hash_of[page], self.page_of[h] = h, page
+            self.content[page] = (chain[i - 1] if i else ROOT, tuple(tokens[i * size : (i + 1) * size]))
 
     def _forget(self, page: int) -> None:
         h = self.hash_of.pop(page, None)
         if h is not None:
             del self.page_of[h]
+            del self.content[page]
 
     @property
     def hit_rate(self) -> float:

@@ -11,7 +11,7 @@ import threading
 from collections.abc import Callable
 
 from shardserve.config import EngineConfig
-from shardserve.distributed.layout import Layout
+from shardserve.distributed.layout import Layout, LayoutError
 from shardserve.distributed.pipeline import split_layers
 from shardserve.ipc.sockets import Endpoints
 from shardserve.launch.nodes import NodeServer, NodeSpec, hello, run_worker_node
@@ -28,6 +28,9 @@ def check_layout(layout: Layout, node: NodeSpec, ckpt: Checkpoint, cfg: EngineCo
     layout.check_model(mc.num_layers, mc.num_heads, mc.num_experts)
     if cfg.pp_layer_partition is not None or layout.pp > 1:
         split_layers(mc.num_layers, layout.pp, cfg.pp_layer_partition)
+    if (cfg.pp_micro_batches or 1) > 1 and layout.pp == 1:
+        raise LayoutError(f"--pp-micro-batches {cfg.pp_micro_batches} needs --pp-size > 1 (one stage runs one "
+                          f"micro-batch at a time)")
 
 
 def heartbeat_timeout(cfg: EngineConfig) -> float:

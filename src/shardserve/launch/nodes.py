@@ -48,8 +48,9 @@ class NodeSpec:
                               f"{layout.nnodes}")
         if layout.nnodes > 1:
             host, _, port = self.dist_init_addr.rpartition(":")
-            if not host or not port.isdigit() or not 0 < int(port) < 65533:
-                raise LayoutError(f"--dist-init-addr must be HOST:PORT (node 0's address, PORT to PORT+3 free) "
+            last = 3 if layout.pp > 1 else 2  # the results inbox only with pipeline stages
+            if not host or not port.isdigit() or not 0 < int(port) <= 65535 - last:
+                raise LayoutError(f"--dist-init-addr must be HOST:PORT (node 0's address, PORT to PORT+{last} free) "
                                   f"with --nnodes {layout.nnodes}, got {self.dist_init_addr!r}")
 
     def _addr(self, offset: int) -> str:

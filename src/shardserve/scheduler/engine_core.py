@@ -26,6 +26,7 @@ from shardserve.loader.model_path import Checkpoint, resolve_checkpoint
 from shardserve.loader.weights import read_model_config
 from shardserve.scheduler.limits import RequestLimits
 from shardserve.scheduler.scheduler import Scheduler
+from shardserve.text import IncrementalText, find_stop
 
 
 @dataclass
@@ -222,10 +223,11 @@ class EngineCore:
         return outputs
 
     def _apply(self, result: StepResult) -> list[StepOutput]:
-        mb = next(iter(self.inflight))
+        mb = next(iter(self.inflight), None)
         if result.mb != mb:
-            raise CollectiveError(f"rank {self.runner.groups.rank}: result for micro-batch {result.mb} arrived "
-                                  f"while micro-batch {mb} was the oldest in flight")
+            oldest = f"micro-batch {mb} was the oldest in flight" if mb is not None else "none was in flight"
+            raise CollectiveError(f"rank {self.runner.groups.rank}: a result for micro-batch {result.mb} arrived "
+                                  f"while {oldest}")
         waits = self.inflight.pop(mb).waits
         self.starved = False
         tokens = iter(zip(result.tokens, result.logprobs))
@@ -240,7 +242,7 @@ class EngineCore:
             req.prompt_logprobs.extend(entries)
             if tok is None:
                 continue
-            req.output_token_ids.append(tok)
+            req.append_token(tok)
             if lp is not None:
                 req.logprobs.append(lp)
             reason = self._finish_reason(req, tok)
@@ -263,14 +265,15 @@ class EngineCore:
         return None
 
     def _match_stop_string(self, req: Request) -> bool:
-        text = self.decode(req.output_token_ids, req.params.skip_special_tokens)
-        # Search all of it: a match may begin far before the newest token (one token can decode to
-        # many characters), and the whole text is decoded each step anyway.
-        hits = [(text.find(s), s) for s in req.params.stop]
-        hits = [(i, s) for i, s in hits if i >= 0]
-        if not hits:
+        # Grow the text a token at a time (O(1) per step, not O(output)); a stop string that
+        # ends in the new characters may begin in older ones.
+        if req.stop_text is None:
+            req.stop_text = IncrementalText()
+        grew = req.stop_text.add(req.output_token_ids[-1:], self.decode, req.params.skip_special_tokens)
+        hit = find_stop(req.stop_text.text, grew, req.params.stop) if grew else None
+        if hit is None:
             return False
-        req.text_cut, req.stop_reason = min(hits)
+        req.text_cut, req.stop_reason = hit
         return True
 
     def stats(self) -> Stats:

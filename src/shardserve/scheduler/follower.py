@@ -45,6 +45,7 @@ class Follower:
             self.to_leader.setsockopt(zmq.LINGER, 1000)
             self.to_leader.connect(ep.results)
         self.last_traffic = 0.0
+        self.next_mb = 0  # plans are numbered 0, 1, 2, ...: a gap means the feed lost one
 
     def info(self) -> dict:
         return self.worker.info()
@@ -60,6 +61,10 @@ class Follower:
         while True:
             msg = self.feed.next()
             if isinstance(msg, StepPlan):
+                if msg.mb != self.next_mb:
+                    raise CollectiveError(f"rank {self.groups.rank}: the plan feed skipped from micro-batch "
+                                          f"{self.next_mb} to {msg.mb}")
+                self.next_mb += 1
                 result = self.worker.execute(msg)
                 if result is not None:
                     self._send(result, "result")

@@ -29,8 +29,9 @@ TICK_INTERVAL = 1.0  # seconds between Ticks while the leader publishes nothing 
 class Inbox:
     """The leader's side: requests in, plans out, results back."""
 
-    def __init__(self, ctx: zmq.Context, pull_addr: str, fanout_addr: str, results_addr: str,
+    def __init__(self, ctx: zmq.Context, pull_addr: str, fanout_addr: str, results_addr: str | None,
                  control: Communicator, timeout_s: float):
+        """`results_addr` only with several pipeline stages (None: results are computed here)."""
         self.control = control
         self.pull = ctx.socket(zmq.PULL)
         self.pull.bind(pull_addr)
@@ -40,8 +41,9 @@ class Inbox:
             self.pub = ctx.socket(zmq.PUB)
             self.pub.setsockopt(zmq.SNDHWM, 0)
             self.pub.bind(bind_address(fanout_addr))
-            self.results = ctx.socket(zmq.PULL)
-            self.results.bind(bind_address(results_addr))
+            if results_addr is not None:
+                self.results = ctx.socket(zmq.PULL)
+                self.results.bind(bind_address(results_addr))
             _sync(control, timeout_s, self._send_sync, again=True)
 
     def _send_sync(self) -> bool:

@@ -65,7 +65,8 @@ class SchedulerServer:
         self.engine = EngineCore(cfg, decode=decode, groups=groups, extra_eos=eos)
         ctx = zmq.Context.instance()
         # After the engine: both sides meet in the same control-group collectives in the same order.
-        self.inbox = Inbox(ctx, ep.scheduler, ep.fanout, ep.results, groups.control, cfg.dist_timeout)
+        results = ep.results if groups.layout.pp > 1 else None
+        self.inbox = Inbox(ctx, ep.scheduler, ep.fanout, results, groups.control, cfg.dist_timeout)
         self.engine.publish = self.inbox.publish if groups.control.size > 1 else None
         self.engine.results = self.inbox.take_results if groups.layout.pp > 1 else None
         self.to_detok = push(ctx, ep.detokenizer)
@@ -134,16 +135,20 @@ class SchedulerServer:
                 if len(self.aborted_early) > 10000:
                     self.aborted_early.clear()
         elif isinstance(msg, Shutdown):
+            self.emit(self.engine.drain())
             self.inbox.publish(msg)
+            self.engine.worker.flush()
             self.running = False
 
     def maybe_send_stats(self) -> None:
         """Send when something changed: at most every STATS_INTERVAL while busy, at once when
-        the engine falls idle (so /metrics never shows a finished request as running)."""
+        the engine falls idle (so /metrics never shows a finished request as running) or when
+        requests start running on an idle engine (so it never shows a running one as idle)."""
         s = self.engine.running_status()
         now = time.monotonic()
         busy = self.engine.has_unfinished()
-        if s == self.last_status or (busy and now - self.last_stats < STATS_INTERVAL):
+        started = s["running"] and not self.last_status.get("running")
+        if s == self.last_status or (busy and not started and now - self.last_stats < STATS_INTERVAL):
             return
         self.last_stats, self.last_status = now, s
         send(self.to_api, self.engine.stats())

@@ -1,8 +1,8 @@
 """Token ids -> streamed text, one request at a time, safe for multi-byte characters.
 
-Each step decodes only a short window (tokens since the last emitted boundary), as vLLM does,
-and withholds text while it ends in U+FFFD (an incomplete UTF-8 sequence) or while a stop string
-could still be forming (`hold` characters). At the end the text is the full decode, cut at the
+Each step decodes only a short window (`text.IncrementalText`), as vLLM does, and withholds text
+while it ends in U+FFFD (an incomplete UTF-8 sequence) or while a stop string could still be
+forming (`hold` characters). At the end the text is the full decode, cut at the
 stop string if one matched, so streamed pieces always add up to the final text.
 """
 
@@ -11,15 +11,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from shardserve.ipc.messages import TextOut, TokenOut
+from shardserve.text import IncrementalText
 
 
 @dataclass
 class _Stream:
-    ids: list[int] = field(default_factory=list)
-    prefix_offset: int = 0
-    read_offset: int = 0
-    text: str = ""  # everything decoded so far
-    sent: int = 0  # characters of `text` already sent
+    inc: IncrementalText = field(default_factory=IncrementalText)
+    sent: int = 0  # characters of the text already sent
 
 
 class Detokenizer:
@@ -32,28 +30,24 @@ class Detokenizer:
 
     def feed(self, out: TokenOut) -> TextOut:
         s = self.streams.setdefault(out.rid, _Stream())
-        s.ids.extend(out.new_ids)
         skip = out.skip_special_tokens
-        before = self._decode(s.ids[s.prefix_offset : s.read_offset], skip)
-        after = self._decode(s.ids[s.prefix_offset :], skip)
-        if len(after) > len(before) and not after.endswith("\ufffd"):
-            s.text += after[len(before) :]
-            s.prefix_offset, s.read_offset = s.read_offset, len(s.ids)
+        s.inc.add(out.new_ids, self._decode, skip)
+        text = s.inc.text
         if out.finished:
             del self.streams[out.rid]
-            final = self._decode(s.ids, skip)
+            final = self._decode(s.inc.ids, skip)
             if out.text_cut is not None:
                 final = final[: out.text_cut]
-            delta = final[s.sent :] if final.startswith(s.text[: s.sent]) else ""
+            delta = final[s.sent :] if final.startswith(text[: s.sent]) else ""
         else:
-            upto = max(s.sent, len(s.text) - out.hold)
-            delta, s.sent = s.text[s.sent : upto], upto
+            upto = max(s.sent, len(text) - out.hold)
+            delta, s.sent = text[s.sent : upto], upto
         return TextOut(
             rid=out.rid, text=delta, new_ids=out.new_ids, finished=out.finished, finish_reason=out.finish_reason,
             stop_reason=out.stop_reason, logprobs=self._name_tokens(out.logprobs, skip),
             prompt_logprobs=self._name_tokens(out.prompt_logprobs, skip),
             prompt_tokens=out.prompt_tokens,
-            completion_tokens=len(s.ids), cached_tokens=out.cached_tokens,
+            completion_tokens=len(s.inc.ids), cached_tokens=out.cached_tokens,
         )
 
     def _name_tokens(self, logprobs: list[dict] | None, skip: bool) -> list[dict] | None:
