@@ -55,5 +55,8 @@ def test_bench_dist_pipeline_counts_follow_from_the_shapes(capsys):
             assert r["traffic_per_rank"][-1]["control"]["result"]["calls"] == r["steps"]  # tokens back
     assert [r["steps"] for r in one] == [NEW] * 3
     assert [r["pipeline"]["send"]["calls"] for r in one[1:]] == [NEW, NEW]
-    # Six requests over 2 and 3 micro-batches: each step of the one-batch run becomes 2 or 3.
-    assert [r["steps"] for r in default] == [NEW, 2 * NEW, 3 * NEW]
+    # Six requests over K = 2 and 3 micro-batches of at most 6 / K each: at least K times the steps
+    # (more when a slot is filled before every result is back), one send per step and boundary.
+    assert default[0]["steps"] == NEW
+    for k, r in ((2, default[1]), (3, default[2])):
+        assert r["steps"] >= k * NEW and r["pipeline"]["send"]["calls"] == r["steps"]
