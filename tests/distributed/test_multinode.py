@@ -79,9 +79,9 @@ class Node:
         return code, left
 
 
-def grid_flags(path: str, addr: str, rank: int, tp: int = 2) -> list[str]:
-    return ["serve", "--model", path, "--tp-size", str(tp), "--nnodes", "2", "--node-rank", str(rank),
-            "--dist-init-addr", addr, "--num-pages", "64", "--dist-timeout", "20"]
+def grid_flags(path: str, addr: str, rank: int, tp: int = 2, pp: int = 1) -> list[str]:
+    return ["serve", "--model", path, "--tp-size", str(tp), "--pp-size", str(pp), "--nnodes", "2", "--node-rank",
+            str(rank), "--dist-init-addr", addr, "--num-pages", "64", "--dist-timeout", "20"]
 
 
 @pytest.fixture
@@ -105,8 +105,11 @@ def two_hosts():
     subprocess.run(["ip", "netns", "del", ns], capture_output=True)  # takes the veth pair with it
 
 
-@pytest.mark.parametrize("hosts", ["loopback", "namespaces"])
-def test_server_across_two_nodes_matches_one_process(tiny_model, tmp_path, two_hosts, hosts):
+@pytest.mark.parametrize("hosts,tp,pp", [("loopback", 2, 1), ("namespaces", 2, 1), ("namespaces", 1, 2)],
+                         ids=["loopback-tp2", "namespaces-tp2", "namespaces-pp2"])
+def test_server_across_two_nodes_matches_one_process(tiny_model, tmp_path, two_hosts, hosts, tp, pp):
+    """TP 2 splits every layer across the nodes; PP 2 puts one stage on each node (the residual
+    stream and the sampled tokens cross between them: the results inbox is node 0's PORT + 3)."""
     path, _ = tiny_model("llama")
     host, prefix, env0, env1 = "127.0.0.1", (), {}, {}
     if hosts == "namespaces":
@@ -116,9 +119,9 @@ def test_server_across_two_nodes_matches_one_process(tiny_model, tmp_path, two_h
         env0, env1 = {"GLOO_SOCKET_IFNAME": two_hosts["here"]}, {"GLOO_SOCKET_IFNAME": two_hosts["there"]}
     addr, port = f"{host}:{free_port()}", free_port()
     # Node 1 first: it waits, bounded, saying for what.
-    node1 = Node(grid_flags(path, addr, 1), str(tmp_path / "node1.log"), prefix=prefix, env=env1)
+    node1 = Node(grid_flags(path, addr, 1, tp, pp), str(tmp_path / "node1.log"), prefix=prefix, env=env1)
     node1.wait_for(f"node 1: waiting for node 0 at tcp://{host}:{int(addr.rsplit(':')[1]) + 1}")
-    node0 = Node([*grid_flags(path, addr, 0), "--port", str(port)], str(tmp_path / "node0.log"), env=env0)
+    node0 = Node([*grid_flags(path, addr, 0, tp, pp), "--port", str(port)], str(tmp_path / "node0.log"), env=env0)
     node0.wait_for(f"serving {os.path.basename(path)} on http://127.0.0.1:{port}")
     assert "node 1 joined (2 of 2 nodes)" in node0.read()
     client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0)

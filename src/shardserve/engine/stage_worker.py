@@ -19,7 +19,7 @@ import torch
 from shardserve.config import EngineConfig, ModelConfig
 from shardserve.core import Request
 from shardserve.distributed.groups import ParallelGroups
-from shardserve.distributed.pipeline import Stage, StageLink
+from shardserve.distributed.pipeline import StageLink, stage_of
 from shardserve.engine.model_runner import ModelRunner, StepInputs
 from shardserve.engine.sampler import Sampler, score_prompt
 from shardserve.ipc.messages import StepPlan, StepResult
@@ -28,12 +28,15 @@ from shardserve.platform import anon_rss_mb, peak_rss_mb
 
 
 class StageWorker:
-    def __init__(self, cfg: EngineConfig, ckpt: Checkpoint, model_cfg: ModelConfig, groups: ParallelGroups,
-                 stage: Stage, max_pending_sends: int = 2):
+    def __init__(self, cfg: EngineConfig, ckpt: Checkpoint, model_cfg: ModelConfig, groups: ParallelGroups):
+        layout = groups.layout
+        stage = stage_of(groups.coords.pp, model_cfg.num_layers, layout.pp, cfg.pp_layer_partition)
+        # Micro-batches in flight: one per stage unless said otherwise (one stage runs one at a time).
+        self.micro_batches = (cfg.pp_micro_batches or layout.pp) if layout.pp > 1 else 1
         self.runner = ModelRunner(cfg, ckpt, model_cfg, groups, stage)
         self.stage, self.hidden_size = stage, model_cfg.hidden_size
         self.samples = stage.last and groups.tensor.rank == 0
-        self.link = (StageLink(groups.pipeline, stage, cfg.dist_timeout, max_pending_sends)
+        self.link = (StageLink(groups.pipeline, stage, cfg.dist_timeout, self.micro_batches)
                      if stage.count > 1 else None)
         self.pages: dict[str, list[int]] = {}
         self.sampling: dict[str, Request] = {}  # on the sampling rank only

@@ -18,7 +18,6 @@ from shardserve.config import EngineConfig
 from shardserve.core import Batch, Request, SamplingParams, Status
 from shardserve.distributed.communicator import CollectiveError
 from shardserve.distributed.groups import ParallelGroups, single_process_groups
-from shardserve.distributed.pipeline import stage_of
 from shardserve.engine.stage_worker import StageWorker
 from shardserve.ipc.messages import PlanEntry, PlanRequest, StageTraffic, Stats, StepPlan, StepResult
 from shardserve.kvcache.pages import PageAllocator
@@ -65,10 +64,8 @@ class EngineCore:
         groups = groups or single_process_groups()
         self.ckpt: Checkpoint = resolve_checkpoint(cfg.model)
         self.model_cfg = read_model_config(self.ckpt)
-        layout = groups.layout
-        stage = stage_of(groups.coords.pp, self.model_cfg.num_layers, layout.pp, cfg.pp_layer_partition)
-        self.micro_batches = cfg.pp_micro_batches or layout.pp
-        self.worker = StageWorker(cfg, self.ckpt, self.model_cfg, groups, stage, self.micro_batches)
+        self.worker = StageWorker(cfg, self.ckpt, self.model_cfg, groups)
+        self.micro_batches = self.worker.micro_batches
         self.runner = self.worker.runner
         self.control = self.runner.control
         limit = self.model_cfg.max_position_embeddings

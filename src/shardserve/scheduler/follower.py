@@ -16,7 +16,6 @@ import zmq
 from shardserve.config import EngineConfig
 from shardserve.distributed.communicator import CollectiveError
 from shardserve.distributed.groups import ParallelGroups
-from shardserve.distributed.pipeline import stage_of
 from shardserve.engine.stage_worker import StageWorker
 from shardserve.ipc.messages import Msg, ReportReq, Shutdown, StageTraffic, StepPlan, Tick, encode
 from shardserve.ipc.sockets import Endpoints
@@ -31,14 +30,12 @@ TRAFFIC_INTERVAL = 0.25
 class Follower:
     def __init__(self, cfg: EngineConfig, ep: Endpoints, groups: ParallelGroups):
         ckpt = resolve_checkpoint(cfg.model)
-        model_cfg = read_model_config(ckpt)
-        layout = groups.layout
-        stage = stage_of(groups.coords.pp, model_cfg.num_layers, layout.pp, cfg.pp_layer_partition)
         self.groups = groups
-        self.worker = StageWorker(cfg, ckpt, model_cfg, groups, stage, cfg.pp_micro_batches or layout.pp)
+        self.worker = StageWorker(cfg, ckpt, read_model_config(ckpt), groups)
         ctx = zmq.Context.instance()
         self.feed = Feed(ctx, ep.fanout, groups.control, cfg.dist_timeout)
-        self.reports_traffic = layout.pp > 1 and not stage.first and groups.tensor.rank == 0
+        stage = self.worker.stage
+        self.reports_traffic = stage.count > 1 and not stage.first and groups.tensor.rank == 0
         self.to_leader = None
         if self.worker.samples or self.reports_traffic:
             self.to_leader = ctx.socket(zmq.PUSH)
@@ -90,4 +87,4 @@ class Follower:
             return
         self.last_traffic = now
         groups = self.groups.traffic_by_group()["groups"]
-        self.to_leader.send(encode(StageTraffic(stage=self.worker.stage.index, rank=self.groups.rank, groups=groups)))
+        self._send(StageTraffic(stage=self.worker.stage.index, rank=self.groups.rank, groups=groups), "stage_traffic")

@@ -20,7 +20,7 @@ import zmq
 
 from shardserve.distributed.communicator import CollectiveError, Communicator
 from shardserve.ipc.messages import Msg, Tick, decode, encode
-from shardserve.ipc.sockets import bind_address
+from shardserve.ipc.sockets import bind_address, recv_all
 
 SYNC = b"\x00sync"  # published at start-up until every subscriber has seen one; never counted
 TICK_INTERVAL = 1.0  # seconds between Ticks while the leader publishes nothing else
@@ -59,12 +59,7 @@ class Inbox:
             if results_too and self.results is not None:
                 poller.register(self.results, zmq.POLLIN)
             poller.poll(wait_ms)
-        out = []
-        while True:
-            try:
-                out.append(decode(self.pull.recv(zmq.NOBLOCK)))
-            except zmq.Again:
-                return out
+        return recv_all(self.pull)
 
     def publish(self, msg: Msg) -> None:
         """Send `msg` to every other rank of the replica, counted on the control group."""
@@ -83,12 +78,7 @@ class Inbox:
         """Results and stage traffic that arrived, waiting up to `timeout_ms` for the first."""
         if self.results is None or (timeout_ms and not self.results.poll(timeout_ms)):
             return []
-        out = []
-        while True:
-            try:
-                out.append(decode(self.results.recv(zmq.NOBLOCK)))
-            except zmq.Again:
-                return out
+        return recv_all(self.results)
 
 
 class Feed:
