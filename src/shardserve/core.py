@@ -217,9 +217,6 @@ class Batch:
     def num_tokens(self) -> int:
         return sum(n for _, n in self.entries)
 
-    def sampled(self) -> list[Request]:
-        return [r for r, n in self.entries if r.num_computed_tokens + n == r.num_tokens]
-
     def prompt_scoring(self) -> list[tuple[Request, int, int, int]]:
         """(request, first batch row, first position, count) of the rows whose logits score the
         next prompt token, for requests with prompt_logprobs. Row of position p scores token p+1;

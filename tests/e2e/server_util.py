@@ -8,6 +8,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 
 import httpx
@@ -77,6 +78,27 @@ class Server:
         m = re.search(rf"started {re.escape(name)} pid=(\d+)", self.read_log())
         assert m, f"no pid logged for {name}"
         return int(m.group(1))
+
+    def kill_mid_request(self, child: str, timeout: float = 30) -> float:
+        """Start a long completion, SIGKILL `child` while it runs, and wait for the server to
+        exit; returns how long that took (the request's own failure is expected)."""
+
+        def long_request() -> None:
+            try:
+                httpx.post(self.url + "/v1/completions", timeout=60,
+                           json={"prompt": [5, 6], "max_tokens": 400, "ignore_eos": True})
+            except httpx.HTTPError:
+                pass
+
+        t = threading.Thread(target=long_request)
+        t.start()
+        time.sleep(0.5)
+        os.kill(self.child_pid(child), signal.SIGKILL)
+        start = time.monotonic()
+        self.proc.wait(timeout)
+        waited = time.monotonic() - start
+        t.join(timeout)
+        return waited
 
     def stop(self, sig: int = signal.SIGTERM, timeout: float = 15) -> tuple[int, list[int]]:
         """Signal the server; return its exit code and any process that survived it."""

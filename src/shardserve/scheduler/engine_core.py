@@ -285,8 +285,7 @@ class EngineCore:
     def _stage_traffic(self) -> dict:
         if self.runner.stage.count == 1:
             return {}
-        mine = {kind: c.traffic_report() for kind, c in self.runner.groups.communicators().items() if c.size > 1}
-        return {"0": mine, **self.stage_traffic}
+        return {"0": self.traffic_by_group()["groups"], **self.stage_traffic}
 
     def traffic_by_group(self) -> dict:
         return self.runner.groups.traffic_by_group()

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 
 import zmq
 
@@ -25,6 +26,17 @@ from shardserve.scheduler.inbox import Feed
 
 log = logging.getLogger(__name__)
 TRAFFIC_INTERVAL = 0.25
+
+
+def serve_loop(loop: Callable[[], None]) -> None:
+    """Run a rank's loop (the leader's or a follower's); a failed collective ends the process
+    with one line (it names this rank, the group and the operation; the launcher names the lost
+    peer) and exit code 1."""
+    try:
+        loop()
+    except CollectiveError as e:
+        log.error("stopping: %s", str(e).splitlines()[0])
+        raise SystemExit(1) from None
 
 
 class Follower:
@@ -48,11 +60,7 @@ class Follower:
         return self.worker.info()
 
     def serve(self) -> None:
-        try:
-            self._loop()
-        except CollectiveError as e:
-            log.error("stopping: %s", str(e).splitlines()[0])
-            raise SystemExit(1) from None
+        serve_loop(self._loop)
 
     def _loop(self) -> None:
         while True:

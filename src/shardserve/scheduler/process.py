@@ -10,13 +10,11 @@ request the engine refuses gets an ErrorOut sent straight to the API. Every othe
 from __future__ import annotations
 
 import dataclasses
-import logging
 import time
 
 import zmq
 
 from shardserve.config import EngineConfig
-from shardserve.distributed.communicator import CollectiveError
 from shardserve.distributed.groups import ParallelGroups, init_distributed, single_process_groups
 from shardserve.distributed.layout import Layout
 from shardserve.ipc.child import run_child
@@ -36,10 +34,9 @@ from shardserve.loader.model_path import resolve_checkpoint
 from shardserve.loader.tokenizer import load_tokenizer
 from shardserve.platform import pick_device
 from shardserve.scheduler.engine_core import EngineCore, StepOutput
-from shardserve.scheduler.follower import Follower
+from shardserve.scheduler.follower import Follower, serve_loop
 from shardserve.scheduler.inbox import Inbox
 
-log = logging.getLogger(__name__)
 STATS_INTERVAL = 0.25
 IDLE_WAIT_MS = 100
 STALL_WAIT_MS = 100  # every micro-batch slot is in flight: wait this long for a result (or a message)
@@ -81,12 +78,7 @@ class SchedulerServer:
                 **self.engine.worker.info()}
 
     def serve(self) -> None:
-        try:
-            self._loop()
-        except CollectiveError as e:
-            # It names this rank, the group and the operation; the launcher names the lost peer.
-            log.error("stopping: %s", str(e).splitlines()[0])
-            raise SystemExit(1) from None
+        serve_loop(self._loop)
 
     def _loop(self) -> None:
         while self.running:
