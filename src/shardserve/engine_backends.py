@@ -25,10 +25,12 @@ from shardserve.ipc.messages import (
     TokenBatch,
     TokenizedReq,
     TokenOut,
+    merge_stats,
 )
 from shardserve.ipc.sockets import push, recv, send
 from shardserve.launch.grid import LocalGrid, endpoints
 from shardserve.launch.nodes import NodeSpec
+from shardserve.router.replicas import router_child
 from shardserve.scheduler.engine_core import EngineCore, RequestLimits
 from shardserve.scheduler.process import token_out
 
@@ -63,12 +65,15 @@ class LocalBackend:
 
 class ProcessBackend:
     """One scheduler process per rank of `layout` on this machine (node 0 of several, or the
-    only one); requests go to rank 0, which fans them out."""
+    only one); requests go to rank 0, which fans them out (with several replicas, to the router,
+    which picks a replica's leader)."""
 
     def __init__(self, cfg: EngineConfig, layout: Layout, node: NodeSpec, model_name: str,
-                 startup_timeout: float = 600.0):
+                 startup_timeout: float = 600.0, load_balance_method: str = "cache_aware"):
         self.ep = endpoints(layout, node, 1)
-        self.grid = LocalGrid(cfg, layout, node, self.ep, model_name)
+        self.replicas = layout.dp
+        router = [router_child(self.ep, load_balance_method, cfg.page_size)] if layout.dp > 1 else []
+        self.grid = LocalGrid(cfg, layout, node, self.ep, model_name, router)
         self.ctx = zmq.Context()
         self.inbox = self.ctx.socket(zmq.PULL)
         for addr in (self.ep.detokenizer, self.ep.api):  # scheduler-0's token and error outputs
@@ -83,7 +88,7 @@ class ProcessBackend:
             self.shutdown()
             raise
         self.limits = RequestLimits(**self.infos["scheduler-0"]["limits"])
-        self.last_stats: Stats | None = None
+        self.last_stats: dict[int, Stats] = {}  # by replica
         self.finished = 0
 
     def add(self, items: list[tuple[str, list[int], SamplingParams]]) -> None:
@@ -92,17 +97,21 @@ class ProcessBackend:
                                                    for rid, ids, params in items]))
 
     def rank_reports(self) -> list[dict]:
-        """Every rank's traffic, gathered by rank 0 over the control group."""
+        """Every rank's traffic, gathered by each replica's leader over its control group."""
         rid = f"report-{time.monotonic_ns()}"
         send(self.to_scheduler, ReportReq(rid=rid))
         deadline = time.monotonic() + self.timeout_s
+        reports: list[list[dict]] = []
         while time.monotonic() < deadline:
             msg = recv(self.inbox, timeout_ms=100)
             if isinstance(msg, RankReports) and msg.rid == rid:
-                return msg.reports
+                reports.append(msg.reports)
+                if len(reports) == self.replicas:
+                    return sorted((r for rep in reports for r in rep), key=lambda r: r["rank"])
             if isinstance(msg, Stats):
-                self.last_stats = msg
-        raise RuntimeError(f"no rank reports from scheduler-0 within {self.timeout_s:.0f} s")
+                self.last_stats[msg.replica] = msg
+        raise RuntimeError(f"rank reports from {len(reports)} of {self.replicas} replica leaders within "
+                           f"{self.timeout_s:.0f} s")
 
     def poll(self) -> list[TokenOut]:
         deadline = time.monotonic() + self.timeout_s
@@ -115,23 +124,23 @@ class ProcessBackend:
         if isinstance(msg, ErrorOut):
             raise ValueError(msg.message)
         if isinstance(msg, Stats):
-            self.last_stats = msg
+            self.last_stats[msg.replica] = msg
         if not isinstance(msg, TokenBatch):
             return []
         self.finished += sum(o.finished for o in msg.items)
         return msg.items
 
     def stats(self, wait_s: float = 5.0) -> Stats | None:
-        """rank 0's stats as of every request this process has seen finish (the report sent on
-        falling idle can trail the last tokens, so wait for it)."""
+        """The leaders' stats (summed over replicas) as of every request this process has seen
+        finish (the report sent on falling idle can trail the last tokens, so wait for it)."""
         deadline = time.monotonic() + wait_s
-        while self.last_stats is None or self.last_stats.finished < self.finished:
+        while sum(s.finished for s in self.last_stats.values()) < self.finished or not self.last_stats:
             msg = recv(self.inbox, timeout_ms=50)
             if isinstance(msg, Stats):
-                self.last_stats = msg
+                self.last_stats[msg.replica] = msg
             if time.monotonic() > deadline:
                 break
-        return self.last_stats
+        return merge_stats(list(self.last_stats.values())) if self.last_stats else None
 
     def abort(self, rid: str) -> None:
         send(self.to_scheduler, AbortReq(rid=rid))

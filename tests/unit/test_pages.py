@@ -310,3 +310,17 @@ def test_a_forced_collision_never_serves_another_prompts_pages(monkeypatch) -> N
     c = cached_sequence(alloc, [1] * PAGE + [2] * PAGE)
     assert alloc.match_prefix([3] * PAGE + [2] * PAGE + [0]) == []
     assert alloc.match_prefix([1] * PAGE + [2] * PAGE + [0]) == c
+
+
+def test_cache_events_report_stored_and_evicted_digests() -> None:
+    alloc = PageAllocator(2, 2)
+    alloc.watch_events()
+    tokens = [1, 2, 3, 4, 5]
+    pages = alloc.allocate(2)
+    chain: list[bytes] = []
+    alloc.register(tokens, pages, 4, chain)
+    assert alloc.take_events() == (chain, [])
+    assert alloc.take_events() == ([], [])  # taken once
+    alloc.release(pages)
+    alloc.allocate(1)  # evicts the later page first (it was queued first)
+    assert alloc.take_events() == ([], [chain[1]])

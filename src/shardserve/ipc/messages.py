@@ -131,6 +131,8 @@ class Stats(Msg):
     pages_used: int
     pages_total: int
     prefix_hit_rate: float
+    prefix_hit_tokens: int = 0  # prompt tokens served from the cache so far
+    prefix_query_tokens: int = 0  # prompt tokens looked up so far
     steps: int = 0
     finished: int = 0  # requests finished (or aborted) so far
     traffic: dict = {}  # rank 0's tensor-parallel group counts, by operation
@@ -138,6 +140,44 @@ class Stats(Msg):
     max_in_flight: int = 0  # the most micro-batches in flight at once so far
     preemptions: int = 0
     stages: dict = {}  # pipeline stage -> that stage's tensor rank 0's counts by group (StageTraffic.groups)
+    replica: int = 0  # which data-parallel replica's leader sent it
+
+
+_SUMMED = ("running", "waiting", "pages_used", "pages_total", "steps", "finished", "preemptions",
+           "prefix_hit_tokens", "prefix_query_tokens")
+
+
+def merge_stats(reps: list[Stats]) -> Stats:
+    """Several replicas' stats as one: counts summed, the hit rate over all their prompt tokens;
+    traffic and pipeline stages are replica 0's (rank 0's, as with one replica)."""
+    if len(reps) == 1:
+        return reps[0]
+    queries = sum(s.prefix_query_tokens for s in reps)
+    first = min(reps, key=lambda s: s.replica)
+    return Stats(**{f: sum(getattr(s, f) for s in reps) for f in _SUMMED},
+                 prefix_hit_rate=sum(s.prefix_hit_tokens for s in reps) / queries if queries else 0.0,
+                 max_in_flight=max(s.max_in_flight for s in reps), traffic=first.traffic, control=first.control,
+                 stages=first.stages)
+
+
+class CacheEvents(Msg):
+    """A replica leader's news for the router (dp > 1): page digests that joined or left its prefix
+    cache and requests that ended (finished, aborted or refused), in the order they happened.
+    `seq` counts messages per replica, so the router notices one it missed."""
+
+    replica: int
+    seq: int
+    stored: list[bytes] = []
+    evicted: list[bytes] = []
+    ended: list[str] = []
+
+
+class RouterStats(Msg):
+    """The in-server router's per-replica counts, for /metrics."""
+
+    routed: list[int]
+    in_flight: list[int]
+    load_tokens: list[int]
 
 
 # The leader's step plans, fanned out to every other rank of the replica (engine/stage_worker.py).
@@ -239,7 +279,8 @@ class NodeStop(Msg):
 Message = (
     GenerateReq | TokenizedReq | AddRequests | AbortReq | ReportReq | RankReports | TokenBatch | TextBatch
     | ErrorOut | TokenizeReq | TokenizeOut
-    | DetokenizeReq | DetokenizeOut | Stats | StepPlan | Tick | StepResult | StageTraffic | Ready | Failed | Shutdown
+    | DetokenizeReq | DetokenizeOut | Stats | CacheEvents | RouterStats | StepPlan | Tick | StepResult | StageTraffic
+    | Ready | Failed | Shutdown
     | NodeHello | NodeWelcome | NodeRefused | NodeBeat | NodeFailed | NodeStop
 )
 

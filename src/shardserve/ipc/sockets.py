@@ -17,16 +17,21 @@ from shardserve.ipc.messages import Msg, decode, encode
 @dataclass(frozen=True)
 class Endpoints:
     """ipc:// addresses in a fresh per-server temp dir, so two servers never collide. The message
-    fan-out to the other ranks is TCP instead when ranks live on several machines."""
+    fan-out to the other ranks is TCP instead when ranks live on several machines.
+
+    `scheduler` is where tokenizers send prompts: replica 0's leader itself, or with `dp`
+    replicas the router, which forwards each to one leader's `leader(d)` address. Each replica
+    has its own plan feed, results inbox and (for the router) cache-event feed."""
 
     root: str
     num_tokenizers: int
     fanout_tcp: str = ""  # tcp://host:port on node 0, reachable from every node
     results_tcp: str = ""  # likewise: later pipeline stages -> the leader
+    dp: int = 1
 
     @classmethod
-    def create(cls, num_tokenizers: int, fanout_tcp: str = "", results_tcp: str = "") -> Endpoints:
-        return cls(tempfile.mkdtemp(prefix="shardserve-"), num_tokenizers, fanout_tcp, results_tcp)
+    def create(cls, num_tokenizers: int, fanout_tcp: str = "", results_tcp: str = "", dp: int = 1) -> Endpoints:
+        return cls(tempfile.mkdtemp(prefix="shardserve-"), num_tokenizers, fanout_tcp, results_tcp, dp)
 
     def _addr(self, name: str) -> str:
         return f"ipc://{os.path.join(self.root, name)}"
@@ -43,13 +48,19 @@ class Endpoints:
     def detokenizer(self) -> str:
         return self._addr("detokenizer")
 
-    @property
-    def fanout(self) -> str:
-        return self.fanout_tcp or self._addr("fanout")
+    def leader(self, replica: int) -> str:
+        """Where replica `replica`'s leader takes requests."""
+        return self.scheduler if self.dp == 1 else self._addr(f"leader-{replica}")
 
-    @property
-    def results(self) -> str:
-        return self.results_tcp or self._addr("results")
+    def fanout(self, replica: int) -> str:
+        return self.fanout_tcp or self._addr(f"fanout-{replica}")
+
+    def results(self, replica: int) -> str:
+        return self.results_tcp or self._addr(f"results-{replica}")
+
+    def events(self, replica: int) -> str:
+        """The leader's cache events and finished requests, for the router (dp > 1 only)."""
+        return self._addr(f"events-{replica}")
 
     @property
     def ready(self) -> str:

@@ -50,6 +50,20 @@ class PageAllocator:
         self.page_of: dict[bytes, int] = {}  # digest -> page
         self.content: dict[int, tuple[bytes, tuple[int, ...]]] = {}  # page -> (parent digest, tokens)
         self.hits = self.queries = 0  # prompt tokens served from / asked of the cache
+        # Cache events for a router (`watch_events`): digests stored and evicted since the last take.
+        self.stored_events: list[bytes] | None = None
+        self.evicted_events: list[bytes] | None = None
+
+    def watch_events(self) -> None:
+        """Record every page digest that joins or leaves the cache, for `take_events`."""
+        self.stored_events, self.evicted_events = [], []
+
+    def take_events(self) -> tuple[list[bytes], list[bytes]]:
+        """(stored, evicted) digests since the last call, in the order they happened."""
+        out = self.stored_events or [], self.evicted_events or []
+        if self.stored_events is not None:
+            self.stored_events, self.evicted_events = [], []
+        return out
 
     @property
     def num_free(self) -> int:
@@ -124,12 +138,16 @@ class PageAllocator:
                 continue  # already known, or the same content (or a colliding one) lives in another page
             self.hash_of[page], self.page_of[h] = h, page
             self.content[page] = (chain[i - 1] if i else ROOT, tuple(tokens[i * size : (i + 1) * size]))
+            if self.stored_events is not None:
+                self.stored_events.append(h)
 
     def _forget(self, page: int) -> None:
         h = self.hash_of.pop(page, None)
         if h is not None:
             del self.page_of[h]
             del self.content[page]
+            if self.evicted_events is not None:
+                self.evicted_events.append(h)
 
     @property
     def hit_rate(self) -> float:

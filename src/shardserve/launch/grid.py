@@ -24,6 +24,9 @@ from shardserve.loader.weights import read_model_config
 def check_layout(layout: Layout, node: NodeSpec, ckpt: Checkpoint, cfg: EngineConfig) -> None:
     """Refuse, before any process starts, a grid this machine's flags or the model cannot take."""
     node.check(layout)
+    if layout.dp > 1 and layout.nnodes > 1:
+        raise LayoutError(f"--dp-size {layout.dp} with --nnodes {layout.nnodes} is not supported yet: run one "
+                          f"multi-node server per replica and put `shardserve router` in front")
     mc = read_model_config(ckpt)
     layout.check_model(mc.num_layers, mc.num_heads, mc.num_experts)
     if cfg.pp_layer_partition is not None or layout.pp > 1:
@@ -43,7 +46,7 @@ def endpoints(layout: Layout, node: NodeSpec, num_tokenizers: int, torchrun: boo
     fan-out is TCP on node 0; otherwise an ipc path."""
     remote = layout.nnodes > 1 or torchrun
     return Endpoints.create(num_tokenizers, fanout_tcp=node.fanout if remote else "",
-                            results_tcp=node.results if remote else "")
+                            results_tcp=node.results if remote else "", dp=layout.dp)
 
 
 class LocalGrid:

@@ -19,7 +19,7 @@ import sys
 from dataclasses import dataclass
 
 from shardserve.config import EngineConfig
-from shardserve.distributed.layout import Layout
+from shardserve.distributed.layout import Layout, LayoutError
 from shardserve.ipc.child import setup_logging
 from shardserve.ipc.sockets import Endpoints
 from shardserve.launch.nodes import NodeSpec
@@ -58,6 +58,9 @@ def torchrun_layout(layout: Layout, env: TorchrunEnv) -> Layout:
     """The flags' layout with torchrun's node count, checked against torchrun's world size."""
     grid = dataclasses.replace(layout, nnodes=env.nnodes)
     grid.check_world(env.world, "torchrun's WORLD_SIZE")
+    if grid.dp > 1:
+        raise LayoutError(f"--dp-size {grid.dp} under torchrun is not supported yet: start one server per replica "
+                          f"and put `shardserve router` in front")
     return grid
 
 

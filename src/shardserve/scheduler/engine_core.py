@@ -276,8 +276,9 @@ class EngineCore:
     def stats(self) -> Stats:
         s = self.running_status()
         return Stats(running=s["running"], waiting=s["waiting"], pages_used=s["pages_used"],
-                     pages_total=s["pages_total"], prefix_hit_rate=self.allocator.hit_rate, steps=self.num_steps,
-                     finished=self.num_finished,
+                     pages_total=s["pages_total"], prefix_hit_rate=self.allocator.hit_rate,
+                     prefix_hit_tokens=self.allocator.hits, prefix_query_tokens=self.allocator.queries,
+                     steps=self.num_steps, finished=self.num_finished,
                      traffic=self.runner.comm.traffic_report(), control=self.control.traffic_report(),
                      stages=self._stage_traffic(), max_in_flight=self.max_in_flight,
                      preemptions=self.scheduler.num_preemptions)

@@ -45,14 +45,14 @@ class Follower:
         self.groups = groups
         self.worker = StageWorker(cfg, ckpt, read_model_config(ckpt), groups)
         ctx = zmq.Context.instance()
-        self.feed = Feed(ctx, ep.fanout, groups.control, cfg.dist_timeout)
+        self.feed = Feed(ctx, ep.fanout(groups.coords.dp), groups.control, cfg.dist_timeout)
         stage = self.worker.stage
         self.reports_traffic = stage.count > 1 and not stage.first and groups.tensor.rank == 0
         self.to_leader = None
         if self.worker.samples or self.reports_traffic:
             self.to_leader = ctx.socket(zmq.PUSH)
             self.to_leader.setsockopt(zmq.LINGER, 1000)
-            self.to_leader.connect(ep.results)
+            self.to_leader.connect(ep.results(groups.coords.dp))
         self.last_traffic = 0.0
         self.next_mb = 0  # plans are numbered 0, 1, 2, ...: a gap means the feed lost one
 

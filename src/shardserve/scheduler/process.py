@@ -21,6 +21,7 @@ from shardserve.ipc.child import run_child
 from shardserve.ipc.messages import (
     AbortReq,
     AddRequests,
+    CacheEvents,
     ErrorOut,
     RankReports,
     ReportReq,
@@ -61,14 +62,18 @@ class SchedulerServer:
         eos = (tok.eos_token_id,) if tok is not None and tok.eos_token_id is not None else ()
         self.engine = EngineCore(cfg, decode=decode, groups=groups, extra_eos=eos)
         ctx = zmq.Context.instance()
+        self.replica = groups.coords.dp
         # After the engine: both sides meet in the same control-group collectives in the same order.
-        results = ep.results if groups.layout.pp > 1 else None
-        self.inbox = Inbox(ctx, ep.scheduler, ep.fanout, results, groups.control, cfg.dist_timeout)
+        results = ep.results(self.replica) if groups.layout.pp > 1 else None
+        self.inbox = Inbox(ctx, ep.leader(self.replica), ep.fanout(self.replica), results, groups.control,
+                           cfg.dist_timeout)
         self.engine.publish = self.inbox.publish if groups.control.size > 1 else None
         self.engine.results = self.inbox.take_results if groups.layout.pp > 1 else None
         self.to_detok = push(ctx, ep.detokenizer)
         self.to_api = push(ctx, ep.api)
         self.aborted_early: set[str] = set()  # aborts that overtook their request
+        self.events = CacheEventFeed(ctx, ep.events(self.replica), self.replica, self.engine.allocator) \
+            if ep.dp > 1 else None
         self.last_stats = 0.0
         self.last_status: dict = {}
         self.running = True
@@ -88,6 +93,8 @@ class SchedulerServer:
             for msg in self.inbox.receive(wait, results_too=stalled):
                 self.handle(msg)
             self.emit(self.engine.step())
+            if self.events is not None:
+                self.events.publish()
             self.maybe_send_stats()
             if idle:
                 self.inbox.tick()
@@ -95,6 +102,11 @@ class SchedulerServer:
     def emit(self, outs: list[StepOutput]) -> None:
         if outs:
             send(self.to_detok, TokenBatch(items=[token_out(o) for o in outs]))
+            self.ended(o.request.request_id for o in outs if o.finished)
+
+    def ended(self, rids) -> None:
+        if self.events is not None:
+            self.events.ended.extend(rids)
 
     def handle(self, msg) -> None:
         if isinstance(msg, AddRequests):
@@ -117,11 +129,13 @@ class SchedulerServer:
                 self.engine.add_request(msg.rid, msg.token_ids, msg.params)
             except Exception as e:  # whatever a request carries, refusing it must not stop the engine
                 send(self.to_api, ErrorOut(rid=msg.rid, message=str(e), status=400))
+                self.ended([msg.rid])
         elif isinstance(msg, AbortReq):
             if self.engine.abort(msg.rid):
                 # Tell the detokenizer too, so it forgets the stream.
                 done = TokenOut(rid=msg.rid, new_ids=[], finished=True, finish_reason="abort")
                 send(self.to_detok, TokenBatch(items=[done]))
+                self.ended([msg.rid])
             else:
                 self.aborted_early.add(msg.rid)
                 if len(self.aborted_early) > 10000:
@@ -143,7 +157,30 @@ class SchedulerServer:
         if s == self.last_status or (busy and not started and now - self.last_stats < STATS_INTERVAL):
             return
         self.last_stats, self.last_status = now, s
-        send(self.to_api, self.engine.stats())
+        stats = self.engine.stats()
+        stats.replica = self.replica
+        send(self.to_api, stats)
+
+
+class CacheEventFeed:
+    """The leader's cache events and ended requests, published for the router after each step."""
+
+    def __init__(self, ctx: zmq.Context, addr: str, replica: int, allocator):
+        self.pub = ctx.socket(zmq.PUB)
+        self.pub.setsockopt(zmq.SNDHWM, 0)
+        self.pub.bind(addr)
+        self.replica, self.allocator, self.seq = replica, allocator, 0
+        self.ended: list[str] = []
+        allocator.watch_events()
+
+    def publish(self) -> None:
+        stored, evicted = self.allocator.take_events()
+        if not (stored or evicted or self.ended):
+            return
+        send(self.pub, CacheEvents(replica=self.replica, seq=self.seq, stored=stored, evicted=evicted,
+                                   ended=self.ended))
+        self.seq += 1
+        self.ended = []
 
 
 def token_out(o: StepOutput) -> TokenOut:

@@ -84,7 +84,7 @@ def build_app(state: ServerState) -> FastAPI:
 
     @app.get("/metrics")
     async def metrics():
-        state.metrics.update(state.client.stats)
+        state.metrics.update(state.client.stats, state.client.router_stats)
         return Response(state.metrics.render(), media_type="text/plain; version=0.0.4")
 
     @app.post("/tokenize")

@@ -14,6 +14,8 @@ import sys
 from shardserve.config import ATTENTION_BACKENDS, DTYPES, EngineConfig
 from shardserve.distributed.layout import Layout
 
+LOAD_BALANCE_METHODS = ("cache_aware", "least_load", "round_robin")  # router/policy.py's POLICIES
+
 
 class Parser(argparse.ArgumentParser):
     """An ArgumentParser whose errors are one line (no usage dump) and whose help shows defaults."""
@@ -131,6 +133,11 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "stages)")
     g.add_argument("--pp-micro-batches", type=positive_int, default=None,
                    help="micro-batches in flight through the pipeline (default: one per stage)")
+    g.add_argument("--dp-size", "--data-parallel-size", dest="dp_size", type=positive_int, default=1,
+                   help="independent engine replicas (each --tp-size x --pp-size ranks) behind one front end")
+    g.add_argument("--load-balance-method", choices=LOAD_BALANCE_METHODS, default="cache_aware",
+                   help="how requests are spread over --dp-size replicas: cache_aware (prefix affinity unless loads "
+                        "are badly imbalanced), least_load (fewest outstanding tokens), round_robin")
     g.add_argument("--dist-timeout", type=positive_float, default=60.0,
                    help="seconds before a collective between ranks counts as failed")
     g.add_argument("--nnodes", type=positive_int, default=1, help="machines the ranks are spread over")
@@ -163,7 +170,7 @@ def engine_config(args: argparse.Namespace, **overrides) -> EngineConfig:
 
 def layout_from_args(args: argparse.Namespace) -> Layout:
     """The rank grid the flags describe (LayoutError names the flag when sizes cannot work)."""
-    return Layout(tp=args.tp_size, pp=args.pp_size, nnodes=args.nnodes)
+    return Layout(tp=args.tp_size, pp=args.pp_size, dp=args.dp_size, nnodes=args.nnodes)
 
 
 def node_spec_from_args(args: argparse.Namespace):
@@ -177,6 +184,6 @@ def llm_kwargs(args: argparse.Namespace) -> dict:
     """`LLM(...)` keyword arguments for the engine flags: EngineConfig's fields and the layout."""
     cfg = engine_config(args)
     return {**{f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg)}, "tp_size": args.tp_size,
-            "pp_size": args.pp_size, "nnodes": args.nnodes, "node_rank": args.node_rank,
-            "dist_init_addr": args.dist_init_addr,
+            "pp_size": args.pp_size, "dp_size": args.dp_size, "load_balance_method": args.load_balance_method,
+            "nnodes": args.nnodes, "node_rank": args.node_rank, "dist_init_addr": args.dist_init_addr,
             "generation_config": args.generation_config}

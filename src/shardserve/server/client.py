@@ -16,6 +16,7 @@ from shardserve.ipc.messages import (
     ErrorOut,
     GenerateReq,
     Msg,
+    RouterStats,
     Stats,
     TextBatch,
     TokenizeOut,
@@ -44,7 +45,8 @@ class EngineClient:
         self.scheduler.connect(ep.scheduler)
         self._rr = itertools.cycle(range(num_tokenizer_sockets))
         self.queues: dict[str, asyncio.Queue] = {}
-        self.stats: Stats | None = None
+        self.stats: dict[int, Stats] = {}  # by replica
+        self.router_stats: RouterStats | None = None
         self.dead: str | None = None  # set when a worker died: the reason
         self._task: asyncio.Task | None = None
 
@@ -60,7 +62,9 @@ class EngineClient:
             elif isinstance(msg, ErrorOut | TokenizeOut | DetokenizeOut):
                 self._deliver(msg.rid, msg)
             elif isinstance(msg, Stats):
-                self.stats = msg
+                self.stats[msg.replica] = msg
+            elif isinstance(msg, RouterStats):
+                self.router_stats = msg
 
     def _deliver(self, rid: str, item: Msg) -> None:
         q = self.queues.get(rid)

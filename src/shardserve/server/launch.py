@@ -29,6 +29,7 @@ from shardserve.launch.process_tree import Child
 from shardserve.launch.torchrun import run_rank_here, torchrun_env, torchrun_layout
 from shardserve.loader.generation_config import describe, generation_defaults
 from shardserve.loader.model_path import resolve_checkpoint
+from shardserve.router.replicas import router_child
 from shardserve.server.app import ServerState, build_app
 from shardserve.server.args import engine_config, layout_from_args, node_spec_from_args
 from shardserve.server.client import EngineClient
@@ -77,8 +78,10 @@ def serve(args: argparse.Namespace) -> int:
     ep = endpoints(layout, node, max(1, args.num_tokenizers), torchrun=env is not None)
     grid = None
     try:
-        grid = LocalGrid(cfg, layout, node, ep, ckpt.name, tokenizer_children(cfg.model, ep, args.num_tokenizers),
-                         torchrun=env is not None)
+        others = tokenizer_children(cfg.model, ep, args.num_tokenizers)
+        if layout.dp > 1:
+            others.append(router_child(ep, args.load_balance_method, cfg.page_size))
+        grid = LocalGrid(cfg, layout, node, ep, ckpt.name, others, torchrun=env is not None)
         infos = grid.start(args.startup_timeout)
         return run_http(args, ckpt.name.removesuffix(".gguf"), infos["scheduler-0"], ep, grid, sock, defaults)
     except LaunchError as e:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-from shardserve.ipc.messages import Stats
+from shardserve.ipc.messages import RouterStats, Stats, merge_stats
 
 _LATENCY = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 
@@ -35,10 +35,35 @@ class Metrics:
         self.in_flight = Gauge("shardserve_max_micro_batches_in_flight", "Most micro-batches in flight at once",
                                registry=r)
         self.preemptions = Gauge("shardserve_num_preemptions", "Requests preempted so far", registry=r)
+        per = ["replica"]
+        self.r_running = Gauge("shardserve_replica_num_requests_running", "Requests running, per data-parallel "
+                               "replica", per, registry=r)
+        self.r_waiting = Gauge("shardserve_replica_num_requests_waiting", "Requests waiting, per replica", per,
+                               registry=r)
+        self.r_pages = Gauge("shardserve_replica_kv_pages_used", "KV pages in use, per replica", per, registry=r)
+        self.r_hit_rate = Gauge("shardserve_replica_prefix_cache_hit_rate", "Prompt tokens served from cache, "
+                                "per replica", per, registry=r)
+        self.r_routed = Gauge("shardserve_replica_routed_requests", "Requests the router sent to each replica",
+                              per, registry=r)
+        self.r_load = Gauge("shardserve_replica_load_tokens", "Outstanding tokens the router counts per replica",
+                            per, registry=r)
 
-    def update(self, s: Stats | None) -> None:
-        if s is None:
+    def update(self, by_replica: dict[int, Stats], router: RouterStats | None = None) -> None:
+        """Totals over the replicas (rank 0's traffic and stages), and each replica's own numbers."""
+        if router is not None:
+            for d, (routed, load) in enumerate(zip(router.routed, router.load_tokens)):
+                self.r_routed.labels(d).set(routed)
+                self.r_load.labels(d).set(load)
+        if not by_replica:
             return
+        for d, s in by_replica.items():
+            self.r_running.labels(d).set(s.running)
+            self.r_waiting.labels(d).set(s.waiting)
+            self.r_pages.labels(d).set(s.pages_used)
+            self.r_hit_rate.labels(d).set(s.prefix_hit_rate)
+        self._update_totals(merge_stats(list(by_replica.values())))
+
+    def _update_totals(self, s: Stats) -> None:
         self.running.set(s.running)
         self.waiting.set(s.waiting)
         self.pages_used.set(s.pages_used)

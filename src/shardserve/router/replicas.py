@@ -1,0 +1,153 @@
+"""The in-server router for `--dp-size D`: one process between the tokenizers and D replica leaders.
+
+    tokenizers / API --(TokenizedReq, AbortReq, ...)--> router --> leader of replica d (ep.leader(d))
+    leader d --(CacheEvents on its PUB, ep.events(d))--> router      (pages stored / evicted, ends)
+
+The router picks a replica per request (router/policy.py), remembers it until the leader reports
+the request ended, and sends that request's abort to the same replica. It follows each replica's
+cache events, so it credits a replica only with prefixes it holds. Messages every replica must
+see (rank reports, shutdown) go to all of them. Outputs do not pass through here: each leader
+sends tokens to the detokenizer and errors and stats to the API process directly.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import zmq
+
+from shardserve.ipc.child import run_child
+from shardserve.ipc.messages import (
+    AbortReq,
+    AddRequests,
+    CacheEvents,
+    ErrorOut,
+    ReportReq,
+    RouterStats,
+    Shutdown,
+    TokenizedReq,
+)
+from shardserve.ipc.sockets import Endpoints, pull, push, recv_all, send
+from shardserve.kvcache.pages import page_hashes
+from shardserve.launch.process_tree import Child
+from shardserve.router.policy import Router, Thresholds
+
+log = logging.getLogger(__name__)
+STATS_INTERVAL = 0.25
+
+
+class ReplicaRouter:
+    def __init__(self, ep: Endpoints, policy: str, page_size: int, thresholds: Thresholds = Thresholds()):
+        ctx = zmq.Context.instance()
+        self.inbox = pull(ctx, ep.scheduler)
+        self.leaders = [push(ctx, ep.leader(d)) for d in range(ep.dp)]
+        self.events = ctx.socket(zmq.SUB)
+        self.events.setsockopt(zmq.RCVHWM, 0)
+        self.events.setsockopt(zmq.SUBSCRIBE, b"")
+        for d in range(ep.dp):
+            self.events.connect(ep.events(d))
+        self.to_api = push(ctx, ep.api)
+        self.router = Router(ep.dp, policy, page_size, thresholds)
+        self.page_size = page_size
+        self.next_seq = [0] * ep.dp
+        self.aborted_early: set[str] = set()  # aborts that overtook their request
+        self.last_stats: tuple = ()
+        self.last_stats_at = 0.0
+
+    def serve(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self.inbox, zmq.POLLIN)
+        poller.register(self.events, zmq.POLLIN)
+        while True:
+            ready = dict(poller.poll(100))
+            # Events first: a request's end must be known before a later request is placed.
+            if self.events in ready:
+                for msg in recv_all(self.events):
+                    self.on_events(msg)
+            if self.inbox in ready:
+                for msg in recv_all(self.inbox):
+                    if isinstance(msg, Shutdown):
+                        self.broadcast(msg)
+                        return
+                    self.handle(msg)
+            self.maybe_send_stats()
+
+    def handle(self, msg) -> None:
+        if isinstance(msg, TokenizedReq):
+            if msg.rid in self.aborted_early:
+                self.aborted_early.discard(msg.rid)
+                return
+            d = self.place(msg)
+            if d is not None:
+                send(self.leaders[d], msg)
+        elif isinstance(msg, AddRequests):
+            per_replica: dict[int, list[TokenizedReq]] = {}
+            for item in msg.items:
+                d = self.place(item)
+                if d is not None:
+                    per_replica.setdefault(d, []).append(item)
+            for d, items in per_replica.items():
+                send(self.leaders[d], AddRequests(items=items))
+        elif isinstance(msg, AbortReq):
+            d = self.router.replica_of(msg.rid)
+            if d is not None:
+                send(self.leaders[d], msg)
+            else:
+                self.aborted_early.add(msg.rid)
+                if len(self.aborted_early) > 10000:
+                    self.aborted_early.clear()
+        elif isinstance(msg, ReportReq):
+            self.broadcast(msg)
+
+    def place(self, req: TokenizedReq) -> int | None:
+        """The replica for `req` (None: refused here, with an error to the API)."""
+        if req.rid in self.router.requests:
+            send(self.to_api, ErrorOut(rid=req.rid, message=f"request id {req.rid!r} is already in use"))
+            return None
+        pages = page_hashes(req.token_ids[: max(len(req.token_ids) - 1, 0)], self.page_size)
+        max_tokens = None if req.auto_max_tokens else req.params.max_tokens
+        return self.router.route(req.rid, pages, len(req.token_ids), max_tokens)
+
+    def broadcast(self, msg) -> None:
+        for sock in self.leaders:
+            send(sock, msg)
+
+    def on_events(self, ev: CacheEvents) -> None:
+        prefixes = self.router.replicas[ev.replica].prefixes
+        if ev.seq != self.next_seq[ev.replica]:
+            # A lost message may have held evictions: believe nothing stored rather than too much.
+            log.warning("replica %d: cache events %d..%d lost; forgetting its stored prefixes",
+                        ev.replica, self.next_seq[ev.replica], ev.seq - 1)
+            prefixes.clear()
+        self.next_seq[ev.replica] = ev.seq + 1
+        prefixes.store(ev.stored)
+        prefixes.evict(ev.evicted)
+        for rid in ev.ended:
+            self.router.finish(rid)
+
+    def maybe_send_stats(self) -> None:
+        reps = self.router.replicas
+        now_stats = (tuple(r.routed for r in reps), tuple(r.in_flight for r in reps), tuple(r.load for r in reps))
+        now = time.monotonic()
+        idle = not any(now_stats[1])
+        if now_stats == self.last_stats or (not idle and now - self.last_stats_at < STATS_INTERVAL):
+            return
+        self.last_stats, self.last_stats_at = now_stats, now
+        send(self.to_api, RouterStats(routed=list(now_stats[0]), in_flight=list(now_stats[1]),
+                                      load_tokens=list(now_stats[2])))
+
+
+def router_main(ep: Endpoints, policy: str, page_size: int) -> None:
+    """Process entry point (the `router` child of a server or LLM with dp > 1)."""
+
+    def setup():
+        router = ReplicaRouter(ep, policy, page_size)
+        return router.serve, {}
+
+    run_child("router", ep.ready, setup)
+
+
+def router_child(ep: Endpoints, policy: str, page_size: int) -> Child:
+    """The router process of a grid with several replicas (started beside the scheduler ranks)."""
+    return Child("router", router_main, (ep, policy, page_size), env={"OMP_NUM_THREADS": "1"})

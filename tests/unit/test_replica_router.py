@@ -1,0 +1,124 @@
+"""The in-server router process's logic, over real ZeroMQ sockets in this process: placement,
+aborts to the owning replica, cache events adding and removing credit, a lost event."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import zmq
+
+from shardserve.core import SamplingParams
+from shardserve.ipc.messages import AbortReq, AddRequests, CacheEvents, ReportReq, TokenizedReq
+from shardserve.ipc.sockets import Endpoints, pull, recv, send
+from shardserve.kvcache.pages import page_hashes
+from shardserve.router.replicas import ReplicaRouter
+
+PAGE = 4
+
+
+@pytest.fixture
+def wired():
+    """A ReplicaRouter for 2 replicas, the leaders' inboxes (PULL) and their event feeds (PUB)."""
+    ep = Endpoints.create(1, dp=2)
+    ctx = zmq.Context.instance()
+    leaders = [pull(ctx, ep.leader(d)) for d in range(2)]
+    pubs = []
+    for d in range(2):
+        pub = ctx.socket(zmq.PUB)
+        pub.bind(ep.events(d))
+        pubs.append(pub)
+    router = ReplicaRouter(ep, "cache_aware", PAGE)
+    time.sleep(0.2)  # let the SUB connections settle before anything is published
+    yield router, leaders, pubs
+    for s in (*leaders, *pubs, router.inbox, router.events, router.to_api, *router.leaders):
+        s.close(linger=0)
+
+
+def req(rid: str, ids: list[int], max_tokens: int = 4) -> TokenizedReq:
+    return TokenizedReq(rid=rid, token_ids=ids, params=SamplingParams(max_tokens=max_tokens))
+
+
+def landed(leaders) -> dict[str, int]:
+    out = {}
+    for d, sock in enumerate(leaders):
+        while (msg := recv(sock, timeout_ms=200)) is not None:
+            items = msg.items if isinstance(msg, AddRequests) else [msg]
+            out.update({getattr(m, "rid", type(m).__name__): d for m in items})
+    return out
+
+
+def events(router, pub, replica: int, seq: int, **kw) -> None:
+    send(pub, CacheEvents(replica=replica, seq=seq, **kw))
+    deadline = time.monotonic() + 2
+    while router.next_seq[replica] <= seq and time.monotonic() < deadline:
+        if router.events.poll(50):
+            router.on_events(recv(router.events))
+    assert router.next_seq[replica] == seq + 1
+
+
+PREFIX = list(range(100, 124))  # 6 pages of 4
+
+
+def test_stored_prefix_draws_its_group_and_a_new_prompt_goes_to_the_empty_replica(wired):
+    router, leaders, pubs = wired
+    router.handle(req("a1", PREFIX + [1, 2]))
+    assert landed(leaders) == {"a1": 0}
+    events(router, pubs[0], 0, 0, stored=page_hashes(PREFIX, PAGE), ended=["a1"])
+    router.handle(req("b1", [7] * 26))  # nothing cached anywhere: the replica with the emptier cache
+    router.handle(req("a2", PREFIX + [3, 4]))  # 24 tokens cached on replica 0
+    assert landed(leaders) == {"b1": 1, "a2": 0}
+
+
+def test_eviction_events_remove_the_credit(wired):
+    router, leaders, pubs = wired
+    pages = page_hashes(PREFIX, PAGE)
+    router.handle(req("a1", PREFIX + [1]))
+    events(router, pubs[0], 0, 0, stored=pages, ended=["a1"])
+    router.handle(req("x", [9] * 40, max_tokens=200))  # replica 1 now carries far more load
+    events(router, pubs[0], 0, 1, evicted=pages[:1])  # the prefix's first page is gone: no credit
+    assert router.router.replicas[0].prefixes.match(pages) == 0
+    router.handle(req("a2", PREFIX + [2]))
+    assert landed(leaders) == {"a1": 0, "x": 1, "a2": 0}  # replica 0 by load alone
+
+
+def test_pending_pages_count_until_the_request_ends(wired):
+    router, leaders, pubs = wired
+    pages = page_hashes(PREFIX, PAGE)
+    router.handle(req("a1", PREFIX + [1]))
+    assert router.router.replicas[0].prefixes.match(pages) == len(pages)  # sent, not yet stored
+    router.handle(req("a2", PREFIX + [2]))  # follows its prefix although replica 0 is busier
+    events(router, pubs[0], 0, 0, ended=["a1", "a2"])  # both ended (aborted) before storing a page
+    assert router.router.replicas[0].prefixes.match(pages) == 0
+    assert router.router.replicas[0].load == 0 and router.router.replicas[0].in_flight == 0
+    assert landed(leaders) == {"a1": 0, "a2": 0}
+
+
+def test_a_lost_event_message_forgets_the_replicas_stored_prefixes(wired):
+    router, leaders, pubs = wired
+    pages = page_hashes(PREFIX, PAGE)
+    events(router, pubs[1], 1, 0, stored=pages)
+    assert router.router.replicas[1].prefixes.match(pages) == len(pages)
+    events(router, pubs[1], 1, 2)  # seq 1 never arrived: it may have held evictions
+    assert router.router.replicas[1].prefixes.match(pages) == 0
+
+
+def test_aborts_follow_their_request_and_early_aborts_drop_it(wired):
+    router, leaders, _ = wired
+    router.handle(req("a", [1, 2, 3]))
+    router.handle(req("b", [4, 5, 6]))
+    placed = landed(leaders)
+    router.handle(AbortReq(rid="b"))
+    assert landed(leaders) == {"b": placed["b"]}  # only the replica that has it hears of it
+    router.handle(AbortReq(rid="c"))  # overtook its request
+    router.handle(req("c", [7, 8, 9]))
+    assert landed(leaders) == {}
+    router.handle(ReportReq(rid="r"))
+    assert [recv(s, 1000).rid for s in leaders] == ["r", "r"]
+
+
+def test_a_batch_is_split_by_replica_in_order(wired):
+    router, leaders, _ = wired
+    router.handle(AddRequests(items=[req(str(i), [i] * 30, max_tokens=50) for i in range(4)]))
+    placed = landed(leaders)
+    assert sorted(placed) == ["0", "1", "2", "3"] and set(placed.values()) == {0, 1}
