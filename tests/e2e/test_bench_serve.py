@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 
+import pytest
 from server_util import Server
 
 from shardserve.server.cli import main
@@ -77,3 +78,24 @@ def test_stream_timer_counts_text_chunks_without_usage():
     assert (r.ok, r.ttft, r.itls, r.latency, r.output_tokens, r.prompt_tokens) == (True, 1.0, [0.25, 0.5], 2.5, 3,
                                                                                     None)
     assert r.finish_reason == "stop"
+
+
+@pytest.mark.slow
+def test_shared_prefix_bench_compares_policies_side_by_side(tiny_model, capsys):
+    """The cache-aware router serves (nearly) the ideal share of prompt tokens from cache; round
+    robin recomputes each group's prefix on both replicas. Servers started and stopped by the bench."""
+    path, _ = tiny_model("llama")
+    argv = ["bench", "serve", "--workload", "shared-prefix", "--spawn",
+            f"--model {path} --dp-size 2 --num-pages 256 --page-size 8", "--policies", "cache_aware,round_robin",
+            "--num-requests", "12", "--num-groups", "3", "--prefix-words", "40", "--suffix-words", "4",
+            "--max-output", "2", "--request-rate", "10"]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    runs = {r["label"]: r for r in map(json.loads, out.strip().splitlines()[-2:])}
+    aware, rr = runs["dp server, cache_aware"], runs["dp server, round_robin"]
+    assert aware["requests"] == rr["requests"] == 12 and aware["failed"] == rr["failed"] == 0
+    assert aware["ideal_hit_rate"] > 0.5
+    assert aware["hit_rate"] >= 0.85 * aware["ideal_hit_rate"], aware
+    assert aware["hit_rate"] > rr["hit_rate"], (aware, rr)
+    assert len(aware["prompt_tokens_per_target"]) == 2 and aware["imbalance"] >= 1.0
+    assert "TTFT mean" in out

@@ -55,6 +55,7 @@ class RequestResult:
     itls: list[float] = field(default_factory=list)
     output_tokens: int = 0
     prompt_tokens: int | None = None
+    cached_tokens: int | None = None  # usage's prompt_tokens_details.cached_tokens, where reported
     finish_reason: str | None = None
 
 
@@ -62,7 +63,9 @@ def add_serve_bench_args(p: argparse.ArgumentParser) -> None:
     """Flags of `shardserve bench serve`."""
     from shardserve.server.args import positive_float, positive_int, seed_int
 
-    p.add_argument("--url", required=True, help="base URL of an OpenAI-compatible server, e.g. http://127.0.0.1:8000")
+    p.add_argument("--url", default=None,
+                   help="base URL of an OpenAI-compatible server, e.g. http://127.0.0.1:8000 (needed unless "
+                        "--spawn or --spawn-router starts servers)")
     p.add_argument("--num-requests", type=positive_int, default=64)
     p.add_argument("--request-rate", type=positive_float, default=math.inf,
                    help="requests/s with Poisson arrivals (default inf: all at once)")
@@ -75,6 +78,20 @@ def add_serve_bench_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=seed_int, default=0, help="seeds the prompts, output lengths and arrival times")
     p.add_argument("--model-name", default=None, help="`model` field to send (default: first id of GET /v1/models)")
     p.add_argument("--endpoint", choices=["completions", "chat"], default="completions")
+    w = p.add_argument_group("shared-prefix workload (bench/shared_prefix.py)")
+    w.add_argument("--workload", choices=["random", "shared-prefix"], default="random",
+                   help="random word prompts, or groups of requests sharing a long system prompt")
+    w.add_argument("--num-groups", type=positive_int, default=8, help="groups sharing one prefix each")
+    w.add_argument("--prefix-words", type=positive_int, default=300, help="words in each group's shared prefix")
+    w.add_argument("--suffix-words", type=positive_int, default=12, help="words in each request's own question")
+    w.add_argument("--spawn", default=None, metavar="SERVE_FLAGS",
+                   help='start `shardserve serve SERVE_FLAGS --load-balance-method P` for each policy, e.g. '
+                        '"--dp-size 2"')
+    w.add_argument("--spawn-router", default=None, metavar="SERVE_FLAGS",
+                   help="start --router-workers servers and `shardserve router --policy P` for each policy")
+    w.add_argument("--router-workers", type=positive_int, default=2)
+    w.add_argument("--policies", default="cache_aware,least_load,round_robin",
+                   help="comma-separated policies to compare with --spawn / --spawn-router")
 
 
 def resolve_ranges(args: argparse.Namespace) -> None:
@@ -87,6 +104,11 @@ def resolve_ranges(args: argparse.Namespace) -> None:
         raise SystemExit("shardserve bench serve: --min-* must not exceed --max-*")
     if not args.request_rate > 0:
         raise SystemExit("shardserve bench serve: --request-rate must be > 0")
+    if args.workload == "shared-prefix" and args.url is None and args.spawn is None and args.spawn_router is None:
+        raise SystemExit("shardserve bench serve: give --url, --spawn or --spawn-router")
+    bad = set(args.policies.split(",")) - {"cache_aware", "least_load", "round_robin"}
+    if bad:
+        raise SystemExit(f"shardserve bench serve: unknown --policies {','.join(sorted(bad))}")
 
 
 def make_requests(args: argparse.Namespace) -> list[BenchRequest]:
@@ -177,6 +199,7 @@ class StreamTimer:
             itls=[b - a for a, b in zip(times, times[1:])],
             output_tokens=usage.get("completion_tokens") or len(self.text_times),
             prompt_tokens=usage.get("prompt_tokens"), finish_reason=self.finish_reason,
+            cached_tokens=(usage.get("prompt_tokens_details") or {}).get("cached_tokens"),
         )
 
 
@@ -276,6 +299,13 @@ def run_serve_bench(args: argparse.Namespace) -> int:
     """Run the load test, print a table and one final JSON line; exit 1 if every request failed."""
     resolve_ranges(args)
     logging.getLogger("httpx").setLevel(logging.WARNING)  # no log line per request
+    if args.workload == "shared-prefix":
+        from shardserve.bench.shared_prefix import run_shared_prefix
+
+        return run_shared_prefix(args)
+    if args.url is None:
+        raise SystemExit("shardserve bench serve: --url is needed (--spawn and --spawn-router are for the "
+                         "shared-prefix workload)")
     reqs = make_requests(args)
     try:
         results, duration, model = asyncio.run(run_requests(args, reqs))

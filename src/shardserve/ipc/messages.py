@@ -176,6 +176,7 @@ class RouterStats(Msg):
     """The in-server router's per-replica counts, for /metrics."""
 
     routed: list[int]
+    prompt_tokens: list[int]
     in_flight: list[int]
     load_tokens: list[int]
 

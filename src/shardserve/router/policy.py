@@ -45,6 +45,7 @@ class ReplicaState:
     prefixes: PrefixIndex
     load: int = 0  # outstanding tokens: counted on send, released on finish
     routed: int = 0  # requests sent here so far
+    prompt_tokens: int = 0  # their prompt tokens (how evenly prefill work is spread)
     in_flight: int = 0
     healthy: bool = True
 
@@ -85,6 +86,7 @@ class Router:
         claimed = chosen.prefixes.claim(pages, confirmed)
         chosen.load += cost
         chosen.routed += 1
+        chosen.prompt_tokens += prompt_len
         chosen.in_flight += 1
         self.requests[rid] = Routed(chosen.index, cost, claimed)
         return chosen.index

@@ -128,14 +128,14 @@ class ReplicaRouter:
 
     def maybe_send_stats(self) -> None:
         reps = self.router.replicas
-        now_stats = (tuple(r.routed for r in reps), tuple(r.in_flight for r in reps), tuple(r.load for r in reps))
+        now_stats = tuple(tuple(getattr(r, f) for r in reps) for f in ("routed", "prompt_tokens", "in_flight", "load"))
         now = time.monotonic()
-        idle = not any(now_stats[1])
+        idle = not any(now_stats[2])
         if now_stats == self.last_stats or (not idle and now - self.last_stats_at < STATS_INTERVAL):
             return
         self.last_stats, self.last_stats_at = now_stats, now
-        send(self.to_api, RouterStats(routed=list(now_stats[0]), in_flight=list(now_stats[1]),
-                                      load_tokens=list(now_stats[2])))
+        routed, prompt, in_flight, load = map(list, now_stats)
+        send(self.to_api, RouterStats(routed=routed, prompt_tokens=prompt, in_flight=in_flight, load_tokens=load))
 
 
 def router_main(ep: Endpoints, policy: str, page_size: int) -> None:

@@ -45,14 +45,17 @@ class Metrics:
                                 "per replica", per, registry=r)
         self.r_routed = Gauge("shardserve_replica_routed_requests", "Requests the router sent to each replica",
                               per, registry=r)
+        self.r_prompt = Gauge("shardserve_replica_routed_prompt_tokens", "Prompt tokens of the requests sent to "
+                              "each replica", per, registry=r)
         self.r_load = Gauge("shardserve_replica_load_tokens", "Outstanding tokens the router counts per replica",
                             per, registry=r)
 
     def update(self, by_replica: dict[int, Stats], router: RouterStats | None = None) -> None:
         """Totals over the replicas (rank 0's traffic and stages), and each replica's own numbers."""
         if router is not None:
-            for d, (routed, load) in enumerate(zip(router.routed, router.load_tokens)):
+            for d, (routed, prompt, load) in enumerate(zip(router.routed, router.prompt_tokens, router.load_tokens)):
                 self.r_routed.labels(d).set(routed)
+                self.r_prompt.labels(d).set(prompt)
                 self.r_load.labels(d).set(load)
         if not by_replica:
             return

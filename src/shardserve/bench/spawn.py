@@ -1,0 +1,69 @@
+"""Start `shardserve` commands (servers, the router) for a benchmark, and stop them after.
+
+Each runs on a free port with its output in a log file; a command that exits or stays unhealthy
+past the timeout raises with the end of its log. `stop` sends SIGTERM and waits (SIGKILL after
+the grace period), so a benchmark leaves no process behind.
+"""
+
+from __future__ import annotations
+
+import os
+import shlex
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+
+import httpx
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Spawned:
+    def __init__(self, command: str, args: list[str], name: str, timeout: float = 600.0):
+        self.name, self.port = name, free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log_path = os.path.join(tempfile.mkdtemp(prefix="shardserve-bench-"), f"{name}.log")
+        self.log = open(self.log_path, "w")
+        cmd = [sys.executable, "-m", "shardserve", command, *args, "--port", str(self.port)]
+        print(f"[bench] starting {name}: shardserve {command} {shlex.join(args)}", file=sys.stderr, flush=True)
+        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            self._wait_healthy(timeout)
+        except BaseException:
+            self.stop()
+            raise
+
+    def _wait_healthy(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"{self.name} exited with {self.proc.returncode}:\n{self.tail()}")
+            try:
+                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.3)
+        raise RuntimeError(f"{self.name} was not healthy within {timeout:.0f} s:\n{self.tail()}")
+
+    def tail(self, chars: int = 3000) -> str:
+        self.log.flush()
+        with open(self.log_path) as f:
+            return f.read()[-chars:]
+
+    def stop(self, grace: float = 20.0) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(grace)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
+        self.log.close()
