@@ -182,8 +182,8 @@ def smollm2_answer(smollm2_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("layout", [["--pp-size", "2"], ["--pp-size", "2", "--tp-size", "2"]],
-                         ids=["pp2", "tp2-pp2"])
+# TP 2 x PP 2 runs on every tiny architecture above; the real model's check is one layout (CI time).
+@pytest.mark.parametrize("layout", [["--pp-size", "2"]], ids=["pp2"])
 def test_smollm2_server_answers_paris_with_pp1_tokens(smollm2_path, smollm2_answer, tmp_path, layout):
     import openai
 

@@ -55,7 +55,9 @@ def test_tp_matches_transformers_and_tp1(reference, arch, tp):
     assert sampled == seeded
 
 
-@pytest.mark.parametrize("tp", [2, 3, 4])
+# 9 heads over 2 ranks: 5 + 4 query heads and a KV head group straddling them. Sizes 3 and 4
+# (uneven, replicated KV heads) run on the tiny models above; CI time keeps the real model at one.
+@pytest.mark.parametrize("tp", [2])
 def test_smollm2_tp_answers_paris_with_tp1_tokens(smollm2_path, tp):
     question = [{"role": "user", "content": "What is the capital of France?"}]
     greedy = SamplingParams(max_tokens=16, temperature=0)

@@ -1,4 +1,4 @@
-"""`shardserve` command line: serve (the default), chat, bench.
+"""`shardserve` command line: serve (the default), chat, bench, router.
 
 Parsing imports only what flags need; each subcommand imports its own machinery when it runs.
 """
@@ -10,7 +10,15 @@ import logging
 import sys
 
 from shardserve.launch import LaunchError
-from shardserve.server.args import Parser, add_engine_args, non_negative_float, positive_int
+from shardserve.server.args import (
+    Parser,
+    add_engine_args,
+    non_negative_float,
+    non_negative_int,
+    port_number,
+    positive_float,
+    positive_int,
+)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -30,7 +38,41 @@ def build_parser() -> argparse.ArgumentParser:
     from shardserve.bench.cli import add_bench_args
 
     add_bench_args(bench)
+    add_router_args(sub.add_parser("router", help="HTTP router in front of OpenAI-compatible servers"))
     return parser
+
+
+def worker_url(text: str) -> str:
+    """An http(s) base URL; without a scheme every request to it would fail at run time instead."""
+    if not text.startswith(("http://", "https://")) or len(text.split("://", 1)[1].strip("/")) == 0:
+        raise argparse.ArgumentTypeError(f"expected a URL like http://HOST:PORT, got {text!r}")
+    return text.rstrip("/")
+
+
+def add_router_args(p: argparse.ArgumentParser) -> None:
+    from shardserve.router.policy import POLICIES, Thresholds  # plain Python: cheap to import for parsing
+
+    t = Thresholds()
+    p.add_argument("--worker-urls", nargs="+", required=True, metavar="URL", type=worker_url,
+                   help="base URLs of the workers, e.g. http://10.0.0.1:30000")
+    p.add_argument("--policy", choices=POLICIES, default="cache_aware")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=port_number, default=30000)
+    p.add_argument("--model", default=None,
+                   help="checkpoint directory or .gguf whose tokenizer keys the routing (default: characters)")
+    p.add_argument("--page-size", type=positive_int, default=16,
+                   help="tokens (or characters) per prefix page the policy matches on")
+    p.add_argument("--max-tree-pages", type=positive_int, default=65536,
+                   help="pages the router remembers per worker, least recently used dropped first")
+    p.add_argument("--health-interval", type=positive_float, default=1.0, help="seconds between /health checks")
+    p.add_argument("--request-timeout", type=positive_float, default=600.0,
+                   help="seconds a worker may stay silent (before its answer, or between stream events)")
+    p.add_argument("--balance-abs-tokens", type=non_negative_int, default=t.balance_abs_tokens,
+                   help="cache_aware goes to the least loaded worker when loads differ by more than this ...")
+    p.add_argument("--balance-rel", type=positive_float, default=t.balance_rel,
+                   help="... and the most loaded carries more than this times the least")
+    p.add_argument("--load-weight", type=non_negative_float, default=t.load_weight,
+                   help="cache_aware score: cached prompt tokens minus this times outstanding tokens")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -59,6 +101,10 @@ def main(argv: list[str] | None = None) -> int:
             from shardserve.bench.cli import run_bench
 
             return run_bench(args)
+        if args.command == "router":
+            from shardserve.router.standalone import run_router
+
+            return run_router(args)
     except (FileNotFoundError, ValueError) as e:
         print(f"shardserve: error: {e}", file=sys.stderr)
         return 2

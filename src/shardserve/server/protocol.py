@@ -6,6 +6,9 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+# Re-exported (the `as` form): the server's modules import it from here.
+from shardserve.openai_errors import error_body as error_body
+
 
 class StreamOptions(BaseModel):
     include_usage: bool = False
@@ -66,9 +69,3 @@ class TokenizeRequest(BaseModel):
 class DetokenizeRequest(BaseModel):
     model: str | None = None
     tokens: list[int]
-
-
-def error_body(message: str, status: int, param: str | None = None, code: str | None = None) -> dict:
-    kind = {400: "invalid_request_error", 404: "not_found_error", 413: "invalid_request_error",
-            503: "service_unavailable", 500: "internal_error"}.get(status, "invalid_request_error")
-    return {"error": {"message": message, "type": kind, "param": param, "code": code or str(status)}}

@@ -1,0 +1,228 @@
+"""`shardserve router`: an HTTP router in front of OpenAI-compatible servers (ours or another
+engine's).
+
+    client --HTTP--> router (FastAPI + uvicorn, one shared httpx client) --HTTP--> worker URLs
+
+POST /v1/completions and /v1/chat/completions are routed by the policy (router/policy.py) on the
+prompt's page digests and forwarded (router/http_router.py); /v1/models is the first healthy
+worker's; /health and /metrics are the router's own. There are no cache events from foreign
+workers, so a request's pages are credited at send time and an LRU bound per worker
+(--max-tree-pages) stands in for the worker's eviction.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import logging
+import signal
+import socket
+import sys
+from collections.abc import Awaitable
+from typing import Any
+
+import httpx
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from shardserve.router.http_router import HTTPRouter, error_response
+from shardserve.router.policy import Router, Thresholds
+from shardserve.router.request_key import KeyMaker
+from shardserve.router.workers import WorkerPool, describe
+
+log = logging.getLogger("shardserve.router")
+
+SHUTDOWN_GRACE_S = 5  # in-flight requests may finish this long after a stop signal, then are cut off
+SHUTTING_DOWN = "the router is shutting down"
+CLIENT_CLOSED = 499  # nginx's "client closed request": nobody reads it, but logs show it
+
+
+async def _disconnected(request: Request) -> None:
+    # The body has been read, so the next ASGI message can only be the disconnect.
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def cancel_on_disconnect(request: Request, work: Awaitable[Any], fwd: HTTPRouter) -> Any:
+    """The result of `work`, or a 499 if the client went away first: cancelling the work closes
+    its worker connection, so the worker aborts the request too. Until answered the work is in
+    `fwd.tasks`, where a shutdown that waited long enough cancels it (a 503 then)."""
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(_disconnected(request))
+    fwd.tasks.add(task)
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    except asyncio.CancelledError:
+        task.cancel()
+        watcher.cancel()
+        raise
+    finally:
+        fwd.tasks.discard(task)
+    watcher.cancel()
+    if task.done():
+        if task.cancelled() and fwd.stopping:
+            return error_response(503, SHUTTING_DOWN)
+        return task.result()
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await task
+    return Response(status_code=CLIENT_CLOSED)
+
+
+class _Server(uvicorn.Server):
+    """uvicorn, plus: requests still in flight SHUTDOWN_GRACE_S after the stop signal end with a
+    clean error (503, or an error event then [DONE] on a stream) rather than a cut connection."""
+
+    def __init__(self, config: uvicorn.Config, fwd: HTTPRouter):
+        super().__init__(config)
+        self.fwd = fwd
+        self.loop: asyncio.AbstractEventLoop | None = None
+
+    async def serve(self, sockets: list[socket.socket] | None = None) -> None:
+        self.loop = asyncio.get_running_loop()
+        await super().serve(sockets=sockets)
+
+    def handle_exit(self, sig: int, frame) -> None:
+        if not self.should_exit and self.loop is not None:
+            self.loop.call_soon_threadsafe(self.loop.call_later, SHUTDOWN_GRACE_S, self._cut_off)
+        super().handle_exit(sig, frame)
+
+    def _cut_off(self) -> None:
+        cut = self.fwd.cut_all(SHUTTING_DOWN)
+        log.info("shutting down: %d request%s still in flight cut off", cut, "" if cut == 1 else "s")
+
+
+def build_app(fwd: HTTPRouter, health_interval: float) -> FastAPI:
+    pool = fwd.pool
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_: FastAPI):
+        await pool.check_all()  # know who is up before the first request
+        checks = asyncio.create_task(pool.run(health_interval))
+        try:
+            yield
+        finally:
+            checks.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await checks
+            await fwd.client.aclose()
+            fwd.keys.close()
+
+    app = FastAPI(title="shardserve router", docs_url=None, redoc_url=None, openapi_url=None, lifespan=lifespan)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(_, e: StarletteHTTPException):
+        return error_response(e.status_code, str(e.detail))
+
+    @app.exception_handler(Exception)
+    async def _internal(_, e: Exception):
+        return error_response(500, f"internal error: {type(e).__name__}: {e}")
+
+    async def proxy(request: Request, path: str, kind: str) -> Response:
+        raw = await request.body()  # before watching for the disconnect, which reads the same channel
+        if fwd.stopping:
+            return error_response(503, SHUTTING_DOWN)
+        return await cancel_on_disconnect(request, fwd.forward(raw, request.headers, path, kind), fwd)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        return await proxy(request, "/v1/completions", "completions")
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request):
+        return await proxy(request, "/v1/chat/completions", "chat")
+
+    @app.get("/v1/models")
+    async def models():
+        failures = []
+        for i, url in enumerate(pool.urls):
+            if not pool.is_healthy(i):
+                continue
+            try:
+                r = await fwd.client.get(url + "/v1/models", timeout=pool.check_timeout)
+            except httpx.HTTPError as e:
+                failures.append(f"{url}: {describe(e)}")
+                continue
+            return Response(r.content, r.status_code, media_type=r.headers.get("content-type"))
+        detail = f" ({'; '.join(failures)})" if failures else ""
+        return error_response(503, f"no healthy worker to list models{detail}")
+
+    @app.get("/health")
+    async def health():
+        states = {url: "healthy" if pool.is_healthy(i) else "unhealthy" for i, url in enumerate(pool.urls)}
+        if pool.any_healthy():
+            return JSONResponse({"status": "ok", "workers": states})
+        return error_response(503, "no healthy worker: " + ", ".join(states))
+
+    @app.get("/metrics")
+    async def metrics():
+        return Response(pool.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    return app
+
+
+def load_tokenizer_for(model: str | None):
+    """The model's tokenizer, or None for character mode."""
+    if model is None:
+        return None
+    from shardserve.loader.model_path import resolve_checkpoint
+    from shardserve.loader.tokenizer import load_tokenizer
+
+    tok = load_tokenizer(resolve_checkpoint(model))
+    if tok is None:
+        log.warning("%s ships no tokenizer; routing on characters", model)
+    return tok
+
+
+def make_client(num_workers: int, request_timeout: float) -> httpx.AsyncClient:
+    # One client for every worker. No cap on connections: each in-flight request holds one, and
+    # a pool wait would fail healthy workers; the workers bound their own queues. The read
+    # timeout is the longest a worker may stay silent (between stream events, or before a
+    # non-streamed answer). trust_env=False: a proxy from the environment must not sit between
+    # the router and its workers.
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=64 * num_workers, keepalive_expiry=30)
+    timeout = httpx.Timeout(request_timeout, connect=min(request_timeout, 5.0))
+    return httpx.AsyncClient(limits=limits, timeout=timeout, trust_env=False)
+
+
+def bind_socket(host: str, port: int) -> socket.socket:
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as e:
+        sock.close()
+        raise OSError(f"cannot listen on {host}:{port}: {e.strerror}") from None
+    return sock
+
+
+def run_router(args: argparse.Namespace) -> int:
+    """Serve until SIGINT/SIGTERM (exit 0); 1 when the port cannot be had."""
+    try:
+        sock = bind_socket(args.host, args.port)
+    except OSError as e:
+        print(f"shardserve: error: {e}", file=sys.stderr)
+        return 1
+    tokenizer = load_tokenizer_for(args.model)
+    thresholds = Thresholds(balance_abs_tokens=args.balance_abs_tokens, balance_rel=args.balance_rel,
+                            load_weight=args.load_weight)
+    router = Router(len(args.worker_urls), args.policy, args.page_size, thresholds, max_pages=args.max_tree_pages)
+    client = make_client(len(args.worker_urls), args.request_timeout)
+    pool = WorkerPool(args.worker_urls, router, client, check_timeout=max(1.0, min(5.0, 2 * args.health_interval)))
+    fwd = HTTPRouter(pool, KeyMaker(tokenizer), client, args.page_size)
+    # uvicorn's own limit comes later: by then every request has had its clean error.
+    config = uvicorn.Config(build_app(fwd, args.health_interval), log_level="info",
+                            timeout_graceful_shutdown=SHUTDOWN_GRACE_S + 3)
+    server = _Server(config, fwd)
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # not a line per health check and forwarded request
+    log.info("routing on http://%s:%d by %s over %s (keys: %s)", args.host, args.port, args.policy,
+             ", ".join(pool.urls), "token ids" if tokenizer is not None else "characters")
+    # uvicorn re-raises the stop signal once it has shut down; a no-op handler lets the process
+    # exit 0 after a clean stop instead of dying by that signal.
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: None)
+    asyncio.run(server.serve(sockets=[sock]))
+    return 0

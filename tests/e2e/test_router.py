@@ -1,0 +1,435 @@
+"""The standalone router (`shardserve router`).
+
+Fast tests drive its app in process against scripted workers (httpx.MockTransport): retries,
+pass-through, a stream that breaks. The slow test runs the real thing: two `shardserve serve`
+workers and `python -m shardserve router` as subprocesses, a worker killed mid-stream and
+restarted on its port.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import inspect
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from unittest import mock
+
+import httpx
+import openai
+import pytest
+import server_util
+from prometheus_client.parser import text_string_to_metric_families
+from server_util import Server, alive, descendants, free_port
+
+from shardserve.router import http_router
+from shardserve.router.http_router import HTTPRouter
+from shardserve.router.policy import Router
+from shardserve.router.request_key import KeyMaker, RouteKey
+from shardserve.router.standalone import build_app
+from shardserve.router.workers import WorkerPool
+
+SSE = {"content-type": "text/event-stream"}
+EVENTS = [b'data: {"choices": [{"text": "a"}]}\n\n', b'data: {"choices": [{"text": "b"}]}\n\n', b"data: [DONE]\n\n"]
+
+
+class Events(httpx.AsyncByteStream):
+    """SSE events, then (with `fail`) a dropped connection."""
+
+    def __init__(self, events: list[bytes], fail: bool = False, hang: bool = False):
+        self.events, self.fail, self.hang = events, fail, hang
+
+    async def __aiter__(self):
+        for e in self.events:
+            yield e
+        if self.hang:
+            await asyncio.sleep(3600)
+        if self.fail:
+            raise httpx.RemoteProtocolError("peer closed connection without sending complete message body")
+
+
+class Scripted:
+    """Workers w0, w1, ... answering by a function of (worker index, request); records calls."""
+
+    def __init__(self, n: int, answer):
+        self.urls = [f"http://w{i}" for i in range(n)]
+        self.answer, self.calls = answer, []
+        client = httpx.AsyncClient(transport=httpx.MockTransport(self._handle))
+        self.router = Router(n, "cache_aware", page_size=4, max_pages=1000)
+        self.pool = WorkerPool(self.urls, self.router, client, check_timeout=1)
+        self.fwd = HTTPRouter(self.pool, KeyMaker(None), client, 4)
+        self.app = build_app(self.fwd, health_interval=60)
+
+    async def _handle(self, request: httpx.Request) -> httpx.Response:
+        i = self.urls.index(f"http://{request.url.host}")
+        self.calls.append((i, request.url.path))
+        answer = self.answer(i, request)
+        return await answer if inspect.isawaitable(answer) else answer
+
+    async def send(self, path: str, body) -> httpx.Response:
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(self.app), base_url="http://router") as c:
+            content = body if isinstance(body, bytes) else json.dumps(body).encode()
+            return await c.request("POST" if path.startswith("/v1/c") else "GET", path, content=content)
+
+    def post(self, path: str, body) -> httpx.Response:
+        return asyncio.run(self.send(path, body))
+
+
+def ok_json(i: int, _req) -> httpx.Response:
+    return httpx.Response(200, json={"worker": i})
+
+
+@pytest.mark.parametrize("path, body, status, param", [
+    ("/v1/completions", b"{not json", 400, None),
+    ("/v1/completions", b"[1, 2]", 400, None),
+    ("/v1/completions", {"max_tokens": 3}, 400, "prompt"),
+    ("/v1/chat/completions", {"messages": []}, 400, "messages"),
+    ("/v1/nothing", {"prompt": "x"}, 404, None),
+])
+def test_bad_input_gets_openai_error_bodies(path, body, status, param):
+    w = Scripted(2, ok_json)
+    r = w.post(path, body)
+    assert r.status_code == status
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"} and err["param"] == param and err["code"] == str(status)
+    assert w.calls == []  # refused by the router itself
+
+
+def test_worker_4xx_passes_through_unretried():
+    w = Scripted(2, lambda i, _: httpx.Response(400, json={"error": {"message": "bad temperature"}}))
+    r = w.post("/v1/completions", {"prompt": "hi", "temperature": -1})
+    assert r.status_code == 400 and r.json() == {"error": {"message": "bad temperature"}}
+    assert len(w.calls) == 1 and not w.router.requests
+
+
+def test_unreachable_worker_is_retried_elsewhere_and_taken_out():
+    def answer(i, req):
+        if i == 0:
+            raise httpx.ConnectError("connection refused", request=req)
+        return ok_json(i, req)
+
+    w = Scripted(2, answer)
+    r = w.post("/v1/completions", {"prompt": "hello there", "max_tokens": 2})
+    assert r.status_code == 200 and r.json() == {"worker": 1}
+    assert w.calls == [(0, "/v1/completions"), (1, "/v1/completions")]
+    assert not w.router.replicas[0].healthy and not w.router.requests
+    w.post("/v1/completions", {"prompt": "hello there", "max_tokens": 2})
+    assert w.calls[-1][0] == 1 and len(w.calls) == 3  # no second try at the dead one
+    health = w.post("/health", b"")
+    assert health.json() == {"status": "ok", "workers": {"http://w0": "unhealthy", "http://w1": "healthy"}}
+    metrics = w.post("/metrics", b"").text
+    assert 'shardserve_router_errors_total{worker="http://w0"} 1.0' in metrics
+    assert 'shardserve_router_requests_total{worker="http://w1"} 2.0' in metrics
+
+
+def test_every_worker_down_is_503():
+    w = Scripted(2, lambda i, req: (_ for _ in ()).throw(httpx.ConnectError("refused", request=req)))
+    r = w.post("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]})
+    assert r.status_code == 503 and "no healthy worker" in r.json()["error"]["message"]
+    assert len(w.calls) == 2 and not w.router.requests
+    assert w.post("/health", b"").status_code == 503
+
+
+def test_5xx_is_retried_but_workers_stay_in():
+    w = Scripted(2, lambda i, _: httpx.Response(500 + i, json={"error": {"message": f"w{i} broke"}}))
+    r = w.post("/v1/completions", {"prompt": "x"})
+    assert r.status_code == 501 and r.json()["error"]["message"] == "w1 broke"  # the last answer, as given
+    assert sorted(i for i, _ in w.calls) == [0, 1]
+    assert all(rep.healthy for rep in w.router.replicas) and not w.router.requests
+
+
+def test_stream_relayed_unchanged():
+    w = Scripted(2, lambda i, _: httpx.Response(200, headers=SSE, stream=Events(EVENTS)))
+    r = w.post("/v1/completions", {"prompt": "x", "stream": True})
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+    assert r.content == b"".join(EVENTS)
+
+
+def test_stream_broken_before_its_first_event_is_retried():
+    def answer(i, _):
+        return httpx.Response(200, headers=SSE, stream=Events([b'data: {"hal'] if i == 0 else EVENTS, fail=i == 0))
+
+    w = Scripted(2, answer)
+    r = w.post("/v1/completions", {"prompt": "x", "stream": True})
+    assert r.content == b"".join(EVENTS)  # nothing of worker 0's half event reached the client
+    assert [i for i, _ in w.calls] == [0, 1]
+
+
+def test_stream_broken_midway_ends_with_an_error_event():
+    w = Scripted(2, lambda i, _: httpx.Response(200, headers=SSE, stream=Events([EVENTS[0], b'data: {"cho'],
+                                                                                  fail=True)))
+    r = w.post("/v1/completions", {"prompt": "x", "stream": True})
+    assert r.content.startswith(EVENTS[0])
+    events = [e for e in r.content.decode().split("\n\n") if e]
+    assert len(events) == 3 and events[-1] == "data: [DONE]"
+    err = json.loads(events[1].removeprefix("data: "))["error"]
+    assert "failed mid-stream" in err["message"] and err["code"] == "503"
+    assert len(w.calls) == 1  # too late to retry: the client had an event already
+    assert not w.router.requests and not w.router.replicas[0].healthy
+
+
+def test_cut_all_ends_streams_and_waits_cleanly():
+    async def answer(i, req):
+        if json.loads(req.content).get("stream"):
+            return httpx.Response(200, headers=SSE, stream=Events(EVENTS[:1], hang=True))
+        await asyncio.sleep(3600)
+
+    w = Scripted(2, answer)
+
+    async def go():
+        stream = asyncio.ensure_future(w.send("/v1/completions", {"prompt": "x", "stream": True}))
+        plain = asyncio.ensure_future(w.send("/v1/completions", {"prompt": "y"}))
+        while len(w.calls) < 2 or not w.fwd.relays:
+            await asyncio.sleep(0.01)
+        assert w.fwd.cut_all("the router is shutting down") == 2
+        return await asyncio.wait_for(asyncio.gather(stream, plain), 5)
+
+    stream, plain = asyncio.run(go())
+    assert stream.content == EVENTS[0] + http_router.sse_error("the router is shutting down")
+    assert plain.status_code == 503 and plain.json()["error"]["message"] == "the router is shutting down"
+    assert not w.router.requests and not w.fwd.relays and not w.fwd.tasks
+    assert all(r.healthy for r in w.router.replicas)  # the router stopping is no fault of the workers
+
+
+def test_route_keys():
+    keys = KeyMaker(None)  # character mode
+
+    def key(kind, body):
+        return asyncio.run(keys.key(kind, body))
+
+    assert key("completions", {"prompt": "abc"}).ids == [97, 98, 99]
+    assert key("completions", {"prompt": [5, 6, 7], "max_tokens": 4, "n": 2}) == RouteKey([5, 6, 7], 8)
+    assert key("completions", {"prompt": ["ab", "zz"]}).ids == [97, 98]  # a batch routes by its first prompt
+    assert key("completions", {"prompt": [[1, 2], [3]]}).ids == [1, 2]
+    assert key("completions", {"prompt": [2**64, "x"]}).ids == []  # not ids: the worker will refuse it
+    chat = key("chat", {"messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 3})
+    assert chat == RouteKey([ord(c) for c in "user\nhi\n"], 3)
+    assert key("chat", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": True}).max_tokens is None
+
+
+# ---- two real workers behind a real router (slow)
+
+PROMPT = "The capital of France is"
+LONG = "Hello, how are you today? I am fine, thank you. What is the weather like? It is sunny and warm. "
+
+
+def start_worker(path: str, log: str, port: int | None = None) -> Server:
+    with mock.patch.object(server_util, "free_port", lambda: port) if port else contextlib.nullcontext():
+        # One tokenizer process that also detokenizes: a process less to start on a small machine.
+        return Server("--model", path, "--num-pages", "256", "--page-size", "8", "--num-tokenizers", "0",
+                      log_path=log)
+
+
+def kill_hard(server: Server) -> None:
+    """SIGKILL a worker and every process under it, as a machine failure would."""
+    pids = [server.proc.pid, *descendants(server.proc.pid)]
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    server.proc.wait(10)
+    server.log.close()
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline and any(alive(p) for p in pids):
+        time.sleep(0.1)
+    assert not [p for p in pids if alive(p)]
+
+
+class RouterProc:
+    def __init__(self, *args: str, log_path: str):
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log_path, self.log = log_path, open(log_path, "w")
+        self.proc = subprocess.Popen([sys.executable, "-m", "shardserve", "router", "--port", str(self.port), *args],
+                                     stdout=self.log, stderr=subprocess.STDOUT)
+
+    def read_log(self) -> str:
+        with open(self.log_path) as f:
+            return f.read()
+
+    def metric(self, name: str) -> dict[str, float]:
+        text = httpx.get(self.url + "/metrics", timeout=5).text
+        return {s.labels["worker"]: s.value for fam in text_string_to_metric_families(text)
+                for s in fam.samples if s.name == name}
+
+    def wait_health(self, want: dict[str, str], timeout: float) -> None:
+        deadline, last = time.monotonic() + timeout, None
+        while time.monotonic() < deadline:
+            assert self.proc.poll() is None, self.read_log()
+            with contextlib.suppress(httpx.HTTPError):
+                last = httpx.get(self.url + "/health", timeout=2).json()
+                if last.get("workers") == want:
+                    return
+            time.sleep(0.1)
+        raise AssertionError(f"router health {last}, wanted {want}\n{self.read_log()[-3000:]}")
+
+
+class Cluster:
+    def __init__(self, path: str, logs, workers: list[Server], router: RouterProc):
+        self.path, self.logs, self.workers, self.router = path, logs, workers, router
+
+    @property
+    def urls(self) -> list[str]:
+        return [w.url for w in self.workers]
+
+    def client(self, url: str | None = None) -> openai.OpenAI:
+        return openai.OpenAI(base_url=(url or self.router.url) + "/v1", api_key="none", max_retries=0, timeout=60)
+
+    def requests_by_worker(self) -> dict[str, float]:
+        return self.router.metric("shardserve_router_requests_total")
+
+
+@pytest.fixture(scope="module")
+def cluster(tiny_model, tmp_path_factory):
+    path, _ = tiny_model("llama")
+    logs = tmp_path_factory.mktemp("router")
+    workers: list = [None, None]
+    errors: list[BaseException] = []
+
+    def start(i: int) -> None:
+        try:
+            workers[i] = start_worker(path, str(logs / f"worker{i}.log"))
+        except Exception as e:  # handed to the main thread
+            errors.append(e)
+
+    threads = [threading.Thread(target=start, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    router = None
+    try:
+        assert not errors, errors
+        router = RouterProc("--worker-urls", workers[0].url, workers[1].url, "--model", path, "--page-size", "8",
+                            "--health-interval", "0.5", log_path=str(logs / "router.log"))
+        router.wait_health({w.url: "healthy" for w in workers}, timeout=60)
+        yield Cluster(path, logs, workers, router)
+    finally:
+        if router is not None:
+            kids = descendants(router.proc.pid)
+            if router.proc.poll() is None:
+                router.proc.send_signal(signal.SIGTERM)
+            try:
+                code = router.proc.wait(15)
+            except subprocess.TimeoutExpired:
+                router.proc.kill()
+                code = router.proc.wait()
+            router.log.close()
+        for w in workers:
+            if w is not None and w.proc.poll() is None:
+                w_code, left = w.stop()
+                assert left == [] and w_code == 0, w.read_log()[-3000:]
+        if router is not None:
+            assert code == 0, router.read_log()[-3000:]
+            assert not [p for p in kids if alive(p)]
+
+
+def stream_text(stream) -> str:
+    return "".join(c.choices[0].text for c in stream)
+
+
+@pytest.mark.slow
+def test_router_answers_as_a_worker_does(cluster):
+    direct = cluster.client(cluster.urls[0]).completions.create(model=None, prompt=PROMPT, max_tokens=10,
+                                                                  temperature=0)
+    c = cluster.client()
+    routed = c.completions.create(model=None, prompt=PROMPT, max_tokens=10, temperature=0)
+    assert routed.choices[0].text == direct.choices[0].text and routed.usage == direct.usage
+    streamed = c.completions.create(model=None, prompt=PROMPT, max_tokens=10, temperature=0, stream=True)
+    assert stream_text(streamed) == direct.choices[0].text
+    chat = c.chat.completions.create(model=None, messages=[{"role": "user", "content": "Hi"}], max_tokens=4,
+                                     temperature=0)
+    assert chat.choices[0].message.role == "assistant" and chat.usage.completion_tokens == 4
+    models = httpx.get(cluster.router.url + "/v1/models", timeout=5)
+    assert models.status_code == 200 and models.json()["data"]
+    bad = httpx.post(cluster.router.url + "/v1/completions", content=b"{oops", timeout=5)
+    assert bad.status_code == 400 and set(bad.json()["error"]) == {"message", "type", "param", "code"}
+    # The worker's own validation passes through unchanged.
+    worse = httpx.post(cluster.router.url + "/v1/completions", json={"prompt": "x", "max_tokens": -1}, timeout=5)
+    assert worse.status_code == 400 and worse.json()["error"]["param"] == "max_tokens"
+
+
+@pytest.mark.slow
+def test_cache_aware_keeps_a_prefix_on_its_worker(cluster):
+    c, urls = cluster.client(), cluster.urls
+    before = cluster.requests_by_worker()
+    prompt_before = cluster.router.metric("shardserve_router_routed_prompt_tokens")
+    # A long stream keeps one worker busy, so the first prompt with the shared prefix goes to the other...
+    with c.completions.create(model=None, prompt="It is warm", max_tokens=400, temperature=0, stream=True,
+                              extra_body={"ignore_eos": True}) as busy:
+        next(iter(busy))
+        in_flight = cluster.router.metric("shardserve_router_in_flight_requests")
+        busy_url = next(u for u in urls if in_flight[u] == 1)
+        other_url = next(u for u in urls if u != busy_url)
+        answers = [c.completions.create(model=None, prompt=LONG + "one", max_tokens=2)]
+    wait_idle(cluster.router)
+    # ... and with both idle again the prefix keeps to it, whatever the tie-breaks would say.
+    answers += [c.completions.create(model=None, prompt=LONG + tail, max_tokens=2) for tail in ("two", "three")]
+    after = cluster.requests_by_worker()
+    assert {u: after[u] - before[u] for u in urls} == {busy_url: 1, other_url: 3}
+    # The router counts prompts with the model's tokenizer, as the worker does.
+    prompt_after = cluster.router.metric("shardserve_router_routed_prompt_tokens")
+    assert prompt_after[other_url] - prompt_before[other_url] == sum(a.usage.prompt_tokens for a in answers)
+
+
+@pytest.mark.slow
+def test_worker_killed_mid_stream_then_taken_back(cluster, tmp_path):
+    c, router, urls = cluster.client(), cluster.router, cluster.urls
+    stream = c.completions.create(model=None, prompt="Paris is", max_tokens=400, temperature=0, stream=True,
+                                  extra_body={"ignore_eos": True})
+    events = iter(stream)
+    next(events)
+    busy = router.metric("shardserve_router_in_flight_requests")
+    victim = next(i for i, u in enumerate(urls) if busy[u] == 1)
+    survivor = 1 - victim
+    port = cluster.workers[victim].port
+    kill_hard(cluster.workers[victim])
+    killed = time.monotonic()
+    with pytest.raises(openai.APIError, match="failed mid-stream"):
+        for _ in events:
+            pass
+    assert time.monotonic() - killed < 5
+    before = cluster.requests_by_worker()
+    for i in range(3):
+        r = c.completions.create(model=None, prompt=f"The capital {i}", max_tokens=3, temperature=0)
+        assert r.usage.completion_tokens == 3
+    after = cluster.requests_by_worker()
+    assert (after[urls[victim]] - before[urls[victim]], after[urls[survivor]] - before[urls[survivor]]) == (0, 3)
+    router.wait_health({urls[victim]: "unhealthy", urls[survivor]: "healthy"}, timeout=5)
+    assert "down" in router.read_log()
+
+    cluster.workers[victim] = start_worker(cluster.path, str(tmp_path / "restarted.log"), port)
+    restarted = time.monotonic()
+    router.wait_health({u: "healthy" for u in urls}, timeout=5)  # a few 0.5 s health intervals
+    assert time.monotonic() - restarted < 5
+    # Two overlapping streams: the second goes to the other worker, so both take traffic again.
+    before = cluster.requests_by_worker()
+    streams = []
+    for prompt in ("Hello, how", "What is the"):
+        s = c.completions.create(model=None, prompt=prompt, max_tokens=400, temperature=0, stream=True,
+                                 extra_body={"ignore_eos": True})
+        streams.append(s)
+        next(iter(s))
+    after = cluster.requests_by_worker()
+    assert all(after[u] - before[u] == 1 for u in urls)
+    for s in streams:
+        s.close()  # the router drops the worker connections, and the workers abort
+    wait_idle(router)
+
+
+def wait_idle(router: RouterProc, timeout: float = 10) -> None:
+    deadline = time.monotonic() + timeout
+    while any(router.metric("shardserve_router_in_flight_requests").values()):
+        assert time.monotonic() < deadline, "requests the clients closed were never released"
+        time.sleep(0.1)
+
+
+@pytest.mark.slow
+def test_busy_port_is_one_line(cluster):
+    r = subprocess.run([sys.executable, "-m", "shardserve", "router", "--port", str(cluster.router.port),
+                        "--worker-urls", cluster.urls[0]], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 1 and "cannot listen" in r.stderr and len(r.stderr.strip().splitlines()) == 1
