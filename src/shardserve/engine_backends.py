@@ -65,14 +65,15 @@ class LocalBackend:
 
 class ProcessBackend:
     """One scheduler process per rank of `layout` on this machine (node 0 of several, or the
-    only one); requests go to rank 0, which fans them out (with several replicas, to the router,
-    which picks a replica's leader)."""
+    only one); requests go to rank 0, the leader, which fans them out (with several replicas, to
+    the router, which picks a replica's leader)."""
 
     def __init__(self, cfg: EngineConfig, layout: Layout, node: NodeSpec, model_name: str,
                  startup_timeout: float = 600.0, load_balance_method: str = "cache_aware"):
         self.ep = endpoints(layout, node, 1)
         self.replicas = layout.dp
-        router = [router_child(self.ep, load_balance_method, cfg.page_size)] if layout.dp > 1 else []
+        router = ([router_child(self.ep, load_balance_method, cfg.page_size, cfg.enable_prefix_cache)]
+                  if layout.dp > 1 else [])
         self.grid = LocalGrid(cfg, layout, node, self.ep, model_name, router)
         self.ctx = zmq.Context()
         self.inbox = self.ctx.socket(zmq.PULL)
@@ -120,7 +121,8 @@ class ProcessBackend:
             if broken:
                 raise RuntimeError(broken)
             if time.monotonic() > deadline:
-                raise RuntimeError(f"no output from scheduler-0 in {self.timeout_s:.0f} s")
+                who = "the replica leaders" if self.replicas > 1 else "scheduler-0"
+                raise RuntimeError(f"no output from {who} in {self.timeout_s:.0f} s")
         if isinstance(msg, ErrorOut):
             raise ValueError(msg.message)
         if isinstance(msg, Stats):

@@ -18,7 +18,7 @@ from shardserve.launch.nodes import NodeSpec
 from shardserve.loader.generation_config import generation_defaults
 from shardserve.loader.model_path import resolve_checkpoint
 from shardserve.loader.tokenizer import load_tokenizer
-from shardserve.router.policy import POLICIES
+from shardserve.router.policy import resolve_policy
 
 Prompt = str | list[int]
 
@@ -53,12 +53,11 @@ class LLM:
     'none', or a directory with a generation_config.json."""
 
     def __init__(self, model: str | None = None, tp_size: int = 1, pp_size: int = 1, dp_size: int = 1,
-                 load_balance_method: str = "cache_aware", isolated: bool = False,
+                 load_balance_method: str | None = None, isolated: bool = False,
                  generation_config: str = "auto", nnodes: int = 1, node_rank: int = 0, dist_init_addr: str = "",
                  startup_timeout: float = 600.0, **kwargs):
         self.layout = Layout(tp=tp_size, pp=pp_size, dp=dp_size, nnodes=nnodes)
-        if load_balance_method not in POLICIES:
-            raise ValueError(f"load_balance_method must be one of {', '.join(POLICIES)}, got {load_balance_method!r}")
+        policy = resolve_policy(load_balance_method, dp_size)
         self.node = NodeSpec(node_rank, dist_init_addr)
         if kwargs.get("pp_layer_partition") is not None:
             kwargs["pp_layer_partition"] = tuple(kwargs["pp_layer_partition"])
@@ -74,8 +73,7 @@ class LLM:
         self.tokenizer = load_tokenizer(ckpt)
         tok = self.tokenizer
         if self.layout.world > 1 or isolated:
-            self._backend = ProcessBackend(self.config, self.layout, self.node, ckpt.name, startup_timeout,
-                                           load_balance_method)
+            self._backend = ProcessBackend(self.config, self.layout, self.node, ckpt.name, startup_timeout, policy)
         else:
             extra_eos = (tok.eos_token_id,) if tok is not None and tok.eos_token_id is not None else ()
             self._backend = LocalBackend(self.config, self._decode if tok else None, extra_eos)

@@ -52,8 +52,10 @@ def test_llm_replicas_match_transformers(tiny_model, arch, dp, tp, method):
 
 def test_bad_replica_settings_are_refused(tiny_model):
     path, _ = tiny_model("llama")
-    with pytest.raises(ValueError, match="load_balance_method"):
+    with pytest.raises(ValueError, match="--load-balance-method must be one of"):
         LLM(path, dp_size=2, load_balance_method="random")
+    with pytest.raises(ValueError, match="--load-balance-method round_robin needs --dp-size > 1"):
+        LLM(path, load_balance_method="round_robin")
     with pytest.raises(ValueError, match="--dp-size 2 with --nnodes 2"):
         LLM(path, dp_size=2, nnodes=2, dist_init_addr="127.0.0.1:29999")
 
@@ -105,6 +107,8 @@ def test_dp2_server_same_text_and_prefix_affinity(tiny_model, tmp_path):
         assert cached[:2] == [0, 0] and all(c >= 48 for c in cached[2:]), cached
         routed, metrics = routed_once_settled(server.url, 30)
         assert set(routed) == {"0", "1"} and sum(routed.values()) == 30 and min(routed.values()) >= 3, routed
+        # Every request ended: the router's books are back to zero (no lost "ended" event).
+        assert replica_metric(metrics, "shardserve_replica_load_tokens") == {"0": 0.0, "1": 0.0}
         assert len(replica_metric(metrics, "shardserve_replica_kv_pages_used")) == 2
         hit = float(re.search(r"^shardserve_prefix_cache_hit_rate (\S+)", metrics, re.M).group(1))
         assert hit > 0

@@ -324,3 +324,20 @@ def test_cache_events_report_stored_and_evicted_digests() -> None:
     alloc.release(pages)
     alloc.allocate(1)  # evicts the later page first (it was queued first)
     assert alloc.take_events() == ([], [chain[1]])
+
+
+def test_cache_events_net_out_a_page_evicted_and_recomputed_in_one_step() -> None:
+    alloc = PageAllocator(1, 2)
+    alloc.watch_events()
+    tokens = [1, 2, 3]
+    first = alloc.allocate(1)
+    chain: list[bytes] = []
+    alloc.register(tokens, first, 2, chain)
+    alloc.take_events()
+    alloc.release(first)
+    again = alloc.allocate(1)  # evicts the digest ...
+    alloc.register(tokens, again, 2, [])  # ... and the same content is cached again
+    assert alloc.take_events() == (chain, [])
+    alloc.release(again)
+    alloc.allocate(1)
+    assert alloc.take_events() == ([], chain)

@@ -25,11 +25,12 @@ def wired():
     leaders = [pull(ctx, ep.leader(d)) for d in range(2)]
     pubs = []
     for d in range(2):
-        pub = ctx.socket(zmq.PUB)
+        pub = ctx.socket(zmq.XPUB)  # as the leaders do: wait for the router's subscription
         pub.bind(ep.events(d))
         pubs.append(pub)
     router = ReplicaRouter(ep, "cache_aware", PAGE)
-    time.sleep(0.2)  # let the SUB connections settle before anything is published
+    for pub in pubs:
+        assert pub.poll(5000) and pub.recv() == b"\x01"
     yield router, leaders, pubs
     for s in (*leaders, *pubs, router.inbox, router.events, router.to_api, *router.leaders):
         s.close(linger=0)
@@ -122,3 +123,11 @@ def test_a_batch_is_split_by_replica_in_order(wired):
     router.handle(AddRequests(items=[req(str(i), [i] * 30, max_tokens=50) for i in range(4)]))
     placed = landed(leaders)
     assert sorted(placed) == ["0", "1", "2", "3"] and set(placed.values()) == {0, 1}
+
+
+def test_a_late_abort_of_an_ended_request_is_not_kept(wired):
+    router, leaders, pubs = wired
+    router.handle(req("a", [1, 2, 3]))
+    events(router, pubs[0], 0, 0, ended=["a"])
+    router.handle(AbortReq(rid="a"))  # the client gave up as the answer arrived
+    assert "a" not in router.aborted_early

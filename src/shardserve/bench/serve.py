@@ -78,20 +78,9 @@ def add_serve_bench_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=seed_int, default=0, help="seeds the prompts, output lengths and arrival times")
     p.add_argument("--model-name", default=None, help="`model` field to send (default: first id of GET /v1/models)")
     p.add_argument("--endpoint", choices=["completions", "chat"], default="completions")
-    w = p.add_argument_group("shared-prefix workload (bench/shared_prefix.py)")
-    w.add_argument("--workload", choices=["random", "shared-prefix"], default="random",
-                   help="random word prompts, or groups of requests sharing a long system prompt")
-    w.add_argument("--num-groups", type=positive_int, default=8, help="groups sharing one prefix each")
-    w.add_argument("--prefix-words", type=positive_int, default=300, help="words in each group's shared prefix")
-    w.add_argument("--suffix-words", type=positive_int, default=12, help="words in each request's own question")
-    w.add_argument("--spawn", default=None, metavar="SERVE_FLAGS",
-                   help='start `shardserve serve SERVE_FLAGS --load-balance-method P` for each policy, e.g. '
-                        '"--dp-size 2"')
-    w.add_argument("--spawn-router", default=None, metavar="SERVE_FLAGS",
-                   help="start --router-workers servers and `shardserve router --policy P` for each policy")
-    w.add_argument("--router-workers", type=positive_int, default=2)
-    w.add_argument("--policies", default="cache_aware,least_load,round_robin",
-                   help="comma-separated policies to compare with --spawn / --spawn-router")
+    from shardserve.bench.shared_prefix import add_shared_prefix_args
+
+    add_shared_prefix_args(p)
 
 
 def resolve_ranges(args: argparse.Namespace) -> None:
@@ -104,11 +93,12 @@ def resolve_ranges(args: argparse.Namespace) -> None:
         raise SystemExit("shardserve bench serve: --min-* must not exceed --max-*")
     if not args.request_rate > 0:
         raise SystemExit("shardserve bench serve: --request-rate must be > 0")
-    if args.workload == "shared-prefix" and args.url is None and args.spawn is None and args.spawn_router is None:
-        raise SystemExit("shardserve bench serve: give --url, --spawn or --spawn-router")
-    bad = set(args.policies.split(",")) - {"cache_aware", "least_load", "round_robin"}
-    if bad:
-        raise SystemExit(f"shardserve bench serve: unknown --policies {','.join(sorted(bad))}")
+    if args.workload == "shared-prefix":
+        from shardserve.bench.shared_prefix import check_args
+
+        check_args(args)
+    elif args.spawn is not None or args.spawn_router is not None:
+        raise SystemExit("shardserve bench serve: --spawn and --spawn-router are for --workload shared-prefix")
 
 
 def make_requests(args: argparse.Namespace) -> list[BenchRequest]:
@@ -304,8 +294,7 @@ def run_serve_bench(args: argparse.Namespace) -> int:
 
         return run_shared_prefix(args)
     if args.url is None:
-        raise SystemExit("shardserve bench serve: --url is needed (--spawn and --spawn-router are for the "
-                         "shared-prefix workload)")
+        raise SystemExit("shardserve bench serve: --url is needed")
     reqs = make_requests(args)
     try:
         results, duration, model = asyncio.run(run_requests(args, reqs))

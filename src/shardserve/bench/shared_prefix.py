@@ -29,8 +29,42 @@ import httpx
 
 from shardserve.bench.serve import WORDS, BenchRequest, base_url, run_requests, stats_ms
 from shardserve.bench.spawn import Spawned
+from shardserve.router.policy import POLICIES
 
 PROMPT_METRIC = re.compile(r'^\w+_routed_prompt_tokens\{\w+="([^"]+)"\} (\S+)$', re.M)
+
+
+def add_shared_prefix_args(p: argparse.ArgumentParser) -> None:
+    from shardserve.server.args import positive_int
+
+    w = p.add_argument_group("shared-prefix workload (bench/shared_prefix.py)")
+    w.add_argument("--workload", choices=["random", "shared-prefix"], default="random",
+                   help="random word prompts, or groups of requests sharing a long system prompt")
+    w.add_argument("--num-groups", type=positive_int, default=8, help="groups sharing one prefix each")
+    w.add_argument("--prefix-words", type=positive_int, default=300, help="words in each group's shared prefix")
+    w.add_argument("--suffix-words", type=positive_int, default=12, help="words in each request's own question")
+    w.add_argument("--spawn", default=None, metavar="SERVE_FLAGS",
+                   help='start `shardserve serve SERVE_FLAGS --load-balance-method P` for each policy, e.g. '
+                        '"--dp-size 2"')
+    w.add_argument("--spawn-router", default=None, metavar="SERVE_FLAGS",
+                   help="start --router-workers servers and `shardserve router --policy P` for each policy")
+    w.add_argument("--router-workers", type=positive_int, default=2)
+    w.add_argument("--policies", default=",".join(POLICIES),
+                   help="comma-separated policies to compare with --spawn / --spawn-router")
+
+
+def check_args(args: argparse.Namespace) -> None:
+    where = [f for f, v in (("--url", args.url), ("--spawn", args.spawn), ("--spawn-router", args.spawn_router))
+             if v is not None]
+    if len(where) != 1:
+        raise SystemExit("shardserve bench serve: give exactly one of --url, --spawn, --spawn-router "
+                         f"(got {', '.join(where) or 'none'})")
+    bad = set(args.policies.split(",")) - set(POLICIES)
+    if bad:
+        raise SystemExit(f"shardserve bench serve: unknown --policies {','.join(sorted(bad))}")
+    if args.url is not None and args.policies != ",".join(POLICIES):
+        raise SystemExit("shardserve bench serve: --policies needs --spawn or --spawn-router (a --url server "
+                         "has its own)")
 
 
 def make_requests(args: argparse.Namespace) -> tuple[list[BenchRequest], list[int]]:
@@ -46,13 +80,17 @@ def make_requests(args: argparse.Namespace) -> tuple[list[BenchRequest], list[in
     return reqs, groups
 
 
-def ideal_cached(url: str, reqs: list[BenchRequest], groups: list[int]) -> int | None:
-    """Prompt tokens a perfect router would serve from cache (None: the server has no /tokenize)."""
+def ideal_cached(url: str, reqs: list[BenchRequest], groups: list[int], endpoint: str) -> int | None:
+    """Prompt tokens a perfect router would serve from cache (None: the server has no /tokenize).
+    Not rounded down to the server's page size, which it cannot see: a real cache reaches a bit
+    less than this."""
     seen: dict[int, list[list[int]]] = {}
     total = 0
     try:
         for req, g in zip(reqs, groups):
-            r = httpx.post(url + "/tokenize", json={"prompt": req.prompt}, timeout=60)
+            body = ({"messages": [{"role": "user", "content": req.prompt}]} if endpoint == "chat"
+                    else {"prompt": req.prompt})
+            r = httpx.post(url + "/tokenize", json=body, timeout=60)
             r.raise_for_status()
             ids = r.json()["tokens"]
             total += max((_common(ids, o) for o in seen.get(g, [])), default=0)
@@ -77,7 +115,7 @@ def prompt_tokens_by_target(url: str) -> dict[str, float]:
 def measure(args: argparse.Namespace, url: str, api_url: str, label: str) -> dict:
     """One run of the workload against `url`; /tokenize is asked of `api_url` (a server)."""
     reqs, groups = make_requests(args)
-    ideal = ideal_cached(api_url, reqs, groups)
+    ideal = ideal_cached(api_url, reqs, groups, args.endpoint)
     warm = BenchRequest(" ".join(random.Random(-1).choice(WORDS) for _ in range(24)), 4)
     run_args = argparse.Namespace(**{**vars(args), "url": url, "seed": args.seed})
     asyncio.run(run_requests(argparse.Namespace(**{**vars(run_args), "request_rate": float("inf")}), [warm]))
@@ -121,13 +159,13 @@ def run_shared_prefix(args: argparse.Namespace) -> int:
 
 def _through_router(args: argparse.Namespace, policy: str) -> dict:
     flags = shlex.split(args.spawn_router)
-    model = flags[flags.index("--model") + 1: flags.index("--model") + 2] if "--model" in flags else []
+    model = _flag_value(flags, "--model")
     workers = []
     try:
         for i in range(args.router_workers):
             workers.append(Spawned("serve", flags, f"worker-{i}"))
         router = Spawned("router", ["--worker-urls", *(w.url for w in workers), "--policy", policy,
-                                    *(["--model", *model] if model else [])], f"router-{policy}")
+                                    *(["--model", model] if model else [])], f"router-{policy}")
         try:
             return measure(args, router.url, workers[0].url, f"router + {len(workers)} servers, {policy}")
         finally:
@@ -135,6 +173,16 @@ def _through_router(args: argparse.Namespace, policy: str) -> dict:
     finally:
         for w in workers:
             w.stop()
+
+
+def _flag_value(flags: list[str], name: str) -> str | None:
+    """The value of `name` in a command line (`--name X` or `--name=X`): the router's tokenizer."""
+    for i, f in enumerate(flags):
+        if f == name and i + 1 < len(flags):
+            return flags[i + 1]
+        if f.startswith(name + "="):
+            return f[len(name) + 1:]
+    return None
 
 
 def print_runs(runs: list[dict], args: argparse.Namespace) -> None:

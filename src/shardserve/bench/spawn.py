@@ -18,6 +18,8 @@ import time
 
 import httpx
 
+from shardserve.ipc.sockets import die_with_parent
+
 
 def free_port() -> int:
     with socket.socket() as s:
@@ -33,7 +35,9 @@ class Spawned:
         self.log = open(self.log_path, "w")
         cmd = [sys.executable, "-m", "shardserve", command, *args, "--port", str(self.port)]
         print(f"[bench] starting {name}: shardserve {command} {shlex.join(args)}", file=sys.stderr, flush=True)
-        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True)
+        # Its own process group (stopped whole below), and SIGTERM should the benchmark die first.
+        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True,
+                                     preexec_fn=die_with_parent)
         try:
             self._wait_healthy(timeout)
         except BaseException:

@@ -21,7 +21,8 @@ class Endpoints:
 
     `scheduler` is where tokenizers send prompts: replica 0's leader itself, or with `dp`
     replicas the router, which forwards each to one leader's `leader(d)` address. Each replica
-    has its own plan feed, results inbox and (for the router) cache-event feed."""
+    has its own plan feed, results inbox and (for the router) cache-event feed; on TCP (ranks on
+    several machines) there is one of each, so one replica only."""
 
     root: str
     num_tokenizers: int
@@ -53,10 +54,16 @@ class Endpoints:
         return self.scheduler if self.dp == 1 else self._addr(f"leader-{replica}")
 
     def fanout(self, replica: int) -> str:
-        return self.fanout_tcp or self._addr(f"fanout-{replica}")
+        return self._tcp(self.fanout_tcp, replica) or self._addr(f"fanout-{replica}")
 
     def results(self, replica: int) -> str:
-        return self.results_tcp or self._addr(f"results-{replica}")
+        return self._tcp(self.results_tcp, replica) or self._addr(f"results-{replica}")
+
+    def _tcp(self, addr: str, replica: int) -> str:
+        # One TCP port each: several replicas across machines would need a port per replica.
+        if addr and self.dp > 1:
+            raise ValueError(f"replica {replica}: TCP plan feeds serve one replica only (dp {self.dp})")
+        return addr
 
     def events(self, replica: int) -> str:
         """The leader's cache events and finished requests, for the router (dp > 1 only)."""

@@ -50,20 +50,29 @@ class PageAllocator:
         self.page_of: dict[bytes, int] = {}  # digest -> page
         self.content: dict[int, tuple[bytes, tuple[int, ...]]] = {}  # page -> (parent digest, tokens)
         self.hits = self.queries = 0  # prompt tokens served from / asked of the cache
-        # Cache events for a router (`watch_events`): digests stored and evicted since the last take.
-        self.stored_events: list[bytes] | None = None
-        self.evicted_events: list[bytes] | None = None
+        # Cache events for a router (`watch_events`): digest -> True (now cached) or False (evicted)
+        # since the last take. Only a digest's last change matters, so a page evicted and then
+        # recomputed within one step reads as stored, and the reverse as evicted.
+        self.events: dict[bytes, bool] | None = None
 
     def watch_events(self) -> None:
         """Record every page digest that joins or leaves the cache, for `take_events`."""
-        self.stored_events, self.evicted_events = [], []
+        self.events = {}
 
     def take_events(self) -> tuple[list[bytes], list[bytes]]:
-        """(stored, evicted) digests since the last call, in the order they happened."""
-        out = self.stored_events or [], self.evicted_events or []
-        if self.stored_events is not None:
-            self.stored_events, self.evicted_events = [], []
-        return out
+        """(stored, evicted) digests since the last call: each digest's net change, so the two
+        lists never share a digest and may be applied in either order."""
+        if not self.events:
+            return [], []
+        stored = [h for h, cached in self.events.items() if cached]
+        evicted = [h for h, cached in self.events.items() if not cached]
+        self.events = {}
+        return stored, evicted
+
+    def _event(self, digest: bytes, cached: bool) -> None:
+        if self.events is not None:
+            self.events.pop(digest, None)
+            self.events[digest] = cached
 
     @property
     def num_free(self) -> int:
@@ -138,16 +147,14 @@ class PageAllocator:
                 continue  # already known, or the same content (or a colliding one) lives in another page
             self.hash_of[page], self.page_of[h] = h, page
             self.content[page] = (chain[i - 1] if i else ROOT, tuple(tokens[i * size : (i + 1) * size]))
-            if self.stored_events is not None:
-                self.stored_events.append(h)
+            self._event(h, True)
 
     def _forget(self, page: int) -> None:
         h = self.hash_of.pop(page, None)
         if h is not None:
             del self.page_of[h]
             del self.content[page]
-            if self.evicted_events is not None:
-                self.evicted_events.append(h)
+            self._event(h, False)
 
     @property
     def hit_rate(self) -> float:

@@ -31,6 +31,18 @@ from shardserve.router.prefix_index import PrefixIndex
 POLICIES = ("cache_aware", "least_load", "round_robin")
 
 
+def resolve_policy(method: str | None, replicas: int) -> str:
+    """The policy a grid of `replicas` uses: `method`, or cache_aware when none is given. A
+    method given with one replica would be ignored, so it is refused."""
+    if method is None:
+        return "cache_aware"
+    if method not in POLICIES:
+        raise ValueError(f"--load-balance-method must be one of {', '.join(POLICIES)}, got {method!r}")
+    if replicas == 1:
+        raise ValueError(f"--load-balance-method {method} needs --dp-size > 1 (one replica gets every request)")
+    return method
+
+
 @dataclass(frozen=True)
 class Thresholds:
     balance_abs_tokens: int = 2048

@@ -5,8 +5,8 @@
 
 The router picks a replica per request (router/policy.py), remembers it until the leader reports
 the request ended, and sends that request's abort to the same replica. It follows each replica's
-cache events, so it credits a replica only with prefixes it holds. Messages every replica must
-see (rank reports, shutdown) go to all of them. Outputs do not pass through here: each leader
+cache events, so it credits a replica only with prefixes it holds. Rank reports go to every
+replica. Outputs do not pass through here: each leader
 sends tokens to the detokenizer and errors and stats to the API process directly.
 """
 
@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import OrderedDict
 
 import zmq
 
@@ -38,10 +39,14 @@ STATS_INTERVAL = 0.25
 
 
 class ReplicaRouter:
-    def __init__(self, ep: Endpoints, policy: str, page_size: int, thresholds: Thresholds = Thresholds()):
+    def __init__(self, ep: Endpoints, policy: str, page_size: int, prefix_cache: bool = True,
+                 thresholds: Thresholds = Thresholds()):
+        """`prefix_cache=False` (--no-prefix-cache): replicas share nothing, so no prompt earns affinity."""
         ctx = zmq.Context.instance()
         self.inbox = pull(ctx, ep.scheduler)
         self.leaders = [push(ctx, ep.leader(d)) for d in range(ep.dp)]
+        for sock in self.leaders:  # never block: a replica busy in a long step must not stall the others
+            sock.setsockopt(zmq.SNDHWM, 0)
         self.events = ctx.socket(zmq.SUB)
         self.events.setsockopt(zmq.RCVHWM, 0)
         self.events.setsockopt(zmq.SUBSCRIBE, b"")
@@ -49,9 +54,10 @@ class ReplicaRouter:
             self.events.connect(ep.events(d))
         self.to_api = push(ctx, ep.api)
         self.router = Router(ep.dp, policy, page_size, thresholds)
-        self.page_size = page_size
+        self.page_size = page_size if prefix_cache else 0
         self.next_seq = [0] * ep.dp
-        self.aborted_early: set[str] = set()  # aborts that overtook their request
+        self.aborted_early = RecentIds()  # aborts that overtook their request
+        self.recently_ended = RecentIds()  # so a late abort is not taken for an early one
         self.last_stats: tuple = ()
         self.last_stats_at = 0.0
 
@@ -75,8 +81,7 @@ class ReplicaRouter:
 
     def handle(self, msg) -> None:
         if isinstance(msg, TokenizedReq):
-            if msg.rid in self.aborted_early:
-                self.aborted_early.discard(msg.rid)
+            if self.aborted_early.take(msg.rid):
                 return
             d = self.place(msg)
             if d is not None:
@@ -84,7 +89,7 @@ class ReplicaRouter:
         elif isinstance(msg, AddRequests):
             per_replica: dict[int, list[TokenizedReq]] = {}
             for item in msg.items:
-                d = self.place(item)
+                d = None if self.aborted_early.take(item.rid) else self.place(item)
                 if d is not None:
                     per_replica.setdefault(d, []).append(item)
             for d, items in per_replica.items():
@@ -93,10 +98,8 @@ class ReplicaRouter:
             d = self.router.replica_of(msg.rid)
             if d is not None:
                 send(self.leaders[d], msg)
-            else:
+            elif msg.rid not in self.recently_ended:
                 self.aborted_early.add(msg.rid)
-                if len(self.aborted_early) > 10000:
-                    self.aborted_early.clear()
         elif isinstance(msg, ReportReq):
             self.broadcast(msg)
 
@@ -105,7 +108,8 @@ class ReplicaRouter:
         if req.rid in self.router.requests:
             send(self.to_api, ErrorOut(rid=req.rid, message=f"request id {req.rid!r} is already in use"))
             return None
-        pages = page_hashes(req.token_ids[: max(len(req.token_ids) - 1, 0)], self.page_size)
+        # The last prompt token is always recomputed (its logits are needed), as in match_prefix.
+        pages = page_hashes(req.token_ids[: len(req.token_ids) - 1], self.page_size) if self.page_size else []
         max_tokens = None if req.auto_max_tokens else req.params.max_tokens
         return self.router.route(req.rid, pages, len(req.token_ids), max_tokens)
 
@@ -125,6 +129,7 @@ class ReplicaRouter:
         prefixes.evict(ev.evicted)
         for rid in ev.ended:
             self.router.finish(rid)
+            self.recently_ended.add(rid)
 
     def maybe_send_stats(self) -> None:
         reps = self.router.replicas
@@ -138,16 +143,36 @@ class ReplicaRouter:
         send(self.to_api, RouterStats(routed=routed, prompt_tokens=prompt, in_flight=in_flight, load_tokens=load))
 
 
-def router_main(ep: Endpoints, policy: str, page_size: int) -> None:
+class RecentIds:
+    """A bounded set of request ids: the oldest are forgotten first."""
+
+    def __init__(self, limit: int = 10000):
+        self.ids: OrderedDict[str, None] = OrderedDict()
+        self.limit = limit
+
+    def __contains__(self, rid: str) -> bool:
+        return rid in self.ids
+
+    def add(self, rid: str) -> None:
+        self.ids[rid] = None
+        if len(self.ids) > self.limit:
+            self.ids.popitem(last=False)
+
+    def take(self, rid: str) -> bool:
+        """Whether `rid` was here (and forget it)."""
+        return self.ids.pop(rid, 0) is None
+
+
+def router_main(ep: Endpoints, policy: str, page_size: int, prefix_cache: bool = True) -> None:
     """Process entry point (the `router` child of a server or LLM with dp > 1)."""
 
     def setup():
-        router = ReplicaRouter(ep, policy, page_size)
+        router = ReplicaRouter(ep, policy, page_size, prefix_cache)
         return router.serve, {}
 
     run_child("router", ep.ready, setup)
 
 
-def router_child(ep: Endpoints, policy: str, page_size: int) -> Child:
+def router_child(ep: Endpoints, policy: str, page_size: int, prefix_cache: bool = True) -> Child:
     """The router process of a grid with several replicas (started beside the scheduler ranks)."""
-    return Child("router", router_main, (ep, policy, page_size), env={"OMP_NUM_THREADS": "1"})
+    return Child("router", router_main, (ep, policy, page_size, prefix_cache), env={"OMP_NUM_THREADS": "1"})

@@ -76,7 +76,10 @@ class EngineCore:
         self.eos_ids = tuple(sorted(set(self.model_cfg.eos_token_ids) | set(extra_eos) | self._generation_eos()))
         self.requests: dict[str, Request] = {}
         self.num_steps = self.num_finished = 0
-        self._seed_rng = torch.Generator().manual_seed(cfg.seed)
+        # Seeds for requests that give none; each replica draws its own sequence, or the k-th
+        # unseeded request of every replica (say the n choices of one request) would sample alike.
+        replica = groups.coords.dp
+        self._seed_rng = torch.Generator().manual_seed(cfg.seed if replica == 0 else hash((cfg.seed, replica)))
         self.publish, self.results = publish, results
         self.inflight: dict[int, InFlight] = {}  # by micro-batch number, oldest first
         self.busy: set[str] = set()  # requests waiting for a result

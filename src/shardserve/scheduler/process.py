@@ -72,8 +72,8 @@ class SchedulerServer:
         self.to_detok = push(ctx, ep.detokenizer)
         self.to_api = push(ctx, ep.api)
         self.aborted_early: set[str] = set()  # aborts that overtook their request
-        self.events = CacheEventFeed(ctx, ep.events(self.replica), self.replica, self.engine.allocator) \
-            if ep.dp > 1 else None
+        self.events = CacheEventFeed(ctx, ep.events(self.replica), self.replica, self.engine.allocator,
+                                     cfg.dist_timeout) if ep.dp > 1 else None
         self.last_stats = 0.0
         self.last_status: dict = {}
         self.running = True
@@ -163,12 +163,20 @@ class SchedulerServer:
 
 
 class CacheEventFeed:
-    """The leader's cache events and ended requests, published for the router after each step."""
+    """The leader's cache events and ended requests, published for the router after each step.
 
-    def __init__(self, ctx: zmq.Context, addr: str, replica: int, allocator):
-        self.pub = ctx.socket(zmq.PUB)
+    An XPUB socket: ZeroMQ drops what a PUB sends before a subscriber has joined, and a lost
+    `ended` would leave its load on the router's books for good, so the leader does not report
+    Ready until the router's subscription has arrived (other subscribers may join later)."""
+
+    def __init__(self, ctx: zmq.Context, addr: str, replica: int, allocator, timeout_s: float):
+        self.pub = ctx.socket(zmq.XPUB)
         self.pub.setsockopt(zmq.SNDHWM, 0)
         self.pub.bind(addr)
+        if not self.pub.poll(int(timeout_s * 1000)):
+            raise RuntimeError(f"replica {replica}'s leader: the router did not subscribe to its cache events "
+                               f"within {timeout_s:.0f} s")
+        self.pub.recv()  # the subscription itself
         self.replica, self.allocator, self.seq = replica, allocator, 0
         self.ended: list[str] = []
         allocator.watch_events()

@@ -13,8 +13,7 @@ import sys
 
 from shardserve.config import ATTENTION_BACKENDS, DTYPES, EngineConfig
 from shardserve.distributed.layout import Layout
-
-LOAD_BALANCE_METHODS = ("cache_aware", "least_load", "round_robin")  # router/policy.py's POLICIES
+from shardserve.router.policy import POLICIES
 
 
 class Parser(argparse.ArgumentParser):
@@ -135,9 +134,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="micro-batches in flight through the pipeline (default: one per stage)")
     g.add_argument("--dp-size", "--data-parallel-size", dest="dp_size", type=positive_int, default=1,
                    help="independent engine replicas (each --tp-size x --pp-size ranks) behind one front end")
-    g.add_argument("--load-balance-method", choices=LOAD_BALANCE_METHODS, default="cache_aware",
-                   help="how requests are spread over --dp-size replicas: cache_aware (prefix affinity unless loads "
-                        "are badly imbalanced), least_load (fewest outstanding tokens), round_robin")
+    g.add_argument("--load-balance-method", choices=POLICIES, default=None,
+                   help="how requests are spread over --dp-size replicas: cache_aware (the default: prefix affinity "
+                        "unless loads are badly imbalanced), least_load (fewest outstanding tokens), round_robin")
     g.add_argument("--dist-timeout", type=positive_float, default=60.0,
                    help="seconds before a collective between ranks counts as failed")
     g.add_argument("--nnodes", type=positive_int, default=1, help="machines the ranks are spread over")

@@ -29,6 +29,7 @@ from shardserve.launch.process_tree import Child
 from shardserve.launch.torchrun import run_rank_here, torchrun_env, torchrun_layout
 from shardserve.loader.generation_config import describe, generation_defaults
 from shardserve.loader.model_path import resolve_checkpoint
+from shardserve.router.policy import resolve_policy
 from shardserve.router.replicas import router_child
 from shardserve.server.app import ServerState, build_app
 from shardserve.server.args import engine_config, layout_from_args, node_spec_from_args
@@ -64,6 +65,7 @@ def serve(args: argparse.Namespace) -> int:
     if env is not None:  # torchrun started this process as one rank: it decides rank and nodes
         layout, node = torchrun_layout(layout, env), env.node()
     check_layout(layout, node, ckpt, cfg)
+    policy = resolve_policy(args.load_balance_method, layout.dp)
     if env is not None and env.rank > 0:
         return run_rank_here(cfg, layout, env)
     if node.node_rank > 0:
@@ -80,7 +82,7 @@ def serve(args: argparse.Namespace) -> int:
     try:
         others = tokenizer_children(cfg.model, ep, args.num_tokenizers)
         if layout.dp > 1:
-            others.append(router_child(ep, args.load_balance_method, cfg.page_size))
+            others.append(router_child(ep, policy, cfg.page_size, cfg.enable_prefix_cache))
         grid = LocalGrid(cfg, layout, node, ep, ckpt.name, others, torchrun=env is not None)
         infos = grid.start(args.startup_timeout)
         return run_http(args, ckpt.name.removesuffix(".gguf"), infos["scheduler-0"], ep, grid, sock, defaults)
