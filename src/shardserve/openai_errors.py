@@ -7,7 +7,7 @@ bad input exactly as the server does without importing the server.
 from __future__ import annotations
 
 _KINDS = {400: "invalid_request_error", 404: "not_found_error", 413: "invalid_request_error",
-          503: "service_unavailable", 500: "internal_error"}
+          500: "internal_error", 502: "bad_gateway", 503: "service_unavailable", 504: "gateway_timeout"}
 
 
 def error_body(message: str, status: int, param: str | None = None, code: str | None = None) -> dict:

@@ -1,13 +1,15 @@
 """Forwarding one OpenAI request to a worker picked by the policy, with retries while nothing
 has reached the client yet.
 
-A try fails when the worker cannot be reached, times out, answers 5xx, or (streaming) breaks
-before its first event; the request then goes to the next worker the policy picks among those
-not yet tried. Each failure but a 5xx also marks the worker down until a health check passes
-(a 5xx comes from a live worker). A 4xx is the client's answer, passed through as it is. A
-streamed response is committed to its worker once the first event arrives, and from then on is
-relayed event by event, bytes unchanged; if the worker breaks after that the client gets one SSE
-error event and `[DONE]`.
+A try goes on to the next worker the policy picks (among those not yet tried) when the worker
+cannot be reached or its connection breaks before anything was relayed (the worker is also taken
+out until a health check passes), or when it answers 5xx (a live worker: its health is left to the
+checks). A worker that times out once it has the request is slow, not gone: the client gets a 504
+naming it, and the worker stays in (`HTTPRouter.fault`). A 4xx is the client's answer, passed
+through. A stream is committed to its worker at its first event, then relayed event by event,
+bytes unchanged; if the worker breaks or stalls after that the client gets an SSE error event and
+`[DONE]`. A prompt's pages are pending at its worker while the request runs, and stored there
+only once the worker answers 2xx (or streams an event): a refusal leaves no credit behind.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import json
 import time
 import uuid
 from collections.abc import AsyncIterator, Mapping
+from dataclasses import dataclass
 
 import httpx
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -25,16 +28,35 @@ from shardserve.kvcache.pages import page_hashes
 from shardserve.openai_errors import error_body
 from shardserve.router.policy import NoReplica
 from shardserve.router.request_key import BadRequest, KeyMaker, RouteKey, parse_json_object
-from shardserve.router.workers import WorkerPool, describe
+from shardserve.router.workers import WorkerPool, describe, is_down
 
-# Not forwarded: they describe this hop's connection, not the request. accept-encoding is
-# dropped so workers answer uncompressed and streamed bytes pass through as they are.
+# Not forwarded: they describe this hop's connection, not the request. The client's
+# accept-encoding is replaced by identity (TO_WORKER), not just dropped: httpx would then ask for
+# gzip itself, and a compressing worker's stream would no longer be the bytes the worker wrote.
 HOP_HEADERS = {"connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "te", "trailer",
                "transfer-encoding", "upgrade", "host", "content-length", "accept-encoding"}
+TO_WORKER = {"accept-encoding": "identity"}
 
 
 def error_response(status: int, message: str, param: str | None = None) -> JSONResponse:
     return JSONResponse(error_body(message, status, param), status)
+
+
+@dataclass(frozen=True)
+class Fault:
+    """What a failed exchange with a worker means for its request."""
+
+    down: bool  # the worker is gone (taken out): a request nothing of which was relayed may go elsewhere
+    status: int  # else the client's answer (on a stream, the error event's code)
+    message: str
+
+
+class GiveUp(Exception):
+    """A try that ends the request with `response`: another worker would not do better."""
+
+    def __init__(self, response: Response):
+        super().__init__(response.status_code)
+        self.response = response
 
 
 def sse_error(message: str, status: int = 503) -> bytes:
@@ -53,7 +75,9 @@ class Relay:
 
     def __init__(self, owner: HTTPRouter, rid: str, worker: int, resp: httpx.Response, started: float):
         self.owner, self.rid, self.worker, self.resp, self.started = owner, rid, worker, resp, started
-        self._chunks = resp.aiter_raw()
+        # Decoded bytes: the worker's own, unchanged, as we ask for identity; a worker that
+        # compresses anyway is decoded here rather than relayed without its content-encoding.
+        self._chunks = resp.aiter_bytes()
         self._buf = b""
         self._first = b""
         self.completed = self.closed = False
@@ -73,7 +97,7 @@ class Relay:
         return out
 
     async def first(self) -> None:
-        """Wait for the first event; raises httpx.HTTPError if the worker breaks before it."""
+        """Wait for the first event; raises httpx.HTTPError if the worker breaks or stalls before it."""
         self._first = await self._next_events()
 
     async def events(self) -> AsyncIterator[bytes]:
@@ -96,10 +120,8 @@ class Relay:
                 yield sse_error(self._cut)
                 return
             except httpx.HTTPError as e:
-                url = self.owner.pool.urls[self.worker]
-                reason = describe(e)
-                self.owner.pool.failed(self.worker, f"stream broke: {reason}")
-                yield sse_error(f"worker {url} failed mid-stream: {reason}")
+                fault = self.owner.fault(self.worker, e, "mid-stream")
+                yield sse_error(fault.message, fault.status)
                 return
             finally:
                 self._reader = None
@@ -159,6 +181,23 @@ class HTTPRouter:
             task.cancel()
         return len(self.relays) + len(self.tasks)
 
+    def fault(self, i: int, e: httpx.HTTPError, when: str = "") -> Fault:
+        """Count a failed exchange with worker `i` and say what it means. No connection, or one
+        that broke, means the worker is gone (crashed, restarting): out until a check passes. A
+        timeout once connected means only that it is slow (a long prefill, a full queue): taking it
+        out would wipe what the router knows of its cache, and the next worker may well be as slow,
+        so the request ends there with a 504."""
+        url, reason, at = self.pool.urls[i], describe(e), f" {when}" if when else ""
+        if is_down(e):
+            self.pool.failed(i, f"{reason}{at}")
+            return Fault(True, 503, f"worker {url} failed{at}: {reason}")
+        self.pool.metrics.errors.labels(url).inc()
+        if isinstance(e, httpx.TimeoutException):
+            limit = self.client.timeout.read
+            waited = f" for {limit:g} s, the router's request timeout" if limit is not None else ""
+            return Fault(False, 504, f"worker {url} sent nothing{at}{waited} ({reason})")
+        return Fault(False, 502, f"worker {url} sent an unreadable answer{at}: {reason}")
+
     def _pick(self, rid: str, pages: list[bytes], key: RouteKey, tried: set[int]) -> int:
         """The policy's choice among healthy workers not yet tried (a health check may have
         marked one of those healthy again meanwhile; one try per worker is enough)."""
@@ -166,7 +205,8 @@ class HTTPRouter:
         for r in hidden:
             r.healthy = False
         try:  # synchronous: no other task sees the hidden workers as down
-            return self.router.route(rid, pages, len(key.ids), key.max_tokens, confirmed=True)
+            # Pending, not stored: a worker that refuses the request must not keep the credit.
+            return self.router.route(rid, pages, len(key.ids), key.max_tokens, confirmed=False)
         finally:
             for r in hidden:
                 r.healthy = True
@@ -178,8 +218,10 @@ class HTTPRouter:
             key = await self.keys.key(kind, parse_json_object(raw))
         except BadRequest as e:
             return error_response(400, e.message, e.param)
-        pages = page_hashes(key.ids, self.page_size)
-        headers = {k: v for k, v in client_headers.items() if k.lower() not in HOP_HEADERS}
+        # As the in-server router: the last prompt token is always recomputed, so a page ending on
+        # it is never a cache hit, and the workers' pages are digested the same way.
+        pages = page_hashes(key.ids[: max(len(key.ids) - 1, 0)], self.page_size)
+        headers = {k: v for k, v in client_headers.items() if k.lower() not in HOP_HEADERS} | TO_WORKER
         rid = uuid.uuid4().hex
         tried: set[int] = set()
         failures: list[str] = []
@@ -195,25 +237,32 @@ class HTTPRouter:
                     tried_text = f" (tried {'; '.join(failures)})" if failures else ""
                     return error_response(503, f"no healthy worker to send the request to{tried_text}")
                 tried.add(i)
-                result = await self._try(rid, i, path, raw, headers)
+                try:
+                    result = await self._try(rid, i, path, raw, headers)
+                except GiveUp as e:
+                    return e.response
                 if isinstance(result, Relay):
+                    self.router.replicas[i].prefixes.store(pages)  # its first event: the prompt is in
                     relayed = True
                     self.relays.add(result)
                     return RelayResponse(result)
                 if isinstance(result, Response) and result.status_code < 500:
+                    if result.status_code < 300:
+                        self.router.replicas[i].prefixes.store(pages)
                     return result
                 if isinstance(result, Response):
                     last_5xx = result
                     failures.append(f"{self.pool.urls[i]}: answered {result.status_code}")
                 else:
                     failures.append(f"{self.pool.urls[i]}: {result}")
-                self.router.finish(rid)  # route() counts the request again on the next worker
+                self.router.finish(rid)  # withdraws its pending pages; route() counts it again on the next worker
         finally:
             if not relayed:
                 self.router.finish(rid)
 
     async def _try(self, rid: str, i: int, path: str, raw: bytes, headers: dict) -> Response | Relay | str:
-        """One try at worker `i`: its answer (a Relay for a stream), or why it failed (str)."""
+        """One try at worker `i`: its answer (a Relay for a stream), or why it failed and may be
+        retried (str); raises GiveUp when it failed in a way another worker would not mend."""
         url = self.pool.urls[i]
         self.pool.metrics.requests.labels(url).inc()
         started = time.monotonic()
@@ -229,9 +278,10 @@ class HTTPRouter:
                 return relay
             content = await resp.aread()
         except httpx.HTTPError as e:
-            reason = describe(e)
-            self.pool.failed(i, reason)  # unreachable, timed out, or broke: take it out until a check passes
-            return reason
+            fault = self.fault(i, e)
+            if fault.down:
+                return describe(e)
+            raise GiveUp(error_response(fault.status, fault.message)) from None
         finally:
             if resp is not None:
                 await resp.aclose()

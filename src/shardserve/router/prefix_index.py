@@ -9,9 +9,9 @@ A page is `pending` from the moment a request carrying it is sent (the replica w
 until the request finishes, and `stored` once the replica reports it cached, until the replica
 reports it evicted (cache events). A request that ends before its pages were stored (aborted,
 refused) withdraws its pending claims, so the router never credits a replica with pages it has not
-got. Without events (a standalone router in front of foreign servers) pages are stored at send
-time and `max_pages` bounds the set, least recently used first out, approximating the worker's
-own eviction.
+got. Without events (a standalone router in front of foreign servers) pages are stored once the
+worker answers (2xx, or a stream's first event) and `max_pages` bounds the set, least recently
+used first out, approximating the worker's own eviction.
 """
 
 from __future__ import annotations

@@ -6,8 +6,8 @@ engine's).
 POST /v1/completions and /v1/chat/completions are routed by the policy (router/policy.py) on the
 prompt's page digests and forwarded (router/http_router.py); /v1/models is the first healthy
 worker's; /health and /metrics are the router's own. There are no cache events from foreign
-workers, so a request's pages are credited at send time and an LRU bound per worker
-(--max-tree-pages) stands in for the worker's eviction.
+workers, so a request's pages are credited to its worker once it answers 2xx (or streams its first
+event), and an LRU bound per worker (--max-tree-pages) stands in for the worker's eviction.
 """
 
 from __future__ import annotations

@@ -78,7 +78,7 @@ class WorkerPool:
             log.warning("worker %s is down (%s); not routing to it", self.urls[i], reason)
 
     def failed(self, i: int, reason: str) -> None:
-        """A try at worker `i` failed: count it and stop routing there until a check passes."""
+        """Worker `i` is gone (see `is_down`): count it and stop routing there until a check passes."""
         self.metrics.errors.labels(self.urls[i]).inc()
         self.mark(i, False, reason)
 
@@ -111,6 +111,14 @@ class WorkerPool:
             m.prompt_tokens.labels(url).set(r.prompt_tokens)
             m.tree_pages.labels(url).set(len(r.prefixes))
         return generate_latest(m.registry)
+
+
+def is_down(e: httpx.HTTPError) -> bool:
+    """Whether a failed exchange says the worker is gone: no connection (refused, or not made in
+    time), or one that broke. A timeout on a connection already made only says it is slow."""
+    if isinstance(e, httpx.TimeoutException):
+        return isinstance(e, httpx.ConnectTimeout)
+    return isinstance(e, httpx.TransportError)
 
 
 def describe(e: BaseException) -> str:

@@ -55,7 +55,9 @@ def add_router_args(p: argparse.ArgumentParser) -> None:
     t = Thresholds()
     p.add_argument("--worker-urls", nargs="+", required=True, metavar="URL", type=worker_url,
                    help="base URLs of the workers, e.g. http://10.0.0.1:30000")
-    p.add_argument("--policy", choices=POLICIES, default="cache_aware")
+    # --load-balance-method too: the name `shardserve serve` gives the same choice for its replicas.
+    p.add_argument("--policy", "--load-balance-method", dest="policy", choices=POLICIES, default="cache_aware",
+                   help="how requests are spread over the workers (default: cache_aware)")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=port_number, default=30000)
     p.add_argument("--model", default=None,
@@ -66,7 +68,8 @@ def add_router_args(p: argparse.ArgumentParser) -> None:
                    help="pages the router remembers per worker, least recently used dropped first")
     p.add_argument("--health-interval", type=positive_float, default=1.0, help="seconds between /health checks")
     p.add_argument("--request-timeout", type=positive_float, default=600.0,
-                   help="seconds a worker may stay silent (before its answer, or between stream events)")
+                   help="seconds a worker may stay silent (before its answer, or between stream events); "
+                        "then the client gets a 504 (or an error event) and the worker stays in")
     p.add_argument("--balance-abs-tokens", type=non_negative_int, default=t.balance_abs_tokens,
                    help="cache_aware goes to the least loaded worker when loads differ by more than this ...")
     p.add_argument("--balance-rel", type=positive_float, default=t.balance_rel,
