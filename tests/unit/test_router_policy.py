@@ -224,3 +224,19 @@ def test_round_robin_and_least_load():
     assert send(ll, "a", prompt(2)) == 1  # cache means nothing to least_load
     with pytest.raises(ValueError, match="unknown load-balance policy"):
         Router(2, policy="random")
+
+
+def test_character_units_keep_loads_and_thresholds_in_tokens():
+    """A router counting characters (no tokenizer) measures load in tokens: a 4000-character
+    prompt weighs 1000 tokens, under the 2048-token imbalance threshold, so its group's next
+    requests keep their affinity (counted in characters, 4000 would trip it)."""
+    from shardserve.kvcache.pages import page_hashes
+    from shardserve.router.policy import Router
+
+    r = Router(2, "cache_aware", page_size=16, units_per_token=4.0)
+    text = [ord("a") + i % 26 for i in range(4000)]
+    pages = page_hashes(text[:-1], 16)
+    assert r.route("a", pages, len(text), 8) == 0
+    assert r.replicas[0].load == 1000 + 8 and r.replicas[0].prompt_tokens == 1000
+    assert r.route("b", pages, len(text), 8) == 0
+    assert r.route("c", pages, len(text), 8) == 0  # replica 1 idle, yet no imbalance in tokens

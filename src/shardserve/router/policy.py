@@ -75,10 +75,14 @@ class Router:
     """The policy plus its bookkeeping. `route` picks and counts; `finish` releases."""
 
     def __init__(self, num_replicas: int, policy: str = "cache_aware", page_size: int = 16,
-                 thresholds: Thresholds = Thresholds(), max_pages: int | None = None):
+                 thresholds: Thresholds = Thresholds(), max_pages: int | None = None, units_per_token: float = 1.0):
+        """Prompts and pages are measured in units: tokens, or characters for a router without the
+        model's tokenizer (`units_per_token` about 4); loads and thresholds are always in tokens, so
+        the same thresholds hold either way."""
         if policy not in POLICIES:
             raise ValueError(f"unknown load-balance policy {policy!r} (choose from {', '.join(POLICIES)})")
         self.policy, self.page_size, self.t = policy, page_size, thresholds
+        self.units_per_token = units_per_token
         self.replicas = [ReplicaState(i, PrefixIndex(max_pages)) for i in range(num_replicas)]
         self.requests: dict[str, Routed] = {}
         self._rr = itertools.count()
@@ -91,19 +95,21 @@ class Router:
         healthy = [r for r in self.replicas if r.healthy]
         if not healthy:
             raise NoReplica("no healthy replica to send the request to")
-        cached = {r.index: min(r.prefixes.match(pages) * self.page_size, max(prompt_len - 1, 0)) for r in healthy}
+        per = self.units_per_token
+        cached = {r.index: min(r.prefixes.match(pages) * self.page_size, max(prompt_len - 1, 0)) / per
+                  for r in healthy}
         chosen = self._choose(healthy, cached)
         decode = max_tokens if max_tokens is not None else self.t.decode_estimate
-        cost = prompt_len - cached[chosen.index] + decode
+        cost = round(prompt_len / per - cached[chosen.index]) + decode
         claimed = chosen.prefixes.claim(pages, confirmed)
         chosen.load += cost
         chosen.routed += 1
-        chosen.prompt_tokens += prompt_len
+        chosen.prompt_tokens += round(prompt_len / per)
         chosen.in_flight += 1
         self.requests[rid] = Routed(chosen.index, cost, claimed)
         return chosen.index
 
-    def _choose(self, healthy: list[ReplicaState], cached: dict[int, int]) -> ReplicaState:
+    def _choose(self, healthy: list[ReplicaState], cached: dict[int, float]) -> ReplicaState:
         def least(r: ReplicaState):
             return (r.load, r.index)
 

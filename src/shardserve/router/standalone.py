@@ -35,6 +35,7 @@ from shardserve.router.workers import WorkerPool, describe
 
 log = logging.getLogger("shardserve.router")
 
+CHARS_PER_TOKEN = 4.0  # without a tokenizer: English text's usual ratio
 SHUTDOWN_GRACE_S = 5  # in-flight requests may finish this long after a stop signal, then are cut off
 SHUTTING_DOWN = "the router is shutting down"
 CLIENT_CLOSED = 499  # nginx's "client closed request": nobody reads it, but logs show it
@@ -209,7 +210,10 @@ def run_router(args: argparse.Namespace) -> int:
     tokenizer = load_tokenizer_for(args.model)
     thresholds = Thresholds(balance_abs_tokens=args.balance_abs_tokens, balance_rel=args.balance_rel,
                             load_weight=args.load_weight)
-    router = Router(len(args.worker_urls), args.policy, args.page_size, thresholds, max_pages=args.max_tree_pages)
+    # Without a tokenizer prompts are characters: about 4 to a token in English text, so loads
+    # and thresholds keep their meaning in tokens.
+    router = Router(len(args.worker_urls), args.policy, args.page_size, thresholds, max_pages=args.max_tree_pages,
+                    units_per_token=1.0 if tokenizer is not None else CHARS_PER_TOKEN)
     client = make_client(len(args.worker_urls), args.request_timeout)
     pool = WorkerPool(args.worker_urls, router, client, check_timeout=max(1.0, min(5.0, 2 * args.health_interval)))
     fwd = HTTPRouter(pool, KeyMaker(tokenizer), client, args.page_size)
