@@ -28,7 +28,6 @@ import shlex
 import httpx
 
 from shardserve.bench.serve import WORDS, BenchRequest, base_url, run_requests, stats_ms
-from shardserve.bench.spawn import Spawned
 from shardserve.router.policy import POLICIES
 
 PROMPT_METRIC = re.compile(r'^\w+_routed_prompt_tokens\{\w+="([^"]+)"\} (\S+)$', re.M)
@@ -138,6 +137,8 @@ def measure(args: argparse.Namespace, url: str, api_url: str, label: str) -> dic
 
 
 def run_shared_prefix(args: argparse.Namespace) -> int:
+    from shardserve.bench.spawn import Spawned  # ZeroMQ and process plumbing: not for parsing flags
+
     runs = []
     policies = args.policies.split(",")
     if args.spawn is None and args.spawn_router is None:
@@ -158,6 +159,8 @@ def run_shared_prefix(args: argparse.Namespace) -> int:
 
 
 def _through_router(args: argparse.Namespace, policy: str) -> dict:
+    from shardserve.bench.spawn import Spawned
+
     flags = shlex.split(args.spawn_router)
     model = _flag_value(flags, "--model")
     workers = []
