@@ -19,8 +19,9 @@ def collectives(comm):
     even = comm.all_gather(data(r, 2), dim=0)
     uneven = comm.all_gather(data(r, r + 1), dim=0, sizes=[1, 2, 3])  # sizes known: no exchange
     comm.barrier()
-    # Rank r sends (r + dst) rows to rank dst, tagged with sender and destination.
-    pieces = [torch.full((r + dst, 2), float(10 * r + dst)) for dst in range(comm.size)]
+    # Rank r sends r * dst rows to rank dst, tagged with sender and destination: rank 0 sends and
+    # receives only empty pieces.
+    pieces = [torch.full((r * dst, 2), float(10 * r + dst)) for dst in range(comm.size)]
     received = comm.all_to_all(pieces)
     b = comm.broadcast(torch.tensor([float(r)] * 3), src=1)
     return summed, low, even, uneven, received, b, comm.traffic_report()
@@ -35,13 +36,13 @@ def test_collectives_match_single_process():
         torch.testing.assert_close(even, torch.cat([data(q, 2) for q in range(WORLD)]))
         torch.testing.assert_close(uneven, torch.cat([data(q, q + 1) for q in range(WORLD)]))
         for src, piece in enumerate(received):
-            assert piece.shape == (src + r, 2) and (piece == 10 * src + r).all()
+            assert piece.shape == (src * r, 2) and (piece == 10 * src + r).all()
         assert b.tolist() == [1.0] * 3
         # Bytes this rank passed in: 2x4 fp32 for all_reduce + 1 fp32 for the min.
         assert traffic["all_reduce"] == {"calls": 2, "MB": (8 * 4 + 4) / 1e6}
         assert traffic["all_gather"] == {"calls": 2, "MB": (8 * 4 + (r + 1) * 4 * 4) / 1e6}
-        sent = sum((r + dst) * 2 * 4 for dst in range(WORLD))
-        assert traffic["all_to_all"] == {"calls": WORLD, "MB": sent / 1e6}
+        sent = sum(r * dst * 2 * 4 for dst in range(WORLD) if dst != r)  # what leaves this rank
+        assert traffic["all_to_all"] == {"calls": 1, "MB": sent / 1e6}
         # The row counts all_to_all exchanges first are a collective too, and counted.
         assert traffic["all_to_all_sizes"] == {"calls": 1, "MB": WORLD * 8 / 1e6}
         assert traffic["broadcast"] == {"calls": 1, "MB": 12 / 1e6}

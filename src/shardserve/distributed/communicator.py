@@ -88,12 +88,16 @@ class Communicator:
 
     def all_to_all(self, pieces: list[torch.Tensor]) -> list[torch.Tensor]:
         """Send pieces[r] to rank r; return what each rank sent here. Pieces may be uneven along
-        dim 0. gloo has no all_to_all, so this pairs sends and receives, sizes exchanged first."""
+        dim 0, and empty. gloo has no all_to_all, so this pairs sends and receives, sizes
+        exchanged first (on the pieces' device: NCCL refuses CPU tensors). Counted: one call, the
+        bytes of the pieces that leave this rank."""
         if self.size == 1:
             return [pieces[0]]
-        for p in pieces:
-            self._count("all_to_all", p)
-        counts = torch.tensor([p.shape[0] for p in pieces], dtype=torch.int64)
+        rec = self.traffic["all_to_all"]
+        rec.calls += 1
+        rec.bytes += sum(p.numel() * p.element_size() for r, p in enumerate(pieces) if r != self.rank)
+        device = pieces[self.rank].device
+        counts = torch.tensor([p.shape[0] for p in pieces], dtype=torch.int64, device=device)
         incoming = [torch.zeros_like(counts) for _ in range(self.size)]
         self._count("all_to_all_sizes", counts)  # a collective too: every one is counted
         self._run("all_to_all", dist.all_gather, incoming, counts)
@@ -102,11 +106,12 @@ class Communicator:
                for src, t in enumerate(pieces)]
         ops = []
         for peer in range(self.size):
-            if peer == self.rank:
-                continue
-            ops.append(dist.P2POp(dist.isend, pieces[peer].contiguous(), self._global(peer), self.group))
-            ops.append(dist.P2POp(dist.irecv, out[peer], self._global(peer), self.group))
-        for work in self._run("all_to_all", _batch_p2p, ops):
+            # Both sides know every size by now: an empty piece is neither sent nor awaited.
+            if peer != self.rank and pieces[peer].shape[0]:
+                ops.append(dist.P2POp(dist.isend, pieces[peer].contiguous(), self._global(peer), self.group))
+            if peer != self.rank and out[peer].shape[0]:
+                ops.append(dist.P2POp(dist.irecv, out[peer], self._global(peer), self.group))
+        for work in self._run("all_to_all", _batch_p2p, ops) if ops else []:
             work.wait()
         return out
 

@@ -53,7 +53,7 @@ class ModelRunner:
         self.dtype = cfg.torch_dtype
         cls = model_class(model_cfg.architecture)
         with torch.device(self.device):
-            self.model = cls(model_cfg, self.comm, self.dtype, self.device, self.stage)
+            self.model = cls(model_cfg, self.comm, self.dtype, self.device, self.stage, expert=groups.expert)
         sources, total = checkpoint_sources(ckpt)
         desc = f"[{groups.label}] Loading {ckpt.name}"
         load_weights(self.model, sources, total, progress=cfg.show_progress, desc=desc)

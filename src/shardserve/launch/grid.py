@@ -24,6 +24,10 @@ from shardserve.loader.weights import read_model_config
 def check_layout(layout: Layout, node: NodeSpec, ckpt: Checkpoint, cfg: EngineConfig) -> None:
     """Refuse, before any process starts, a grid this machine's flags or the model cannot take."""
     node.check(layout)
+    if layout.ep > 1 and (layout.dp > 1 or layout.ep != layout.tp):
+        raise LayoutError(f"--ep-size {layout.ep} must equal --tp-size ({layout.tp}) with one replica for now "
+                          f"(experts split whole over the tensor group's ranks; data-parallel attention and "
+                          f"experts split across ranks are not built yet)")
     if layout.dp > 1 and layout.nnodes > 1:
         raise LayoutError(f"--dp-size {layout.dp} with --nnodes {layout.nnodes} is not supported yet: run one "
                           f"multi-node server per replica and put `shardserve router` in front")

@@ -3,6 +3,13 @@
 Under tensor parallelism experts are split whole: each rank owns a contiguous range of experts,
 sees every token, computes only its experts, and one all-reduce sums the routed partials and
 (Qwen2-MoE) the column/row-split shared expert's partial together.
+
+Under expert parallelism (`expert` communicator of more than one rank) experts are split whole
+over the expert group instead, and tokens travel to them (layers/expert_dispatch.py). The
+tensor group's ranks hold the same tokens, so each dispatches only its contiguous share of them;
+one all-reduce over the tensor group then sums the shares (disjoint rows) and the shared
+expert's partial, as under tensor parallelism. With one rank per tensor group (data-parallel
+attention, one rank per replica) that all-reduce is nothing.
 """
 
 from __future__ import annotations
@@ -13,6 +20,7 @@ from torch import nn
 
 from shardserve.config import ModelConfig
 from shardserve.distributed.communicator import Communicator
+from shardserve.layers.expert_dispatch import ExpertDispatch
 from shardserve.layers.linear import ReplicatedLinear, apply_linear, copy_into, make_param, pack_weight, packable
 from shardserve.layers.mlp import GatedMLP
 from shardserve.layers.sharding import split_range
@@ -24,10 +32,12 @@ EXPERT_PIECES = {"gate_proj": ("w13", 0), "up_proj": ("w13", 1), "down_proj": ("
 class SparseMoE(nn.Module):
     """Top-k routed experts; optional shared expert with a sigmoid gate (Qwen2-MoE)."""
 
-    def __init__(self, cfg: ModelConfig, comm: Communicator, dtype, device):
+    def __init__(self, cfg: ModelConfig, comm: Communicator, dtype, device, expert: Communicator | None = None):
         super().__init__()
         self.comm, self.top_k, self.norm_topk = comm, cfg.num_experts_per_tok, cfg.norm_topk_prob
-        self.e0, self.e1 = split_range(cfg.num_experts, comm.size, comm.rank)
+        self.dispatch = ExpertDispatch(expert, cfg.num_experts) if expert is not None and expert.size > 1 else None
+        self.e0, self.e1 = (self.dispatch.local_range() if self.dispatch is not None
+                            else split_range(cfg.num_experts, comm.size, comm.rank))
         n_local, h, inter = self.e1 - self.e0, cfg.hidden_size, cfg.moe_intermediate_size
         local = range(self.e0, self.e1)
         self.gate = ReplicatedLinear(h, cfg.num_experts, False, dtype, device)
@@ -66,19 +76,33 @@ class SparseMoE(nn.Module):
         gate, up = F.linear(x, self.w13[i]).chunk(2, dim=-1)
         return F.linear(F.silu(gate) * up, self.w2[i])
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(weights, experts) of each token's top-k, both [n, k]."""
         probs = F.softmax(self.gate(x), dim=-1, dtype=torch.float32)
         weights, experts = probs.topk(self.top_k, dim=-1)
         if self.norm_topk:
             weights = weights / weights.sum(-1, keepdim=True)
-        weights = weights.to(x.dtype)
+        return weights.to(x.dtype), experts
+
+    def local_experts(self, x: torch.Tensor, local: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """Per row, the weighted sum of this rank's experts among `local` (indices into this
+        rank's experts; -1 or out of range: elsewhere)."""
         out = torch.zeros_like(x)
-        for e in range(self.e0, self.e1):
-            rows, slot = (experts == e).nonzero(as_tuple=True)
-            if rows.numel() == 0:
-                continue
-            y = self.expert(e - self.e0, x[rows])
-            out.index_add_(0, rows, y * weights[rows, slot].unsqueeze(-1))
+        for i in range(self.e1 - self.e0):
+            rows, slot = (local == i).nonzero(as_tuple=True)
+            if rows.numel():
+                out.index_add_(0, rows, self.expert(i, x[rows]) * weights[rows, slot].unsqueeze(-1))
+        return out
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.dispatch is None:
+            weights, experts = self.route(x)
+            out = self.local_experts(x, experts - self.e0, weights)
+        else:
+            out = torch.zeros_like(x)
+            a, b = split_range(x.shape[0], self.comm.size, self.comm.rank)  # this rank's share
+            weights, experts = self.route(x[a:b])
+            out[a:b] = self.dispatch(x[a:b], weights, experts, self.local_experts)
         if self.shared_expert is not None:
             out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
         return self.comm.all_reduce(out)

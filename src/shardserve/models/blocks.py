@@ -54,9 +54,11 @@ class CausalLM(nn.Module):
     qk_norm = False
 
     def __init__(self, cfg: ModelConfig, comm: Communicator, dtype: torch.dtype, device: torch.device,
-                 stage: Stage | None = None):
+                 stage: Stage | None = None, expert: Communicator | None = None):
+        """`expert`: the expert group MoE layers dispatch tokens over (expert parallelism), if any."""
         super().__init__()
         self.cfg = cfg
+        self.expert_comm = expert
         self.stage = stage = stage or Stage(0, 1, 0, cfg.num_layers)
         self.embed_tokens = (VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, comm, dtype, device)
                              if stage.first else None)

@@ -9,9 +9,10 @@ from shardserve.layers.moe import SparseMoE
 from shardserve.models.blocks import CausalLM
 
 
-def moe_or_dense(cfg: ModelConfig, layer: int, comm: Communicator, dtype, device) -> nn.Module:
+def moe_or_dense(cfg: ModelConfig, layer: int, comm: Communicator, dtype, device,
+                 expert: Communicator | None = None) -> nn.Module:
     if cfg.is_moe_layer(layer):
-        return SparseMoE(cfg, comm, dtype, device)
+        return SparseMoE(cfg, comm, dtype, device, expert)
     return GatedMLP(cfg.hidden_size, cfg.intermediate_size, comm, dtype, device)
 
 
@@ -19,4 +20,4 @@ class Qwen3MoeForCausalLM(CausalLM):
     qk_norm = True
 
     def make_mlp(self, cfg, layer, comm, dtype, device) -> nn.Module:
-        return moe_or_dense(cfg, layer, comm, dtype, device)
+        return moe_or_dense(cfg, layer, comm, dtype, device, self.expert_comm)

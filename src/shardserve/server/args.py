@@ -132,6 +132,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "stages)")
     g.add_argument("--pp-micro-batches", type=positive_int, default=None,
                    help="micro-batches in flight through the pipeline (default: one per stage)")
+    g.add_argument("--ep-size", "--expert-parallel-size", dest="ep_size", type=positive_int, default=1,
+                   help="expert parallelism: MoE experts split whole over this many ranks (equal to --tp-size for "
+                        "now), each token's hidden vector sent to the ranks owning its top-k experts and back "
+                        "(two all-to-alls per MoE layer) instead of an all-reduce")
     g.add_argument("--dp-size", "--data-parallel-size", dest="dp_size", type=positive_int, default=1,
                    help="independent engine replicas (each --tp-size x --pp-size ranks) behind one front end")
     g.add_argument("--load-balance-method", choices=POLICIES, default=None,
@@ -169,7 +173,7 @@ def engine_config(args: argparse.Namespace, **overrides) -> EngineConfig:
 
 def layout_from_args(args: argparse.Namespace) -> Layout:
     """The rank grid the flags describe (LayoutError names the flag when sizes cannot work)."""
-    return Layout(tp=args.tp_size, pp=args.pp_size, dp=args.dp_size, nnodes=args.nnodes)
+    return Layout(tp=args.tp_size, pp=args.pp_size, dp=args.dp_size, ep=args.ep_size, nnodes=args.nnodes)
 
 
 def node_spec_from_args(args: argparse.Namespace):
@@ -183,6 +187,7 @@ def llm_kwargs(args: argparse.Namespace) -> dict:
     """`LLM(...)` keyword arguments for the engine flags: EngineConfig's fields and the layout."""
     cfg = engine_config(args)
     return {**{f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg)}, "tp_size": args.tp_size,
-            "pp_size": args.pp_size, "dp_size": args.dp_size, "load_balance_method": args.load_balance_method,
+            "pp_size": args.pp_size, "dp_size": args.dp_size, "ep_size": args.ep_size,
+            "load_balance_method": args.load_balance_method,
             "nnodes": args.nnodes, "node_rank": args.node_rank, "dist_init_addr": args.dist_init_addr,
             "generation_config": args.generation_config}
