@@ -154,11 +154,25 @@ def wait_idle(url: str, timeout: float = 10) -> dict[str, float]:
     raise AssertionError(f"the engine did not go idle: {engine(url)}")
 
 
+@pytest.fixture(scope="module")
+def deep_server(tiny_model, tmp_path_factory):
+    """The tiny Llama at 24 layers: its decode steps take long enough (milliseconds) that a
+    disconnect is noticed well within half of a 480-token generation even on a loaded 2-core
+    machine (at 2 layers a step is so short the whole generation could finish first)."""
+    path, _ = tiny_model("llama", 24)
+    server = Server("--model", path, "--num-pages", "256", "--page-size", "8",
+                    log_path=str(tmp_path_factory.mktemp("logs") / "deep.log"))
+    yield server
+    code, left = server.stop()
+    assert code == 0 and left == [], server.read_log()[-3000:]
+
+
 @pytest.mark.parametrize("endpoint, body", [
     ("/v1/completions", {"prompt": [5, 6, 7], "max_tokens": 480}),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "n": 2, "max_tokens": 480}),
 ])
-def test_disconnect_of_a_non_streaming_request_aborts_it(tiny_server, endpoint, body):
+def test_disconnect_of_a_non_streaming_request_aborts_it(deep_server, endpoint, body):
+    tiny_server = deep_server
     url = tiny_server.url
     before = wait_idle(url)
     payload = json.dumps({**body, "ignore_eos": True}).encode()
