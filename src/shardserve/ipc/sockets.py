@@ -85,6 +85,19 @@ def bind_address(addr: str) -> str:
     return f"tcp://{socket.gethostbyname(host)}:{port}"
 
 
+def listen_socket(host: str, port: int) -> socket.socket:
+    """An HTTP port bound now (the server before it starts workers, the router before it serves),
+    so a busy port fails in a second; OSError naming host and port if it cannot be had."""
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as e:
+        sock.close()
+        raise OSError(f"cannot listen on {host}:{port}: {e.strerror}") from None
+    return sock
+
+
 def pull(ctx: zmq.Context, addr: str) -> zmq.Socket:
     s = ctx.socket(zmq.PULL)
     s.bind(addr)

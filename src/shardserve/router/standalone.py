@@ -28,6 +28,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from shardserve.ipc.sockets import listen_socket
 from shardserve.router.http_router import HTTPRouter, error_response
 from shardserve.router.policy import Router, Thresholds
 from shardserve.router.request_key import KeyMaker
@@ -189,21 +190,10 @@ def make_client(num_workers: int, request_timeout: float) -> httpx.AsyncClient:
     return httpx.AsyncClient(limits=limits, timeout=timeout, trust_env=False)
 
 
-def bind_socket(host: str, port: int) -> socket.socket:
-    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    try:
-        sock.bind((host, port))
-    except OSError as e:
-        sock.close()
-        raise OSError(f"cannot listen on {host}:{port}: {e.strerror}") from None
-    return sock
-
-
 def run_router(args: argparse.Namespace) -> int:
     """Serve until SIGINT/SIGTERM (exit 0); 1 when the port cannot be had."""
     try:
-        sock = bind_socket(args.host, args.port)
+        sock = listen_socket(args.host, args.port)
     except OSError as e:
         print(f"shardserve: error: {e}", file=sys.stderr)
         return 1

@@ -43,7 +43,8 @@ class WorkerMetrics:
                           registry=reg)
         # A gauge named like the server's per-replica one, so `bench serve` reads either the same way.
         self.prompt_tokens = Gauge("shardserve_router_routed_prompt_tokens",
-                                   "Prompt tokens (or characters) of the requests sent to a worker", w, registry=reg)
+                                   "Prompt tokens of the requests sent to a worker (a quarter per character "
+                                   "without a tokenizer)", w, registry=reg)
         self.tree_pages = Gauge("shardserve_router_tree_pages", "Prompt pages the router believes a worker holds",
                                 w, registry=reg)
         for url in urls:  # every series exists from the start, at 0

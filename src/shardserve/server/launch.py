@@ -22,7 +22,7 @@ import sys
 
 import uvicorn
 
-from shardserve.ipc.sockets import Endpoints
+from shardserve.ipc.sockets import Endpoints, listen_socket
 from shardserve.launch import LaunchError
 from shardserve.launch.grid import LocalGrid, check_layout, endpoints, run_other_node
 from shardserve.launch.process_tree import Child
@@ -49,13 +49,10 @@ def tokenizer_children(model: str | None, ep: Endpoints, num_tokenizers: int) ->
 
 def bind_socket(host: str, port: int) -> socket.socket:
     """Bind before starting workers, so a busy port fails in a second, not after model load."""
-    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
-        sock.bind((host, port))
+        return listen_socket(host, port)
     except OSError as e:
-        raise LaunchError(f"cannot listen on {host}:{port}: {e.strerror}") from None
-    return sock
+        raise LaunchError(str(e)) from None
 
 
 def serve(args: argparse.Namespace) -> int:
