@@ -15,7 +15,7 @@ from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config, Qwen2Mo
 COMMON = dict(vocab_size=301, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
               num_key_value_heads=2, max_position_embeddings=512, eos_token_id=None, bos_token_id=None,
               pad_token_id=None)
-MOE = dict(moe_intermediate_size=32, num_experts=6, num_experts_per_tok=2)
+MOE = dict(moe_intermediate_size=32, num_experts=8, num_experts_per_tok=2)
 
 TINY_CONFIGS = {
     "llama": lambda **kw: LlamaConfig(intermediate_size=96, **COMMON | kw),

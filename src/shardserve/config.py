@@ -156,6 +156,10 @@ class EngineConfig:
     # split) and how many micro-batches may be in flight (None: one per stage).
     pp_layer_partition: tuple[int, ...] | None = None
     pp_micro_batches: int | None = None
+    # Expert parallelism's hot-expert replicas (EPLB): extra expert slots, placed from routing
+    # counts recorded by `shardserve record-experts` (a JSON file).
+    ep_num_redundant_experts: int = 0
+    ep_expert_placement: str | None = None
 
     def __post_init__(self) -> None:
         checks = [
@@ -166,6 +170,7 @@ class EngineConfig:
             (self.max_num_batched_tokens >= 1, "max_num_batched_tokens", "must be >= 1"),
             (self.max_running_requests >= 1, "max_running_requests", "must be >= 1"),
             (self.pp_micro_batches is None or self.pp_micro_batches >= 1, "pp_micro_batches", "must be >= 1"),
+            (self.ep_num_redundant_experts >= 0, "ep_num_redundant_experts", "must be >= 0"),
             (self.attention_backend in ATTENTION_BACKENDS, "attention_backend",
              f"must be one of {list(ATTENTION_BACKENDS)}"),
         ]

@@ -72,7 +72,8 @@ class ProcessBackend:
                  startup_timeout: float = 600.0, load_balance_method: str = "cache_aware"):
         self.ep = endpoints(layout, node, 1)
         self.replicas = layout.dp
-        router = ([router_child(self.ep, load_balance_method, cfg.page_size, cfg.enable_prefix_cache)]
+        router = ([router_child(self.ep, load_balance_method, cfg.page_size, cfg.enable_prefix_cache,
+                                layout.dp_attention)]
                   if layout.dp > 1 else [])
         self.grid = LocalGrid(cfg, layout, node, self.ep, model_name, router)
         self.ctx = zmq.Context()
@@ -142,6 +143,8 @@ class ProcessBackend:
                 self.last_stats[msg.replica] = msg
             if time.monotonic() > deadline:
                 break
+        while isinstance(msg := recv(self.inbox, timeout_ms=0), Stats):  # and any newer ones already here
+            self.last_stats[msg.replica] = msg
         return merge_stats(list(self.last_stats.values())) if self.last_stats else None
 
     def abort(self, rid: str) -> None:

@@ -60,3 +60,21 @@ def test_bench_dist_pipeline_counts_follow_from_the_shapes(capsys):
     assert default[0]["steps"] == NEW
     for k, r in ((2, default[1]), (3, default[2])):
         assert r["steps"] >= k * NEW and r["pipeline"]["send"]["calls"] == r["steps"]
+
+
+def test_bench_dist_expert_bytes_follow_from_the_routing(capsys):
+    """EP 2 under data-parallel attention: each rank's all-to-all MB equals what the rows it
+    dispatched and received imply; TP 2 beside it; redundant experts keep the tokens and do not
+    raise the per-rank load's max/mean on the skewed gate."""
+    argv = ["bench", "dist", "--mode", "expert", "--layers", str(LAYERS), "--hidden", "64", "--heads", "4",
+            "--kv-heads", "2", "--intermediate", "96", "--vocab", "301", "--num-prompts", "4", "--prompt-len", "20",
+            "--new-tokens", str(NEW), "--sizes", "1,2", "--kv-cache-memory", "4M"]
+    assert main(argv) == 0
+    runs = [json.loads(line) for line in capsys.readouterr().out.splitlines() if line.startswith("{")]
+    assert [(r["mode"], r["ranks"]) for r in runs] == [("expert", 1), ("expert", 2), ("tensor", 2), ("redundant", 2)]
+    assert all(r["same_tokens"] for r in runs)
+    ep2 = runs[1]
+    assert [rank["MB"] for rank in ep2["all_to_all"]] == ep2["predicted_MB"] and min(ep2["predicted_MB"]) > 0
+    assert all(rank["calls"] == 2 * LAYERS * ep2["steps"] for rank in ep2["all_to_all"])  # lockstep
+    assert runs[2]["all_reduce"][0]["MB"] > 0
+    assert runs[3]["load_max_over_mean_with_replicas"] <= runs[3]["load_max_over_mean"]

@@ -119,23 +119,3 @@ def test_dp2_server_same_text_and_prefix_affinity(tiny_model, tmp_path):
     finally:
         code, left = server.stop()
     assert code != 0 and left == []
-
-
-@pytest.mark.slow
-def test_dp2_tp2_server_matches_transformers(tiny_model, tmp_path):
-    path, model = tiny_model("qwen3_moe")
-    server = Server("--model", path, "--dp-size", "2", "--tp-size", "2", "--num-pages", "64", "--page-size", "8",
-                    "--load-balance-method", "least_load", log_path=str(tmp_path / "log"))
-    try:
-        client = openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0)
-        batch = prompts(model.config.vocab_size, 4)
-        tokenizer = AutoTokenizer.from_pretrained(path)
-        with ThreadPoolExecutor(4) as pool:
-            texts = list(pool.map(lambda p: client.completions.create(model=None, prompt=p, max_tokens=8,
-                                                                      temperature=0).choices[0].text, batch))
-        assert texts == [tokenizer.decode(t, skip_special_tokens=True) for t in transformers_tokens(model, batch, 8)]
-        routed, _ = routed_once_settled(server.url, 4)
-        assert sum(routed.values()) == 4 and min(routed.values()) >= 1, routed
-    finally:
-        code, left = server.stop()
-    assert code == 0 and left == []

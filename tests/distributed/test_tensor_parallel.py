@@ -2,7 +2,7 @@
 
 The tiny models have vocab 301 (divisible by none of 2, 3, 4), 4 query heads and 2 KV heads
 (fewer than 3 or 4 ranks, so KV heads replicate; at 3 ranks the query heads split 2/1/1), and
-MoE models with 6 experts (uneven over 4 ranks)."""
+MoE models with 8 experts (uneven over 3 ranks)."""
 
 from __future__ import annotations
 

@@ -142,5 +142,7 @@ def build_metadata(
             mask = torch.arange(kv_len)[None, :] <= pos[:, None]
             chunks.append(PrefillChunk(start, q_len, kv_len, ctx.to(device), mask.to(device)))
         start += q_len
-    slots = torch.cat(slot_parts).to(device)
+    # An empty step (data-parallel attention: a replica with no work joins its peers' MoE
+    # collectives with zero tokens) writes no slot.
+    slots = torch.cat(slot_parts).to(device) if slot_parts else torch.zeros(0, dtype=torch.long, device=device)
     return AttentionMetadata(slots, len(decodes), groups, chunks, page_size, paged)

@@ -8,7 +8,8 @@ the ranks' schedules in agreement), every rank's counts on every group it belong
 (`traffic_per_rank`: a list by rank of {kind: {op: {calls, MB}}}), MB = 10^6 bytes, and each
 rank's peak memory while loading. All requests are admitted before the first step, so the step
 and call counts are the same every run. `--mode bubble` is the pipeline's throughput benchmark
-(bench/bubble.py).
+(bench/bubble.py); `--mode expert` is expert parallelism under data-parallel attention beside
+tensor parallelism, with hot-expert replicas (bench/expert.py).
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from shardserve.core import SamplingParams
 # large enough that a half-size micro-batch costs about half a full one on a CPU (see bubble.py).
 _BASE = dict(layers=4, hidden=512, heads=8, kv_heads=4, intermediate=1536, vocab=1024, num_prompts=8,
              prompt_len=64, new_tokens=16)
-SHAPES = {"tensor": _BASE, "pipeline": _BASE,
+SHAPES = {"tensor": _BASE, "pipeline": _BASE, "expert": _BASE,
           "bubble": _BASE | dict(layers=8, hidden=1024, heads=16, intermediate=4096, prompt_len=128)}
 
 
@@ -52,8 +53,11 @@ def add_dist_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--page-size", type=positive_int, default=16)
     p.add_argument("--kv-cache-memory", type=memory_amount, default=None,
                    help="bytes of KV cache per rank (default 64M; bubble: 512M)")
-    p.add_argument("--mode", choices=["tensor", "pipeline", "bubble"], default="tensor",
-                   help="which layout to vary (bubble: pipeline micro-batches against one, and TP, on throughput)")
+    p.add_argument("--mode", choices=["tensor", "pipeline", "bubble", "expert"], default="tensor",
+                   help="which layout to vary (bubble: pipeline micro-batches against one, and TP, on throughput; "
+                        "expert: EP under data-parallel attention beside TP, and redundant experts)")
+    p.add_argument("--experts", type=positive_int, default=8, help="expert mode: experts per MoE layer")
+    p.add_argument("--top-k", type=positive_int, default=2, help="expert mode: experts per token")
     p.add_argument("--sizes", "--tp-sizes", dest="sizes", type=positive_ints, default="1,2,4",
                    help="comma-separated sizes of the varied layout (--tp-size or --pp-size)")
     p.add_argument("--pp-micro-batches", type=positive_int, default=None,
@@ -124,6 +128,10 @@ def run_dist(args: argparse.Namespace) -> int:
         from shardserve.bench.bubble import run_bubble
 
         return run_bubble(args)
+    if args.mode == "expert":
+        from shardserve.bench.expert import run_expert
+
+        return run_expert(args)
     with tempfile.TemporaryDirectory() as tmp:
         path = args.model or os.path.join(tmp, "model")
         if args.model is None:

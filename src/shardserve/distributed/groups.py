@@ -2,8 +2,10 @@
 
 `ParallelGroups` is the one answer to "where am I": the layout, this rank's global rank, and a
 `Communicator` for each group kind it belongs to (a size-1 one where the group is just itself).
-Tensor-carrying groups use NCCL on GPUs and gloo on CPU; `control` (scheduling agreement) is
-always gloo on CPU tensors. Layers receive only the communicators they shard over.
+Tensor-carrying groups use NCCL on GPUs and gloo on CPU; `control` and `data` (scheduling
+agreement: within a replica, and between the leaders of data-parallel attention's replicas, which
+never exchange activations over it) are always gloo on CPU tensors. Layers receive only the
+communicators they shard over.
 """
 
 from __future__ import annotations
@@ -66,6 +68,7 @@ def single_process_groups(layout: Layout | None = None) -> ParallelGroups:
 
 
 _KINDS = ("tensor", "context", "pipeline", "data", "control", "expert", "moe_tp")
+CPU_KINDS = ("control", "data")  # agreement on scheduling, small CPU tensors
 
 
 def init_distributed(layout: Layout, rank: int, master: str, device: torch.device,
@@ -80,7 +83,7 @@ def init_distributed(layout: Layout, rank: int, master: str, device: torch.devic
     comms = {kind: Communicator(name=kind) for kind in _KINDS}
     # Every rank creates every group in this one order, members or not (torch requires it).
     for kind, members in layout.creation_order():
-        group = dist.new_group(list(members), backend="gloo" if kind == "control" else backend, timeout=timeout)
+        group = dist.new_group(list(members), backend="gloo" if kind in CPU_KINDS else backend, timeout=timeout)
         if rank in members:
             comms[kind] = Communicator(group, members.index(rank), len(members), kind, members)
     return ParallelGroups(layout, rank, **comms)

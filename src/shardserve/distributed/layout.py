@@ -14,10 +14,11 @@ forever for the one that did not. `Layout.all_groups()` is that order, and nothi
 - pipeline: same (dp, cp, tp), varying pp.  Passes activations stage to stage.
 - data:     same (pp, cp, tp), varying dp.  Replicas of the model.
 - control:  same dp: one engine replica's ranks, which must agree on every scheduling step.
-- expert:   with ep > 1 the MoE layers of a pipeline stage span its dp * cp * tp ranks (data-
-            parallel attention); ep re-divides that span into moe_tp = span / ep tensor slices
-            of the experts, and an expert group holds the ranks at one moe_tp position (size ep),
-            the ranks that exchange tokens all-to-all. With ep = 1 MoE layers use the tensor group.
+- expert:   with ep > 1 the MoE layers of a pipeline stage span its dp * cp * tp ranks (with
+            several replicas only under data-parallel attention); ep re-divides that span into
+            moe_tp = span / ep tensor slices of the experts, and an expert group holds the ranks at
+            one moe_tp position (size ep), the ranks that exchange tokens all-to-all. With ep = 1
+            MoE layers use the tensor group.
 - moe_tp:   with ep > 1, moe_tp adjacent ranks of the span that split each of their experts.
 """
 
@@ -49,6 +50,31 @@ class Layout:
     cp: int = 1
     ep: int = 1
     nnodes: int = 1
+    # Data-parallel attention: the dp replicas step in lockstep and their MoE layers form one
+    # expert-parallel span (SGLang's --enable-dp-attention); otherwise replicas never meet.
+    dp_attention: bool = False
+
+    @classmethod
+    def from_sizes(cls, tp: int = 1, pp: int = 1, dp: int = 1, ep: int = 1, nnodes: int = 1,
+                   dp_attention: bool = False) -> Layout:
+        """The grid the user's flags describe. With `dp_attention`, `tp` counts every rank (SGLang's
+        meaning): dp replicas of tp / dp ranks each, and the MoE layers' experts split over all tp
+        ranks (ep defaults to tp)."""
+        if not dp_attention:
+            return cls(tp=tp, pp=pp, dp=dp, ep=ep, nnodes=nnodes)
+        if dp < 2:
+            raise LayoutError("--enable-dp-attention needs --dp-size > 1 (the number of attention replicas)")
+        if tp % dp:
+            raise LayoutError(f"--enable-dp-attention: --dp-size {dp} must divide --tp-size {tp} (the ranks the "
+                              f"replicas share)")
+        if pp > 1:
+            raise LayoutError(f"--enable-dp-attention with --pp-size {pp} is not supported: replicas step in "
+                              f"lockstep, one forward each per step")
+        ep = tp if ep == 1 else ep
+        if ep != tp:
+            raise LayoutError(f"--enable-dp-attention: --ep-size {ep} must equal --tp-size {tp} (experts split "
+                              f"whole over every rank; experts also split within a rank group are not built yet)")
+        return cls(tp=tp // dp, pp=pp, dp=dp, ep=ep, nnodes=nnodes, dp_attention=True)
 
     def __post_init__(self) -> None:
         for flag, value in (("--tp-size", self.tp), ("--pp-size", self.pp), ("--dp-size", self.dp),
@@ -58,6 +84,9 @@ class Layout:
         if self.world % self.nnodes:
             raise LayoutError(f"--nnodes {self.nnodes} does not divide the {self.world} ranks "
                               f"({self._product_text()})")
+        if self.dp_attention and (self.dp < 2 or self.pp > 1 or self.ep != self.moe_span):
+            raise LayoutError(f"data-parallel attention needs dp > 1, pp 1 and ep = dp x cp x tp "
+                              f"({self._product_text()}, ep {self.ep})")
         if self.ep > 1 and self.moe_span % self.ep:
             raise LayoutError(f"--ep-size {self.ep} does not divide the {self.moe_span} ranks the MoE layers span "
                               f"(dp {self.dp} x cp {self.cp} x tp {self.tp})")
@@ -94,6 +123,9 @@ class Layout:
             raise LayoutError(f"--pp-size {self.pp} exceeds the model's {num_layers} layers")
         if self.tp > num_heads:
             raise LayoutError(f"--tp-size {self.tp} exceeds the model's {num_heads} attention heads")
+        if self.dp_attention and num_experts == 0:
+            raise LayoutError("--enable-dp-attention needs a mixture-of-experts model (for a dense model, "
+                              "--dp-size alone runs independent replicas)")
         if self.ep > 1 and num_experts == 0:
             raise LayoutError(f"--ep-size {self.ep} needs a mixture-of-experts model")
         if self.ep > num_experts > 0:

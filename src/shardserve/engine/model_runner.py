@@ -15,10 +15,12 @@ import torch
 from shardserve.attention import cpu_kernel
 from shardserve.attention.metadata import build_metadata
 from shardserve.config import EngineConfig, ModelConfig
+from shardserve.distributed.expert_placement import PlacementPlan, load_counts
 from shardserve.distributed.groups import ParallelGroups, single_process_groups
 from shardserve.distributed.pipeline import Stage
 from shardserve.kvcache.pool import KVPool, page_bytes
 from shardserve.layers.attention import ForwardContext
+from shardserve.layers.moe import SparseMoE
 from shardserve.layers.sharding import head_shard
 from shardserve.loader.model_path import Checkpoint
 from shardserve.loader.weights import checkpoint_sources, load_weights
@@ -52,8 +54,10 @@ class ModelRunner:
         self.device = pick_device(cfg.device, groups.local_rank)
         self.dtype = cfg.torch_dtype
         cls = model_class(model_cfg.architecture)
+        self.placements = self._placement_plan()
         with torch.device(self.device):
-            self.model = cls(model_cfg, self.comm, self.dtype, self.device, self.stage, expert=groups.expert)
+            self.model = cls(model_cfg, self.comm, self.dtype, self.device, self.stage, expert=groups.expert,
+                             placements=self.placements)
         sources, total = checkpoint_sources(ckpt)
         desc = f"[{groups.label}] Loading {ckpt.name}"
         load_weights(self.model, sources, total, progress=cfg.show_progress, desc=desc)
@@ -68,6 +72,37 @@ class ModelRunner:
         # Indexed by global layer number; other stages' layers have no cache here.
         self.kv_views = [None] * st.start + self.pool.layer_views() + [None] * (model_cfg.num_layers - st.end)
         self.paged_decode = self._pick_attention(cfg.attention_backend)
+
+    def _placement_plan(self) -> PlacementPlan | None:
+        """Where MoE experts live over the expert group: None without expert parallelism (tensor
+        parallelism splits experts contiguously), else contiguous plus the configured hot-expert
+        replicas, placed from the routing-count file."""
+        redundant, path = self.cfg.ep_num_redundant_experts, self.cfg.ep_expert_placement
+        ranks = self.groups.expert.size
+        if ranks <= 1:
+            if redundant:
+                raise ValueError("--ep-num-redundant-experts needs --ep-size > 1")
+            return None
+        counts = load_counts(path, self.model_cfg.num_experts).layers if path else None
+        return PlacementPlan(ranks, redundant, counts)
+
+    def expert_counts(self) -> dict:
+        """Routing counts since start-up over this rank's MoE layers (empty for a dense model):
+        {"routed": {layer: [pairs its gate sent to each logical expert]}, "computed": {layer:
+        pairs its expert slots computed (its expert load)}}. Under expert parallelism a rank
+        routes only its share of its tensor group's tokens, so the layer's full count is the sum
+        over ranks; without it every rank of a tensor group routes every token, so one rank's
+        count is the full count.
+        """
+        moes = [(i, layer.mlp) for i, layer in enumerate(self.model.layers)
+                if isinstance(getattr(layer, "mlp", None), SparseMoE)]
+        if not moes:
+            return {}
+        counts = {"routed": {i: [int(c) for c in m.routed.tolist()] for i, m in moes},
+                  "computed": {i: m.computed for i, m in moes}}
+        if moes[0][1].dispatch is not None:  # rows sent to each expert-group rank
+            counts["rows_to"] = {i: list(m.dispatch.rows_to) for i, m in moes}
+        return counts
 
     @property
     def decode_attention(self) -> str:

@@ -41,10 +41,13 @@ class StageWorker:
         self.pages: dict[str, list[int]] = {}
         self.sampling: dict[str, Request] = {}  # on the sampling rank only
         self.sampler = Sampler()
+        self.plans = self.empty_plans = 0  # run so far (empty: data-parallel attention's idle steps)
 
     def execute(self, plan: StepPlan) -> StepResult | None:
         """Run this rank's part of `plan`; the sampling rank returns the micro-batch's result."""
         self._learn(plan)
+        self.plans += 1
+        self.empty_plans += not plan.entries
         step = self._inputs(plan)
         hidden = None
         if not self.stage.first:
@@ -108,6 +111,12 @@ class StageWorker:
         return {"peak_load_rss_mb": round(peak_rss_mb(), 1), "anon_rss_mb": round(anon_rss_mb(), 1),
                 "decode_attention": r.decode_attention, "layers": [r.stage.start, r.stage.end],
                 "num_pages": r.num_pages}
+
+    def rank_report(self) -> dict:
+        """This rank's traffic by group and, for a MoE model, its routing counts (rank reports)."""
+        report = self.runner.groups.traffic_by_group() | {"plans": self.plans, "empty_plans": self.empty_plans}
+        experts = self.runner.expert_counts()
+        return report | {"experts": experts} if experts else report
 
     def flush(self) -> None:
         """Wait for this stage's outstanding sends (before a rank-wide collective or exit)."""

@@ -141,10 +141,11 @@ class Stats(Msg):
     preemptions: int = 0
     stages: dict = {}  # pipeline stage -> that stage's tensor rank 0's counts by group (StageTraffic.groups)
     replica: int = 0  # which data-parallel replica's leader sent it
+    empty_steps: int = 0  # data-parallel attention: steps run with no tokens, to join the other replicas
 
 
 _SUMMED = ("running", "waiting", "pages_used", "pages_total", "steps", "finished", "preemptions",
-           "prefix_hit_tokens", "prefix_query_tokens")
+           "prefix_hit_tokens", "prefix_query_tokens", "empty_steps")
 
 
 def merge_stats(reps: list[Stats]) -> Stats:
@@ -217,6 +218,13 @@ class Tick(Msg):
     """The leader is alive but idle (the other ranks' wait for plans stays bounded)."""
 
 
+class Wake(Msg):
+    """Data-parallel attention: the router sent some replica work; every leader, idle or not,
+    must join the next step (numbered, so a leader can tell a wake it has already acted on)."""
+
+    seq: int
+
+
 class StepResult(Msg):
     """What the sampling rank (last stage, tensor rank 0) returns for micro-batch `mb`."""
 
@@ -280,7 +288,8 @@ class NodeStop(Msg):
 Message = (
     GenerateReq | TokenizedReq | AddRequests | AbortReq | ReportReq | RankReports | TokenBatch | TextBatch
     | ErrorOut | TokenizeReq | TokenizeOut
-    | DetokenizeReq | DetokenizeOut | Stats | CacheEvents | RouterStats | StepPlan | Tick | StepResult | StageTraffic
+    | DetokenizeReq | DetokenizeOut | Stats | CacheEvents | RouterStats | StepPlan | Tick | Wake | StepResult
+    | StageTraffic
     | Ready | Failed | Shutdown
     | NodeHello | NodeWelcome | NodeRefused | NodeBeat | NodeFailed | NodeStop
 )

@@ -11,6 +11,7 @@ import threading
 from collections.abc import Callable
 
 from shardserve.config import EngineConfig
+from shardserve.distributed.expert_placement import PlacementPlan, load_counts
 from shardserve.distributed.layout import Layout, LayoutError
 from shardserve.distributed.pipeline import split_layers
 from shardserve.ipc.sockets import Endpoints
@@ -24,20 +25,40 @@ from shardserve.loader.weights import read_model_config
 def check_layout(layout: Layout, node: NodeSpec, ckpt: Checkpoint, cfg: EngineConfig) -> None:
     """Refuse, before any process starts, a grid this machine's flags or the model cannot take."""
     node.check(layout)
-    if layout.ep > 1 and (layout.dp > 1 or layout.ep != layout.tp):
-        raise LayoutError(f"--ep-size {layout.ep} must equal --tp-size ({layout.tp}) with one replica for now "
-                          f"(experts split whole over the tensor group's ranks; data-parallel attention and "
-                          f"experts split across ranks are not built yet)")
+    if layout.ep > 1 and layout.dp > 1 and not layout.dp_attention:
+        raise LayoutError(f"--ep-size {layout.ep} with --dp-size {layout.dp} needs --enable-dp-attention (independent "
+                          f"replicas cannot share an expert all-to-all)")
+    if layout.ep > 1 and layout.ep != layout.moe_span:
+        raise LayoutError(f"--ep-size {layout.ep} must equal --tp-size ({layout.moe_span}) for now (experts split "
+                          f"whole over every rank of the MoE layers; experts also split within a rank group are "
+                          f"not built yet)")
     if layout.dp > 1 and layout.nnodes > 1:
         raise LayoutError(f"--dp-size {layout.dp} with --nnodes {layout.nnodes} is not supported yet: run one "
                           f"multi-node server per replica and put `shardserve router` in front")
     mc = read_model_config(ckpt)
     layout.check_model(mc.num_layers, mc.num_heads, mc.num_experts)
+    if cfg.ep_num_redundant_experts or cfg.ep_expert_placement:
+        check_placement(cfg, layout, mc)
     if cfg.pp_layer_partition is not None or layout.pp > 1:
         split_layers(mc.num_layers, layout.pp, cfg.pp_layer_partition)
     if (cfg.pp_micro_batches or 1) > 1 and layout.pp == 1:
         raise LayoutError(f"--pp-micro-batches {cfg.pp_micro_batches} needs --pp-size > 1 (one stage runs one "
                           f"micro-batch at a time)")
+
+
+def check_placement(cfg: EngineConfig, layout: Layout, mc) -> None:
+    """Hot-expert replicas: refuse what would fail on every rank after model load."""
+    if layout.ep == 1:
+        raise LayoutError("--ep-num-redundant-experts and --ep-expert-placement need --ep-size > 1 (or "
+                          "--enable-dp-attention)")
+    if not cfg.ep_num_redundant_experts:
+        raise LayoutError("--ep-expert-placement needs --ep-num-redundant-experts > 0 (without extra slots the "
+                          "placement is the contiguous split and the file would go unused)")
+    counts = load_counts(cfg.ep_expert_placement, mc.num_experts).layers if cfg.ep_expert_placement else None
+    plan = PlacementPlan(layout.ep, cfg.ep_num_redundant_experts, counts)
+    for layer in range(mc.num_layers):
+        if mc.is_moe_layer(layer):
+            plan.for_layer(layer, mc.num_experts)
 
 
 def heartbeat_timeout(cfg: EngineConfig) -> float:

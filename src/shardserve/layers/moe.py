@@ -4,12 +4,18 @@ Under tensor parallelism experts are split whole: each rank owns a contiguous ra
 sees every token, computes only its experts, and one all-reduce sums the routed partials and
 (Qwen2-MoE) the column/row-split shared expert's partial together.
 
-Under expert parallelism (`expert` communicator of more than one rank) experts are split whole
-over the expert group instead, and tokens travel to them (layers/expert_dispatch.py). The
-tensor group's ranks hold the same tokens, so each dispatches only its contiguous share of them;
-one all-reduce over the tensor group then sums the shares (disjoint rows) and the shared
-expert's partial, as under tensor parallelism. With one rank per tensor group (data-parallel
-attention, one rank per replica) that all-reduce is nothing.
+Under expert parallelism (`expert` communicator of more than one rank) experts live in slots
+over the expert group instead, as a `Placement` says (default: whole and contiguous, one slot
+each; with hot-expert replicas a hot expert fills a slot on several ranks, each loaded with the
+same checkpoint tensors), and tokens travel to them (layers/expert_dispatch.py). The tensor
+group's ranks hold the same tokens, so each dispatches only its contiguous share of them; one
+all-reduce over the tensor group then sums the shares (disjoint rows) and the shared expert's
+partial, as under tensor parallelism. With one rank per tensor group (data-parallel attention,
+one rank per replica) that all-reduce is nothing.
+
+Every forward also counts routing, for `shardserve record-experts` and load metrics: `routed`
+(per logical expert, the token-expert pairs this rank's gate chose) and `computed` (the pairs
+this rank's slots computed: its expert load).
 """
 
 from __future__ import annotations
@@ -20,6 +26,7 @@ from torch import nn
 
 from shardserve.config import ModelConfig
 from shardserve.distributed.communicator import Communicator
+from shardserve.distributed.expert_placement import Placement
 from shardserve.layers.expert_dispatch import ExpertDispatch
 from shardserve.layers.linear import ReplicatedLinear, apply_linear, copy_into, make_param, pack_weight, packable
 from shardserve.layers.mlp import GatedMLP
@@ -32,34 +39,55 @@ EXPERT_PIECES = {"gate_proj": ("w13", 0), "up_proj": ("w13", 1), "down_proj": ("
 class SparseMoE(nn.Module):
     """Top-k routed experts; optional shared expert with a sigmoid gate (Qwen2-MoE)."""
 
-    def __init__(self, cfg: ModelConfig, comm: Communicator, dtype, device, expert: Communicator | None = None):
+    def __init__(self, cfg: ModelConfig, comm: Communicator, dtype, device, expert: Communicator | None = None,
+                 placement: Placement | None = None):
+        """`placement`: where experts live over `expert`'s ranks (expert parallelism only)."""
         super().__init__()
         self.comm, self.top_k, self.norm_topk = comm, cfg.num_experts_per_tok, cfg.norm_topk_prob
-        self.dispatch = ExpertDispatch(expert, cfg.num_experts) if expert is not None and expert.size > 1 else None
-        self.e0, self.e1 = (self.dispatch.local_range() if self.dispatch is not None
-                            else split_range(cfg.num_experts, comm.size, comm.rank))
-        n_local, h, inter = self.e1 - self.e0, cfg.hidden_size, cfg.moe_intermediate_size
-        local = range(self.e0, self.e1)
+        self.num_experts = cfg.num_experts
+        ep = expert is not None and expert.size > 1
+        if placement is not None and not ep:
+            raise ValueError("an expert placement needs expert parallelism (an expert group of more than one rank)")
+        self.dispatch = ExpertDispatch(expert, cfg.num_experts, placement) if ep else None
+        # The logical expert in each local slot; without EP, the contiguous range [e0, e0 + n).
+        self.e0 = 0 if ep else split_range(cfg.num_experts, comm.size, comm.rank)[0]
+        self.slots: tuple[int, ...] = (self.dispatch.slots if self.dispatch is not None else
+                                       tuple(range(*split_range(cfg.num_experts, comm.size, comm.rank))))
+        self._slots_of: dict[int, list[int]] = {}
+        for i, e in enumerate(self.slots):
+            self._slots_of.setdefault(e, []).append(i)
+        n_local, h, inter = len(self.slots), cfg.hidden_size, cfg.moe_intermediate_size
+        held = sorted(self._slots_of)
         self.gate = ReplicatedLinear(h, cfg.num_experts, False, dtype, device)
         self.w13 = make_param((n_local, 2 * inter, h), dtype, device, self._load,
-                              [(e, p) for e in local for p in ("gate_proj", "up_proj")])
-        self.w2 = make_param((n_local, h, inter), dtype, device, self._load, [(e, "down_proj") for e in local])
+                              [(e, p) for e in held for p in ("gate_proj", "up_proj")])
+        self.w2 = make_param((n_local, h, inter), dtype, device, self._load, [(e, "down_proj") for e in held])
         self.packed: list[tuple[torch.Tensor | None, torch.Tensor | None]] = []
         self.shared_expert = self.shared_expert_gate = None
         if cfg.shared_expert_intermediate_size:
             self.shared_expert = GatedMLP(h, cfg.shared_expert_intermediate_size, comm, dtype, device, reduce=False)
             self.shared_expert_gate = ReplicatedLinear(h, 1, False, dtype, device)
+        # Plain attributes, not buffers: counters are no checkpoint tensors.
+        self.routed = torch.zeros(cfg.num_experts, dtype=torch.int64, device=device)
+        self.computed = 0
+
+    def reset_counts(self) -> None:
+        self.routed.zero_()
+        self.computed = 0
 
     def _load(self, param: nn.Parameter, src, shard_id) -> None:
         expert, proj = shard_id
-        if not self.e0 <= expert < self.e1:
+        slots = self._slots_of.get(expert)
+        if not slots:
             return  # another rank's expert: never read
         _, half = EXPERT_PIECES[proj]
-        dst = param.data[expert - self.e0]
-        if half is not None:
-            rows = dst.shape[0] // 2
-            dst = dst.narrow(0, half * rows, rows)
-        copy_into(dst, src.read(), src.name)
+        data = src.read()
+        for i in slots:  # a replicated expert fills every local slot holding it
+            dst = param.data[i]
+            if half is not None:
+                rows = dst.shape[0] // 2
+                dst = dst.narrow(0, half * rows, rows)
+            copy_into(dst, data, src.name)
 
     def process_after_loading(self) -> None:
         """Where oneDNN applies (see layers/linear.pack_weight), each local expert's matrices are
@@ -85,12 +113,14 @@ class SparseMoE(nn.Module):
         return weights.to(x.dtype), experts
 
     def local_experts(self, x: torch.Tensor, local: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        """Per row, the weighted sum of this rank's experts among `local` (indices into this
-        rank's experts; -1 or out of range: elsewhere)."""
+        """Per row, the weighted sum of this rank's slots among `local` (indices into this
+        rank's slots; -1 or out of range: elsewhere)."""
         out = torch.zeros_like(x)
-        for i in range(self.e1 - self.e0):
+        for i in range(len(self.slots)):
             rows, slot = (local == i).nonzero(as_tuple=True)
             if rows.numel():
+                # numel() is known on the host already (nonzero synchronised): counting is free.
+                self.computed += rows.numel()
                 out.index_add_(0, rows, self.expert(i, x[rows]) * weights[rows, slot].unsqueeze(-1))
         return out
 
@@ -103,6 +133,7 @@ class SparseMoE(nn.Module):
             a, b = split_range(x.shape[0], self.comm.size, self.comm.rank)  # this rank's share
             weights, experts = self.route(x[a:b])
             out[a:b] = self.dispatch(x[a:b], weights, experts, self.local_experts)
+        self.routed += torch.bincount(experts.flatten(), minlength=self.num_experts)
         if self.shared_expert is not None:
             out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
         return self.comm.all_reduce(out)

@@ -13,6 +13,7 @@ from torch import nn
 
 from shardserve.config import ModelConfig
 from shardserve.distributed.communicator import Communicator
+from shardserve.distributed.expert_placement import PlacementPlan
 from shardserve.distributed.pipeline import Stage
 from shardserve.layers.attention import ForwardContext, SelfAttention
 from shardserve.layers.embedding import ParallelLMHead, VocabParallelEmbedding
@@ -54,11 +55,13 @@ class CausalLM(nn.Module):
     qk_norm = False
 
     def __init__(self, cfg: ModelConfig, comm: Communicator, dtype: torch.dtype, device: torch.device,
-                 stage: Stage | None = None, expert: Communicator | None = None):
-        """`expert`: the expert group MoE layers dispatch tokens over (expert parallelism), if any."""
+                 stage: Stage | None = None, expert: Communicator | None = None,
+                 placements: PlacementPlan | None = None):
+        """`expert`: the expert group MoE layers dispatch tokens over (expert parallelism), if any;
+        `placements`: where each MoE layer's experts live over it (None: contiguous)."""
         super().__init__()
         self.cfg = cfg
-        self.expert_comm = expert
+        self.expert_comm, self.placements = expert, placements
         self.stage = stage = stage or Stage(0, 1, 0, cfg.num_layers)
         self.embed_tokens = (VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, comm, dtype, device)
                              if stage.first else None)

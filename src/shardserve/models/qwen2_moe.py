@@ -8,4 +8,4 @@ from shardserve.models.qwen3_moe import moe_or_dense
 
 class Qwen2MoeForCausalLM(CausalLM):
     def make_mlp(self, cfg, layer, comm, dtype, device) -> nn.Module:
-        return moe_or_dense(cfg, layer, comm, dtype, device, self.expert_comm)
+        return moe_or_dense(cfg, layer, comm, dtype, device, self.expert_comm, self.placements)

@@ -31,11 +31,12 @@ from shardserve.router.prefix_index import PrefixIndex
 POLICIES = ("cache_aware", "least_load", "round_robin")
 
 
-def resolve_policy(method: str | None, replicas: int) -> str:
-    """The policy a grid of `replicas` uses: `method`, or cache_aware when none is given. A
+def resolve_policy(method: str | None, replicas: int, lockstep: bool = False) -> str:
+    """The policy a grid of `replicas` uses: `method`, or by default cache_aware (least_load for
+    data-parallel attention's `lockstep` replicas, where the slowest replica paces every step). A
     method given with one replica would be ignored, so it is refused."""
     if method is None:
-        return "cache_aware"
+        return "least_load" if lockstep else "cache_aware"
     if method not in POLICIES:
         raise ValueError(f"--load-balance-method must be one of {', '.join(POLICIES)}, got {method!r}")
     if replicas == 1:

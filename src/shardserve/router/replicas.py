@@ -6,7 +6,9 @@
 The router picks a replica per request (router/policy.py), remembers it until the leader reports
 the request ended, and sends that request's abort to the same replica. It follows each replica's
 cache events, so it credits a replica only with prefixes it holds. Rank reports go to every
-replica. Outputs do not pass through here: each leader
+replica. Under data-parallel attention (`lockstep`) every request placed is followed by a
+numbered `Wake` to every leader: idle leaders sleep on their inbox, and this is what makes them
+all join the next step (scheduler/lockstep.py). Outputs do not pass through here: each leader
 sends tokens to the detokenizer and errors and stats to the API process directly.
 """
 
@@ -28,6 +30,7 @@ from shardserve.ipc.messages import (
     RouterStats,
     Shutdown,
     TokenizedReq,
+    Wake,
 )
 from shardserve.ipc.sockets import Endpoints, pull, push, recv_all, send
 from shardserve.kvcache.pages import page_hashes
@@ -40,7 +43,7 @@ STATS_INTERVAL = 0.25
 
 class ReplicaRouter:
     def __init__(self, ep: Endpoints, policy: str, page_size: int, prefix_cache: bool = True,
-                 thresholds: Thresholds = Thresholds()):
+                 thresholds: Thresholds = Thresholds(), lockstep: bool = False):
         """`prefix_cache=False` (--no-prefix-cache): replicas share nothing, so no prompt earns affinity."""
         ctx = zmq.Context.instance()
         self.inbox = pull(ctx, ep.scheduler)
@@ -60,6 +63,7 @@ class ReplicaRouter:
         self.recently_ended = RecentIds()  # so a late abort is not taken for an early one
         self.last_stats: tuple = ()
         self.last_stats_at = 0.0
+        self.lockstep, self.wakes = lockstep, 0
 
     def serve(self) -> None:
         poller = zmq.Poller()
@@ -86,6 +90,7 @@ class ReplicaRouter:
             d = self.place(msg)
             if d is not None:
                 send(self.leaders[d], msg)
+                self.wake()
         elif isinstance(msg, AddRequests):
             per_replica: dict[int, list[TokenizedReq]] = {}
             for item in msg.items:
@@ -94,6 +99,8 @@ class ReplicaRouter:
                     per_replica.setdefault(d, []).append(item)
             for d, items in per_replica.items():
                 send(self.leaders[d], AddRequests(items=items))
+            if per_replica:
+                self.wake()
         elif isinstance(msg, AbortReq):
             d = self.router.replica_of(msg.rid)
             if d is not None:
@@ -112,6 +119,12 @@ class ReplicaRouter:
         pages = page_hashes(req.token_ids[: len(req.token_ids) - 1], self.page_size) if self.page_size else []
         max_tokens = None if req.auto_max_tokens else req.params.max_tokens
         return self.router.route(req.rid, pages, len(req.token_ids), max_tokens)
+
+    def wake(self) -> None:
+        """After the request itself on the same socket, so a woken leader already holds it."""
+        if self.lockstep:
+            self.wakes += 1
+            self.broadcast(Wake(seq=self.wakes))
 
     def broadcast(self, msg) -> None:
         for sock in self.leaders:
@@ -163,16 +176,19 @@ class RecentIds:
         return self.ids.pop(rid, 0) is None
 
 
-def router_main(ep: Endpoints, policy: str, page_size: int, prefix_cache: bool = True) -> None:
+def router_main(ep: Endpoints, policy: str, page_size: int, prefix_cache: bool = True,
+                lockstep: bool = False) -> None:
     """Process entry point (the `router` child of a server or LLM with dp > 1)."""
 
     def setup():
-        router = ReplicaRouter(ep, policy, page_size, prefix_cache)
+        router = ReplicaRouter(ep, policy, page_size, prefix_cache, lockstep=lockstep)
         return router.serve, {}
 
     run_child("router", ep.ready, setup)
 
 
-def router_child(ep: Endpoints, policy: str, page_size: int, prefix_cache: bool = True) -> Child:
+def router_child(ep: Endpoints, policy: str, page_size: int, prefix_cache: bool = True,
+                 lockstep: bool = False) -> Child:
     """The router process of a grid with several replicas (started beside the scheduler ranks)."""
-    return Child("router", router_main, (ep, policy, page_size, prefix_cache), env={"OMP_NUM_THREADS": "1"})
+    return Child("router", router_main, (ep, policy, page_size, prefix_cache, lockstep),
+                 env={"OMP_NUM_THREADS": "1"})

@@ -76,6 +76,8 @@ class EngineCore:
         self.eos_ids = tuple(sorted(set(self.model_cfg.eos_token_ids) | set(extra_eos) | self._generation_eos()))
         self.requests: dict[str, Request] = {}
         self.num_steps = self.num_finished = 0
+        self.next_mb = 0  # plan number: steps and (data-parallel attention) empty steps alike
+        self.empty_steps = 0
         # Seeds for requests that give none; each replica draws its own sequence, or the k-th
         # unseeded request of every replica (say the n choices of one request) would sample alike.
         replica = groups.coords.dp
@@ -143,15 +145,29 @@ class EngineCore:
         """Whether only a result can let the engine move on (the caller may wait for one)."""
         return bool(self.inflight) and (len(self.inflight) >= self.micro_batches or self.starved)
 
-    def step(self) -> list[StepOutput]:
+    def step(self, join: bool = False) -> list[StepOutput]:
+        """`join` (data-parallel attention, one stage): when nothing is schedulable, run a plan
+        with no tokens, so this replica's ranks still enter every MoE layer's all-to-all that the
+        other replicas' forwards enter this step."""
         outputs = self._collect(0)
         if len(self.inflight) < self.micro_batches:
             batch = self.scheduler.schedule(self.busy, self._seq_cap())
             if batch is None:
                 self.starved = bool(self.inflight)
+                if join:
+                    self._run_empty()
             else:
                 outputs += self._run(batch)
         return outputs
+
+    def _run_empty(self) -> None:
+        plan = StepPlan(mb=self.next_mb, entries=[], new=self._new, done=self._done)
+        self._new, self._done = [], []
+        self.next_mb += 1
+        self.empty_steps += 1
+        if self.publish is not None:
+            self.publish(plan)
+        self.worker.execute(plan)
 
     def wait_result(self, timeout_ms: int) -> list[StepOutput]:
         """Apply results arriving within `timeout_ms` (when stalled)."""
@@ -177,6 +193,7 @@ class EngineCore:
         # so a later micro-batch never reads a page before this one has written it.
         self.scheduler.advance(batch)
         self.num_steps += 1
+        self.next_mb += 1
         self.inflight[plan.mb] = InFlight(time.monotonic(), waits)
         self.max_in_flight = max(self.max_in_flight, len(self.inflight))
         self.busy.update(w[0].request_id for w in waits)
@@ -201,7 +218,7 @@ class EngineCore:
                                      req.pages[base:], sample, first, count))
             if sample or count:
                 waits.append((req, sample, count > 0))
-        plan = StepPlan(mb=self.num_steps, entries=entries, new=self._new, done=self._done)
+        plan = StepPlan(mb=self.next_mb, entries=entries, new=self._new, done=self._done)
         self._new, self._done = [], []
         return plan, waits
 
@@ -284,15 +301,16 @@ class EngineCore:
                      steps=self.num_steps, finished=self.num_finished,
                      traffic=self.runner.comm.traffic_report(), control=self.control.traffic_report(),
                      stages=self._stage_traffic(), max_in_flight=self.max_in_flight,
-                     preemptions=self.scheduler.num_preemptions)
+                     preemptions=self.scheduler.num_preemptions, empty_steps=self.empty_steps)
 
     def _stage_traffic(self) -> dict:
         if self.runner.stage.count == 1:
             return {}
-        return {"0": self.traffic_by_group()["groups"], **self.stage_traffic}
+        return {"0": self.runner.groups.traffic_by_group()["groups"], **self.stage_traffic}
 
     def traffic_by_group(self) -> dict:
-        return self.runner.groups.traffic_by_group()
+        """This rank's rank report: traffic by group (and routing counts for a MoE model)."""
+        return self.worker.rank_report()
 
     def running_status(self) -> dict[str, int]:
         return {
@@ -303,6 +321,7 @@ class EngineCore:
             "pages_used": self.allocator.num_used,
             "pages_total": self.allocator.num_pages,
             "stage_reports": self.stage_reports,
+            "empty_steps": self.empty_steps,
         }
 
 

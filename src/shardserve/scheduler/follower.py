@@ -79,7 +79,7 @@ class Follower:
             elif isinstance(msg, ReportReq):
                 # The leader drained every micro-batch first; all ranks gather here.
                 self.worker.flush()
-                self.groups.control.gather_objects(self.groups.traffic_by_group())
+                self.groups.control.gather_objects(self.worker.rank_report())
             elif isinstance(msg, Shutdown):
                 self.worker.flush()
                 return

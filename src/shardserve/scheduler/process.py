@@ -29,6 +29,7 @@ from shardserve.ipc.messages import (
     TokenBatch,
     TokenizedReq,
     TokenOut,
+    Wake,
 )
 from shardserve.ipc.sockets import Endpoints, push, send
 from shardserve.loader.model_path import resolve_checkpoint
@@ -37,6 +38,7 @@ from shardserve.platform import pick_device
 from shardserve.scheduler.engine_core import EngineCore, StepOutput
 from shardserve.scheduler.follower import Follower, serve_loop
 from shardserve.scheduler.inbox import Inbox
+from shardserve.scheduler.lockstep import Lockstep
 
 STATS_INTERVAL = 0.25
 IDLE_WAIT_MS = 100
@@ -77,13 +79,16 @@ class SchedulerServer:
         self.last_stats = 0.0
         self.last_status: dict = {}
         self.running = True
+        self.lockstep = Lockstep(groups.data, cfg.dist_timeout) if groups.layout.dp_attention else None
+        self.stopping = False  # told to shut down; under lockstep, stops when the replicas agree
+        self.rank = groups.rank
 
     def info(self) -> dict:
         return {"max_model_len": self.engine.max_model_len, "limits": dataclasses.asdict(self.engine.limits),
                 **self.engine.worker.info()}
 
     def serve(self) -> None:
-        serve_loop(self._loop)
+        serve_loop(self._loop if self.lockstep is None else self._lockstep_loop)
 
     def _loop(self) -> None:
         while self.running:
@@ -98,6 +103,42 @@ class SchedulerServer:
             self.maybe_send_stats()
             if idle:
                 self.inbox.tick()
+
+    def _lockstep_loop(self) -> None:
+        """Data-parallel attention: one agreement per step over every replica's leader, then
+        every replica steps (an empty plan where it has nothing to run) or none does
+        (scheduler/lockstep.py says why)."""
+        lock = self.lockstep
+        catch_up: tuple[int, float] | None = None  # (wake to wait for, since when)
+        while self.running:
+            asleep = lock.sleeping() and not self.stopping
+            for msg in self.inbox.receive(IDLE_WAIT_MS if asleep or catch_up else 0):
+                self.handle(msg)
+            if catch_up is not None and lock.wake_seen < catch_up[0] and not self.stopping:
+                lock.check_catch_up(catch_up[1], catch_up[0], self.rank)
+                continue
+            catch_up = None
+            if lock.sleeping() and not self.stopping:
+                self.inbox.tick()
+                self.maybe_send_stats()
+                continue
+            agreed = lock.agree(self.engine.has_unfinished(), self.stopping)
+            if agreed.stop:
+                self._stop()
+                return
+            if agreed.work:
+                self.emit(self.engine.step(join=True))
+                if self.events is not None:
+                    self.events.publish()
+            elif lock.behind(agreed):
+                catch_up = (agreed.newest_wake, time.monotonic())
+            self.maybe_send_stats(settled=not agreed.work)
+
+    def _stop(self) -> None:
+        self.emit(self.engine.drain())
+        self.inbox.publish(Shutdown())
+        self.engine.worker.flush()
+        self.running = False
 
     def emit(self, outs: list[StepOutput]) -> None:
         if outs:
@@ -140,19 +181,23 @@ class SchedulerServer:
                 self.aborted_early.add(msg.rid)
                 if len(self.aborted_early) > 10000:
                     self.aborted_early.clear()
+        elif isinstance(msg, Wake):
+            if self.lockstep is not None:
+                self.lockstep.saw_wake(msg.seq)
         elif isinstance(msg, Shutdown):
-            self.emit(self.engine.drain())
-            self.inbox.publish(msg)
-            self.engine.worker.flush()
-            self.running = False
+            self.stopping = True
+            if self.lockstep is None:  # under lockstep: at the next agreement, with the others
+                self._stop()
 
-    def maybe_send_stats(self) -> None:
-        """Send when something changed: at most every STATS_INTERVAL while busy, at once when
-        the engine falls idle (so /metrics never shows a finished request as running) or when
-        requests start running on an idle engine (so it never shows a running one as idle)."""
+    def maybe_send_stats(self, settled: bool = False) -> None:
+        """Send when something changed: at most every STATS_INTERVAL while busy (or stepping
+        empty beside busy replicas), at once when the engine falls idle (so /metrics never shows a
+        finished request as running), when every replica has (`settled`), or when requests start
+        running on an idle engine (so it never shows a running one as idle)."""
         s = self.engine.running_status()
         now = time.monotonic()
-        busy = self.engine.has_unfinished()
+        busy = not settled and (self.engine.has_unfinished()
+                                or s["empty_steps"] != self.last_status.get("empty_steps"))
         started = s["running"] and not self.last_status.get("running")
         if s == self.last_status or (busy and not started and now - self.last_stats < STATS_INTERVAL):
             return

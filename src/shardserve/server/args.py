@@ -136,6 +136,15 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="expert parallelism: MoE experts split whole over this many ranks (equal to --tp-size for "
                         "now), each token's hidden vector sent to the ranks owning its top-k experts and back "
                         "(two all-to-alls per MoE layer) instead of an all-reduce")
+    g.add_argument("--enable-dp-attention", action="store_true",
+                   help="attention and dense layers in --dp-size replicas of --tp-size / --dp-size ranks (each with "
+                        "its own requests and KV cache), MoE layers expert-parallel over all --tp-size ranks; the "
+                        "replicas step in lockstep (SGLang's meaning)")
+    g.add_argument("--ep-num-redundant-experts", type=non_negative_int, default=0,
+                   help="extra expert slots for copies of the hottest experts (needs --ep-expert-placement)")
+    g.add_argument("--ep-expert-placement", default=None,
+                   help="routing counts (JSON written by `shardserve record-experts`) that place the redundant "
+                        "experts")
     g.add_argument("--dp-size", "--data-parallel-size", dest="dp_size", type=positive_int, default=1,
                    help="independent engine replicas (each --tp-size x --pp-size ranks) behind one front end")
     g.add_argument("--load-balance-method", choices=POLICIES, default=None,
@@ -166,6 +175,7 @@ def engine_config(args: argparse.Namespace, **overrides) -> EngineConfig:
         dist_timeout=args.dist_timeout,
         attention_backend=args.attention_backend,
         pp_layer_partition=args.pp_layer_partition, pp_micro_batches=args.pp_micro_batches,
+        ep_num_redundant_experts=args.ep_num_redundant_experts, ep_expert_placement=args.ep_expert_placement,
     )
     fields.update(overrides)
     return EngineConfig(**fields)
@@ -173,7 +183,8 @@ def engine_config(args: argparse.Namespace, **overrides) -> EngineConfig:
 
 def layout_from_args(args: argparse.Namespace) -> Layout:
     """The rank grid the flags describe (LayoutError names the flag when sizes cannot work)."""
-    return Layout(tp=args.tp_size, pp=args.pp_size, dp=args.dp_size, ep=args.ep_size, nnodes=args.nnodes)
+    return Layout.from_sizes(tp=args.tp_size, pp=args.pp_size, dp=args.dp_size, ep=args.ep_size, nnodes=args.nnodes,
+                             dp_attention=args.enable_dp_attention)
 
 
 def node_spec_from_args(args: argparse.Namespace):
@@ -188,6 +199,6 @@ def llm_kwargs(args: argparse.Namespace) -> dict:
     cfg = engine_config(args)
     return {**{f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg)}, "tp_size": args.tp_size,
             "pp_size": args.pp_size, "dp_size": args.dp_size, "ep_size": args.ep_size,
-            "load_balance_method": args.load_balance_method,
+            "enable_dp_attention": args.enable_dp_attention, "load_balance_method": args.load_balance_method,
             "nnodes": args.nnodes, "node_rank": args.node_rank, "dist_init_addr": args.dist_init_addr,
             "generation_config": args.generation_config}

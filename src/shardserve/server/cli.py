@@ -1,4 +1,4 @@
-"""`shardserve` command line: serve (the default), chat, bench, router.
+"""`shardserve` command line: serve (the default), chat, bench, router, record-experts.
 
 Parsing imports only what flags need; each subcommand imports its own machinery when it runs.
 """
@@ -39,6 +39,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_bench_args(bench)
     add_router_args(sub.add_parser("router", help="HTTP router in front of OpenAI-compatible servers"))
+    from shardserve.server.record_experts import add_record_args
+
+    add_record_args(sub.add_parser("record-experts", help="write a MoE model's routing counts (for "
+                                                          "--ep-expert-placement)"))
     return parser
 
 
@@ -86,7 +90,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
-        if args.command in ("chat", "bench") and getattr(args, "node_rank", 0) > 0:
+        if args.command in ("chat", "bench", "record-experts") and getattr(args, "node_rank", 0) > 0:
             from shardserve.llm import LLM
             from shardserve.server.args import llm_kwargs
 
@@ -104,6 +108,10 @@ def main(argv: list[str] | None = None) -> int:
             from shardserve.bench.cli import run_bench
 
             return run_bench(args)
+        if args.command == "record-experts":
+            from shardserve.server.record_experts import record_experts
+
+            return record_experts(args)
         if args.command == "router":
             from shardserve.router.standalone import run_router
 

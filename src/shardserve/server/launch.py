@@ -62,7 +62,7 @@ def serve(args: argparse.Namespace) -> int:
     if env is not None:  # torchrun started this process as one rank: it decides rank and nodes
         layout, node = torchrun_layout(layout, env), env.node()
     check_layout(layout, node, ckpt, cfg)
-    policy = resolve_policy(args.load_balance_method, layout.dp)
+    policy = resolve_policy(args.load_balance_method, layout.dp, layout.dp_attention)
     if env is not None and env.rank > 0:
         return run_rank_here(cfg, layout, env)
     if node.node_rank > 0:
@@ -79,7 +79,7 @@ def serve(args: argparse.Namespace) -> int:
     try:
         others = tokenizer_children(cfg.model, ep, args.num_tokenizers)
         if layout.dp > 1:
-            others.append(router_child(ep, policy, cfg.page_size, cfg.enable_prefix_cache))
+            others.append(router_child(ep, policy, cfg.page_size, cfg.enable_prefix_cache, layout.dp_attention))
         grid = LocalGrid(cfg, layout, node, ep, ckpt.name, others, torchrun=env is not None)
         infos = grid.start(args.startup_timeout)
         return run_http(args, ckpt.name.removesuffix(".gguf"), infos["scheduler-0"], ep, grid, sock, defaults)

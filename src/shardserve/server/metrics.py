@@ -17,6 +17,8 @@ class Metrics:
         self.pages_used = Gauge("shardserve_kv_pages_used", "KV cache pages in use", registry=r)
         self.pages_total = Gauge("shardserve_kv_pages_total", "KV cache pages in the pool", registry=r)
         self.steps = Gauge("shardserve_engine_steps", "Engine steps run so far", registry=r)
+        self.empty_steps = Gauge("shardserve_engine_empty_steps", "Steps run over no tokens so far (data-parallel "
+                                 "attention: an idle replica joining the others' MoE all-to-alls)", registry=r)
         self.finished = Gauge("shardserve_engine_requests_finished", "Requests finished or aborted in the engine",
                               registry=r)
         self.hit_rate = Gauge("shardserve_prefix_cache_hit_rate", "Prompt tokens served from cache", registry=r)
@@ -73,6 +75,7 @@ class Metrics:
         self.pages_total.set(s.pages_total)
         self.hit_rate.set(s.prefix_hit_rate)
         self.steps.set(s.steps)
+        self.empty_steps.set(s.empty_steps)
         self.finished.set(s.finished)
         self.in_flight.set(s.max_in_flight)
         self.preemptions.set(s.preemptions)
