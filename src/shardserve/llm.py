@@ -13,6 +13,7 @@ from shardserve.core import CompletionOutput, RequestOutput, SamplingParams
 from shardserve.distributed.layout import Layout
 from shardserve.engine_backends import LocalBackend, ProcessBackend
 from shardserve.ipc.messages import TokenOut
+from shardserve.ipc.secure import deployment_secret
 from shardserve.launch.grid import check_layout, run_other_node
 from shardserve.launch.nodes import NodeSpec
 from shardserve.loader.generation_config import generation_defaults
@@ -59,11 +60,12 @@ class LLM:
                  ep_size: int = 1, enable_dp_attention: bool = False, load_balance_method: str | None = None,
                  isolated: bool = False,
                  generation_config: str = "auto", nnodes: int = 1, node_rank: int = 0, dist_init_addr: str = "",
+                 dist_secret_file: str | None = None,
                  startup_timeout: float = 600.0, **kwargs):
         self.layout = Layout.from_sizes(tp=tp_size, pp=pp_size, dp=dp_size, ep=ep_size, nnodes=nnodes,
                                         dp_attention=enable_dp_attention)
         policy = resolve_policy(load_balance_method, dp_size, enable_dp_attention)
-        self.node = NodeSpec(node_rank, dist_init_addr)
+        self.node = NodeSpec(node_rank, dist_init_addr, deployment_secret(dist_secret_file, node_rank == 0))
         if kwargs.get("pp_layer_partition") is not None:
             kwargs["pp_layer_partition"] = tuple(kwargs["pp_layer_partition"])
         self.config = EngineConfig(model=model, **kwargs)

@@ -6,11 +6,24 @@ bad input exactly as the server does without importing the server.
 
 from __future__ import annotations
 
-_KINDS = {400: "invalid_request_error", 404: "not_found_error", 413: "invalid_request_error",
-          500: "internal_error", 502: "bad_gateway", 503: "service_unavailable", 504: "gateway_timeout"}
+import hmac
+
+API_KEY_ENV = "SHARDSERVE_API_KEY"
+_KINDS = {400: "invalid_request_error", 401: "invalid_request_error", 404: "not_found_error",
+          413: "invalid_request_error", 500: "internal_error", 502: "bad_gateway", 503: "service_unavailable",
+          504: "gateway_timeout"}
 
 
 def error_body(message: str, status: int, param: str | None = None, code: str | None = None) -> dict:
     """`{"error": {"message", "type", "param", "code"}}`; `code` defaults to the status as text."""
     kind = _KINDS.get(status, "invalid_request_error")
     return {"error": {"message": message, "type": kind, "param": param, "code": code or str(status)}}
+
+
+def bearer_ok(authorization: str | None, key: str) -> bool:
+    """Whether an Authorization header carries `Bearer key`, compared in constant time."""
+    return hmac.compare_digest((authorization or "").encode(), f"Bearer {key}".encode())
+
+
+def unauthorized_body() -> dict:
+    return error_body("invalid or missing API key: send 'Authorization: Bearer <key>'", 401, code="invalid_api_key")

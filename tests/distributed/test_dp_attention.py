@@ -16,6 +16,7 @@ import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 
+import httpx
 import openai
 import pytest
 import torch
@@ -115,6 +116,15 @@ def test_dp_attention_server_matches_transformers_and_dies_whole(tiny_model, tmp
         with ThreadPoolExecutor(8) as pool:  # many at once: both replicas busy, unevenly
             texts = list(pool.map(one, range(12)))
         assert texts == [expected[i % len(batch)] for i in range(12)]
+        # /metrics: both replicas' routing counts, per layer and expert (each layer saw every token).
+        time.sleep(0.5)  # the leaders' reports as they fell idle
+        metrics = httpx.get(server.url + "/metrics").text
+        routed: dict[str, float] = {}
+        for m in re.finditer(r'shardserve_expert_routed_tokens\{expert="\d+",layer="(\d+)"\} (\S+)', metrics):
+            routed[m.group(1)] = routed.get(m.group(1), 0.0) + float(m.group(2))
+        assert set(routed) == {"0", "1"} and len(set(routed.values())) == 1, routed
+        assert routed["0"] >= 12 * 8 * model.config.num_experts_per_tok  # at least every generated token's pairs
+        assert "shardserve_engine_empty_steps" in metrics
         # Replica 1's leader (rank 2) dies mid-request: the server ends with an error naming it.
         assert server.kill_mid_request("scheduler-2") < 30
         log = server.read_log()

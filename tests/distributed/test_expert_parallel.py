@@ -240,8 +240,8 @@ def test_replicas_lower_the_busiest_ranks_expert_load(skewed_moe):
         for name, ranks in runs.items():
             for outs, _, _, _ in ranks:
                 torch.testing.assert_close(outs[layer], ref, rtol=1e-4, atol=1e-4)
-            # Each rank counted the pairs of the tokens it routed: together, the file's counts.
-            assert sum(r[3][layer] for r in ranks).tolist() == hot
+            # Both ranks of the tensor group route every token: each holds the file's counts.
+            assert all(r[3][layer].tolist() == hot for r in ranks)
             computed[name] = [r[2][layer] for r in ranks]
             assert sum(computed[name]) == sum(hot)
         slots = [r[1][layer] for r in runs["replicas"]]

@@ -14,6 +14,7 @@ import time
 import httpx
 import openai
 import pytest
+import zmq
 from test_launch import session_members
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "e2e"))
@@ -79,6 +80,12 @@ class Node:
         return code, left
 
 
+@pytest.fixture(autouse=True)
+def deployment_secret(monkeypatch):
+    """Every launcher of these tests (and the processes it starts) holds the same secret."""
+    monkeypatch.setenv("SHARDSERVE_DIST_SECRET", "multinode-test-secret-0123456789")
+
+
 def grid_flags(path: str, addr: str, rank: int, tp: int = 2, pp: int = 1) -> list[str]:
     return ["serve", "--model", path, "--tp-size", str(tp), "--pp-size", str(pp), "--nnodes", "2", "--node-rank",
             str(rank), "--dist-init-addr", addr, "--num-pages", "64", "--dist-timeout", "20"]
@@ -129,6 +136,12 @@ def test_server_across_two_nodes_matches_one_process(tiny_model, tmp_path, two_h
     client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0)
     got = client.completions.create(model=None, prompt=[5, 6, 7], max_tokens=12, temperature=0).choices[0].text
     assert "on http://" not in node1.read() and "Uvicorn" not in node1.read()  # node 1 serves no HTTP
+    if hosts == "loopback":
+        # Forged messages from a process without the deployment secret: a node failure on the node
+        # channel, a listener on the plan feed. Neither gets through; the server serves on.
+        assert forge(host, int(addr.rsplit(":")[1])) == []
+        again = client.completions.create(model=None, prompt=[5, 6, 7], max_tokens=12, temperature=0)
+        assert again.choices[0].text == got and "forged" not in node0.read()
     node0.proc.send_signal(signal.SIGINT)  # Ctrl-C on node 0 stops node 1 too
     assert node0.finish() == (0, [])
     assert node1.finish() == (0, [])
@@ -139,6 +152,28 @@ def test_server_across_two_nodes_matches_one_process(tiny_model, tmp_path, two_h
     with LLM(path, num_pages=64, show_progress=False) as one:
         want = one.generate([[5, 6, 7]], SamplingParams(max_tokens=12, temperature=0), use_tqdm=False)[0].text
     assert got == want
+
+
+def forge(host: str, port: int) -> list[bytes]:
+    """Send node 0's channel (PORT + 1) a NodeFailed and listen on its plan feed (PORT + 2) for a
+    second, as a process without the secret; what the listener heard."""
+    from shardserve.ipc.messages import NodeFailed, encode
+
+    ctx = zmq.Context()
+    dealer, sub = ctx.socket(zmq.DEALER), ctx.socket(zmq.SUB)
+    for sock in (dealer, sub):
+        sock.setsockopt(zmq.LINGER, 0)
+    dealer.connect(f"tcp://{host}:{port + 1}")
+    sub.setsockopt(zmq.SUBSCRIBE, b"")
+    sub.connect(f"tcp://{host}:{port + 2}")
+    dealer.send(encode(NodeFailed(reason="forged")), zmq.NOBLOCK)
+    heard = []
+    deadline = time.monotonic() + 1.5
+    while time.monotonic() < deadline:
+        if sub.poll(100):
+            heard.append(sub.recv())
+    ctx.destroy(linger=0)
+    return heard
 
 
 LLM_SCRIPT = """

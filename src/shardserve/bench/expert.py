@@ -17,7 +17,8 @@ lines:
 - `redundant` (E > 1): a copy of the model whose gate favours two experts; per-rank expert load
   (token-expert pairs computed) max/mean with the contiguous placement and with E redundant
   experts placed from routing counts recorded at E = 1 (a counts file, as `shardserve
-  record-experts` writes), and whether the tokens stayed the same.
+  record-experts` writes), whether the tokens stayed the same, and the routing counts per layer
+  and expert (token-expert pairs).
 """
 
 from __future__ import annotations
@@ -147,7 +148,8 @@ def run_expert(args: argparse.Namespace) -> int:
             print(json.dumps({"mode": "redundant", "ranks": size, "redundant_experts": size,
                               "same_tokens": stokens == skew_first and rtokens == skew_first,
                               "load_max_over_mean": load_ratio(srec["experts"]),
-                              "load_max_over_mean_with_replicas": load_ratio(rrec["experts"])}), flush=True)
+                              "load_max_over_mean_with_replicas": load_ratio(rrec["experts"]),
+                              "routed_per_layer": _routed(srec["experts"])}), flush=True)
     return 0
 
 

@@ -89,10 +89,9 @@ class ModelRunner:
     def expert_counts(self) -> dict:
         """Routing counts since start-up over this rank's MoE layers (empty for a dense model):
         {"routed": {layer: [pairs its gate sent to each logical expert]}, "computed": {layer:
-        pairs its expert slots computed (its expert load)}}. Under expert parallelism a rank
-        routes only its share of its tensor group's tokens, so the layer's full count is the sum
-        over ranks; without it every rank of a tensor group routes every token, so one rank's
-        count is the full count.
+        pairs its expert slots computed (its expert load)}, and under expert parallelism
+        "rows_to": {layer: rows dispatched to each expert-group rank}}. Every rank of a tensor
+        group routes every token, so one rank's "routed" is its replica's full count.
         """
         moes = [(i, layer.mlp) for i, layer in enumerate(self.model.layers)
                 if isinstance(getattr(layer, "mlp", None), SparseMoE)]

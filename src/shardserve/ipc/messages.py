@@ -8,6 +8,8 @@ process-local state, so rank 0 can later forward them unchanged to other schedul
 
 from __future__ import annotations
 
+import logging
+
 import msgspec
 
 from shardserve.core import SamplingParams
@@ -142,6 +144,8 @@ class Stats(Msg):
     stages: dict = {}  # pipeline stage -> that stage's tensor rank 0's counts by group (StageTraffic.groups)
     replica: int = 0  # which data-parallel replica's leader sent it
     empty_steps: int = 0  # data-parallel attention: steps run with no tokens, to join the other replicas
+    # MoE routing counts of the leader's layers (the first pipeline stage's): layer -> pairs per expert
+    expert_routed: dict[str, list[int]] = {}
 
 
 _SUMMED = ("running", "waiting", "pages_used", "pages_total", "steps", "finished", "preemptions",
@@ -149,8 +153,9 @@ _SUMMED = ("running", "waiting", "pages_used", "pages_total", "steps", "finished
 
 
 def merge_stats(reps: list[Stats]) -> Stats:
-    """Several replicas' stats as one: counts summed, the hit rate over all their prompt tokens;
-    traffic and pipeline stages are replica 0's (rank 0's, as with one replica)."""
+    """Several replicas' stats as one: counts (routing counts too) summed, the hit rate over all
+    their prompt tokens; traffic and pipeline stages are replica 0's (rank 0's, as with one
+    replica)."""
     if len(reps) == 1:
         return reps[0]
     queries = sum(s.prefix_query_tokens for s in reps)
@@ -158,7 +163,16 @@ def merge_stats(reps: list[Stats]) -> Stats:
     return Stats(**{f: sum(getattr(s, f) for s in reps) for f in _SUMMED},
                  prefix_hit_rate=sum(s.prefix_hit_tokens for s in reps) / queries if queries else 0.0,
                  max_in_flight=max(s.max_in_flight for s in reps), traffic=first.traffic, control=first.control,
-                 stages=first.stages)
+                 stages=first.stages, expert_routed=_sum_counts([s.expert_routed for s in reps]))
+
+
+def _sum_counts(per_replica: list[dict[str, list[int]]]) -> dict[str, list[int]]:
+    total: dict[str, list[int]] = {}
+    for counts in per_replica:
+        for layer, row in counts.items():
+            acc = total.get(layer, [0] * len(row))
+            total[layer] = [a + c for a, c in zip(acc, row)]
+    return total
 
 
 class CacheEvents(Msg):
@@ -304,3 +318,14 @@ def encode(msg: Msg) -> bytes:
 
 def decode(data: bytes) -> Msg:
     return _decoder.decode(data)
+
+
+def decode_or_none(data: bytes, where: str) -> Msg | None:
+    """`decode` for channels from other processes: a malformed message is logged and dropped,
+    never allowed to end the process that got it."""
+    try:
+        return _decoder.decode(data)
+    except (msgspec.DecodeError, msgspec.ValidationError) as e:
+        logging.getLogger("shardserve.ipc").warning("dropped a malformed %d-byte message on %s: %s", len(data),
+                                                    where, str(e).splitlines()[0][:200])
+        return None

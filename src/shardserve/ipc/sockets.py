@@ -7,11 +7,11 @@ import os
 import signal
 import socket
 import tempfile
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import zmq
 
-from shardserve.ipc.messages import Msg, decode, encode
+from shardserve.ipc.messages import Msg, decode, decode_or_none, encode
 
 
 @dataclass(frozen=True)
@@ -29,10 +29,14 @@ class Endpoints:
     fanout_tcp: str = ""  # tcp://host:port on node 0, reachable from every node
     results_tcp: str = ""  # likewise: later pipeline stages -> the leader
     dp: int = 1
+    # The deployment secret that keys the TCP channels (ipc/secure.py); never printed.
+    secret: bytes = field(default=b"", repr=False)
 
     @classmethod
-    def create(cls, num_tokenizers: int, fanout_tcp: str = "", results_tcp: str = "", dp: int = 1) -> Endpoints:
-        return cls(tempfile.mkdtemp(prefix="shardserve-"), num_tokenizers, fanout_tcp, results_tcp, dp)
+    def create(cls, num_tokenizers: int, fanout_tcp: str = "", results_tcp: str = "", dp: int = 1,
+               secret: bytes = b"") -> Endpoints:
+        # mkdtemp makes the directory mode 0700: only this user can reach the ipc sockets in it.
+        return cls(tempfile.mkdtemp(prefix="shardserve-"), num_tokenizers, fanout_tcp, results_tcp, dp, secret)
 
     def _addr(self, name: str) -> str:
         return f"ipc://{os.path.join(self.root, name)}"
@@ -122,13 +126,18 @@ def recv(sock: zmq.Socket, timeout_ms: int | None = None) -> Msg | None:
     return decode(sock.recv())
 
 
-def recv_all(sock: zmq.Socket) -> list[Msg]:
+def recv_all(sock: zmq.Socket, where: str = "") -> list[Msg]:
+    """Every message waiting. With `where` (a channel from other machines' processes), malformed
+    ones are logged and dropped instead of raising."""
     out = []
     while True:
         try:
-            out.append(decode(sock.recv(zmq.NOBLOCK)))
+            data = sock.recv(zmq.NOBLOCK)
         except zmq.Again:
             return out
+        msg = decode_or_none(data, where) if where else decode(data)
+        if msg is not None:
+            out.append(msg)
 
 
 def die_with_parent() -> None:

@@ -71,7 +71,7 @@ def endpoints(layout: Layout, node: NodeSpec, num_tokenizers: int, torchrun: boo
     fan-out is TCP on node 0; otherwise an ipc path."""
     remote = layout.nnodes > 1 or torchrun
     return Endpoints.create(num_tokenizers, fanout_tcp=node.fanout if remote else "",
-                            results_tcp=node.results if remote else "", dp=layout.dp)
+                            results_tcp=node.results if remote else "", dp=layout.dp, secret=node.secret)
 
 
 class LocalGrid:

@@ -12,6 +12,10 @@ own and refuses a mismatch (another --nnodes, world size or model), which both s
 Then the launchers exchange heartbeats: node 0 learns when a node is lost (its launcher killed,
 or one of its ranks died, which that launcher reports), node k learns when node 0 is gone or
 tells it to stop (Ctrl-C on node 0 stops every node).
+
+Our three channels are CURVE-secured with the deployment secret (ipc/secure.py), which every node
+must hold (SHARDSERVE_DIST_SECRET or --dist-secret-file): a process without it cannot join, send
+or listen. torch.distributed's own rendezvous and gloo/NCCL connections are torch's and are not.
 """
 
 from __future__ import annotations
@@ -21,12 +25,22 @@ import signal
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import zmq
 
 from shardserve.distributed.layout import Layout, LayoutError
-from shardserve.ipc.messages import NodeBeat, NodeFailed, NodeHello, NodeRefused, NodeStop, NodeWelcome, decode, encode
+from shardserve.ipc.messages import (
+    NodeBeat,
+    NodeFailed,
+    NodeHello,
+    NodeRefused,
+    NodeStop,
+    NodeWelcome,
+    decode_or_none,
+    encode,
+)
+from shardserve.ipc.secure import SECRET_ENV, Gate, connect_secure, serve_secure
 from shardserve.ipc.sockets import bind_address
 from shardserve.launch import LaunchError
 from shardserve.launch.process_tree import ProcessTree
@@ -41,6 +55,7 @@ class NodeSpec:
 
     node_rank: int = 0
     dist_init_addr: str = ""  # host:port of node 0; needed with more than one node
+    secret: bytes = field(default=b"", repr=False)  # keys the TCP channels; never printed
 
     def check(self, layout: Layout) -> None:
         if not 0 <= self.node_rank < layout.nnodes:
@@ -52,6 +67,10 @@ class NodeSpec:
             if not host or not port.isdigit() or not 0 < int(port) <= 65535 - last:
                 raise LayoutError(f"--dist-init-addr must be HOST:PORT (node 0's address, PORT to PORT+{last} free) "
                                   f"with --nnodes {layout.nnodes}, got {self.dist_init_addr!r}")
+            if not self.secret:
+                raise LayoutError(f"--nnodes {layout.nnodes} needs a deployment secret on every node: set "
+                                  f"{SECRET_ENV}, or --dist-secret-file PATH (node 0 creates it if missing; copy it "
+                                  f"to the other nodes)")
 
     def _addr(self, offset: int) -> str:
         host, _, port = self.dist_init_addr.rpartition(":")
@@ -84,10 +103,10 @@ def hello(layout: Layout, node_rank: int, model: str) -> NodeHello:
 
 
 def _mismatch(mine: NodeHello, theirs: NodeHello) -> str | None:
-    for field, flag in (("nnodes", "--nnodes"), ("world", "world size"), ("layout", "layout"), ("model", "model")):
-        if getattr(mine, field) != getattr(theirs, field):
-            return (f"node {theirs.node_rank} was started with {flag} {getattr(theirs, field)} but node 0 runs "
-                    f"{getattr(mine, field)}")
+    for name, flag in (("nnodes", "--nnodes"), ("world", "world size"), ("layout", "layout"), ("model", "model")):
+        if getattr(mine, name) != getattr(theirs, name):
+            return (f"node {theirs.node_rank} was started with {flag} {getattr(theirs, name)} but node 0 runs "
+                    f"{getattr(mine, name)}")
     return None
 
 
@@ -97,11 +116,14 @@ class NodeServer:
     def __init__(self, spec: NodeSpec, mine: NodeHello, layout: Layout, timeout_s: float):
         self.mine, self.layout, self.timeout_s = mine, layout, timeout_s
         self.ctx = zmq.Context()
+        self.gate = Gate(self.ctx, spec.secret)
         self.sock = self.ctx.socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.LINGER, 500)
+        serve_secure(self.sock, spec.secret)
         try:
             self.sock.bind(bind_address(spec.channel))
         except zmq.ZMQError as e:
+            self.gate.stop()
             self.ctx.destroy(linger=0)
             raise LaunchError(f"node 0 cannot listen on {spec.channel} (--dist-init-addr port + 1): {e}") from None
         self.spec = spec
@@ -120,7 +142,7 @@ class NodeServer:
         while len(self.peers) < self.layout.nnodes - 1:
             if self.sock.poll(200):
                 ident, raw = self.sock.recv_multipart()
-                msg = decode(raw)
+                msg = decode_or_none(raw, "the node channel")
                 if isinstance(msg, NodeHello):
                     why = _mismatch(self.mine, msg)
                     if why:
@@ -153,7 +175,7 @@ class NodeServer:
                     self._send(ident, NodeBeat())
                 while self.sock.poll(int(BEAT_S * 1000)):
                     ident, raw = self.sock.recv_multipart()
-                    msg = decode(raw)
+                    msg = decode_or_none(raw, "the node channel")
                     node = next((n for n, i in self.peers.items() if i == ident), None)
                     if node is not None:
                         self.seen[node] = time.monotonic()
@@ -187,6 +209,7 @@ class NodeServer:
         for ident in self.peers.values():
             self._send(ident, NodeStop())
         self.sock.close(linger=500)
+        self.gate.stop()
         self.ctx.term()
 
 
@@ -198,6 +221,7 @@ def run_worker_node(spec: NodeSpec, mine: NodeHello, tree_factory: Callable[[], 
     ctx = zmq.Context()
     sock = ctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 500)
+    connect_secure(sock, spec.secret)
     sock.connect(spec.channel)
     tree: ProcessTree | None = None
     try:
@@ -229,7 +253,7 @@ def _await_welcome(sock: zmq.Socket, spec: NodeSpec, node: int, timeout: float) 
             said = now
             log.info("node %d: waiting for node 0 at %s (--dist-init-addr %s)", node, spec.channel,
                      spec.dist_init_addr)
-    msg = decode(sock.recv())
+    msg = decode_or_none(sock.recv(), "the node channel")
     if isinstance(msg, NodeRefused):
         raise LaunchError(f"node 0 refused node {node}: {msg.reason}")
     if not isinstance(msg, NodeWelcome):
@@ -240,7 +264,7 @@ def _beat_until_stopped(sock: zmq.Socket, tree: ProcessTree, node: int, timeout_
     last_heard = last_beat = time.monotonic()
     while True:
         if sock.poll(int(BEAT_S * 1000)):
-            msg = decode(sock.recv())
+            msg = decode_or_none(sock.recv(), "the node channel")
             last_heard = time.monotonic()
             if isinstance(msg, NodeStop):
                 log.info("node %d: node 0 stopped; stopping this node's ranks", node)

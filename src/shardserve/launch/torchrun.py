@@ -40,9 +40,9 @@ class TorchrunEnv:
     def nnodes(self) -> int:
         return self.world // self.local_world
 
-    def node(self) -> NodeSpec:
+    def node(self, secret: bytes = b"") -> NodeSpec:
         """Our own ports (node channel +1, plan feed +2, results +3) sit beside torchrun's MASTER_PORT."""
-        return NodeSpec(self.rank // self.local_world, f"{self.master_addr}:{self.master_port}")
+        return NodeSpec(self.rank // self.local_world, f"{self.master_addr}:{self.master_port}", secret)
 
 
 def torchrun_env() -> TorchrunEnv | None:
@@ -64,13 +64,13 @@ def torchrun_layout(layout: Layout, env: TorchrunEnv) -> Layout:
     return grid
 
 
-def run_rank_here(cfg: EngineConfig, layout: Layout, env: TorchrunEnv) -> int:
+def run_rank_here(cfg: EngineConfig, layout: Layout, env: TorchrunEnv, secret: bytes = b"") -> int:
     """A process with RANK > 0: run that scheduler rank in this process until rank 0 stops."""
     name = f"scheduler-{env.rank}"
     setup_logging(name)
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: sys.exit(0))
-    ep = Endpoints.create(1, fanout_tcp=env.node().fanout, results_tcp=env.node().results)
+    ep = Endpoints.create(1, fanout_tcp=env.node().fanout, results_tcp=env.node().results, secret=secret)
     try:
         server = rank_server(cfg, ep, RankSpec(env.rank, layout, "env://"))
         logging.getLogger("shardserve.launch").info("%s ready (torchrun rank %d of %d)", name, env.rank, env.world)

@@ -13,9 +13,10 @@ all-reduce over the tensor group then sums the shares (disjoint rows) and the sh
 partial, as under tensor parallelism. With one rank per tensor group (data-parallel attention,
 one rank per replica) that all-reduce is nothing.
 
-Every forward also counts routing, for `shardserve record-experts` and load metrics: `routed`
-(per logical expert, the token-expert pairs this rank's gate chose) and `computed` (the pairs
-this rank's slots computed: its expert load).
+Every forward also counts routing, for `shardserve record-experts` and /metrics: `routed` (per
+logical expert, the token-expert pairs the gate chose for every token of this rank's tensor
+group: its replica's full count) and `computed` (the pairs this rank's slots computed: its
+expert load).
 """
 
 from __future__ import annotations
@@ -130,9 +131,11 @@ class SparseMoE(nn.Module):
             out = self.local_experts(x, experts - self.e0, weights)
         else:
             out = torch.zeros_like(x)
-            a, b = split_range(x.shape[0], self.comm.size, self.comm.rank)  # this rank's share
-            weights, experts = self.route(x[a:b])
-            out[a:b] = self.dispatch(x[a:b], weights, experts, self.local_experts)
+            # Every tensor rank routes every token (the gate is a small matmul), so each holds its
+            # replica's full routing counts, then dispatches only its contiguous share.
+            weights, experts = self.route(x)
+            a, b = split_range(x.shape[0], self.comm.size, self.comm.rank)
+            out[a:b] = self.dispatch(x[a:b], weights[a:b], experts[a:b], self.local_experts)
         self.routed += torch.bincount(experts.flatten(), minlength=self.num_experts)
         if self.shared_expert is not None:
             out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)

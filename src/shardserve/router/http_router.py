@@ -33,8 +33,10 @@ from shardserve.router.workers import WorkerPool, describe, is_down
 # Not forwarded: they describe this hop's connection, not the request. The client's
 # accept-encoding is replaced by identity (TO_WORKER), not just dropped: httpx would then ask for
 # gzip itself, and a compressing worker's stream would no longer be the bytes the worker wrote.
+# Not forwarded: hop-by-hop headers, and the client's Authorization (the router's own key; the
+# workers get theirs from the router's client, --worker-api-key).
 HOP_HEADERS = {"connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "te", "trailer",
-               "transfer-encoding", "upgrade", "host", "content-length", "accept-encoding"}
+               "transfer-encoding", "upgrade", "host", "content-length", "accept-encoding", "authorization"}
 TO_WORKER = {"accept-encoding": "identity"}
 
 

@@ -29,6 +29,7 @@ from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from shardserve.ipc.sockets import listen_socket
+from shardserve.openai_errors import bearer_ok, unauthorized_body
 from shardserve.router.http_router import HTTPRouter, error_response
 from shardserve.router.policy import Router, Thresholds
 from shardserve.router.request_key import KeyMaker
@@ -97,7 +98,9 @@ class _Server(uvicorn.Server):
         log.info("shutting down: %d request%s still in flight cut off", cut, "" if cut == 1 else "s")
 
 
-def build_app(fwd: HTTPRouter, health_interval: float) -> FastAPI:
+def build_app(fwd: HTTPRouter, health_interval: float, api_key: str = "", metrics_require_key: bool = False) -> FastAPI:
+    """`api_key`: what clients must send (as the server's --api-key; /health and /metrics stay open
+    unless `metrics_require_key`)."""
     pool = fwd.pool
 
     @contextlib.asynccontextmanager
@@ -114,6 +117,13 @@ def build_app(fwd: HTTPRouter, health_interval: float) -> FastAPI:
             fwd.keys.close()
 
     app = FastAPI(title="shardserve router", docs_url=None, redoc_url=None, openapi_url=None, lifespan=lifespan)
+
+    @app.middleware("http")
+    async def _auth(request: Request, call_next):
+        guarded = metrics_require_key or request.url.path not in ("/health", "/metrics")
+        if api_key and guarded and not bearer_ok(request.headers.get("authorization"), api_key):
+            return JSONResponse(unauthorized_body(), 401, headers={"WWW-Authenticate": "Bearer"})
+        return await call_next(request)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(_, e: StarletteHTTPException):
@@ -179,7 +189,7 @@ def load_tokenizer_for(model: str | None):
     return tok
 
 
-def make_client(num_workers: int, request_timeout: float) -> httpx.AsyncClient:
+def make_client(num_workers: int, request_timeout: float, worker_key: str = "") -> httpx.AsyncClient:
     # One client for every worker. No cap on connections: each in-flight request holds one, and
     # a pool wait would fail healthy workers; the workers bound their own queues. The read
     # timeout is the longest a worker may stay silent (between stream events, or before a
@@ -187,7 +197,10 @@ def make_client(num_workers: int, request_timeout: float) -> httpx.AsyncClient:
     # the router and its workers.
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=64 * num_workers, keepalive_expiry=30)
     timeout = httpx.Timeout(request_timeout, connect=min(request_timeout, 5.0))
-    return httpx.AsyncClient(limits=limits, timeout=timeout, trust_env=False)
+    # The workers' key goes on every request to them (health checks too); the client's own
+    # Authorization never reaches a worker (http_router.HOP_HEADERS drops it).
+    headers = {"authorization": f"Bearer {worker_key}"} if worker_key else None
+    return httpx.AsyncClient(limits=limits, timeout=timeout, trust_env=False, headers=headers)
 
 
 def run_router(args: argparse.Namespace) -> int:
@@ -204,11 +217,12 @@ def run_router(args: argparse.Namespace) -> int:
     # and thresholds keep their meaning in tokens.
     router = Router(len(args.worker_urls), args.policy, args.page_size, thresholds, max_pages=args.max_tree_pages,
                     units_per_token=1.0 if tokenizer is not None else CHARS_PER_TOKEN)
-    client = make_client(len(args.worker_urls), args.request_timeout)
+    client = make_client(len(args.worker_urls), args.request_timeout, args.worker_api_key)
     pool = WorkerPool(args.worker_urls, router, client, check_timeout=max(1.0, min(5.0, 2 * args.health_interval)))
     fwd = HTTPRouter(pool, KeyMaker(tokenizer), client, args.page_size)
     # uvicorn's own limit comes later: by then every request has had its clean error.
-    config = uvicorn.Config(build_app(fwd, args.health_interval), log_level="info",
+    config = uvicorn.Config(build_app(fwd, args.health_interval, args.api_key, args.metrics_require_key),
+                            log_level="info",
                             timeout_graceful_shutdown=SHUTDOWN_GRACE_S + 3)
     server = _Server(config, fwd)
     logging.getLogger("httpx").setLevel(logging.WARNING)  # not a line per health check and forwarded request

@@ -23,9 +23,9 @@ from shardserve.ipc.messages import PlanEntry, PlanRequest, StageTraffic, Stats,
 from shardserve.kvcache.pages import PageAllocator
 from shardserve.loader.model_path import Checkpoint, resolve_checkpoint
 from shardserve.loader.weights import read_model_config
+from shardserve.scheduler.finish import finish_reason
 from shardserve.scheduler.limits import RequestLimits
 from shardserve.scheduler.scheduler import Scheduler
-from shardserve.text import IncrementalText, find_stop
 
 
 @dataclass
@@ -262,36 +262,11 @@ class EngineCore:
             req.append_token(tok)
             if lp is not None:
                 req.logprobs.append(lp)
-            reason = self._finish_reason(req, tok)
+            reason = finish_reason(req, tok, self.decode, self.max_model_len)
             if reason:
                 self._end(req, reason)
             outputs.append(StepOutput(req, [tok], reason is not None))
         return outputs
-
-    def _finish_reason(self, req: Request, tok: int) -> str | None:
-        p = req.params
-        if tok in p.stop_token_ids:
-            req.stop_reason = tok
-            return "stop"
-        if not p.ignore_eos and tok in req.eos_token_ids:
-            return "stop"
-        if p.stop and self._match_stop_string(req):
-            return "stop"
-        if len(req.output_token_ids) >= p.max_tokens or req.num_tokens >= self.max_model_len:
-            return "length"
-        return None
-
-    def _match_stop_string(self, req: Request) -> bool:
-        # Grow the text a token at a time (O(1) per step, not O(output)); a stop string that
-        # ends in the new characters may begin in older ones.
-        if req.stop_text is None:
-            req.stop_text = IncrementalText()
-        grew = req.stop_text.add(req.output_token_ids[-1:], self.decode, req.params.skip_special_tokens)
-        hit = find_stop(req.stop_text.text, grew, req.params.stop) if grew else None
-        if hit is None:
-            return False
-        req.text_cut, req.stop_reason = hit
-        return True
 
     def stats(self) -> Stats:
         s = self.running_status()
@@ -301,7 +276,8 @@ class EngineCore:
                      steps=self.num_steps, finished=self.num_finished,
                      traffic=self.runner.comm.traffic_report(), control=self.control.traffic_report(),
                      stages=self._stage_traffic(), max_in_flight=self.max_in_flight,
-                     preemptions=self.scheduler.num_preemptions, empty_steps=self.empty_steps)
+                     preemptions=self.scheduler.num_preemptions, empty_steps=self.empty_steps,
+                     expert_routed={str(k): v for k, v in self.runner.expert_counts().get("routed", {}).items()})
 
     def _stage_traffic(self) -> dict:
         if self.runner.stage.count == 1:

@@ -22,7 +22,7 @@ from shardserve.ipc.messages import Msg, ReportReq, Shutdown, StageTraffic, Step
 from shardserve.ipc.sockets import Endpoints
 from shardserve.loader.model_path import resolve_checkpoint
 from shardserve.loader.weights import read_model_config
-from shardserve.scheduler.inbox import Feed
+from shardserve.scheduler.inbox import Feed, connected
 
 log = logging.getLogger(__name__)
 TRAFFIC_INTERVAL = 0.25
@@ -45,14 +45,13 @@ class Follower:
         self.groups = groups
         self.worker = StageWorker(cfg, ckpt, read_model_config(ckpt), groups)
         ctx = zmq.Context.instance()
-        self.feed = Feed(ctx, ep.fanout(groups.coords.dp), groups.control, cfg.dist_timeout)
+        self.feed = Feed(ctx, ep.fanout(groups.coords.dp), groups.control, cfg.dist_timeout, ep.secret)
         stage = self.worker.stage
         self.reports_traffic = stage.count > 1 and not stage.first and groups.tensor.rank == 0
         self.to_leader = None
         if self.worker.samples or self.reports_traffic:
-            self.to_leader = ctx.socket(zmq.PUSH)
+            self.to_leader = connected(ctx, zmq.PUSH, ep.results(groups.coords.dp), ep.secret)
             self.to_leader.setsockopt(zmq.LINGER, 1000)
-            self.to_leader.connect(ep.results(groups.coords.dp))
         self.last_traffic = 0.0
         self.next_mb = 0  # plans are numbered 0, 1, 2, ...: a gap means the feed lost one
 

@@ -6,7 +6,8 @@ while idle, `ReportReq` and `Shutdown`. Every other rank reads them from a SUB s
 Publishing is not a collective: the leader never waits for a slow stage, and a stage waits only
 for the plan it runs next, at most `--dist-timeout`.
 
-Sockets are one machine's ipc paths, or TCP on node 0 when ranks span machines. The sampling rank
+Sockets are one machine's ipc paths, or TCP on node 0 when ranks span machines: then CURVE
+channels that only this deployment's processes can join (ipc/secure.py). The sampling rank
 (last stage, tensor rank 0) and each later stage's tensor rank 0 send results and traffic
 counts back to the leader on a PUSH socket (`Endpoints.results`).
 """
@@ -19,7 +20,8 @@ import torch
 import zmq
 
 from shardserve.distributed.communicator import CollectiveError, Communicator
-from shardserve.ipc.messages import Msg, Tick, decode, encode
+from shardserve.ipc.messages import Msg, Tick, decode_or_none, encode
+from shardserve.ipc.secure import Gate, connect_secure, serve_secure
 from shardserve.ipc.sockets import bind_address, recv_all
 
 SYNC = b"\x00sync"  # published at start-up until every subscriber has seen one; never counted
@@ -30,20 +32,21 @@ class Inbox:
     """The leader's side: requests in, plans out, results back."""
 
     def __init__(self, ctx: zmq.Context, pull_addr: str, fanout_addr: str, results_addr: str | None,
-                 control: Communicator, timeout_s: float):
-        """`results_addr` only with several pipeline stages (None: results are computed here)."""
+                 control: Communicator, timeout_s: float, secret: bytes = b""):
+        """`results_addr` only with several pipeline stages (None: results are computed here);
+        `secret` keys the TCP channels."""
         self.control = control
         self.pull = ctx.socket(zmq.PULL)
         self.pull.bind(pull_addr)
-        self.pub = self.results = None
+        self.pub = self.results = self.gate = None
         self.last_publish = time.monotonic()
         if control.size > 1:
-            self.pub = ctx.socket(zmq.PUB)
+            if fanout_addr.startswith("tcp://"):
+                self.gate = Gate(ctx, _need(secret, fanout_addr))
+            self.pub = _bound(ctx, zmq.PUB, fanout_addr, secret)
             self.pub.setsockopt(zmq.SNDHWM, 0)
-            self.pub.bind(bind_address(fanout_addr))
             if results_addr is not None:
-                self.results = ctx.socket(zmq.PULL)
-                self.results.bind(bind_address(results_addr))
+                self.results = _bound(ctx, zmq.PULL, results_addr, secret)
             _sync(control, timeout_s, self._send_sync, again=True)
 
     def _send_sync(self) -> bool:
@@ -78,20 +81,20 @@ class Inbox:
         """Results and stage traffic that arrived, waiting up to `timeout_ms` for the first."""
         if self.results is None or (timeout_ms and not self.results.poll(timeout_ms)):
             return []
-        return recv_all(self.results)
+        return recv_all(self.results, "the results inbox")
 
 
 class Feed:
     """Every other rank's side: the leader's messages, in order."""
 
-    def __init__(self, ctx: zmq.Context, fanout_addr: str, control: Communicator, timeout_s: float):
+    def __init__(self, ctx: zmq.Context, fanout_addr: str, control: Communicator, timeout_s: float,
+                 secret: bytes = b""):
         self.rank = control.members[control.rank]
         self.leader = control.members[0]
         self.timeout_ms = int(timeout_s * 1000)
-        self.sub = ctx.socket(zmq.SUB)
+        self.sub = connected(ctx, zmq.SUB, fanout_addr, secret)
         self.sub.setsockopt(zmq.RCVHWM, 0)
         self.sub.setsockopt(zmq.SUBSCRIBE, b"")
-        self.sub.connect(fanout_addr)
         _sync(control, timeout_s, self._saw_sync)
 
     def _saw_sync(self) -> bool:
@@ -103,8 +106,31 @@ class Feed:
                 raise CollectiveError(f"rank {self.rank}: nothing from the leader (rank {self.leader}) on the plan "
                                       f"feed within {self.timeout_ms / 1000:.0f} s")
             data = self.sub.recv()
-            if data != SYNC:
-                return decode(data)
+            if data != SYNC and (msg := decode_or_none(data, "the plan feed")) is not None:
+                return msg
+
+
+def _need(secret: bytes, addr: str) -> bytes:
+    if not secret:
+        raise ValueError(f"{addr} is a TCP channel and no deployment secret was given")
+    return secret
+
+
+def _bound(ctx: zmq.Context, kind: int, addr: str, secret: bytes) -> zmq.Socket:
+    sock = ctx.socket(kind)
+    if addr.startswith("tcp://"):
+        serve_secure(sock, _need(secret, addr))
+    sock.bind(bind_address(addr))
+    return sock
+
+
+def connected(ctx: zmq.Context, kind: int, addr: str, secret: bytes) -> zmq.Socket:
+    """A socket connected to one of the leader's channels (CURVE client on TCP)."""
+    sock = ctx.socket(kind)
+    if addr.startswith("tcp://"):
+        connect_secure(sock, _need(secret, addr))
+    sock.connect(addr)
+    return sock
 
 
 def _sync(control: Communicator, timeout_s: float, attempt, again: bool = False) -> None:

@@ -10,8 +10,10 @@ request the engine refuses gets an ErrorOut sent straight to the API. Every othe
 from __future__ import annotations
 
 import dataclasses
+import logging
 import time
 
+import torch
 import zmq
 
 from shardserve.config import EngineConfig
@@ -31,6 +33,7 @@ from shardserve.ipc.messages import (
     TokenOut,
     Wake,
 )
+from shardserve.ipc.secure import SECRET_ENV, new_secret
 from shardserve.ipc.sockets import Endpoints, push, send
 from shardserve.loader.model_path import resolve_checkpoint
 from shardserve.loader.tokenizer import load_tokenizer
@@ -40,6 +43,7 @@ from shardserve.scheduler.follower import Follower, serve_loop
 from shardserve.scheduler.inbox import Inbox
 from shardserve.scheduler.lockstep import Lockstep
 
+log = logging.getLogger(__name__)
 STATS_INTERVAL = 0.25
 IDLE_WAIT_MS = 100
 STALL_WAIT_MS = 100  # every micro-batch slot is in flight: wait this long for a result (or a message)
@@ -68,7 +72,7 @@ class SchedulerServer:
         # After the engine: both sides meet in the same control-group collectives in the same order.
         results = ep.results(self.replica) if groups.layout.pp > 1 else None
         self.inbox = Inbox(ctx, ep.leader(self.replica), ep.fanout(self.replica), results, groups.control,
-                           cfg.dist_timeout)
+                           cfg.dist_timeout, ep.secret)
         self.engine.publish = self.inbox.publish if groups.control.size > 1 else None
         self.engine.results = self.inbox.take_results if groups.layout.pp > 1 else None
         self.to_detok = push(ctx, ep.detokenizer)
@@ -254,7 +258,22 @@ def rank_server(cfg: EngineConfig, ep: Endpoints, spec: RankSpec) -> SchedulerSe
     device = pick_device(cfg.device, spec.layout.local_rank(spec.rank))
     groups = (init_distributed(spec.layout, spec.rank, spec.master, device, cfg.dist_timeout)
               if spec.layout.world > 1 else single_process_groups())
+    ep = with_secret(ep, groups)
     return SchedulerServer(cfg, ep, groups) if groups.control.rank == 0 else Follower(cfg, ep, groups)
+
+
+def with_secret(ep: Endpoints, groups: ParallelGroups) -> Endpoints:
+    """TCP plan feed without a deployment secret (torchrun, nothing set): rank 0 draws one and
+    broadcasts it over the control group (gloo, between the ranks alone) before any channel opens."""
+    if not ep.fanout_tcp or ep.secret:
+        return ep
+    buf = torch.zeros(64, dtype=torch.uint8)
+    if groups.control.rank == 0:
+        buf[:] = torch.frombuffer(bytearray(new_secret()), dtype=torch.uint8)
+        log.warning("no %s set: the ranks' TCP channels are keyed by a secret drawn now and shared over "
+                    "torch.distributed (set one to choose it)", SECRET_ENV)
+    groups.control.broadcast(buf)
+    return dataclasses.replace(ep, secret=bytes(buf.tolist()))
 
 
 def scheduler_main(cfg: EngineConfig, ep: Endpoints, spec: RankSpec) -> None:

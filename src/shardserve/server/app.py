@@ -10,6 +10,7 @@ from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from shardserve.ipc.messages import DetokenizeReq, ErrorOut, TokenizeReq
+from shardserve.openai_errors import bearer_ok, unauthorized_body
 from shardserve.server.client import EngineClient
 from shardserve.server.disconnect import cancel_on_disconnect
 from shardserve.server.errors import APIError, parse_body
@@ -35,6 +36,19 @@ class ServerState:
     max_body: int = 8 * 2**20
     request_timeout: float = 600.0
     sampling_defaults: dict = field(default_factory=dict)  # the model's, for fields a request leaves out
+    api_key: str = field(default="", repr=False)  # "" = open; never printed
+    metrics_require_key: bool = False  # also guard /health and /metrics
+    max_prompts: int = 256  # prompts in one completions request
+    max_stop_strings: int = 16
+    max_stop_length: int = 256  # characters per stop string
+
+    def needs_key(self, path: str) -> bool:
+        if not self.api_key:
+            return False
+        return self.metrics_require_key or path not in OPEN_PATHS
+
+
+OPEN_PATHS = ("/health", "/metrics")  # Prometheus and load balancers probe these without a key
 
 
 def build_app(state: ServerState) -> FastAPI:
@@ -44,6 +58,12 @@ def build_app(state: ServerState) -> FastAPI:
     @app.on_event("startup")
     async def _start() -> None:
         state.client.start()
+
+    @app.middleware("http")
+    async def _auth(request: Request, call_next):
+        if state.needs_key(request.url.path) and not bearer_ok(request.headers.get("authorization"), state.api_key):
+            return JSONResponse(unauthorized_body(), 401, headers={"WWW-Authenticate": "Bearer"})
+        return await call_next(request)
 
     @app.exception_handler(APIError)
     async def _api_error(_, e: APIError):

@@ -157,6 +157,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="this machine's index; node 0 serves HTTP, the others only run their ranks")
     g.add_argument("--dist-init-addr", default="",
                    help="HOST:PORT of node 0 (needed with --nnodes > 1); PORT to PORT+3 must be reachable")
+    g.add_argument("--dist-secret-file", default=None,
+                   help="file holding the deployment secret that keys the channels between nodes (node 0 writes a "
+                        "new one if it is missing; copy it to the other nodes); or set SHARDSERVE_DIST_SECRET")
     g.add_argument("--attention-backend", choices=ATTENTION_BACKENDS, default="auto",
                    help="decode attention: cpu = C kernel over the pages (CPU float32), torch = gather + SDPA, "
                         "auto = cpu where it applies")
@@ -188,9 +191,10 @@ def layout_from_args(args: argparse.Namespace) -> Layout:
 
 
 def node_spec_from_args(args: argparse.Namespace):
+    from shardserve.ipc.secure import deployment_secret
     from shardserve.launch.nodes import NodeSpec  # ZeroMQ and the process tree: not for parsing alone
 
-    return NodeSpec(args.node_rank, args.dist_init_addr)
+    return NodeSpec(args.node_rank, args.dist_init_addr, deployment_secret(args.dist_secret_file, args.node_rank == 0))
 
 
 
@@ -201,4 +205,5 @@ def llm_kwargs(args: argparse.Namespace) -> dict:
             "pp_size": args.pp_size, "dp_size": args.dp_size, "ep_size": args.ep_size,
             "enable_dp_attention": args.enable_dp_attention, "load_balance_method": args.load_balance_method,
             "nnodes": args.nnodes, "node_rank": args.node_rank, "dist_init_addr": args.dist_init_addr,
+            "dist_secret_file": args.dist_secret_file,
             "generation_config": args.generation_config}

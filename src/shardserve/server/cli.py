@@ -7,9 +7,11 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 
 from shardserve.launch import LaunchError
+from shardserve.openai_errors import API_KEY_ENV
 from shardserve.server.args import (
     Parser,
     add_engine_args,
@@ -19,6 +21,8 @@ from shardserve.server.args import (
     positive_float,
     positive_int,
 )
+
+WORKER_KEY_ENV = "SHARDSERVE_WORKER_API_KEY"
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -80,6 +84,11 @@ def add_router_args(p: argparse.ArgumentParser) -> None:
                    help="... and the most loaded carries more than this times the least")
     p.add_argument("--load-weight", type=non_negative_float, default=t.load_weight,
                    help="cache_aware score: cached prompt tokens minus this times outstanding tokens")
+    p.add_argument("--api-key", default=os.environ.get(API_KEY_ENV, ""),
+                   help=f"key clients must send as 'Authorization: Bearer KEY' (default: ${API_KEY_ENV})")
+    p.add_argument("--worker-api-key", default=os.environ.get(WORKER_KEY_ENV, ""),
+                   help=f"key sent to the workers (their --api-key; default: ${WORKER_KEY_ENV})")
+    p.add_argument("--metrics-require-key", action="store_true", help="require the key on /health and /metrics too")
 
 
 def main(argv: list[str] | None = None) -> int:

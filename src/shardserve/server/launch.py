@@ -60,11 +60,11 @@ def serve(args: argparse.Namespace) -> int:
     ckpt = resolve_checkpoint(cfg.model)
     env = torchrun_env()
     if env is not None:  # torchrun started this process as one rank: it decides rank and nodes
-        layout, node = torchrun_layout(layout, env), env.node()
+        layout, node = torchrun_layout(layout, env), env.node(node.secret)
     check_layout(layout, node, ckpt, cfg)
     policy = resolve_policy(args.load_balance_method, layout.dp, layout.dp_attention)
     if env is not None and env.rank > 0:
-        return run_rank_here(cfg, layout, env)
+        return run_rank_here(cfg, layout, env, node.secret)
     if node.node_rank > 0:
         return run_other_node(cfg, layout, node, ckpt.name, args.startup_timeout)
     defaults, origin = generation_defaults(ckpt, args.generation_config)
@@ -118,7 +118,9 @@ def run_http(args, default_name: str, info: dict, ep: Endpoints, grid: LocalGrid
     client = EngineClient(ep, max(1, args.num_tokenizers))
     state = ServerState(client, Metrics(), args.served_model_name or default_name, info["max_model_len"],
                         max_n=args.max_n, max_queued=args.max_queued_requests, max_body=args.max_body_bytes,
-                        sampling_defaults=sampling_defaults)
+                        sampling_defaults=sampling_defaults, api_key=args.api_key,
+                        metrics_require_key=args.metrics_require_key, max_prompts=args.max_prompts,
+                        max_stop_strings=args.max_stop_strings, max_stop_length=args.max_stop_length)
     server = _Server(uvicorn.Config(build_app(state), log_level="info", timeout_graceful_shutdown=5), client)
     failure: list[str] = []
 

@@ -37,6 +37,9 @@ class Metrics:
         self.in_flight = Gauge("shardserve_max_micro_batches_in_flight", "Most micro-batches in flight at once",
                                registry=r)
         self.preemptions = Gauge("shardserve_num_preemptions", "Requests preempted so far", registry=r)
+        self.expert_routed = Gauge("shardserve_expert_routed_tokens", "Token-expert pairs each MoE layer's gate "
+                                   "chose per expert (first pipeline stage's layers), over all replicas",
+                                   ["layer", "expert"], registry=r)
         per = ["replica"]
         self.r_running = Gauge("shardserve_replica_num_requests_running", "Requests running, per data-parallel "
                                "replica", per, registry=r)
@@ -79,6 +82,9 @@ class Metrics:
         self.finished.set(s.finished)
         self.in_flight.set(s.max_in_flight)
         self.preemptions.set(s.preemptions)
+        for layer, row in s.expert_routed.items():
+            for expert, count in enumerate(row):
+                self.expert_routed.labels(layer, expert).set(count)
         for op, rec in s.traffic.items():
             self.comm_calls.labels(op).set(rec["calls"])
             self.comm_bytes.labels(op).set(rec["MB"] * 1e6)

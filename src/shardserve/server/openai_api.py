@@ -69,6 +69,16 @@ class OpenAIHandlers:
                            param="model")
         if not 1 <= body.n <= s.max_n:
             raise APIError(400, f"n must be between 1 and {s.max_n}, got {body.n}", param="n")
+        if count // body.n > s.max_prompts:
+            raise APIError(400, f"{count // body.n} prompts exceed the limit of {s.max_prompts} per request "
+                                f"(--max-prompts)", param="prompt")
+        stops = [body.stop] if isinstance(body.stop, str) else body.stop or []
+        if len(stops) > s.max_stop_strings:
+            raise APIError(400, f"{len(stops)} stop strings exceed the limit of {s.max_stop_strings} "
+                                f"(--max-stop-strings)", param="stop")
+        if any(len(x) > s.max_stop_length for x in stops):
+            raise APIError(400, f"a stop string longer than {s.max_stop_length} characters (--max-stop-length)",
+                           param="stop")
         if s.client.num_active + count > s.max_queued:
             raise APIError(503, "the server is at its queue limit; retry later", headers={"Retry-After": "1"})
 

@@ -3,8 +3,8 @@
 The file (distributed/expert_placement.py's format) is what `--ep-expert-placement` reads to place
 `--ep-num-redundant-experts` copies of the hottest experts. Record on prompts like the traffic the
 server will see: `--prompts FILE` (one prompt per line), else a few built-in ones. Any layout
-works: each layer's count sums the ranks that routed distinct tokens (every rank of an expert
-group routes its own share; under tensor parallelism alone, tensor rank 0 stands for its group).
+works: each layer's count sums the replicas' tensor rank 0s (every rank of a tensor group routes
+all of its tokens, so one stands for the group).
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ def layer_counts(reports: list[dict], layout) -> dict[int, list[int]]:
     """Routing counts per MoE layer over the whole grid, each token counted once."""
     total: dict[int, list[int]] = {}
     for report in reports:
-        if layout.ep == 1 and layout.coords(report["rank"]).tp != 0:
+        if layout.coords(report["rank"]).tp != 0:
             continue  # its tensor group's rank 0 routed the same tokens
         for layer, counts in report.get("experts", {}).get("routed", {}).items():
             acc = total.setdefault(int(layer), [0] * len(counts))

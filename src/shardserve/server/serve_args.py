@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import argparse
+import os
 
+from shardserve.openai_errors import API_KEY_ENV
 from shardserve.server.args import non_negative_int, port_number, positive_float, positive_int
 
 
@@ -18,5 +20,12 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                    help="requests waiting or running beyond which the server answers 503")
     g.add_argument("--max-n", type=positive_int, default=16, help="largest n a request may ask for")
     g.add_argument("--max-body-bytes", type=positive_int, default=8 * 2**20, help="largest request body")
+    g.add_argument("--api-key", default=os.environ.get(API_KEY_ENV, ""),
+                   help=f"require 'Authorization: Bearer KEY' on every request but /health and /metrics (default: "
+                        f"${API_KEY_ENV}; the environment keeps the key out of `ps`)")
+    g.add_argument("--metrics-require-key", action="store_true", help="require the key on /health and /metrics too")
+    g.add_argument("--max-prompts", type=positive_int, default=256, help="largest number of prompts in one request")
+    g.add_argument("--max-stop-strings", type=positive_int, default=16, help="most stop strings in one request")
+    g.add_argument("--max-stop-length", type=positive_int, default=256, help="longest stop string, in characters")
     g.add_argument("--startup-timeout", type=positive_float, default=300.0,
                    help="seconds to wait for workers to be ready")
