@@ -58,7 +58,8 @@ def settled_stats(llm: LLM, idle_replicas: int):
         time.sleep(0.1)
 
 
-@pytest.mark.parametrize("arch,tp,dp", [("qwen3_moe", 2, 2), ("qwen2_moe", 3, 3), ("qwen3_moe", 4, 2)])
+# T 4 x D 2 (two ranks per replica) runs through the server below.
+@pytest.mark.parametrize("arch,tp,dp", [("qwen3_moe", 2, 2), ("qwen2_moe", 3, 3)])
 def test_dp_attention_matches_transformers(tiny_model, arch, tp, dp):
     path, model = tiny_model(arch)
     g = torch.Generator().manual_seed(5)

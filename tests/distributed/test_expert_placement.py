@@ -136,15 +136,15 @@ def test_engine_counts_routing_and_refuses_replicas_without_ep(tiny_model):
 
 
 def test_record_experts_counts_each_token_once_on_any_layout(tiny_model, tmp_path):
-    """`shardserve record-experts` writes every MoE layer's counts; one rank, TP 2 (every rank
-    routes every token) and EP 2 (each routes its share) record the same routing."""
+    """`shardserve record-experts` writes every MoE layer's counts; one rank and EP 2 (two tensor
+    ranks that each route every token, then dispatch a share) record the same routing."""
     from shardserve.server.cli import main
 
     path, model = tiny_model("qwen3_moe")
     prompts = tmp_path / "prompts.txt"
     prompts.write_text("the quick brown fox\njumps over\n\nthe lazy dog\n")
     files = []
-    for i, layout in enumerate(([], ["--tp-size", "2"], ["--tp-size", "2", "--ep-size", "2"])):
+    for i, layout in enumerate(([], ["--tp-size", "2", "--ep-size", "2"])):
         out = tmp_path / f"counts{i}.json"
         argv = ["record-experts", "--model", path, "--output", str(out), "--prompts", str(prompts),
                 "--max-tokens", "6", "--num-pages", "64", *layout]

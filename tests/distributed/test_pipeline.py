@@ -76,10 +76,10 @@ def reference(tiny_model):
 LAYOUTS = [(2, 1), (3, 1), (4, 1), (2, 2)]  # (pp, tp)
 
 
-# PP 2 and TP 2 x PP 2 on every architecture; PP 3 and 4 (uneven splits) on one dense and one
-# MoE architecture (the stage split does not depend on the architecture; CI time).
-MATRIX = [(arch, pp, tp) for arch in ("llama", "qwen3", "qwen3_moe", "qwen2_moe") for pp, tp in LAYOUTS
-          if pp == 2 or arch in ("llama", "qwen2_moe")]
+# TP 2 x PP 2 on every architecture; PP 2, 3 and 4 alone on one dense and one MoE architecture
+# between them (the stage split does not depend on the architecture; CI time).
+MATRIX = [("llama", 2, 1), ("llama", 4, 1), ("llama", 2, 2), ("qwen3", 2, 2), ("qwen3_moe", 2, 2),
+          ("qwen2_moe", 2, 1), ("qwen2_moe", 3, 1), ("qwen2_moe", 2, 2)]
 
 
 @pytest.mark.slow

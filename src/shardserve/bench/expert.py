@@ -58,7 +58,8 @@ def run(path: str, prompts: list[list[int]], args: argparse.Namespace, **layout)
     from shardserve.llm import LLM
 
     params = SamplingParams(max_tokens=args.new_tokens, temperature=0, ignore_eos=True)
-    with LLM(path, isolated=True, dtype=args.dtype, page_size=args.page_size, kv_cache_memory=args.kv_cache_memory,
+    # One rank runs in this process (this benchmark counts bytes and loads, it times nothing).
+    with LLM(path, dtype=args.dtype, page_size=args.page_size, kv_cache_memory=args.kv_cache_memory,
              show_progress=False, **layout) as llm:
         llm.generate([[1] * args.page_size * 2], SamplingParams(max_tokens=2), use_tqdm=False)  # warm-up
         warm_ranks = llm.rank_reports()

@@ -115,6 +115,27 @@ class Communicator:
             work.wait()
         return out
 
+    def ring_exchange(self, sends: list[torch.Tensor], recvs: list[torch.Tensor]) -> list:
+        """Start sending `sends` to the next rank of the ring and filling `recvs` from the previous
+        one (each side's empty tensors skipped: both know every length); returns the work handles
+        for `wait_all`. Counted: one "ring" call, the bytes sent."""
+        nxt, prev = self._global((self.rank + 1) % self.size), self._global((self.rank - 1) % self.size)
+        rec = self.traffic["ring"]
+        rec.calls += 1
+        rec.bytes += sum(t.numel() * t.element_size() for t in sends)
+        ops = [dist.P2POp(dist.isend, t, nxt, self.group) for t in sends if t.numel()]
+        ops += [dist.P2POp(dist.irecv, t, prev, self.group) for t in recvs if t.numel()]
+        return self._run("ring exchange", _batch_p2p, ops) if ops else []
+
+    def wait_all(self, works: list, what: str) -> None:
+        """Wait for started transfers; a failure names this rank, the group and `what`."""
+        try:
+            for work in works:
+                work.wait()
+        except (RuntimeError, ValueError) as e:
+            raise CollectiveError(f"rank {self.members[self.rank]}: {what} on the {self.name} group failed: "
+                                  f"{str(e).splitlines()[0]}") from e
+
     def broadcast(self, t: torch.Tensor, src: int = 0) -> torch.Tensor:
         if self.size == 1:
             return t

@@ -24,7 +24,6 @@ from shardserve.loader.weights import read_model_config
 
 def check_layout(layout: Layout, node: NodeSpec, ckpt: Checkpoint, cfg: EngineConfig) -> None:
     """Refuse, before any process starts, a grid this machine's flags or the model cannot take."""
-    node.check(layout)
     if layout.ep > 1 and layout.dp > 1 and not layout.dp_attention:
         raise LayoutError(f"--ep-size {layout.ep} with --dp-size {layout.dp} needs --enable-dp-attention (independent "
                           f"replicas cannot share an expert all-to-all)")
@@ -35,6 +34,7 @@ def check_layout(layout: Layout, node: NodeSpec, ckpt: Checkpoint, cfg: EngineCo
     if layout.dp > 1 and layout.nnodes > 1:
         raise LayoutError(f"--dp-size {layout.dp} with --nnodes {layout.nnodes} is not supported yet: run one "
                           f"multi-node server per replica and put `shardserve router` in front")
+    node.check(layout)
     mc = read_model_config(ckpt)
     layout.check_model(mc.num_layers, mc.num_heads, mc.num_experts)
     if cfg.ep_num_redundant_experts or cfg.ep_expert_placement:

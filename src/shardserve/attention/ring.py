@@ -1,0 +1,94 @@
+"""Context parallelism's attention: the zigzag split and ring attention merged by log-sum-exp.
+
+A long prompt's tokens are split over the N ranks of the context group. Causal attention work is
+triangular, so a contiguous split would give the last rank 2N-1 times the first rank's work; the
+**zigzag** split cuts the sequence into 2N near-equal pieces and gives rank r pieces r and
+2N-1-r, so every rank does about the same work (`zigzag_ranges`).
+
+**Ring attention**: each rank holds the queries and the K/V of its own tokens. Over N hops every
+rank's K/V block (with the positions of its tokens) travels once around the ring; at each hop a
+rank attends its queries to the block it holds, causally by position, while the next block is
+already on the wire (non-blocking send and receive posted before the compute). The partial
+outputs are merged with their log-sum-exps (`merge`): a row that sees no key in a block has
+log-sum-exp -inf and weight 0, so it changes nothing. Blocks may differ in length (lengths that do
+not divide by 2N, or a rank's share of older context), so the lengths are exchanged once first.
+
+Bytes each rank sends per call: (N-1) x its own block (K and V, plus 8 bytes of position per
+token), counted on the context communicator.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from shardserve.distributed.communicator import Communicator
+
+
+def zigzag_ranges(n: int, ranks: int, rank: int) -> list[tuple[int, int]]:
+    """Rank `rank`'s token ranges [start, end) of a sequence of `n`: pieces rank and 2N-1-rank of
+    2N pieces as even as possible (earlier pieces one longer when n does not divide)."""
+    pieces = 2 * ranks
+    bounds = [i * (n // pieces) + min(i, n % pieces) for i in range(pieces + 1)]
+    mine = [(bounds[rank], bounds[rank + 1]), (bounds[pieces - 1 - rank], bounds[pieces - rank])]
+    return [(a, b) for a, b in mine if b > a]
+
+
+def zigzag_index(n: int, ranks: int, rank: int) -> torch.Tensor:
+    """The positions of rank `rank`'s tokens, ascending."""
+    parts = [torch.arange(a, b) for a, b in zigzag_ranges(n, ranks, rank)]
+    return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.long)
+
+
+def causal_pairs(q_pos: torch.Tensor, k_pos: torch.Tensor) -> int:
+    """Unmasked (query, key) pairs: the attention work of queries at q_pos over keys at k_pos."""
+    return int((k_pos[None, :] <= q_pos[:, None]).sum())
+
+
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor, k_pos: torch.Tensor,
+           scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Causal attention by position, with its log-sum-exp. q [T, H, d]; k, v [S, Hkv, d] (H a
+    multiple of Hkv); positions [T] and [S]. Returns out [T, H, d] and lse [T, H] in float32;
+    a row with no visible key gets out 0 and lse -inf."""
+    group = q.shape[1] // k.shape[1]
+    if group > 1:
+        k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+    scores = torch.einsum("thd,shd->hts", q.float(), k.float()) * scale
+    scores = scores.masked_fill((k_pos[None, :] > q_pos[:, None])[None], float("-inf"))
+    lse = torch.logsumexp(scores, dim=-1)  # [H, T]
+    probs = torch.exp(scores - torch.where(torch.isinf(lse), 0.0, lse)[..., None])
+    out = torch.einsum("hts,shd->thd", probs, v.float())
+    return out, lse.transpose(0, 1).contiguous()
+
+
+def merge(out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor,
+          lse_b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Two partial attentions over disjoint key sets as one: weights exp(lse_i - lse)."""
+    lse = torch.logaddexp(lse_a, lse_b)
+    safe = torch.where(torch.isinf(lse), 0.0, lse)  # both -inf: no key at all, weights 0
+    wa = torch.exp(lse_a - safe).nan_to_num(0.0)[..., None]
+    wb = torch.exp(lse_b - safe).nan_to_num(0.0)[..., None]
+    return out_a * wa + out_b * wb, lse
+
+
+def ring_attention(comm: Communicator, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor,
+                   k_pos: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Causal attention of this rank's queries over every rank's K/V (see the module docstring).
+    Returns (out [T, H, d] in q's dtype, lse [T, H] float32)."""
+    n = comm.size
+    lengths = comm.all_gather(torch.tensor([k.shape[0]], dtype=torch.int64, device=k.device), dim=0).tolist()
+    kv = torch.stack([k, v], dim=1).contiguous()  # [S, 2, Hkv, d]: one send per hop
+    pos = k_pos.to(torch.int64).contiguous()
+    out = lse = None
+    for hop in range(n):
+        pending = []
+        if hop < n - 1:  # post the next block's transfer before computing on this one
+            src = (comm.rank - hop - 1) % n
+            nxt_kv = kv.new_empty((lengths[src], *kv.shape[1:]))
+            nxt_pos = pos.new_empty(lengths[src])
+            pending = comm.ring_exchange([kv, pos], [nxt_kv, nxt_pos])
+        part = attend(q, kv[:, 0], kv[:, 1], q_pos, pos, scale)
+        out, lse = part if out is None else merge(out, lse, *part)
+        if pending:
+            comm.wait_all(pending, "ring attention")
+            kv, pos = nxt_kv, nxt_pos
+    return out.to(q.dtype), lse
