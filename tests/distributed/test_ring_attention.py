@@ -1,7 +1,8 @@
 """Ring attention (context parallelism's core) over 2, 3 and 4 gloo ranks equals one process's
 causal attention, on lengths below 2N, not divisible by 2N and a few hundred; with a later chunk's
-queries over earlier keys spread over the ranks another way; ring bytes equal the arithmetic; the
-zigzag split balances causal work where a contiguous split does not."""
+queries over earlier keys spread over the ranks another way; decode queries over KV spread by page
+and merged with one all-gather; ring bytes equal the arithmetic; the zigzag split balances causal
+work where a contiguous split does not."""
 
 from __future__ import annotations
 
@@ -12,7 +13,15 @@ import torch
 import torch.nn.functional as F
 from ranks import run_ranks
 
-from shardserve.attention.ring import attend, causal_pairs, merge, ring_attention, zigzag_index, zigzag_ranges
+from shardserve.attention.ring import (
+    attend,
+    causal_pairs,
+    merge,
+    merge_across,
+    ring_attention,
+    zigzag_index,
+    zigzag_ranges,
+)
 
 H, HKV, D = 4, 2, 8
 SCALE = 1 / math.sqrt(D)
@@ -47,6 +56,13 @@ def ring_on_rank(comm) -> list:
     keys = torch.cat([older, chunk])
     out, _ = ring_attention(comm, q[chunk], k[keys], v[keys], chunk, keys, SCALE)
     results.append((chunk, out, None))
+    # Decode: 3 new queries at positions 100..102 over 103 keys spread round-robin by page of 8
+    # (positions 96..102 on one rank only); each rank attends to its own part, one merge.
+    q, k, v = inputs(103, 9)
+    mine = torch.tensor([p for p in range(103) if (p // 8) % comm.size == comm.rank], dtype=torch.long)
+    new = torch.arange(100, 103)
+    part, lse = attend(q[new], k[mine], v[mine], new, mine, SCALE)
+    results.append((new, merge_across(comm, part, lse), None))
     return results
 
 
@@ -69,8 +85,12 @@ def test_ring_attention_equals_one_process(ranks):
     q, k, v = inputs(100, 7)
     want = reference(q[40:], k, v, first=40)
     for r in range(ranks):
-        chunk, out, _ = per_rank[r][-1]
+        chunk, out, _ = per_rank[r][-2]
         torch.testing.assert_close(out, want[chunk - 40], rtol=1e-5, atol=1e-5)
+    q, k, v = inputs(103, 9)
+    want = reference(q[100:], k, v, first=100)
+    for r in range(ranks):  # every rank holds the merged decode output
+        torch.testing.assert_close(per_rank[r][-1][1], want, rtol=1e-5, atol=1e-5)
 
 
 def test_merge_of_a_block_no_row_sees_is_the_identity():

@@ -15,6 +15,10 @@ not divide by 2N, or a rank's share of older context), so the lengths are exchan
 
 Bytes each rank sends per call: (N-1) x its own block (K and V, plus 8 bytes of position per
 token), counted on the context communicator.
+
+**Decode** (`merge_across`): a request's KV stays spread over the ranks' pools, so each rank
+attends the new tokens' queries to its own part and one all-gather of the partial outputs and
+log-sum-exps per layer merges them; every rank ends with the full result.
 """
 
 from __future__ import annotations
@@ -92,3 +96,17 @@ def ring_attention(comm: Communicator, q: torch.Tensor, k: torch.Tensor, v: torc
             comm.wait_all(pending, "ring attention")
             kv, pos = nxt_kv, nxt_pos
     return out.to(q.dtype), lse
+
+
+def merge_across(comm: Communicator, out: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
+    """Merge every rank's partial attention of the same queries over its own keys: out [T, H, d]
+    and lse [T, H] (float32, -inf where a rank holds no visible key). One all-gather."""
+    if comm.size == 1:
+        return out
+    t, h, d = out.shape
+    packed = torch.cat([out.float().reshape(t, h * d), lse], dim=1)  # one collective, not two
+    parts = comm.all_gather(packed.unsqueeze(0), dim=0)
+    merged, merged_lse = parts[0, :, : h * d].view(t, h, d), parts[0, :, h * d :]
+    for r in range(1, comm.size):
+        merged, merged_lse = merge(merged, merged_lse, parts[r, :, : h * d].view(t, h, d), parts[r, :, h * d :])
+    return merged.to(out.dtype)

@@ -67,17 +67,21 @@ def _keys(secret: bytes) -> tuple[bytes, bytes]:
 
 def serve_secure(sock: zmq.Socket, secret: bytes) -> None:
     """Make a socket that binds a TCP address a CURVE server (call before bind)."""
-    public, private = _keys(secret)
-    sock.curve_server = True
-    sock.curve_secretkey = private
-    sock.curve_publickey = public
-    sock.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE)
+    _curve(sock, secret, server=True)
 
 
 def connect_secure(sock: zmq.Socket, secret: bytes) -> None:
     """Make a socket that connects to a CURVE server of this deployment (call before connect)."""
+    _curve(sock, secret, server=False)
+
+
+def _curve(sock: zmq.Socket, secret: bytes, server: bool) -> None:
+    # Every process holds the one key pair: a server proves it by its key, a client by its own.
     public, private = _keys(secret)
-    sock.curve_serverkey = public
+    if server:
+        sock.curve_server = True
+    else:
+        sock.curve_serverkey = public
     sock.curve_publickey = public
     sock.curve_secretkey = private
     sock.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE)
