@@ -142,6 +142,7 @@ def test_server_across_two_nodes_matches_one_process(tiny_model, tmp_path, two_h
         assert forge(host, int(addr.rsplit(":")[1])) == []
         again = client.completions.create(model=None, prompt=[5, 6, 7], max_tokens=12, temperature=0)
         assert again.choices[0].text == got and "forged" not in node0.read()
+        assert "refused a peer on the node channel" in node0.read()  # logged, once
     node0.proc.send_signal(signal.SIGINT)  # Ctrl-C on node 0 stops node 1 too
     assert node0.finish() == (0, [])
     assert node1.finish() == (0, [])

@@ -1,4 +1,4 @@
-"""Ring attention (context parallelism's core) over 2, 3 and 4 gloo ranks equals one process's
+"""Ring attention (context parallelism's core) over 2 and 3 gloo ranks equals one process's
 causal attention, on lengths below 2N, not divisible by 2N and a few hundred; with a later chunk's
 queries over earlier keys spread over the ranks another way; decode queries over KV spread by page
 and merged with one all-gather; ring bytes equal the arithmetic; the zigzag split balances causal
@@ -66,7 +66,7 @@ def ring_on_rank(comm) -> list:
     return results
 
 
-@pytest.mark.parametrize("ranks", [2, 3, 4])
+@pytest.mark.parametrize("ranks", [2, 3])  # 3: blocks of uneven length
 def test_ring_attention_equals_one_process(ranks):
     per_rank = run_ranks(ring_on_rank, ranks)
     block_bytes = 2 * HKV * D * 4 + 8  # K and V rows plus a position, per token

@@ -23,13 +23,13 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def test_only_the_deployment_secret_gets_a_message_through():
+def test_only_the_deployment_secret_gets_a_message_through(caplog):
     from shardserve.ipc.secure import Gate, _keys
 
     ctx = zmq.Context()
     addr = f"tcp://127.0.0.1:{free_port()}"
     gate = Gate(ctx, b"the-right-secret-0123456789")
-    inbox = _bound(ctx, zmq.PULL, addr, b"the-right-secret-0123456789")
+    inbox = _bound(ctx, zmq.PULL, addr, b"the-right-secret-0123456789", gate, "the test channel")
     try:
         plain = ctx.socket(zmq.PUSH)  # no CURVE at all
         plain.connect(addr)
@@ -52,6 +52,8 @@ def test_only_the_deployment_secret_gets_a_message_through():
         got += recv_all(inbox, "test")
         assert got == [Tick()]
         assert len(gate.refused) == 1  # the leaked-server-key peer, refused by the Gate (and logged once)
+        assert gate.failed_handshakes >= 2  # the plain socket and the wrong secret, at the handshake
+        assert caplog.text.count("refused a peer on the test channel") == 1
         for sock in (plain, wrong, leaked, right):
             sock.close()
     finally:

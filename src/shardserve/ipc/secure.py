@@ -7,7 +7,8 @@ to them: a forged plan would be run by every rank. So every TCP channel is a CUR
 one key pair is derived from the deployment secret: the binding side is the CURVE server, and a
 ZAP handler (`Gate`) admits only peers presenting the deployment's public key. A peer without the
 secret fails the handshake inside ZeroMQ, before a single byte of its reaches our decoder; it is
-logged once per address. CURVE also encrypts, so prompts in plans cannot be read on the wire.
+logged once per channel (a socket monitor sees the failed handshake; the ZAP handler the rest).
+CURVE also encrypts, so prompts in plans cannot be read on the wire.
 
 Where the secret comes from (`deployment_secret`): SHARDSERVE_DIST_SECRET, or a file
 (`--dist-secret-file`; node 0 writes a fresh one, mode 0600, if it does not exist yet). It never
@@ -20,9 +21,11 @@ import hashlib
 import logging
 import os
 import secrets
+import threading
 
 import zmq
 from zmq.auth.thread import ThreadAuthenticator
+from zmq.utils.monitor import recv_monitor_message
 
 log = logging.getLogger("shardserve.secure")
 SECRET_ENV = "SHARDSERVE_DIST_SECRET"
@@ -88,11 +91,19 @@ def _curve(sock: zmq.Socket, secret: bytes, server: bool) -> None:
 
 
 class Gate:
-    """The ZAP handler of one process's context: admits the deployment's key only."""
+    """The ZAP handler of one process's context: admits the deployment's key only. `watch` also
+    logs (once per channel) peers that fail a socket's CURVE handshake before ZAP is asked: those
+    without the secret, or with another one."""
+
+    HANDSHAKE_FAILED = (zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+                        | zmq.EVENT_HANDSHAKE_FAILED_AUTH)
 
     def __init__(self, ctx: zmq.Context, secret: bytes):
         self.public, _ = _keys(secret)
-        self.refused: set[str] = set()
+        self.refused: set[bytes] = set()
+        self.failed_handshakes = 0
+        self._done = threading.Event()
+        self._threads: list[threading.Thread] = []
         self.auth = ThreadAuthenticator(ctx, log=logging.getLogger("shardserve.zap"))
         self.auth.start()
         self.auth.configure_curve_callback(domain="*", credentials_provider=self)
@@ -105,5 +116,30 @@ class Gate:
             log.warning("refused a connection from a peer without this deployment's secret")
         return ok
 
+    def watch(self, sock: zmq.Socket, channel: str) -> None:
+        monitor = sock.get_monitor_socket(self.HANDSHAKE_FAILED)
+        thread = threading.Thread(target=self._watch, args=(monitor, channel), name=f"gate {channel}", daemon=True)
+        thread.start()
+        self._threads.append(thread)
+
+    def _watch(self, monitor: zmq.Socket, channel: str) -> None:
+        logged = False
+        try:
+            while not self._done.is_set():
+                if monitor.poll(200):
+                    recv_monitor_message(monitor)
+                    self.failed_handshakes += 1
+                    if not logged:
+                        logged = True
+                        log.warning("refused a peer on %s: it failed the secure handshake (no deployment secret, "
+                                    "or another one); further refusals there are not logged", channel)
+        except zmq.ZMQError:
+            pass  # the socket closed under us: nothing left to watch
+        finally:
+            monitor.close(linger=0)
+
     def stop(self) -> None:
+        self._done.set()
+        for thread in self._threads:
+            thread.join(1.0)
         self.auth.stop()

@@ -120,6 +120,7 @@ class NodeServer:
         self.sock = self.ctx.socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.LINGER, 500)
         serve_secure(self.sock, spec.secret)
+        self.gate.watch(self.sock, f"the node channel ({spec.channel})")
         try:
             self.sock.bind(bind_address(spec.channel))
         except zmq.ZMQError as e:

@@ -43,10 +43,10 @@ class Inbox:
         if control.size > 1:
             if fanout_addr.startswith("tcp://"):
                 self.gate = Gate(ctx, _need(secret, fanout_addr))
-            self.pub = _bound(ctx, zmq.PUB, fanout_addr, secret)
+            self.pub = _bound(ctx, zmq.PUB, fanout_addr, secret, self.gate, "the plan feed")
             self.pub.setsockopt(zmq.SNDHWM, 0)
             if results_addr is not None:
-                self.results = _bound(ctx, zmq.PULL, results_addr, secret)
+                self.results = _bound(ctx, zmq.PULL, results_addr, secret, self.gate, "the results inbox")
             _sync(control, timeout_s, self._send_sync, again=True)
 
     def _send_sync(self) -> bool:
@@ -116,10 +116,13 @@ def _need(secret: bytes, addr: str) -> bytes:
     return secret
 
 
-def _bound(ctx: zmq.Context, kind: int, addr: str, secret: bytes) -> zmq.Socket:
+def _bound(ctx: zmq.Context, kind: int, addr: str, secret: bytes, gate: Gate | None = None,
+           channel: str = "") -> zmq.Socket:
     sock = ctx.socket(kind)
     if addr.startswith("tcp://"):
         serve_secure(sock, _need(secret, addr))
+        if gate is not None:
+            gate.watch(sock, f"{channel} ({addr})")
     sock.bind(bind_address(addr))
     return sock
 
