@@ -49,7 +49,8 @@ class LLM:
     page_size, pp_layer_partition, pp_micro_batches, ...); `tp_size=T` and `pp_size=P` run the
     model over T x P scheduler processes (P pipeline stages of T tensor ranks); `dp_size=D` runs D
     such replicas behind a router (`load_balance_method`: cache_aware, least_load, round_robin); `ep_size=E`
-    splits MoE experts over E ranks with all-to-all dispatch (E = tp_size for now);
+    splits MoE experts over E ranks with all-to-all dispatch (E = tp_size for now); `cp_size=C`
+    spreads each prompt's tokens and KV pages over C ranks (context parallelism, x tp_size);
     `enable_dp_attention=True` (with dp_size=D) runs attention in D lockstep replicas of tp_size / D
     ranks and the MoE layers expert-parallel over all tp_size ranks (SGLang's meaning); `isolated=True`
     uses a scheduler process even for one rank (as the server does). `generation_config` says
@@ -57,13 +58,13 @@ class LLM:
     'none', or a directory with a generation_config.json."""
 
     def __init__(self, model: str | None = None, tp_size: int = 1, pp_size: int = 1, dp_size: int = 1,
-                 ep_size: int = 1, enable_dp_attention: bool = False, load_balance_method: str | None = None,
-                 isolated: bool = False,
+                 ep_size: int = 1, cp_size: int = 1, enable_dp_attention: bool = False,
+                 load_balance_method: str | None = None, isolated: bool = False,
                  generation_config: str = "auto", nnodes: int = 1, node_rank: int = 0, dist_init_addr: str = "",
                  dist_secret_file: str | None = None,
                  startup_timeout: float = 600.0, **kwargs):
         self.layout = Layout.from_sizes(tp=tp_size, pp=pp_size, dp=dp_size, ep=ep_size, nnodes=nnodes,
-                                        dp_attention=enable_dp_attention)
+                                        dp_attention=enable_dp_attention, cp=cp_size)
         policy = resolve_policy(load_balance_method, dp_size, enable_dp_attention)
         self.node = NodeSpec(node_rank, dist_init_addr, deployment_secret(dist_secret_file, node_rank == 0))
         if kwargs.get("pp_layer_partition") is not None:

@@ -60,6 +60,73 @@ def test_kernel_matches_reference(heads, kv_of_q, dim, page_size):
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
 
 
+def tables_of(page_lists):
+    """Block tables by hand: build_metadata wants at least one token per sequence."""
+    width = max(1, max(len(p) for p in page_lists))
+    return torch.tensor([p + [0] * (width - len(p)) for p in page_lists], dtype=torch.long)
+
+
+def reference_lse(q, k_cache, v_cache, tables, lens, kv_of_q, page_size, scale):
+    """out and log-sum-exp of the scaled scores in float64; empty contexts give 0 and -inf."""
+    b, h, d = q.shape
+    out, lse = torch.zeros(b, h, d, dtype=torch.float64), torch.empty(b, h, dtype=torch.float64)
+    for i, n in enumerate(lens.tolist()):
+        pos = torch.arange(n)
+        slots = tables[i][pos // page_size] * page_size + pos % page_size
+        k = k_cache[slots][:, kv_of_q].transpose(0, 1).double()  # [H, n, D]
+        v = v_cache[slots][:, kv_of_q].transpose(0, 1).double()
+        s = scale * torch.einsum("hd,hnd->hn", q[i].double(), k)
+        lse[i] = torch.logsumexp(s, dim=1)
+        if n:
+            out[i] = torch.einsum("hn,hnd->hd", torch.softmax(s, dim=1), v)
+    return out, lse
+
+
+@pytest.mark.parametrize("heads,kv_of_q,dim,page_size", [
+    (5, (0, 0, 0, 1, 1), 24, 3),    # uneven groups, scalar path
+    (9, (0, 0, 0, 1, 1, 1, 2, 2, 2), 64, 16),  # vector path
+])
+def test_kernel_lse_and_empty_contexts(heads, kv_of_q, dim, page_size):
+    """Empty contexts amid sequences spanning several pages, the last one partly filled."""
+    lens = [0, 2 * page_size + 1, 0, 1, 5 * page_size - 1, 0, 3 * page_size]
+    q, kc, vc, page_lists = random_case(heads, kv_of_q, dim, page_size, lens, seed=2)
+    tables, ctx, kv = tables_of(page_lists), torch.tensor(lens), torch.tensor(kv_of_q)
+    scale = dim**-0.5
+    lse = torch.full((len(lens), heads), float("nan"))
+    out = torch.full((len(lens), heads, dim), float("nan"))
+    got = cpu_kernel.paged_decode(q, kc, vc, tables, ctx, kv, page_size, scale, out=out, lse=lse)
+    assert got is out
+    want_out, want_lse = reference_lse(q, kc, vc, tables, ctx, kv, page_size, scale)
+    empty = ctx == 0
+    assert torch.all(lse[empty] == float("-inf")) and torch.all(out[empty] == 0)
+    torch.testing.assert_close(out, want_out.float(), atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(lse[~empty], want_lse[~empty].float(), atol=1e-4, rtol=1e-4)
+    # Only empty sequences: no scores at all, still no NaN.
+    cpu_kernel.paged_decode(q[:2], kc, vc, tables[[0, 2]], ctx[[0, 2]], kv, page_size, scale, out=out[:2],
+                            lse=lse[:2])
+    assert torch.all(out[:2] == 0) and torch.all(lse[:2] == float("-inf"))
+
+
+def test_partial_attentions_merge_by_lse():
+    """Each sequence's pages split between two "ranks" (one holding none for some): merging the
+    partial outputs by their lse gives the whole attention."""
+    heads, kv_of_q, dim, ps = 6, (0, 0, 0, 0, 1, 1), 32, 4
+    lens = [3, 13, 20]
+    q, kc, vc, page_lists = random_case(heads, kv_of_q, dim, ps, lens, seed=3)
+    kv, scale = torch.tensor(kv_of_q), dim**-0.5
+    whole = cpu_kernel.paged_decode(q, kc, vc, tables_of(page_lists), torch.tensor(lens), kv, ps, scale)
+    outs, lses = [], []
+    for part in (slice(0, 2), slice(2, None)):  # first two pages, the rest
+        pages = [p[part] for p in page_lists]
+        n = [max(0, min(len(p) * ps, length - (part.start * ps))) for p, length in zip(pages, lens)]
+        lse = torch.empty(len(lens), heads)
+        outs.append(cpu_kernel.paged_decode(q, kc, vc, tables_of(pages), torch.tensor(n), kv, ps, scale, lse=lse))
+        lses.append(lse)
+    lse = torch.stack(lses)  # [2, B, H]
+    merged = (torch.stack(outs) * torch.exp(lse - torch.logsumexp(lse, dim=0)).unsqueeze(-1)).sum(0)
+    torch.testing.assert_close(merged, whole, atol=1e-5, rtol=1e-5)
+
+
 def test_backends_agree_on_a_mixed_batch():
     """Decodes and a prefill chunk with context in one step: both decode paths, same output and
     the same cache writes."""

@@ -57,9 +57,9 @@ def test_shared_page_freed_by_last_reference() -> None:
 def test_allocation_failure_takes_nothing() -> None:
     alloc = PageAllocator(5, PAGE)
     held = alloc.allocate(3)
-    refs, free = list(alloc.refs), list(alloc.free)
+    refs, free = list(alloc.refs), list(alloc.pools[0])
     assert alloc.allocate(3) is None
-    assert alloc.refs == refs and list(alloc.free) == free
+    assert alloc.refs == refs and list(alloc.pools[0]) == free
     assert alloc.allocate(2) is not None and alloc.allocate(1) is None
     alloc.release(held)
     assert alloc.num_free == 3
@@ -107,7 +107,7 @@ def test_prefix_match_takes_references() -> None:
     assert alloc.num_used == 0
     hit = alloc.match_prefix(tokens)
     assert hit == pages[:2] and alloc.num_used == 2
-    assert all(p not in alloc.free and alloc.refs[p] == 1 for p in hit)
+    assert all(p not in alloc.pools[0] and alloc.refs[p] == 1 for p in hit)
     assert alloc.match_prefix(tokens) == hit and [alloc.refs[p] for p in hit] == [2, 2]
     # Taken pages are never handed out again while referenced.
     assert not set(alloc.allocate(6)) & set(hit)
@@ -341,3 +341,26 @@ def test_cache_events_net_out_a_page_evicted_and_recomputed_in_one_step() -> Non
     alloc.release(again)
     alloc.allocate(1)
     assert alloc.take_events() == ([], chain)
+
+
+def test_spread_keeps_each_request_balanced_and_chunks_zigzag():
+    # Context parallelism: 4 pools of 8. An 8-page chunk is two pages per pool, zigzag.
+    alloc = PageAllocator(32, PAGE, parts=4)
+    pages = alloc.grow([], 8)
+    assert [alloc.part_of(p) for p in pages] == [0, 1, 2, 3, 3, 2, 1, 0]
+    # A decode's new page goes to the pool holding fewest of the request's pages; on a tie, the
+    # pool with most free pages (another request took two of pool 0's).
+    other = alloc.grow([], 2)
+    assert [alloc.part_of(p) for p in other] == [0, 1]
+    one = alloc.grow(pages, 1)
+    assert alloc.part_of(one[0]) == 2
+    pages += one
+    # An uneven chunk after it tops the other pools up first.
+    more = alloc.grow(pages, 3)
+    held = [sum(alloc.part_of(p) == i for p in pages + more) for i in range(4)]
+    assert held == [3, 3, 3, 3]
+    # Short in one pool: nothing is taken.
+    free = alloc.num_free
+    assert alloc.allocate_parts([3] * 9) is None and alloc.num_free == free
+    alloc.release(pages + more + other)
+    assert alloc.num_free == 32

@@ -98,7 +98,7 @@ def load() -> ctypes.CDLL:
         raise KernelUnavailable(f"cannot load {path}: {e}") from e
     fn = lib.paged_decode_f32
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
-    fn.argtypes = [ptr, i64, ptr, ptr, ptr, i64, ptr, ptr, ptr, i64, i64, i64, i64, i64, ctypes.c_float,
+    fn.argtypes = [ptr, i64, ptr, ptr, ptr, i64, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, ctypes.c_float,
                    ctypes.c_int]
     fn.restype = ctypes.c_int
     return lib
@@ -110,9 +110,12 @@ def supports(device: torch.device, dtype: torch.dtype) -> bool:
 
 def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                  context_lens: torch.Tensor, kv_of_q: torch.Tensor, page_size: int, scale: float,
-                 out: torch.Tensor | None = None) -> torch.Tensor:
+                 out: torch.Tensor | None = None, lse: torch.Tensor | None = None) -> torch.Tensor:
     """q: [B, H, D] (rows may be strided); caches [slots, Hkv, D]; block_tables [B, P] and
-    context_lens [B] int64; kv_of_q [H] int64. Writes and returns out [B, H, D] (contiguous)."""
+    context_lens [B] int64 (0 allowed: zero out rows); kv_of_q [H] int64. Writes and returns
+    out [B, H, D] (contiguous). With `lse` (contiguous float32 [B, H]) also writes each row's
+    log(sum_t exp(scale * q . k_t)), -inf for an empty context, for merging partial attentions
+    over disjoint key sets: out = sum_i out_i * exp(lse_i - logsumexp_i(lse_i))."""
     b, h, d = q.shape
     if q.stride(2) != 1 or q.stride(1) != d:
         q = q.contiguous()
@@ -120,10 +123,12 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     if out is None:
         out = torch.empty(b, h, d, dtype=q.dtype, device=q.device)
     assert out.is_contiguous() and out.shape == (b, h, d)
+    if lse is not None:
+        assert lse.is_contiguous() and lse.dtype == torch.float32 and lse.shape == (b, h)
     rc = load().paged_decode_f32(
         q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), block_tables.data_ptr(),
         block_tables.shape[1], context_lens.data_ptr(), kv_of_q.data_ptr(), out.data_ptr(),
-        b, h, k_cache.shape[1], d, page_size, scale, torch.get_num_threads())
+        None if lse is None else lse.data_ptr(), b, h, k_cache.shape[1], d, page_size, scale, torch.get_num_threads())
     if rc != 0:
         raise MemoryError("paged_decode: out of memory for attention scores")
     return out

@@ -49,19 +49,43 @@ def causal_pairs(q_pos: torch.Tensor, k_pos: torch.Tensor) -> int:
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor, k_pos: torch.Tensor,
-           scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """Causal attention by position, with its log-sum-exp. q [T, H, d]; k, v [S, Hkv, d] (H a
-    multiple of Hkv); positions [T] and [S]. Returns out [T, H, d] and lse [T, H] in float32;
-    a row with no visible key gets out 0 and lse -inf."""
-    group = q.shape[1] // k.shape[1]
-    if group > 1:
-        k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+           scale: float, kv_of_q: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Causal attention by position, with its log-sum-exp. q [T, H, d]; k, v [S, Hkv, d]; query
+    head h reads KV head kv_of_q[h] (default: groups of H / Hkv); positions [T] and [S]. Returns
+    out [T, H, d] and lse [T, H] in float32; a row with no visible key gets out 0 and lse -inf."""
+    t, h = q.shape[:2]
+    if t == 0 or k.shape[0] == 0:
+        return q.new_zeros(q.shape, dtype=torch.float32), q.new_full((t, h), float("-inf"), dtype=torch.float32)
+    if kv_of_q is None:
+        kv_of_q = torch.arange(h, device=q.device) // (h // k.shape[1])
+    if k.shape[1] != h:
+        k, v = k.index_select(1, kv_of_q), v.index_select(1, kv_of_q)
+    visible = k_pos[None, :] <= q_pos[:, None]  # [T, S]
+    if q.device.type == "cpu":  # torch's CPU flash kernel returns the log-sum-exp; ~10x the math path
+        out, lse = _flash_cpu(q, k, v, visible, scale)
+    else:
+        out, lse = _math(q, k, v, visible, scale)
+    blind = ~visible.any(dim=1)  # rows that see no key here: weight 0 in any merge
+    if bool(blind.any()):
+        lse = lse.masked_fill(blind[:, None], float("-inf"))
+        out = out.masked_fill(blind[:, None, None], 0.0)
+    return out, lse
+
+
+def _flash_cpu(q, k, v, visible, scale) -> tuple[torch.Tensor, torch.Tensor]:
+    bias = torch.zeros(visible.shape, dtype=q.dtype).masked_fill(~visible, float("-inf"))
+    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+        q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None], 0.0, False,
+        attn_mask=bias, scale=scale)
+    return out[0].transpose(0, 1).float(), lse[0].transpose(0, 1).float()
+
+
+def _math(q, k, v, visible, scale) -> tuple[torch.Tensor, torch.Tensor]:
     scores = torch.einsum("thd,shd->hts", q.float(), k.float()) * scale
-    scores = scores.masked_fill((k_pos[None, :] > q_pos[:, None])[None], float("-inf"))
+    scores = scores.masked_fill(~visible[None], float("-inf"))
     lse = torch.logsumexp(scores, dim=-1)  # [H, T]
     probs = torch.exp(scores - torch.where(torch.isinf(lse), 0.0, lse)[..., None])
-    out = torch.einsum("hts,shd->thd", probs, v.float())
-    return out, lse.transpose(0, 1).contiguous()
+    return torch.einsum("hts,shd->thd", probs, v.float()), lse.transpose(0, 1).contiguous()
 
 
 def merge(out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor,
@@ -75,11 +99,14 @@ def merge(out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor,
 
 
 def ring_attention(comm: Communicator, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor,
-                   k_pos: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+                   k_pos: torch.Tensor, scale: float, kv_of_q: torch.Tensor | None = None,
+                   lengths: list[int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Causal attention of this rank's queries over every rank's K/V (see the module docstring).
+    `lengths`: every rank's number of keys, when the caller knows them (else one all-gather).
     Returns (out [T, H, d] in q's dtype, lse [T, H] float32)."""
     n = comm.size
-    lengths = comm.all_gather(torch.tensor([k.shape[0]], dtype=torch.int64, device=k.device), dim=0).tolist()
+    if lengths is None:
+        lengths = comm.all_gather(torch.tensor([k.shape[0]], dtype=torch.int64, device=k.device), dim=0).tolist()
     kv = torch.stack([k, v], dim=1).contiguous()  # [S, 2, Hkv, d]: one send per hop
     pos = k_pos.to(torch.int64).contiguous()
     out = lse = None
@@ -90,7 +117,7 @@ def ring_attention(comm: Communicator, q: torch.Tensor, k: torch.Tensor, v: torc
             nxt_kv = kv.new_empty((lengths[src], *kv.shape[1:]))
             nxt_pos = pos.new_empty(lengths[src])
             pending = comm.ring_exchange([kv, pos], [nxt_kv, nxt_pos])
-        part = attend(q, kv[:, 0], kv[:, 1], q_pos, pos, scale)
+        part = attend(q, kv[:, 0], kv[:, 1], q_pos, pos, scale, kv_of_q)
         out, lse = part if out is None else merge(out, lse, *part)
         if pending:
             comm.wait_all(pending, "ring attention")

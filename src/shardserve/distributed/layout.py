@@ -56,12 +56,15 @@ class Layout:
 
     @classmethod
     def from_sizes(cls, tp: int = 1, pp: int = 1, dp: int = 1, ep: int = 1, nnodes: int = 1,
-                   dp_attention: bool = False) -> Layout:
+                   dp_attention: bool = False, cp: int = 1) -> Layout:
         """The grid the user's flags describe. With `dp_attention`, `tp` counts every rank (SGLang's
         meaning): dp replicas of tp / dp ranks each, and the MoE layers' experts split over all tp
         ranks (ep defaults to tp)."""
+        if cp > 1 and (ep > 1 or dp_attention):
+            raise LayoutError(f"--cp-size {cp} with {'--enable-dp-attention' if dp_attention else '--ep-size'} is "
+                              f"not supported: context parallelism runs with tensor, pipeline and data parallelism")
         if not dp_attention:
-            return cls(tp=tp, pp=pp, dp=dp, ep=ep, nnodes=nnodes)
+            return cls(tp=tp, pp=pp, dp=dp, ep=ep, nnodes=nnodes, cp=cp)
         if dp < 2:
             raise LayoutError("--enable-dp-attention needs --dp-size > 1 (the number of attention replicas)")
         if tp % dp:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -27,6 +28,9 @@ from shardserve.loader.weights import checkpoint_sources, load_weights
 from shardserve.models.registry import model_class
 from shardserve.platform import available_memory, pick_device
 
+if TYPE_CHECKING:
+    from shardserve.engine.context_inputs import ContextStep
+
 log = logging.getLogger(__name__)
 
 
@@ -39,6 +43,7 @@ class StepInputs:
     decodes: list[tuple[list[int], int]]  # (pages, context length)
     prefills: list[tuple[list[int], int, int]]  # (pages, tokens, context length after them)
     logit_rows: list[int]  # rows that need logits (sampled, then prompt-scored)
+    context: ContextStep | None = None  # context parallelism: this rank's rows (then the above are unused)
 
 
 class ModelRunner:
@@ -142,13 +147,26 @@ class ModelRunner:
     def forward(self, step: StepInputs, hidden: torch.Tensor | None = None) -> torch.Tensor:
         """The first stage embeds `step.token_ids`, a later one continues from `hidden`. Returns the
         residual stream to send on, or on the last stage the logits of `step.logit_rows`."""
-        meta = build_metadata(self.cfg.page_size, step.decodes, step.prefills, self.device, self.paged_decode)
+        cp = step.context
+        meta = cp.meta if cp else build_metadata(self.cfg.page_size, step.decodes, step.prefills, self.device,
+                                                 self.paged_decode)
         ctx = ForwardContext(self.kv_views, meta)
         pos = torch.tensor(step.positions, dtype=torch.long, device=self.device)
         ids = torch.tensor(step.token_ids, dtype=torch.long, device=self.device) if self.stage.first else None
         out = self.model(ids, pos, ctx, hidden)
         if not self.stage.last:
             return out
+        if cp:
+            return self._context_logits(out, cp)
         # Only rows that sample (or score a prompt) need logits: the LM head is the largest matmul.
         rows = torch.tensor(step.logit_rows, dtype=torch.long, device=self.device)
         return self.model.compute_logits(out.index_select(0, rows))
+
+    def _context_logits(self, out: torch.Tensor, cp: ContextStep) -> torch.Tensor:
+        """The rows that need logits live on the context ranks that computed them: gather them in
+        plan order; only context rank 0 (where the sampler is) runs the LM head."""
+        comm = self.groups.context
+        hidden = out.index_select(0, cp.logit_rows)
+        if sum(cp.counts):
+            hidden = comm.all_gather(hidden, dim=0, sizes=cp.counts).index_select(0, cp.order)
+        return self.model.compute_logits(hidden) if comm.rank == 0 else hidden[:0]

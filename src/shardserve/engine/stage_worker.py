@@ -20,6 +20,7 @@ from shardserve.config import EngineConfig, ModelConfig
 from shardserve.core import Request
 from shardserve.distributed.groups import ParallelGroups
 from shardserve.distributed.pipeline import StageLink, stage_of
+from shardserve.engine.context_inputs import ContextSplit
 from shardserve.engine.model_runner import ModelRunner, StepInputs
 from shardserve.engine.sampler import Sampler, score_prompt
 from shardserve.ipc.messages import StepPlan, StepResult
@@ -35,7 +36,10 @@ class StageWorker:
         self.micro_batches = (cfg.pp_micro_batches or layout.pp) if layout.pp > 1 else 1
         self.runner = ModelRunner(cfg, ckpt, model_cfg, groups, stage)
         self.stage, self.hidden_size = stage, model_cfg.hidden_size
-        self.samples = stage.last and groups.tensor.rank == 0
+        self.samples = stage.last and groups.tensor.rank == 0 and groups.context.rank == 0
+        r = self.runner
+        self.split = (ContextSplit(groups.context, r.num_pages, cfg.page_size, r.device, stage.first, r.paged_decode)
+                      if groups.context.size > 1 else None)
         self.link = (StageLink(groups.pipeline, stage, cfg.dist_timeout, self.micro_batches)
                      if stage.count > 1 else None)
         self.pages: dict[str, list[int]] = {}
@@ -62,6 +66,8 @@ class StageWorker:
         for rid in plan.done:
             self.pages.pop(rid, None)
             self.sampling.pop(rid, None)
+            if self.split is not None:
+                self.split.forget(rid)
         for r in plan.new:
             self.pages[r.rid] = []
             if self.samples:
@@ -69,12 +75,17 @@ class StageWorker:
                 self.sampling[r.rid] = Request(r.rid, r.prompt, r.params, generator=gen)
 
     def _inputs(self, plan: StepPlan) -> StepInputs:
-        step = StepInputs([], [], [], [], [])
-        sample_rows, score_rows, offset = [], [], 0
         for e in plan.entries:
             pages = self.pages[e.rid]
             del pages[e.page_base:]
             pages.extend(e.new_pages)
+        if self.split is not None:
+            ids, positions, context = self.split.inputs(plan.entries, self.pages)
+            return StepInputs(ids, positions, [], [], [], context)
+        step = StepInputs([], [], [], [], [])
+        sample_rows, score_rows, offset = [], [], 0
+        for e in plan.entries:
+            pages = self.pages[e.rid]
             n = len(e.token_ids)
             end = e.start + n
             if self.stage.first:

@@ -12,6 +12,11 @@ digest intact, where a later request with the same prefix can take them back (a 
 from whose front allocation evicts when no never-used page is left. This is the chained-hash
 design of vLLM's v1 block manager rather than a radix tree: lookups are one dict probe per page
 and eviction order falls out of the free queue.
+
+Under context parallelism the allocator serves N pools at once (`parts`, one per context rank):
+page id `part * pages_per_part + local page`, so plans, prefix hits and digests keep one global
+id per page while each pool has its own free queue. Which pool a request's next page comes from
+is `kvcache/spread.py`'s rule.
 """
 
 from __future__ import annotations
@@ -19,6 +24,8 @@ from __future__ import annotations
 import hashlib
 from array import array
 from collections import OrderedDict
+
+from shardserve.kvcache.spread import place
 
 ROOT = b""  # the parent digest of a sequence's first page
 
@@ -42,10 +49,16 @@ def page_hashes(tokens: list[int], page_size: int, parent: bytes = ROOT) -> list
 class PageAllocator:
     """Hands out page ids; with `prefix_cache` it also remembers full pages by content hash."""
 
-    def __init__(self, num_pages: int, page_size: int, prefix_cache: bool = True):
+    def __init__(self, num_pages: int, page_size: int, prefix_cache: bool = True, parts: int = 1):
+        """`num_pages` in all; with `parts` > 1 they are that many equal pools (context ranks)."""
+        if num_pages % parts:
+            raise ValueError(f"{num_pages} pages do not split into {parts} equal pools")
         self.num_pages, self.page_size, self.prefix_cache = num_pages, page_size, prefix_cache
+        self.parts, self.pages_per_part = parts, num_pages // parts
         self.refs = [0] * num_pages
-        self.free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_pages))
+        per = self.pages_per_part
+        self.pools: list[OrderedDict[int, None]] = [OrderedDict.fromkeys(range(i * per, (i + 1) * per))
+                                                    for i in range(parts)]
         self.hash_of: dict[int, bytes] = {}  # page -> digest
         self.page_of: dict[bytes, int] = {}  # digest -> page
         self.content: dict[int, tuple[bytes, tuple[int, ...]]] = {}  # page -> (parent digest, tokens)
@@ -76,23 +89,49 @@ class PageAllocator:
 
     @property
     def num_free(self) -> int:
-        return len(self.free)
+        return sum(len(pool) for pool in self.pools)
 
     @property
     def num_used(self) -> int:
-        return self.num_pages - len(self.free)
+        return self.num_pages - self.num_free
 
-    def allocate(self, n: int) -> list[int] | None:
-        """n pages, or None (and nothing taken) if fewer than n are free."""
-        if n > len(self.free):
+    def part_of(self, page: int) -> int:
+        return page // self.pages_per_part
+
+    def free_in(self, part: int) -> int:
+        return len(self.pools[part])
+
+    def allocate(self, n: int, part: int = 0) -> list[int] | None:
+        """n pages of pool `part`, or None (and nothing taken) if fewer than n are free there."""
+        pool = self.pools[part]
+        if n > len(pool):
             return None
         pages = []
         for _ in range(n):
-            page, _ = self.free.popitem(last=False)
+            page, _ = pool.popitem(last=False)
             self._forget(page)
             self.refs[page] = 1
             pages.append(page)
         return pages
+
+    def grow(self, pages: list[int], need: int) -> list[int] | None:
+        """`need` more pages for a sequence that holds `pages`: from the one pool, or under context
+        parallelism from the pools `spread.place` picks. None (nothing taken) if they are short."""
+        if self.parts == 1:
+            return self.allocate(need)
+        held = [0] * self.parts
+        for page in pages:
+            held[self.part_of(page)] += 1
+        return self.allocate_parts(place(held, [len(pool) for pool in self.pools], need))
+
+    def allocate_parts(self, parts: list[int]) -> list[int] | None:
+        """One page from each listed pool, in order (a request's next pages, `spread.place`), or
+        None and nothing taken if any pool is short."""
+        need = [parts.count(p) for p in range(self.parts)]
+        if any(n > self.free_in(p) for p, n in enumerate(need)):
+            return None
+        taken = {p: iter(self.allocate(n, p)) for p, n in enumerate(need) if n}
+        return [next(taken[p]) for p in parts]
 
     def release(self, pages: list[int]) -> None:
         """Drop one reference to each page; later pages go to the queue first so they are evicted
@@ -100,7 +139,7 @@ class PageAllocator:
         for page in reversed(pages):
             self.refs[page] -= 1
             if self.refs[page] == 0:
-                self.free[page] = None
+                self.pools[self.part_of(page)][page] = None
 
     def match_prefix(self, tokens: list[int]) -> list[int]:
         """Take a reference to the cached pages holding the longest prefix of `tokens`.
@@ -119,7 +158,7 @@ class PageAllocator:
             parent = h
         for page in pages:
             if self.refs[page] == 0:
-                del self.free[page]
+                del self.pools[self.part_of(page)][page]
             self.refs[page] += 1
         return pages
 

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from shardserve.attention.context import ContextAttention, ContextMetadata
 from shardserve.attention.metadata import AttentionMetadata
 from shardserve.attention.torch_backend import TorchAttention
 from shardserve.config import ModelConfig
@@ -23,7 +24,7 @@ class ForwardContext:
     """Per-step inputs every layer may read: the KV cache views and the attention metadata."""
 
     kv_caches: list[tuple[torch.Tensor, torch.Tensor]]  # per layer: ([slots, Hkv, d], same)
-    attn: AttentionMetadata
+    attn: AttentionMetadata | ContextMetadata  # the latter under context parallelism
     rope: tuple[torch.Tensor, torch.Tensor] | None = None  # cos, sin of this step's positions
 
 
@@ -43,6 +44,7 @@ class SelfAttention(nn.Module):
         self.q_norm = RMSNorm(self.d, cfg.rms_norm_eps, dtype, device) if qk_norm else None
         self.k_norm = RMSNorm(self.d, cfg.rms_norm_eps, dtype, device) if qk_norm else None
         self.backend = TorchAttention(self.hq, self.hkv, self.d, self.d**-0.5, shard.kv_of_q, device)
+        self.context = ContextAttention(self.d, self.d**-0.5, self.backend.kv_index)
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         t = x.shape[0]
@@ -52,5 +54,6 @@ class SelfAttention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rotary(q, k, *ctx.rope)
         k_cache, v_cache = ctx.kv_caches[self.layer_idx]
-        o = self.backend.forward(q, k, v, k_cache, v_cache, ctx.attn)
+        backend = self.context if isinstance(ctx.attn, ContextMetadata) else self.backend
+        o = backend.forward(q, k, v, k_cache, v_cache, ctx.attn)
         return self.o_proj(o.reshape(t, self.hq * self.d))

@@ -70,7 +70,9 @@ class EngineCore:
         self.control = self.runner.control
         limit = self.model_cfg.max_position_embeddings
         self.max_model_len = min(cfg.max_model_len or limit, limit)
-        self.allocator = PageAllocator(self.runner.num_pages, cfg.page_size, cfg.enable_prefix_cache)
+        # Context parallelism: one pool per context rank, each request's pages spread over them.
+        cp = groups.context.size
+        self.allocator = PageAllocator(self.runner.num_pages * cp, cfg.page_size, cfg.enable_prefix_cache, parts=cp)
         self.scheduler = Scheduler(self.allocator, cfg.max_num_batched_tokens, cfg.max_running_requests)
         self.decode = decode
         self.eos_ids = tuple(sorted(set(self.model_cfg.eos_token_ids) | set(extra_eos) | self._generation_eos()))
@@ -107,7 +109,7 @@ class EngineCore:
     @property
     def limits(self) -> RequestLimits:
         return RequestLimits(self.vocab_size, self.max_model_len, self.allocator.num_pages, self.cfg.page_size,
-                             self.decode is not None)
+                             self.decode is not None, self.allocator.parts)
 
     def check_request(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
         self.limits.check(prompt_token_ids, params)

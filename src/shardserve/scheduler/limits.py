@@ -13,9 +13,10 @@ class RequestLimits:
 
     vocab_size: int
     max_model_len: int
-    num_pages: int
+    num_pages: int  # in all: under context parallelism, `parts` equal pools
     page_size: int
     has_tokenizer: bool
+    parts: int = 1
 
     def check(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
         """Raise ValueError if the request can never run; nothing is truncated silently."""
@@ -31,6 +32,10 @@ class RequestLimits:
                 f"context of {self.max_model_len} tokens"
             )
         pages = -(-(n + params.max_tokens) // self.page_size)
+        if self.parts > 1 and -(-pages // self.parts) > self.num_pages // self.parts:
+            # kvcache/spread.py keeps a request within a page of even over the pools.
+            raise ValueError(f"request needs {pages} KV pages, {-(-pages // self.parts)} in each of the "
+                             f"{self.parts} context-parallel ranks' pools, which hold {self.num_pages // self.parts}")
         if pages > self.num_pages:
             raise ValueError(f"request needs {pages} KV pages but the pool holds {self.num_pages}")
         if params.stop and not self.has_tokenizer:

@@ -91,7 +91,7 @@ class Scheduler:
         need = -(-num_tokens // self.page_size) - len(req.pages)
         if need <= 0:
             return True
-        pages = self.alloc.allocate(need)
+        pages = self.alloc.grow(req.pages, need)
         if pages is None:
             return False
         req.pages.extend(pages)

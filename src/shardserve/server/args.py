@@ -132,6 +132,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "stages)")
     g.add_argument("--pp-micro-batches", type=positive_int, default=None,
                    help="micro-batches in flight through the pipeline (default: one per stage)")
+    g.add_argument("--cp-size", "--context-parallel-size", dest="cp_size", type=positive_int, default=1,
+                   help="context parallelism: each prompt's tokens and KV pages spread over this many ranks (ring "
+                        "attention for prefill, partial attentions merged for decode), so a context this many "
+                        "times longer than one rank's KV pool fits (x --tp-size ranks in all)")
     g.add_argument("--ep-size", "--expert-parallel-size", dest="ep_size", type=positive_int, default=1,
                    help="expert parallelism: MoE experts split whole over this many ranks (equal to --tp-size for "
                         "now), each token's hidden vector sent to the ranks owning its top-k experts and back "
@@ -187,7 +191,7 @@ def engine_config(args: argparse.Namespace, **overrides) -> EngineConfig:
 def layout_from_args(args: argparse.Namespace) -> Layout:
     """The rank grid the flags describe (LayoutError names the flag when sizes cannot work)."""
     return Layout.from_sizes(tp=args.tp_size, pp=args.pp_size, dp=args.dp_size, ep=args.ep_size, nnodes=args.nnodes,
-                             dp_attention=args.enable_dp_attention)
+                             dp_attention=args.enable_dp_attention, cp=args.cp_size)
 
 
 def node_spec_from_args(args: argparse.Namespace):
@@ -202,7 +206,7 @@ def llm_kwargs(args: argparse.Namespace) -> dict:
     """`LLM(...)` keyword arguments for the engine flags: EngineConfig's fields and the layout."""
     cfg = engine_config(args)
     return {**{f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg)}, "tp_size": args.tp_size,
-            "pp_size": args.pp_size, "dp_size": args.dp_size, "ep_size": args.ep_size,
+            "pp_size": args.pp_size, "dp_size": args.dp_size, "ep_size": args.ep_size, "cp_size": args.cp_size,
             "enable_dp_attention": args.enable_dp_attention, "load_balance_method": args.load_balance_method,
             "nnodes": args.nnodes, "node_rank": args.node_rank, "dist_init_addr": args.dist_init_addr,
             "dist_secret_file": args.dist_secret_file,

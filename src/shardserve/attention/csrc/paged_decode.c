@@ -10,6 +10,9 @@
  * Layouts (row-major): q [B, q_stride] with heads [H, D] at the start of each row;
  * k_cache, v_cache [slots, Hkv, D]; block_tables [B, max_pages]; out [B, H, D].
  * kv_of_q[h] is the kv head that query head h reads (uneven groups allowed).
+ * lse [B, H], when not NULL, gets log(sum_t exp(scale * q . k_t)) of each row, so that partial
+ * attentions over disjoint key sets (context parallelism) can be merged. A sequence with no
+ * context is legal: its out rows are 0 and its lse rows -inf.
  */
 #include <math.h>
 #include <stdint.h>
@@ -107,12 +110,15 @@ static void page_values(const float *p, const float *v, int64_t n, int64_t row_s
         for (int64_t i = 0; i < D; ++i) out[i] += p[t] * v[i];
 }
 
-static void softmax(float *s, int64_t n) {
-    float mx = -INFINITY, sum = 0.f;
-    for (int64_t t = 0; t < n; ++t) mx = s[t] > mx ? s[t] : mx;
+/* Normalizes s[0..n) in place, n >= 1, and returns its log-sum-exp. The max starts at s[0], not
+ * -inf: under -ffast-math the compiler may assume no infinities. */
+static float softmax(float *s, int64_t n) {
+    float mx = s[0], sum = 0.f;
+    for (int64_t t = 1; t < n; ++t) mx = s[t] > mx ? s[t] : mx;
     for (int64_t t = 0; t < n; ++t) { s[t] = expf(s[t] - mx); sum += s[t]; }
     float inv = 1.f / sum;
     for (int64_t t = 0; t < n; ++t) s[t] *= inv;
+    return mx + logf(sum);
 }
 
 /* Prefetch rows [r0, r1) of page `page`'s block, the part of each row this item reads. */
@@ -149,23 +155,28 @@ static void pass(const float *cache, const int64_t *table, int64_t len, const fl
     }
 }
 
-/* One sequence's query heads whose kv head is in [kv0, kv1): scores, softmax, weighted values. */
+/* One sequence's query heads whose kv head is in [kv0, kv1): scores, softmax, weighted values.
+ * lse_row may be NULL. */
 static void one_item(const float *q_row, const float *k_cache, const float *v_cache, const int64_t *table,
-                     int64_t len, const int64_t *kv_of_q, float *out_row, int64_t kv0, int64_t kv1, int64_t H,
-                     int64_t Hkv, int64_t D, int64_t page_size, float scale, float *scores) {
+                     int64_t len, const int64_t *kv_of_q, float *out_row, float *lse_row, int64_t kv0, int64_t kv1,
+                     int64_t H, int64_t Hkv, int64_t D, int64_t page_size, float scale, float *scores) {
     pass(k_cache, table, len, q_row, kv_of_q, out_row, kv0, kv1, H, Hkv, D, page_size, scale, scores, 0);
     for (int64_t h = 0; h < H; ++h) {
         if (kv_of_q[h] < kv0 || kv_of_q[h] >= kv1) continue;
-        softmax(scores + h * len, len);
         memset(out_row + h * D, 0, sizeof(float) * D);
+        /* No keys: the sum of exps is 0. Stored on its own branch, as a constant, since under
+         * -ffast-math computing it (log of 0, 1/0) is not guaranteed to give -inf. */
+        float lse = len > 0 ? softmax(scores + h * len, len) : -INFINITY;
+        if (lse_row) lse_row[h] = lse;
     }
     pass(v_cache, table, len, q_row, kv_of_q, out_row, kv0, kv1, H, Hkv, D, page_size, scale, scores, 1);
 }
 
-/* Returns 0, or -1 when a scores buffer could not be allocated. */
+/* Returns 0, or -1 when a scores buffer could not be allocated. lse may be NULL. The scores buffer
+ * has one spare float so that max_len == 0 (only empty sequences) still mallocs a nonzero size. */
 int paged_decode_f32(const float *q, int64_t q_stride, const float *k_cache, const float *v_cache,
                      const int64_t *block_tables, int64_t max_pages, const int64_t *context_lens,
-                     const int64_t *kv_of_q, float *out, int64_t B, int64_t H, int64_t Hkv,
+                     const int64_t *kv_of_q, float *out, float *lse, int64_t B, int64_t H, int64_t Hkv,
                      int64_t D, int64_t page_size, float scale, int num_threads) {
     int64_t max_len = 0;
     for (int64_t b = 0; b < B; ++b) max_len = context_lens[b] > max_len ? context_lens[b] : max_len;
@@ -183,7 +194,8 @@ int paged_decode_f32(const float *q, int64_t q_stride, const float *k_cache, con
             int64_t b = item / per_seq, part = item % per_seq;
             int64_t kv0 = per_seq == 1 ? 0 : part, kv1 = per_seq == 1 ? Hkv : part + 1;
             one_item(q + b * q_stride, k_cache, v_cache, block_tables + b * max_pages, context_lens[b], kv_of_q,
-                     out + b * H * D, kv0, kv1, H, Hkv, D, page_size, scale, scores);
+                     out + b * H * D, lse ? lse + b * H : NULL, kv0, kv1, H, Hkv, D, page_size, scale,
+                     scores);
         }
         free(scores);
     }
