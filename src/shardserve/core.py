@@ -5,10 +5,14 @@ from __future__ import annotations
 import enum
 import itertools
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
 from shardserve.text import IncrementalText
+
+if TYPE_CHECKING:
+    from shardserve.engine.sampler import PenaltyState
 
 _MAX_LOGPROBS = 20
 
@@ -137,6 +141,9 @@ class Request:
     seed: int = 0
     announced: bool = False
     pages_synced: int = 0
+    # The sampler's running record of this request's tokens for the penalties (seen mask, output
+    # counts, on the logits' device), made on its first penalised step; it dies with the request.
+    penalty_state: PenaltyState | None = field(default=None, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if self.params.prompt_logprobs is not None and not self.prompt_logprobs:

@@ -91,3 +91,12 @@ def test_sizes_the_model_cannot_take(sizes, model, message):
 def test_world_size_from_a_launcher_must_agree():
     with pytest.raises(LayoutError, match="WORLD_SIZE is 3 but the layout has 2 ranks"):
         Layout(tp=2).check_world(3, "WORLD_SIZE")
+
+
+def test_context_parallel_sizes_from_flags():
+    grid = Layout.from_sizes(tp=2, pp=2, cp=2)
+    assert (grid.tp, grid.pp, grid.cp, grid.world) == (2, 2, 2, 8)
+    with pytest.raises(LayoutError, match="--cp-size 2 with --ep-size is not supported"):
+        Layout.from_sizes(tp=2, cp=2, ep=2)
+    with pytest.raises(LayoutError, match="--cp-size 2 with --enable-dp-attention is not supported"):
+        Layout.from_sizes(tp=2, dp=2, cp=2, dp_attention=True)

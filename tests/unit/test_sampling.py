@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from shardserve.config import EngineConfig
-from shardserve.core import SamplingParams
-from shardserve.engine.sampler import filter_logits
+from shardserve.core import Request, SamplingParams
+from shardserve.engine.sampler import apply_penalties, filter_logits
 from shardserve.llm import LLM
 from shardserve.scheduler.engine_core import EngineCore
 
@@ -232,6 +232,73 @@ def test_repetition_penalty_matches_transformers_generate(llm: LLM, tiny, prompt
         ref = tiny[1].generate(torch.tensor([prompt]), max_new_tokens=16, min_new_tokens=16, do_sample=False,
                                repetition_penalty=2.0)[0, len(prompt):].tolist()
     assert run(llm, [prompt], SamplingParams(temperature=0, max_tokens=16, repetition_penalty=2.0))[0].token_ids == ref
+
+
+def penalties_from_scratch(logits: torch.Tensor, req: Request) -> torch.Tensor:
+    """The penalties recomputed over every token each step (the former, O(context) code)."""
+    p = req.params
+    if p.repetition_penalty != 1.0:
+        seen = torch.tensor(sorted(set(req.all_token_ids)), dtype=torch.long)
+        vals = logits[seen]
+        logits[seen] = torch.where(vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty)
+    if (p.presence_penalty or p.frequency_penalty) and req.output_token_ids:
+        counts = torch.bincount(torch.tensor(req.output_token_ids), minlength=logits.shape[-1]).to(logits.dtype)
+        logits -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(logits.dtype)
+    return logits
+
+
+@pytest.mark.parametrize("penalty", [
+    {"repetition_penalty": 1.3, "presence_penalty": 0.7, "frequency_penalty": 0.4},
+    {"repetition_penalty": 0.8, "presence_penalty": -0.5, "frequency_penalty": 1.1},
+    {"repetition_penalty": 1.7},
+    {"frequency_penalty": 0.3},
+])
+def test_incremental_penalties_equal_from_scratch(penalty: dict[str, float]) -> None:
+    vocab, g = 97, torch.Generator().manual_seed(3)
+    prompt = torch.randint(vocab, (40,), generator=g).tolist()
+    req = Request("r", prompt, SamplingParams(temperature=1.0, **penalty))
+    for step in range(60):
+        logits = torch.randn(vocab, generator=g) * 4  # positive and negative logits
+        got = apply_penalties(logits.clone(), req)
+        assert torch.equal(got, penalties_from_scratch(logits.clone(), req)), step
+        # Mostly repeats (of the prompt, of earlier output), sometimes a fresh token.
+        pool = prompt[:5] + req.output_token_ids[-3:] if step % 4 else [int(torch.randint(vocab, (1,), generator=g))]
+        req.append_token(pool[int(torch.randint(len(pool), (1,), generator=g))])
+    assert len(set(req.output_token_ids)) < len(req.output_token_ids)
+
+
+class CountingList(list):
+    """A token list that counts the elements read from it by iteration or indexing."""
+
+    def __init__(self, items: list[int]) -> None:
+        super().__init__(items)
+        self.read = 0
+
+    def __iter__(self):
+        self.read += len(self)
+        return super().__iter__()
+
+    def __getitem__(self, i):
+        self.read += len(range(*i.indices(len(self)))) if isinstance(i, slice) else 1
+        return super().__getitem__(i)
+
+
+def test_penalty_work_per_step_does_not_scale_with_context() -> None:
+    vocab, context = 50, 20_000
+    req = Request("r", [i % vocab for i in range(context)],
+                  SamplingParams(repetition_penalty=1.2, presence_penalty=0.5, frequency_penalty=0.5))
+    req._tokens = CountingList(req.all_token_ids)  # what all_token_ids returns, and append_token grows
+    req.output_token_ids = CountingList(req.output_token_ids)
+    logits = torch.randn(vocab)
+    apply_penalties(logits.clone(), req)  # the first penalised step folds in the prompt, once
+    assert req._tokens.read <= context
+    for step in range(10):
+        req.append_token(step % 3)
+        req._tokens.read = req.output_token_ids.read = 0
+        apply_penalties(logits.clone(), req)
+        assert req._tokens.read <= 1, step  # only the token added since the last step
+        assert req.output_token_ids.read <= 1, step
+    assert torch.equal(apply_penalties(logits.clone(), req), penalties_from_scratch(logits.clone(), req))
 
 
 # ----------------------------------------------------------------------------- filter_logits

@@ -13,15 +13,61 @@ import torch
 from shardserve.core import Request, SamplingParams
 
 
+class PenaltyState:
+    """What the penalties need from one request's tokens so far, kept on the logits' device and
+    brought up to date each step from only the tokens added since (O(new tokens), not O(context)).
+
+    `seen`: bool [vocab], every token of prompt and output (repetition_penalty); `seen_upto`: how
+    many of `all_token_ids` it holds. `counts`: long [vocab], occurrences in the output
+    (presence/frequency penalties); `counts_upto`: how many of `output_token_ids` it holds.
+    Each part is made on the first step that needs it. A request's tokens only grow.
+    """
+
+    def __init__(self, vocab: int, device: torch.device) -> None:
+        self.vocab, self.device = vocab, device
+        self.seen: torch.Tensor | None = None
+        self.seen_upto = 0
+        self.counts: torch.Tensor | None = None
+        self.counts_upto = 0
+
+    def update_seen(self, tokens: list[int]) -> torch.Tensor:
+        if self.seen is None or len(tokens) < self.seen_upto:
+            self.seen = torch.zeros(self.vocab, dtype=torch.bool, device=self.device)
+            self.seen_upto = 0
+        if len(tokens) > self.seen_upto:
+            new = torch.tensor(tokens[self.seen_upto:], dtype=torch.long, device=self.device)
+            self.seen[new] = True
+            self.seen_upto = len(tokens)
+        return self.seen
+
+    def update_counts(self, tokens: list[int]) -> torch.Tensor:
+        if self.counts is None or len(tokens) < self.counts_upto:
+            self.counts = torch.zeros(self.vocab, dtype=torch.long, device=self.device)
+            self.counts_upto = 0
+        if len(tokens) > self.counts_upto:
+            new = torch.tensor(tokens[self.counts_upto:], dtype=torch.long, device=self.device)
+            self.counts.index_add_(0, new, torch.ones_like(new))
+            self.counts_upto = len(tokens)
+        return self.counts
+
+
 def apply_penalties(logits: torch.Tensor, req: Request) -> torch.Tensor:
+    """Repetition penalty over prompt and output (Hugging Face rule), presence and frequency
+    penalties over the output (OpenAI rule), in place on one row of logits."""
     p = req.params
-    if p.repetition_penalty != 1.0:
-        seen = torch.tensor(sorted(set(req.all_token_ids)), dtype=torch.long, device=logits.device)
-        vals = logits[seen]
-        logits[seen] = torch.where(vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty)
-    if (p.presence_penalty or p.frequency_penalty) and req.output_token_ids:
-        out = torch.tensor(req.output_token_ids, dtype=torch.long, device=logits.device)
-        counts = torch.bincount(out, minlength=logits.shape[-1]).to(logits.dtype)
+    want_rep = p.repetition_penalty != 1.0
+    want_out = bool(p.presence_penalty or p.frequency_penalty) and bool(req.output_token_ids)
+    if not (want_rep or want_out):
+        return logits
+    state = req.penalty_state
+    if state is None or state.vocab != logits.shape[-1] or state.device != logits.device:
+        state = req.penalty_state = PenaltyState(logits.shape[-1], logits.device)
+    if want_rep:
+        seen = state.update_seen(req.all_token_ids)
+        rp = p.repetition_penalty
+        logits.copy_(torch.where(seen, torch.where(logits > 0, logits / rp, logits * rp), logits))
+    if want_out:
+        counts = state.update_counts(req.output_token_ids).to(logits.dtype)
         logits -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(logits.dtype)
     return logits
 
