@@ -32,6 +32,7 @@ import torch
 
 from shardserve.bench.dist import _per_group
 from shardserve.core import SamplingParams
+from shardserve.distributed.expert_placement import layer_counts, save_counts
 
 HOT = (0, 1)  # the experts the skewed gate favours
 
@@ -73,6 +74,9 @@ def run(path: str, prompts: list[list[int]], args: argparse.Namespace, **layout)
               "kv_pages_per_rank": pages,
               "groups": [_per_group(a, b) for a, b in zip(ranks, warm_ranks)],
               "experts": [_expert_delta(a.get("experts", {}), b.get("experts", {})) for a, b in zip(ranks, warm_ranks)]}
+    # Tokens routed per layer, each once (the report's tensor rank 0 of each group).
+    result["routed"] = layer_counts([{"rank": a["rank"], "experts": e} for a, e in zip(ranks, result["experts"])],
+                                    llm.layout)
     return result, [o.token_ids for o in outs]
 
 
@@ -114,8 +118,6 @@ def _ops(groups: list[dict], kind: str, op: str) -> list[dict]:
 
 
 def run_expert(args: argparse.Namespace) -> int:
-    from shardserve.distributed.expert_placement import save_counts
-
     with tempfile.TemporaryDirectory() as tmp:
         path, skewed = os.path.join(tmp, "moe"), os.path.join(tmp, "skewed")
         moe_model(args, path)
@@ -142,7 +144,7 @@ def run_expert(args: argparse.Namespace) -> int:
             skew_first = skew_first if skew_first is not None else stokens
             if size == 1:  # the warm-up run whose counts place the replicas
                 counts_file = os.path.join(tmp, "counts.json")
-                save_counts(counts_file, _routed(srec["experts"]), args.experts, "skewed")
+                save_counts(counts_file, srec["routed"], args.experts, "skewed")
                 continue
             rrec, rtokens = run(skewed, prompts, args, **dpa, ep_num_redundant_experts=size,
                                 ep_expert_placement=counts_file)
@@ -150,15 +152,5 @@ def run_expert(args: argparse.Namespace) -> int:
                               "same_tokens": stokens == skew_first and rtokens == skew_first,
                               "load_max_over_mean": load_ratio(srec["experts"]),
                               "load_max_over_mean_with_replicas": load_ratio(rrec["experts"]),
-                              "routed_per_layer": _routed(srec["experts"])}), flush=True)
+                              "routed_per_layer": srec["routed"]}), flush=True)
     return 0
-
-
-def _routed(experts: list[dict]) -> dict[int, list[int]]:
-    """Routing counts per layer summed over ranks."""
-    total: dict[int, list[int]] = {}
-    for e in experts:
-        for layer, counts in e["routed"].items():
-            acc = total.setdefault(int(layer), [0] * len(counts))
-            total[int(layer)] = [a + c for a, c in zip(acc, counts)]
-    return total

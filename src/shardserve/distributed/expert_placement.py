@@ -19,6 +19,8 @@ import os
 from dataclasses import dataclass
 from functools import cached_property
 
+from shardserve.ipc.messages import sum_counts
+
 
 @dataclass(frozen=True)
 class Placement:
@@ -154,6 +156,13 @@ class RoutingCounts:
     num_experts: int
     model: str
     layers: dict[int, list[int]]
+
+
+def layer_counts(reports: list[dict], layout) -> dict[int, list[int]]:
+    """Routing counts per MoE layer over the whole grid from rank reports, each token counted
+    once: only tensor rank 0 of each tensor group counts (its peers routed the same tokens)."""
+    ones = (r.get("experts", {}).get("routed", {}) for r in reports if layout.coords(r["rank"]).tp == 0)
+    return {int(layer): row for layer, row in sum_counts(ones).items()}
 
 
 def save_counts(path: str, counts_per_layer: dict[int, list[int]], num_experts: int, model: str) -> None:

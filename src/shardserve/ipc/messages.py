@@ -9,6 +9,8 @@ process-local state, so rank 0 can later forward them unchanged to other schedul
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterable, Mapping
+from typing import TypeVar
 
 import msgspec
 
@@ -163,12 +165,16 @@ def merge_stats(reps: list[Stats]) -> Stats:
     return Stats(**{f: sum(getattr(s, f) for s in reps) for f in _SUMMED},
                  prefix_hit_rate=sum(s.prefix_hit_tokens for s in reps) / queries if queries else 0.0,
                  max_in_flight=max(s.max_in_flight for s in reps), traffic=first.traffic, control=first.control,
-                 stages=first.stages, expert_routed=_sum_counts([s.expert_routed for s in reps]))
+                 stages=first.stages, expert_routed=sum_counts([s.expert_routed for s in reps]))
 
 
-def _sum_counts(per_replica: list[dict[str, list[int]]]) -> dict[str, list[int]]:
-    total: dict[str, list[int]] = {}
-    for counts in per_replica:
+K = TypeVar("K")
+
+
+def sum_counts(parts: Iterable[Mapping[K, list[int]]]) -> dict[K, list[int]]:
+    """Per-layer routing counts (layer -> count per expert) added up layer by layer, keys as given."""
+    total: dict[K, list[int]] = {}
+    for counts in parts:
         for layer, row in counts.items():
             acc = total.get(layer, [0] * len(row))
             total[layer] = [a + c for a, c in zip(acc, row)]

@@ -33,21 +33,9 @@ def add_record_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-tokens", type=positive_int, default=64, help="tokens generated per prompt")
 
 
-def layer_counts(reports: list[dict], layout) -> dict[int, list[int]]:
-    """Routing counts per MoE layer over the whole grid, each token counted once."""
-    total: dict[int, list[int]] = {}
-    for report in reports:
-        if layout.coords(report["rank"]).tp != 0:
-            continue  # its tensor group's rank 0 routed the same tokens
-        for layer, counts in report.get("experts", {}).get("routed", {}).items():
-            acc = total.setdefault(int(layer), [0] * len(counts))
-            total[int(layer)] = [a + c for a, c in zip(acc, counts)]
-    return total
-
-
 def record_experts(args: argparse.Namespace) -> int:
     from shardserve.core import SamplingParams
-    from shardserve.distributed.expert_placement import save_counts
+    from shardserve.distributed.expert_placement import layer_counts, save_counts
     from shardserve.llm import LLM
     from shardserve.loader.model_path import resolve_checkpoint
     from shardserve.loader.weights import read_model_config
