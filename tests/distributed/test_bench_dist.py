@@ -78,3 +78,23 @@ def test_bench_dist_expert_bytes_follow_from_the_routing(capsys):
     assert all(rank["calls"] == 2 * LAYERS * ep2["steps"] for rank in ep2["all_to_all"])  # lockstep
     assert runs[2]["all_reduce"][0]["MB"] > 0
     assert runs[3]["load_max_over_mean_with_replicas"] <= runs[3]["load_max_over_mean"]
+
+
+def test_bench_dist_context_ring_bytes_follow_from_the_page_layout(capsys):
+    """CP 1 and 2 on one 300-token prompt (19 pages, the last partial): the same tokens, each rank's
+    ring bytes per layer (N - 1) x its own block, less attention work per rank than a contiguous
+    split, and twice the longest prompt on the same pages per rank."""
+    argv = ["bench", "dist", "--mode", "context", "--layers", str(LAYERS), "--hidden", "64", "--heads", "4",
+            "--kv-heads", "2", "--intermediate", "96", "--vocab", "301", "--prompt-len", "300", "--sizes", "1,2"]
+    assert main(argv) == 0
+    *runs, summary = [json.loads(line) for line in capsys.readouterr().out.splitlines() if line.startswith("{")]
+    assert [r["ranks"] for r in runs] == [1, 2] and summary["summary"]
+    assert all(r["same_tokens"] and r["prefill_one_chunk"] for r in runs)
+    cp2 = runs[1]
+    assert cp2["keys_per_rank"] == [156, 144]  # pages 0 1 ... 1 0 at page grain: rank 0 holds the partial one
+    per_key = 2 * 2 * 16 * 4 + 8  # K and V of 2 KV heads x 16 dims in fp32, and the position
+    assert cp2["ring_bytes_per_layer"] == cp2["expected_ring_bytes_per_layer"] == [156 * per_key, 144 * per_key]
+    assert cp2["ring_calls_per_rank"] == [LAYERS, LAYERS]
+    assert cp2["work_max_over_mean"] < cp2["work_max_over_mean_contiguous"]
+    assert [r["longest_prompt"] for r in runs] == [300, 604]  # 19 pages per rank, 4 tokens out
+    assert "pool" in cp2["refusal"] and summary["prefill_seconds"].keys() == {"1", "2"}

@@ -13,8 +13,9 @@ outputs are merged with their log-sum-exps (`merge`): a row that sees no key in 
 log-sum-exp -inf and weight 0, so it changes nothing. Blocks may differ in length (lengths that do
 not divide by 2N, or a rank's share of older context), so the lengths are exchanged once first.
 
-Bytes each rank sends per call: (N-1) x its own block (K and V, plus 8 bytes of position per
-token), counted on the context communicator.
+Bytes each rank sends per call: at hop h it forwards the block it holds (its own, then its
+predecessors'), so every block but its successor's: (N-1) x its own block when the blocks are
+equal (K and V, plus 8 bytes of position per token), counted on the context communicator.
 
 **Decode** (`merge_across`): a request's KV stays spread over the ranks' pools, so each rank
 attends the new tokens' queries to its own part and one all-gather of the partial outputs and

@@ -9,7 +9,9 @@ the ranks' schedules in agreement), every rank's counts on every group it belong
 rank's peak memory while loading. All requests are admitted before the first step, so the step
 and call counts are the same every run. `--mode bubble` is the pipeline's throughput benchmark
 (bench/bubble.py); `--mode expert` is expert parallelism under data-parallel attention beside
-tensor parallelism, with hot-expert replicas (bench/expert.py).
+tensor parallelism, with hot-expert replicas (bench/expert.py); `--mode context` is context parallelism
+on one long prompt: tokens, ring bytes, per-rank attention work, longest prompt, prefill time
+(bench/context.py).
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from shardserve.core import SamplingParams
 _BASE = dict(layers=4, hidden=512, heads=8, kv_heads=4, intermediate=1536, vocab=1024, num_prompts=8,
              prompt_len=64, new_tokens=16)
 SHAPES = {"tensor": _BASE, "pipeline": _BASE, "expert": _BASE,
+          "context": _BASE | dict(num_prompts=1, prompt_len=2048, new_tokens=4),
           "bubble": _BASE | dict(layers=8, hidden=1024, heads=16, intermediate=4096, prompt_len=128)}
 
 
@@ -53,9 +56,10 @@ def add_dist_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--page-size", type=positive_int, default=16)
     p.add_argument("--kv-cache-memory", type=memory_amount, default=None,
                    help="bytes of KV cache per rank (default 64M; bubble: 512M)")
-    p.add_argument("--mode", choices=["tensor", "pipeline", "bubble", "expert"], default="tensor",
+    p.add_argument("--mode", choices=["tensor", "pipeline", "bubble", "expert", "context"], default="tensor",
                    help="which layout to vary (bubble: pipeline micro-batches against one, and TP, on throughput; "
-                        "expert: EP under data-parallel attention beside TP, and redundant experts)")
+                        "expert: EP under data-parallel attention beside TP, and redundant experts; "
+                        "context: --cp-size on one long prompt, --prompt-len default 2048, --new-tokens 4)")
     p.add_argument("--experts", type=positive_int, default=8, help="expert mode: experts per MoE layer")
     p.add_argument("--top-k", type=positive_int, default=2, help="expert mode: experts per token")
     p.add_argument("--sizes", "--tp-sizes", dest="sizes", type=positive_ints, default="1,2,4",
@@ -132,6 +136,10 @@ def run_dist(args: argparse.Namespace) -> int:
         from shardserve.bench.expert import run_expert
 
         return run_expert(args)
+    if args.mode == "context":
+        from shardserve.bench.context import run_context
+
+        return run_context(args)
     with tempfile.TemporaryDirectory() as tmp:
         path = args.model or os.path.join(tmp, "model")
         if args.model is None:
