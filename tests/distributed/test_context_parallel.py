@@ -93,3 +93,16 @@ def test_prompt_too_long_for_one_pool_runs_at_cp2(tiny_model):
     tokens, lps = hf_reference(model, prompt)
     assert out.token_ids == tokens
     assert_logprobs_close(out.logprobs, lps)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sizes", [dict(pp_size=2), dict(dp_size=2)], ids=["cp2-pp2", "cp2-dp2"])
+def test_cp_under_pipeline_stages_and_replicas(reference, sizes):
+    """Each pipeline stage's context ranks pass their own rows on; each replica has its own context
+    group and pools."""
+    path, batch, hf, _, _ = reference("llama")
+    with LLM(path, cp_size=2, **sizes, **ENGINE) as llm:
+        outs = llm.generate(batch, GREEDY, use_tqdm=False)
+    for out, (tokens, lps) in zip(outs, hf):
+        assert out.token_ids == tokens
+        assert_logprobs_close(out.logprobs, lps)

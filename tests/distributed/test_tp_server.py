@@ -1,4 +1,4 @@
-"""The server at --tp-size 3: openai client answers equal transformers'; killing one rank ends
+"""The server at --tp-size 2 --cp-size 2 and --tp-size 3: openai client answers equal transformers'; killing one rank ends
 the server with an error naming it, and leaves no process behind."""
 
 from __future__ import annotations
@@ -17,13 +17,13 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "e2e"))
 from server_util import Server  # noqa: E402
 
 
-# The server's path at TP; every architecture and size runs offline in test_tensor_parallel.py,
-# and the TP 3 MoE server below (CI time keeps this to one more case).
-@pytest.mark.parametrize("arch,tp", [("llama", 4)])
-def test_tp_server_matches_transformers(tiny_model, tmp_path, arch, tp):
+# The server's path at TP 2 x CP 2 (flags to layout to ranks); every architecture and size runs
+# offline in test_tensor_parallel.py and test_context_parallel.py, and the TP 3 MoE server below
+# (CI time keeps this to one more case).
+@pytest.mark.parametrize("arch,flags", [("llama", ["--tp-size", "2", "--cp-size", "2"])], ids=["llama-tp2-cp2"])
+def test_tp_server_matches_transformers(tiny_model, tmp_path, arch, flags):
     path, model = tiny_model(arch)
-    server = Server("--model", path, "--tp-size", str(tp), "--num-pages", "64", "--page-size", "8",
-                    log_path=str(tmp_path / "log"))
+    server = Server("--model", path, *flags, "--num-pages", "64", "--page-size", "8", log_path=str(tmp_path / "log"))
     try:
         client = openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0)
         tok = AutoTokenizer.from_pretrained(path)
@@ -36,6 +36,8 @@ def test_tp_server_matches_transformers(tiny_model, tmp_path, arch, tp):
     finally:
         code, left = server.stop()
     assert code == 0 and left == []
+    with open(tmp_path / "log") as f:
+        assert "rank 3 (cp 1, tp 1)" in f.read()  # the flags made the grid
 
 
 def test_tp3_server_matches_transformers_and_dies_whole(tiny_model, tmp_path):
