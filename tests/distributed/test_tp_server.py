@@ -1,5 +1,6 @@
-"""The server at --tp-size 2 --cp-size 2 and --tp-size 3: openai client answers equal transformers'; killing one rank ends
-the server with an error naming it, and leaves no process behind."""
+"""The server at --tp-size 2 --cp-size 2 and --tp-size 3: openai client answers equal
+transformers'; killing one rank ends the server with an error naming it, and leaves no process
+behind."""
 
 from __future__ import annotations
 
