@@ -2,7 +2,8 @@
 transformers' tokens and log-probabilities (within 1e-4) on prompts below 2N tokens, not
 divisible by 2N and of several hundred, with chunked prefill, prefix-cache hits, seeded sampling
 and prompt logprobs equal to one rank's; both decode attentions (the C kernel and the padded
-gather) return what merging needs; a prompt too long for one rank's pool runs at CP 2."""
+gather) return what merging needs; a prompt too long for one rank's pool runs at CP 2, and
+preempted requests recompute the same tokens; under pipeline stages and replicas too."""
 
 from __future__ import annotations
 
@@ -77,7 +78,7 @@ def test_cp_matches_transformers(reference, arch, cp, tp, backend):
     assert len(ring) == cp * tp and min(ring) > 0
 
 
-def test_prompt_too_long_for_one_pool_runs_at_cp2(tiny_model):
+def test_prompt_too_long_for_one_pool_runs_at_cp2_and_preemption(tiny_model):
     """8 pages of 8 tokens per rank: 100 + 12 tokens need 14 pages, refused by one rank, 7 per
     pool at CP 2."""
     path, model = tiny_model("llama")
@@ -86,13 +87,17 @@ def test_prompt_too_long_for_one_pool_runs_at_cp2(tiny_model):
     small = dict(ENGINE, num_pages=8)
     with LLM(path, **small) as one, pytest.raises(ValueError, match="needs 14 KV pages but the pool holds 8"):
         one.generate([prompt], GREEDY, use_tqdm=False)
+    # Then five requests of 3 pages each that grow to 4, in 16 pages: some are preempted and recomputed.
+    crowd = [torch.randint(301, (17 + i,), generator=g).tolist() for i in range(5)]
     with LLM(path, cp_size=2, **small) as llm:
         out = llm.generate([prompt], GREEDY, use_tqdm=False)[0]
+        crowded = llm.generate(crowd, GREEDY, use_tqdm=False)
         status = llm.stats()
-    assert status.pages_total == 16
+    assert status.pages_total == 16 and status.preemptions > 0 and status.pages_used == 0
     tokens, lps = hf_reference(model, prompt)
     assert out.token_ids == tokens
     assert_logprobs_close(out.logprobs, lps)
+    assert [o.token_ids for o in crowded] == [hf_reference(model, p)[0] for p in crowd]
 
 
 @pytest.mark.slow
