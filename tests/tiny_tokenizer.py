@@ -12,8 +12,21 @@ CORPUS = [
     "What is the weather like? It is sunny and warm.",
 ] * 20
 SPECIALS = ["<|im_start|>", "<|im_end|>"]
-CHAT_TEMPLATE = (
-    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+# Tool definitions (the request's `tools`) as Qwen2.5's template renders them: a system turn listing
+# each tool's JSON inside <tools></tools> and the Hermes <tool_call> format to answer in.
+TOOLS_TEMPLATE = (  # newlines in expressions: Hugging Face trims the one after a block tag
+    "{% if tools %}<|im_start|>system\n# Tools\n\nYou may call one or more functions. Their signatures:\n<tools>"
+    "{% for t in tools %}{{ '\\n' + t | tojson }}{% endfor %}{{ '\\n' }}</tools>\n\nCall a function by answering\n"
+    "<tool_call>\n{\"name\": <function-name>, \"arguments\": <args-json-object>}\n</tool_call><|im_end|>\n"
+    "{% endif %}"
+)
+# Tool-use conversations as Hugging Face templates read them: an assistant's tool_calls (their
+# arguments an object, hence tojson) and a tool message's tool_call_id.
+CHAT_TEMPLATE = TOOLS_TEMPLATE + (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n"
+    "{% if m['tool_call_id'] %}[{{ m['tool_call_id'] }}] {% endif %}{{ m['content'] }}"
+    "{% for c in m['tool_calls'] or [] %}<tool_call>{{ c['function'] | tojson }}</tool_call>{% endfor %}"
+    "<|im_end|>\n{% endfor %}"
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
 

@@ -5,10 +5,11 @@ from __future__ import annotations
 import enum
 import itertools
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
+from shardserve.structured_outputs import StructuredOutputsParams
 from shardserve.text import IncrementalText
 
 if TYPE_CHECKING:
@@ -26,7 +27,11 @@ class SamplingParams:
     for every prompt token after the first (the model's own distribution; such a request skips
     the prefix cache, since cached tokens are never scored). Penalties follow the usual
     conventions: `repetition_penalty` (Hugging Face, over prompt and output, 1 = off) and
-    `presence_penalty` / `frequency_penalty` (OpenAI, over output only, 0 = off).
+    `presence_penalty` / `frequency_penalty` (OpenAI, over output only, 0 = off). `logit_bias`
+    maps token ids to a bias in [-100, 100] added to the raw logits before the penalties, as
+    vLLM does (+100 all but forces a token, -100 all but bans it); reported logprobs stay the
+    model's own. `structured_outputs` (structured_outputs.py) holds the output to a JSON schema,
+    regex, grammar or choice, token by token.
     """
 
     n: int = 1
@@ -45,6 +50,8 @@ class SamplingParams:
     logprobs: int | None = None
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
+    logit_bias: dict[int, float] | None = None
+    structured_outputs: StructuredOutputsParams | None = None  # see structured_outputs.py
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -80,6 +87,21 @@ class SamplingParams:
         for ok, name, why in checks:
             if not ok:
                 raise ValueError(f"SamplingParams.{name} {why} (got {getattr(self, name)!r})")
+        if self.logit_bias is not None:
+            if not isinstance(self.logit_bias, dict):
+                raise ValueError(f"SamplingParams.logit_bias must be a dict of token id -> bias "
+                                 f"(got {type(self.logit_bias).__name__})")
+            for t, v in self.logit_bias.items():
+                if not (_is_int(t) and t >= 0 and isinstance(v, int | float) and not isinstance(v, bool)
+                        and -100 <= v <= 100):
+                    raise ValueError(f"SamplingParams.logit_bias must map token ids >= 0 to biases in "
+                                     f"[-100, 100] (got {t!r}: {v!r})")
+            self.logit_bias = {t: float(v) for t, v in self.logit_bias.items()} or None
+        if isinstance(self.structured_outputs, dict):
+            self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
+        if not isinstance(self.structured_outputs, StructuredOutputsParams | None):
+            raise ValueError(f"SamplingParams.structured_outputs must be a StructuredOutputsParams "
+                             f"(got {type(self.structured_outputs).__name__})")
 
     @property
     def greedy(self) -> bool:
@@ -144,6 +166,8 @@ class Request:
     # The sampler's running record of this request's tokens for the penalties (seen mask, output
     # counts, on the logits' device), made on its first penalised step; it dies with the request.
     penalty_state: PenaltyState | None = field(default=None, repr=False, compare=False)
+    # On the sampling rank, with structured outputs: the request's grammar matcher (engine/grammar.py).
+    matcher: Any = field(default=None, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if self.params.prompt_logprobs is not None and not self.prompt_logprobs:

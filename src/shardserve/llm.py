@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 
 from tqdm import tqdm
 
+from shardserve.chat_messages import normalize_messages
 from shardserve.config import EngineConfig
 from shardserve.core import CompletionOutput, RequestOutput, SamplingParams
 from shardserve.distributed.layout import Layout
@@ -84,7 +85,7 @@ class LLM:
             self._backend = ProcessBackend(self.config, self.layout, self.node, ckpt.name, startup_timeout, policy)
         else:
             extra_eos = (tok.eos_token_id,) if tok is not None and tok.eos_token_id is not None else ()
-            self._backend = LocalBackend(self.config, self._decode if tok else None, extra_eos)
+            self._backend = LocalBackend(self.config, self._decode if tok else None, extra_eos, tok)
         self._next_id = 0
 
     @property
@@ -147,9 +148,12 @@ class LLM:
         return SamplingParams(**self.generation_defaults)
 
     def render_chat(self, conversation: list[dict]) -> list[int]:
+        """The conversation's prompt tokens: messages in OpenAI's shapes (text parts, tool calls,
+        tool results) normalized as the server does (chat_messages.py)."""
         if self.tokenizer is None or not self.tokenizer.chat_template:
             raise ValueError("this model has no chat template")
-        text = self.tokenizer.apply_chat_template(conversation, add_generation_prompt=True, tokenize=False)
+        text = self.tokenizer.apply_chat_template(normalize_messages(conversation), add_generation_prompt=True,
+                                                  tokenize=False)
         return self.tokenizer.encode(text, add_special_tokens=False)
 
     def add_request(self, prompt: Prompt, params: SamplingParams) -> str:

@@ -8,11 +8,11 @@ import shutil
 
 import pytest
 from gguf import GGUFWriter
+from pydantic import ValidationError
 
 from shardserve import LLM, SamplingParams
 from shardserve.loader.generation_config import describe, generation_defaults
 from shardserve.loader.model_path import Checkpoint
-from shardserve.server.errors import APIError
 from shardserve.server.openai_api import sampling_params
 from shardserve.server.protocol import ChatRequest
 
@@ -79,8 +79,8 @@ def test_request_fields_win_over_model_defaults():
     assert (p.temperature, p.top_k, p.repetition_penalty, p.top_p) == (0.7, 5, 1.2, 1.0)
     bare = sampling_params(ChatRequest(messages=[{"role": "user", "content": "hi"}]), {}, 8, None)
     assert (bare.temperature, bare.top_k, bare.top_p) == (1.0, -1, 1.0)  # OpenAI's defaults
-    with pytest.raises(APIError, match="temperature"):
-        sampling_params(ChatRequest(messages=[{"role": "user", "content": "hi"}], temperature=-1), defaults, 8, None)
+    with pytest.raises(ValidationError, match="temperature"):  # the server answers it with a 400 naming it
+        ChatRequest(messages=[{"role": "user", "content": "hi"}], temperature=-1)
 
 
 def test_offline_generate_uses_the_models_defaults(tiny_model, tmp_path):

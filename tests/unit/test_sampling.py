@@ -10,7 +10,7 @@ import torch
 
 from shardserve.config import EngineConfig
 from shardserve.core import Request, SamplingParams
-from shardserve.engine.sampler import apply_penalties, filter_logits
+from shardserve.engine.sampler import apply_logit_bias, apply_penalties, filter_logits
 from shardserve.llm import LLM
 from shardserve.scheduler.engine_core import EngineCore
 
@@ -301,6 +301,40 @@ def test_penalty_work_per_step_does_not_scale_with_context() -> None:
     assert torch.equal(apply_penalties(logits.clone(), req), penalties_from_scratch(logits.clone(), req))
 
 
+# ----------------------------------------------------------------------------- logit_bias
+
+
+def test_logit_bias_forces_and_bans(llm: LLM, tiny, prompts: list[list[int]]) -> None:
+    greedy = run(llm, [prompts[1]], SamplingParams(temperature=0, max_tokens=6))[0].token_ids
+    banned = run(llm, [prompts[1]], SamplingParams(temperature=0, max_tokens=6,
+                                                   logit_bias={t: -100 for t in greedy}))[0].token_ids
+    assert not set(banned) & set(greedy)
+    with torch.no_grad():  # the least likely next token: +100 still makes it every token
+        last = tiny[1](torch.tensor([prompts[1]])).logits[0, -1]
+    low = int(last.argmin())
+    forced = [run(llm, [prompts[1]], sp)[0] for sp in (
+        SamplingParams(temperature=0, max_tokens=5, logit_bias={low: 100}, logprobs=1),
+        SamplingParams(temperature=1.0, top_p=0.9, seed=5, max_tokens=5, logit_bias={low: 100}, repetition_penalty=1.3),
+    )]
+    assert [o.token_ids for o in forced] == [[low] * 5] * 2
+    # Reported logprobs stay the model's own: the forced token is far from the top.
+    first = forced[0].logprobs[0]
+    assert first["logprob"] == pytest.approx(float(torch.log_softmax(last.float(), -1)[low]), abs=1e-4)
+    assert first["top_logprobs"][0][0] != low
+
+
+def test_logit_bias_is_added_before_penalties() -> None:
+    # vLLM's order: bias, then the repetition penalty divides the biased logit.
+    req = Request("r", [0], SamplingParams(repetition_penalty=2.0, logit_bias={0: 3.0, 2: -1.0}))
+    row = apply_penalties(apply_logit_bias(torch.tensor([1.0, 1.0, 1.0]), req.params), req)
+    assert row.tolist() == [2.0, 1.0, 0.0]
+
+
+def test_logit_bias_outside_the_vocabulary_is_refused(llm: LLM, prompts: list[list[int]]) -> None:
+    with pytest.raises(ValueError, match="logit_bias token id 301 "):
+        run(llm, [prompts[0]], SamplingParams(max_tokens=2, logit_bias={301: 1.0}))
+
+
 # ----------------------------------------------------------------------------- filter_logits
 
 
@@ -354,6 +388,8 @@ def test_temperature_scales_kept_logits() -> None:
     ("n", 0), ("max_tokens", 0), ("temperature", -1), ("top_p", 0), ("top_p", 1.5), ("top_k", 0), ("top_k", -2),
     ("min_p", 2), ("min_p", -0.1), ("logprobs", 100), ("logprobs", -1), ("stop", [""]), ("stop_token_ids", [-1]),
     ("repetition_penalty", 0), ("presence_penalty", 3), ("frequency_penalty", -3), ("seed", 1.5), ("n", True),
+    ("logit_bias", {1: 101}), ("logit_bias", {-1: 1}), ("logit_bias", {"5": 1}), ("logit_bias", [1]),
+    ("logit_bias", {1: float("nan")}),
 ])
 def test_invalid_params_name_the_parameter(name: str, value: object) -> None:
     with pytest.raises(ValueError, match=rf"SamplingParams\.{name} "):

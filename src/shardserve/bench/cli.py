@@ -26,6 +26,8 @@ def add_bench_args(bench: argparse.ArgumentParser) -> None:
                      help="static batch size for the transformers peer")
     off.add_argument("--batch1-tokens", type=non_negative_int, default=64,
                      help="also time batch-1 decode of this many tokens (0 = skip)")
+    off.add_argument("--json-schema", action="store_true",
+                     help="run again with every output held to a JSON schema and print the decode slowdown")
     from shardserve.bench.serve import add_serve_bench_args
 
     add_serve_bench_args(sub.add_parser("serve", help="load-test an OpenAI-compatible server over HTTP"))

@@ -3,7 +3,9 @@
 Our engine is driven step by step (`EngineCore.add_request` / `step`) so each request's first
 token can be timestamped. With `--compare transformers` the same requests also go through
 transformers' batched `generate` (static batches, left padding), which streams nothing: its
-"TTFT" is the time until the request's batch completes.
+"TTFT" is the time until the request's batch completes. With `--json-schema` the workload and the
+batch-1 decode run again with every output held to a JSON schema (structured outputs), and the
+ratio of tokens/s on to off is the cost of the per-step grammar mask.
 """
 
 from __future__ import annotations
@@ -23,9 +25,18 @@ from shardserve.llm import LLM
 from shardserve.loader.model_path import resolve_checkpoint
 from shardserve.platform import pick_device
 from shardserve.server.args import llm_kwargs
+from shardserve.structured_outputs import StructuredOutputsParams
 
 BATCH1_PROMPT = 32
 NUM_CHECKED = 4  # requests whose greedy tokens are compared with transformers'
+# --json-schema: an array of small typed objects, too long to be complete before max_tokens; runs
+# JSON_ROUNDS pairs without and with it.
+JSON_ROUNDS = 3
+BENCH_SCHEMA = {"type": "array", "minItems": 64, "items": {
+    "type": "object", "additionalProperties": False, "required": ["name", "age", "color", "ok"],
+    "properties": {"name": {"type": "string", "maxLength": 12},
+                   "age": {"type": "integer", "minimum": 0, "maximum": 120},
+                   "color": {"enum": ["red", "green", "blue"]}, "ok": {"type": "boolean"}}}}
 
 
 @dataclass
@@ -59,10 +70,11 @@ def summarize(wall: float, ttfts: list[float], prompt_tokens: int, output_tokens
     }
 
 
-def run_ours(llm: LLM, wl: Workload) -> tuple[dict[str, float], list[list[int]]]:
+def run_ours(llm: LLM, wl: Workload, spec: StructuredOutputsParams | None = None,
+             ) -> tuple[dict[str, float], list[list[int]]]:
     """Run every request through our engine at once; timestamp each request's first token."""
     start = time.perf_counter()
-    rids = [llm.add_request(p, SamplingParams(max_tokens=n, temperature=0, ignore_eos=True))
+    rids = [llm.add_request(p, SamplingParams(max_tokens=n, temperature=0, ignore_eos=True, structured_outputs=spec))
             for p, n in zip(wl.prompts, wl.output_lens, strict=True)]
     first: dict[str, float] = {}
     tokens: dict[str, list[int]] = {r: [] for r in rids}
@@ -117,10 +129,11 @@ def run_transformers(model: torch.nn.Module, wl: Workload, batch_size: int) -> t
     return stats, outputs
 
 
-def batch1_ours(llm: LLM, prompt: list[int], k: int) -> float:
+def batch1_ours(llm: LLM, prompt: list[int], k: int, spec: StructuredOutputsParams | None = None) -> float:
     """Decode tokens/s of one request alone, excluding its first token (the prefill)."""
     t1 = 0.0
-    for out in llm.stream(prompt, SamplingParams(max_tokens=k, temperature=0, ignore_eos=True)):
+    params = SamplingParams(max_tokens=k, temperature=0, ignore_eos=True, structured_outputs=spec)
+    for out in llm.stream(prompt, params):
         if not t1 and out.new_ids:
             t1 = time.perf_counter()
     return (k - 1) / (time.perf_counter() - t1)
@@ -208,5 +221,30 @@ def run_offline(args: argparse.Namespace) -> int:
         print(f"greedy tokens equal to transformers' (first {NUM_CHECKED} requests): {m['equal']}/{m['compared']}")
     if args.batch1_tokens:
         result["batch1"] = run_batch1(args, llm, hf, low)
+    if args.json_schema:
+        result["json_schema"] = run_json_schema(args, llm, wl, low, result)
     print(json.dumps(result))
     return 0
+
+
+def run_json_schema(args: argparse.Namespace, llm: LLM, wl: Workload, low: int, result: dict) -> dict:
+    """The workload and batch-1 decode again, alternately without and with every output held to
+    BENCH_SCHEMA, JSON_ROUNDS pairs: on a shared machine the median ratio of a pair run back to back
+    is steadier than one run against the table's."""
+    spec = StructuredOutputsParams(json=BENCH_SCHEMA)
+    # Warm-up: the tokenizer's index for the grammar engine and the schema's compilation, once.
+    llm.generate([list(range(low, low + 8))], SamplingParams(max_tokens=2, temperature=0, structured_outputs=spec),
+                 use_tqdm=False)
+    pairs = [(run_ours(llm, wl)[0]["output_tps"], run_ours(llm, wl, spec)[0]["output_tps"]) for _ in range(JSON_ROUNDS)]
+    res: dict = {"output_tps_off_on": pairs, "ratio_output_tps": statistics.median(on / off for off, on in pairs)}
+    print(f"with a JSON schema: output tokens/s {' '.join(f'{on:.1f}/{off:.1f}' for off, on in pairs)} (on/off), "
+          f"median ratio {res['ratio_output_tps']:.3f}x")
+    if result["batch1"]:
+        g = torch.Generator().manual_seed(args.workload_seed + 1)  # run_batch1's prompt
+        prompt = torch.randint(low, llm.limits.vocab_size, (BATCH1_PROMPT,), generator=g).tolist()
+        k = args.batch1_tokens
+        pairs = [(batch1_ours(llm, prompt, k), batch1_ours(llm, prompt, k, spec)) for _ in range(JSON_ROUNDS)]
+        res |= {"batch1_decode_tps_off_on": pairs, "batch1_ratio": statistics.median(on / off for off, on in pairs)}
+        print(f"with a JSON schema: batch-1 decode tokens/s {' '.join(f'{on:.2f}/{off:.2f}' for off, on in pairs)} "
+              f"(on/off), median ratio {res['batch1_ratio']:.3f}x")
+    return res

@@ -2,11 +2,14 @@
 
 Each request samples with its own torch.Generator (seeded from `seed`, or from the engine's
 RNG when none is given), so a seeded request draws the same tokens whatever else is batched.
-Log-probabilities are those of the model's raw distribution, before penalties or temperature,
-as vLLM reports by default.
+Each row goes: raw logits, logit_bias, penalties, temperature, top-k/top-p/min-p, as in vLLM's
+sampler. Log-probabilities are those of the model's raw distribution, before bias, penalties or
+temperature, as vLLM reports by default.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 
@@ -72,6 +75,15 @@ def apply_penalties(logits: torch.Tensor, req: Request) -> torch.Tensor:
     return logits
 
 
+def apply_logit_bias(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
+    """Add the request's logit_bias (token id -> bias) to one row of logits, in place."""
+    if p.logit_bias:
+        ids = torch.tensor(list(p.logit_bias), dtype=torch.long, device=logits.device)
+        bias = torch.tensor(list(p.logit_bias.values()), dtype=logits.dtype, device=logits.device)
+        logits.index_add_(0, ids, bias)
+    return logits
+
+
 def filter_logits(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
     """Temperature, then top-k, top-p and min-p, as -inf masks on one row."""
     logits = logits / p.temperature
@@ -117,12 +129,17 @@ def score_prompt(logits: torch.Tensor, prompt: list[int], k: int, first_pos: int
 
 
 class Sampler:
-    def __call__(self, logits: torch.Tensor, reqs: list[Request]) -> tuple[list[int], list[dict | None]]:
-        """logits: [len(reqs), vocab]. Returns a token per request and, where asked, its logprobs."""
+    def __call__(self, logits: torch.Tensor, reqs: list[Request],
+                 mask: Callable[[torch.Tensor, list[Request]], torch.Tensor] | None = None,
+                 ) -> tuple[list[int], list[dict | None]]:
+        """logits: [len(reqs), vocab]. Returns a token per request and, where asked, its logprobs.
+        `mask` bans tokens (structured outputs, engine/grammar.py) after the raw logprobs are taken."""
         logits = logits.float()
         want_lp = [r.params.logprobs is not None for r in reqs]
         raw_lp = torch.log_softmax(logits, -1) if any(want_lp) else None
-        greedy_rows = [i for i, r in enumerate(reqs) if r.params.greedy and not _penalised(r.params)]
+        if mask is not None:
+            logits = mask(logits, reqs)
+        greedy_rows = [i for i, r in enumerate(reqs) if r.params.greedy and not _adjusted(r.params)]
         greedy_set = set(greedy_rows)
         tokens = [0] * len(reqs)
         if greedy_rows:
@@ -132,7 +149,7 @@ class Sampler:
         for i, r in enumerate(reqs):
             if i in greedy_set:
                 continue
-            row = apply_penalties(logits[i].clone(), r)
+            row = apply_penalties(apply_logit_bias(logits[i].clone(), r.params), r)
             if r.params.greedy:
                 tokens[i] = int(row.argmax())
                 continue
@@ -145,5 +162,7 @@ class Sampler:
         return tokens, lps
 
 
-def _penalised(p: SamplingParams) -> bool:
-    return p.repetition_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
+def _adjusted(p: SamplingParams) -> bool:
+    """Whether the row's logits change before the argmax (so greedy cannot take the raw one)."""
+    return (p.repetition_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
+            or bool(p.logit_bias))

@@ -4,7 +4,8 @@ Every rank of an engine replica, the leader included, runs the same `StepPlan`s 
 order: the leader makes them (scheduler/engine_core.py) and the fan-out delivers them in order
 (scheduler/inbox.py). A rank keeps, for each request it has heard of, only what its own part
 needs: the request's page list (attention reads it on every stage) and, on the one rank that
-samples (the last stage's tensor rank 0), the sampling state: parameters, generator, tokens so far.
+samples (the last stage's tensor rank 0), the sampling state: parameters, generator, tokens so far
+and, with structured outputs, the grammar matcher (engine/grammar.py).
 
 Because a plan fully describes its micro-batch (tokens, positions, pages), no rank ever decides
 anything itself, so ranks cannot diverge; and because every stage runs micro-batches in plan
@@ -21,6 +22,7 @@ from shardserve.core import Request
 from shardserve.distributed.groups import ParallelGroups
 from shardserve.distributed.pipeline import StageLink, stage_of
 from shardserve.engine.context_inputs import ContextSplit
+from shardserve.engine.grammar import Guide
 from shardserve.engine.model_runner import ModelRunner, StepInputs
 from shardserve.engine.sampler import Sampler, score_prompt
 from shardserve.ipc.messages import StepPlan, StepResult
@@ -45,6 +47,7 @@ class StageWorker:
         self.pages: dict[str, list[int]] = {}
         self.sampling: dict[str, Request] = {}  # on the sampling rank only
         self.sampler = Sampler()
+        self.guide = Guide(ckpt, model_cfg.vocab_size) if self.samples else None  # structured outputs
         self.plans = self.empty_plans = 0  # run so far (empty: data-parallel attention's idle steps)
 
     def execute(self, plan: StepPlan) -> StepResult | None:
@@ -72,7 +75,9 @@ class StageWorker:
             self.pages[r.rid] = []
             if self.samples:
                 gen = torch.Generator(device=self.runner.device).manual_seed(r.seed)
-                self.sampling[r.rid] = Request(r.rid, r.prompt, r.params, generator=gen)
+                req = self.sampling[r.rid] = Request(r.rid, r.prompt, r.params, tuple(r.eos), generator=gen)
+                if r.params.structured_outputs is not None:
+                    req.matcher = self.guide.matcher(r.params.structured_outputs)
 
     def _inputs(self, plan: StepPlan) -> StepInputs:
         for e in plan.entries:
@@ -103,7 +108,9 @@ class StageWorker:
 
     def _sample(self, plan: StepPlan, logits: torch.Tensor) -> StepResult:
         reqs = [self.sampling[e.rid] for e in plan.entries if e.sample]
-        tokens, logprobs = self.sampler(logits[: len(reqs)], reqs)
+        guided = any(r.matcher is not None for r in reqs)
+        tokens, logprobs = self.sampler(logits[: len(reqs)], reqs, self.guide.mask if guided else None)
+        ended = self.guide.accept(reqs, tokens) if guided else []
         for req, tok in zip(reqs, tokens):
             req.append_token(tok)  # penalties read the tokens so far
         scored, row = [], len(reqs)
@@ -113,7 +120,7 @@ class StageWorker:
                 scored.append(score_prompt(logits[row : row + e.score_count], req.prompt_token_ids,
                                            req.params.prompt_logprobs, e.score_first))
                 row += e.score_count
-        return StepResult(mb=plan.mb, tokens=tokens, logprobs=logprobs, prompt_logprobs=scored)
+        return StepResult(mb=plan.mb, tokens=tokens, logprobs=logprobs, prompt_logprobs=scored, ended=ended)
 
     def info(self) -> dict:
         """What every rank reports when ready. Peak resident memory so far covers model

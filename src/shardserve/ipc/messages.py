@@ -29,6 +29,7 @@ class GenerateReq(Msg):
     messages: list[dict] | None = None  # chat: rendered through the chat template
     add_special_tokens: bool = True
     auto_max_tokens: bool = False  # max_tokens = whatever context the prompt leaves
+    tools: list[dict] | None = None  # chat: tool definitions for the template
 
 
 class TokenizedReq(Msg):
@@ -112,6 +113,7 @@ class TokenizeReq(Msg):
     text: str | None = None
     messages: list[dict] | None = None
     add_special_tokens: bool = True
+    tools: list[dict] | None = None
 
 
 class TokenizeOut(Msg):
@@ -122,6 +124,7 @@ class TokenizeOut(Msg):
 class DetokenizeReq(Msg):
     rid: str
     token_ids: list[int]
+    skip_special_tokens: bool = False  # /detokenize shows them; a completion's echo does not
 
 
 class DetokenizeOut(Msg):
@@ -210,6 +213,8 @@ class PlanRequest(msgspec.Struct, array_like=True):
     prompt: list[int]
     params: SamplingParams
     seed: int  # resolved by the leader, so whichever rank samples draws the same tokens
+    # With structured outputs: the leader's EOS ids, which the grammar allows only once complete.
+    eos: list[int] = []
 
 
 class PlanEntry(msgspec.Struct, array_like=True):
@@ -252,6 +257,7 @@ class StepResult(Msg):
     tokens: list[int]  # one per sampled entry, in plan order
     logprobs: list[dict | None] = []
     prompt_logprobs: list[list[dict]] = []  # one list per scoring entry, in plan order
+    ended: list[int] = []  # structured outputs: sampled entries (by position) whose output is complete
 
 
 class StageTraffic(Msg):

@@ -16,6 +16,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
+from shardserve.chat_messages import normalize_messages
+
 
 class BadRequest(Exception):
     """Input the router refuses itself, before any worker sees it (answered with a 400)."""
@@ -117,6 +119,10 @@ class KeyMaker:
         return []  # a shape the worker will refuse; route it anywhere and let the worker answer
 
     def _chat_ids(self, messages: list) -> list[int]:
+        try:  # the shape the workers render (text parts joined, tool calls' arguments parsed)
+            messages = normalize_messages(messages)
+        except ValueError:
+            pass  # the worker will say what is wrong; route by what was sent
         tok = self.tokenizer
         if tok is not None and getattr(tok, "chat_template", None):
             try:

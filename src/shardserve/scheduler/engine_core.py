@@ -59,12 +59,14 @@ class EngineCore:
     def __init__(self, cfg: EngineConfig, decode: Callable[[list[int], bool], str] | None = None,
                  groups: ParallelGroups | None = None, extra_eos: tuple[int, ...] = (),
                  publish: Callable[[StepPlan], None] | None = None,
-                 results: Callable[[int], list] | None = None):
+                 results: Callable[[int], list] | None = None, tokenizer=None):
         self.cfg = cfg
         groups = groups or single_process_groups()
         self.ckpt: Checkpoint = resolve_checkpoint(cfg.model)
         self.model_cfg = read_model_config(self.ckpt)
         self.worker = StageWorker(cfg, self.ckpt, self.model_cfg, groups)
+        if self.worker.guide is not None:  # this rank samples: structured outputs may use its tokenizer
+            self.worker.guide.hf_tokenizer = tokenizer
         self.micro_batches = self.worker.micro_batches
         self.runner = self.worker.runner
         self.control = self.runner.control
@@ -210,7 +212,8 @@ class EngineCore:
         for req, n in batch.entries:
             if not req.announced:
                 req.announced = True
-                self._new.append(PlanRequest(req.request_id, req.prompt_token_ids, req.params, req.seed))
+                eos = list(req.eos_token_ids) if req.params.structured_outputs is not None else []
+                self._new.append(PlanRequest(req.request_id, req.prompt_token_ids, req.params, req.seed, eos))
             start = req.num_computed_tokens
             sample = start + n == req.num_tokens
             first, count = scoring.get(id(req), (-1, 0))
@@ -251,11 +254,13 @@ class EngineCore:
         self.starved = False
         tokens = iter(zip(result.tokens, result.logprobs))
         scored = iter(result.prompt_logprobs)
+        ended, k = set(result.ended), -1
         outputs = []
         for req, sample, scores in waits:
             self.busy.discard(req.request_id)
             entries = next(scored) if scores else []
             tok, lp = next(tokens) if sample else (None, None)
+            k += sample  # position among the sampled entries
             if req.finished:  # aborted while its micro-batch was in flight
                 continue
             req.prompt_logprobs.extend(entries)
@@ -265,6 +270,8 @@ class EngineCore:
             if lp is not None:
                 req.logprobs.append(lp)
             reason = finish_reason(req, tok, self.decode, self.max_model_len)
+            if reason != "stop" and k in ended:  # structured outputs: the grammar is complete
+                reason = "stop"
             if reason:
                 self._end(req, reason)
             outputs.append(StepOutput(req, [tok], reason is not None))

@@ -26,6 +26,9 @@ class RequestLimits:
         bad = [t for t in prompt_token_ids if not 0 <= t < self.vocab_size]
         if bad:
             raise ValueError(f"prompt token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})")
+        bad = [t for t in params.logit_bias or () if t >= self.vocab_size]
+        if bad:
+            raise ValueError(f"logit_bias token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})")
         if n + params.max_tokens > self.max_model_len:
             raise ValueError(
                 f"prompt ({n} tokens) plus max_tokens ({params.max_tokens}) exceeds the model's "
@@ -40,3 +43,5 @@ class RequestLimits:
             raise ValueError(f"request needs {pages} KV pages but the pool holds {self.num_pages}")
         if params.stop and not self.has_tokenizer:
             raise ValueError("stop strings need a tokenizer")
+        if params.structured_outputs is not None and not self.has_tokenizer:
+            raise ValueError("structured outputs need a tokenizer")

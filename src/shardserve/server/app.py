@@ -15,7 +15,7 @@ from shardserve.server.client import EngineClient
 from shardserve.server.disconnect import cancel_on_disconnect
 from shardserve.server.errors import APIError, parse_body
 from shardserve.server.metrics import Metrics
-from shardserve.server.openai_api import OpenAIHandlers
+from shardserve.server.openai_api import OpenAIHandlers, chat_messages
 from shardserve.server.protocol import (
     ChatRequest,
     CompletionRequest,
@@ -41,6 +41,8 @@ class ServerState:
     max_prompts: int = 256  # prompts in one completions request
     max_stop_strings: int = 16
     max_stop_length: int = 256  # characters per stop string
+    vocab_size: int | None = None  # logit_bias ids are checked against it (the engine checks again)
+    tool_call_parser: str | None = None  # --tool-call-parser: how the model's tool calls are read back
 
     def needs_key(self, path: str) -> bool:
         if not self.api_key:
@@ -112,9 +114,12 @@ def build_app(state: ServerState) -> FastAPI:
         body = await parse_body(request, TokenizeRequest, state.max_body)
         if (body.prompt is None) == (body.messages is None):
             raise APIError(400, "give exactly one of 'prompt' or 'messages'", param="prompt")
-        msgs = [m.model_dump() for m in body.messages] if body.messages is not None else None
+        msgs = chat_messages(body.messages) if body.messages is not None else None
+        if body.tools and msgs is None:
+            raise APIError(400, "tools are rendered with chat messages: give 'messages'", param="tools")
+        tools = [t.model_dump(exclude_none=True) for t in body.tools] if body.tools else None
         reply = await state.client.call(TokenizeReq(rid=EngineClient.new_rid(), text=body.prompt, messages=msgs,
-                                                    add_special_tokens=body.add_special_tokens))
+                                                    add_special_tokens=body.add_special_tokens, tools=tools))
         _raise_if_error(reply)
         return {"tokens": reply.token_ids, "count": len(reply.token_ids), "max_model_len": state.max_model_len}
 

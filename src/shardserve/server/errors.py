@@ -8,7 +8,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ValidationError
 
-from shardserve.server.protocol import error_body
+from shardserve.server.protocol import RefusedField, error_body
 
 
 class APIError(Exception):
@@ -35,7 +35,11 @@ async def parse_body(request: Request, model: type[BaseModel], max_bytes: int) -
         raise APIError(400, "the request body must be a JSON object")
     try:
         return model.model_validate(data)
+    except RefusedField as e:
+        raise APIError(400, e.message, param=e.field) from None
     except ValidationError as e:
         err = e.errors()[0]
         param = ".".join(str(p) for p in err["loc"]) or None
+        if err["type"] == "extra_forbidden":  # every field is honoured or refused, never ignored
+            raise APIError(400, f"unrecognized field {param!r}: this server does not support it", param=param) from None
         raise APIError(400, f"invalid field {param!r}: {err['msg']}", param=param) from None

@@ -120,7 +120,9 @@ def run_http(args, default_name: str, info: dict, ep: Endpoints, grid: LocalGrid
                         max_n=args.max_n, max_queued=args.max_queued_requests, max_body=args.max_body_bytes,
                         sampling_defaults=sampling_defaults, api_key=args.api_key,
                         metrics_require_key=args.metrics_require_key, max_prompts=args.max_prompts,
-                        max_stop_strings=args.max_stop_strings, max_stop_length=args.max_stop_length)
+                        max_stop_strings=args.max_stop_strings, max_stop_length=args.max_stop_length,
+                        vocab_size=info.get("limits", {}).get("vocab_size"),
+                        tool_call_parser=args.tool_call_parser)
     server = _Server(uvicorn.Config(build_app(state), log_level="info", timeout_graceful_shutdown=5), client)
     failure: list[str] = []
 

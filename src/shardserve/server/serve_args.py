@@ -7,6 +7,7 @@ import os
 
 from shardserve.openai_errors import API_KEY_ENV
 from shardserve.server.args import non_negative_int, port_number, positive_float, positive_int
+from shardserve.server.tool_parsers import PARSERS
 
 
 def add_serve_args(p: argparse.ArgumentParser) -> None:
@@ -27,5 +28,8 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-prompts", type=positive_int, default=256, help="largest number of prompts in one request")
     g.add_argument("--max-stop-strings", type=positive_int, default=16, help="most stop strings in one request")
     g.add_argument("--max-stop-length", type=positive_int, default=256, help="longest stop string, in characters")
+    g.add_argument("--tool-call-parser", choices=sorted(PARSERS), default=None,
+                   help="how the model writes tool calls (hermes: Hermes/Qwen <tool_call> tags; llama3_json: Llama "
+                        "3's JSON); chat requests with tools need one")
     g.add_argument("--startup-timeout", type=positive_float, default=300.0,
                    help="seconds to wait for workers to be ready")

@@ -33,19 +33,28 @@ from shardserve.tokenizer.detokenizer import Detokenizer
 log = logging.getLogger(__name__)
 
 
+class ToolsIgnored(ValueError):
+    """Tools offered to a model whose chat template has no place for them (a 400 naming `tools`)."""
+
+
 class Tokenizer:
     """Owns a tokenizer; every reply goes to the API inbox, every prompt to the scheduler."""
 
     def __init__(self, tokenizer, to_scheduler: zmq.Socket, to_api: zmq.Socket):
         self.tok, self.to_scheduler, self.to_api = tokenizer, to_scheduler, to_api
 
-    def encode(self, text: str | None, messages: list[dict] | None, add_special: bool) -> list[int]:
+    def encode(self, text: str | None, messages: list[dict] | None, add_special: bool,
+               tools: list[dict] | None = None) -> list[int]:
         if self.tok is None:
             raise ValueError("this model has no tokenizer: send token ids")
         if messages is not None:
             if not self.tok.chat_template:
                 raise ValueError("this model has no chat template")
-            text = self.tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+            # Tool definitions as the model's own template renders them (none: the template's no-tools form).
+            text = self.tok.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=False)
+            if tools and text == self.tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False):
+                raise ToolsIgnored("this model's chat template does not render tool definitions, so the model "
+                                   "cannot be offered tools")
             add_special = False  # the template already carries any BOS
         return self.tok.encode(text, add_special_tokens=add_special)
 
@@ -53,18 +62,20 @@ class Tokenizer:
         try:
             if isinstance(msg, GenerateReq):
                 ids = msg.token_ids if msg.token_ids is not None else self.encode(
-                    msg.text, msg.messages, msg.add_special_tokens)
+                    msg.text, msg.messages, msg.add_special_tokens, msg.tools)
                 send(self.to_scheduler, TokenizedReq(rid=msg.rid, token_ids=ids, params=msg.params,
                                                    auto_max_tokens=msg.auto_max_tokens))
             elif isinstance(msg, TokenizeReq):
-                ids = self.encode(msg.text, msg.messages, msg.add_special_tokens)
+                ids = self.encode(msg.text, msg.messages, msg.add_special_tokens, msg.tools)
                 send(self.to_api, TokenizeOut(rid=msg.rid, token_ids=ids))
             elif isinstance(msg, DetokenizeReq):
                 if self.tok is None:
                     raise ValueError("this model has no tokenizer")
-                send(self.to_api, DetokenizeOut(rid=msg.rid, text=self.tok.decode(msg.token_ids)))
+                text = self.tok.decode(msg.token_ids, skip_special_tokens=msg.skip_special_tokens)
+                send(self.to_api, DetokenizeOut(rid=msg.rid, text=text))
         except Exception as e:  # a bad prompt must never take the worker down
-            send(self.to_api, ErrorOut(rid=msg.rid, message=f"{type(e).__name__}: {e}", status=400))
+            send(self.to_api, ErrorOut(rid=msg.rid, message=f"{type(e).__name__}: {e}", status=400,
+                                       param="tools" if isinstance(e, ToolsIgnored) else None))
 
 
 def _serve(sockets: dict[zmq.Socket, callable]) -> None:

@@ -1,0 +1,109 @@
+"""Chat messages as OpenAI clients send them -> the dicts chat templates read.
+
+Every place that renders a chat uses `normalize_messages`: the server (chat completions and
+/tokenize), the standalone router's routing key and the offline `LLM.chat`, so one conversation
+renders to the same tokens everywhere.
+
+- `content` is a string, an array of parts, or null (an assistant message that only calls
+  tools: rendered as ""). Text parts (and an assistant's refusal parts) are joined with "\\n", as
+  vLLM does for text-only models; an image, audio, video or file part is refused, since the
+  models served here read text only.
+- An assistant's `tool_calls` keep OpenAI's shape (`{"id", "type": "function", "function":
+  {"name", "arguments"}}`) with `arguments` parsed from its JSON string into an object, which is
+  what Hugging Face tool-use templates expect (they `tojson` it), as vLLM does.
+- A `tool` message must name the `tool_call_id` it answers (and may carry `name`).
+- Keys whose value is null are dropped (a template testing `'tool_calls' in message` must not
+  find a null one); any other key is passed on for the template to read or not.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+ROLES = ("system", "user", "assistant", "tool", "developer")
+TEXT_PARTS = {"text": "text", "refusal": "refusal"}  # part type -> the key holding its text
+MEDIA_PARTS = {"image_url": "images", "input_image": "images", "image": "images", "input_audio": "audio",
+               "audio_url": "audio", "video_url": "video", "file": "files", "input_file": "files"}
+
+
+class ChatMessageError(ValueError):
+    """A message the chat template cannot be given; `param` names it (e.g. messages.1.content)."""
+
+    def __init__(self, param: str, message: str):
+        super().__init__(f"{param}: {message}")
+        self.param = param
+
+
+def normalize_messages(messages: Any) -> list[dict]:
+    """The conversation as chat templates read it (a new list; the input is left as it was)."""
+    if not isinstance(messages, list) or not messages:
+        raise ChatMessageError("messages", "must be a non-empty array of messages")
+    return [_message(m, f"messages.{i}") for i, m in enumerate(messages)]
+
+
+def _message(m: Any, where: str) -> dict:
+    if not isinstance(m, dict):
+        raise ChatMessageError(where, "must be an object with a role and content")
+    role = m.get("role")
+    if role not in ROLES:
+        raise ChatMessageError(f"{where}.role", f"must be one of {', '.join(ROLES)} (got {role!r})")
+    out = {k: v for k, v in m.items() if v is not None}
+    out["content"] = _content(m.get("content"), role, f"{where}.content")
+    for key in ("name", "tool_call_id"):
+        if key in out and not isinstance(out[key], str):
+            raise ChatMessageError(f"{where}.{key}", "must be a string")
+    if "tool_calls" in out:
+        calls = out["tool_calls"]
+        if role != "assistant":
+            raise ChatMessageError(f"{where}.tool_calls", "only an assistant message carries tool calls")
+        if not isinstance(calls, list):
+            raise ChatMessageError(f"{where}.tool_calls", "must be an array of tool calls")
+        out["tool_calls"] = [_tool_call(c, f"{where}.tool_calls.{j}") for j, c in enumerate(calls)]
+    if role == "tool" and "tool_call_id" not in out:
+        raise ChatMessageError(f"{where}.tool_call_id", "a tool message must name the tool call it answers")
+    return out
+
+
+def _content(content: Any, role: str, where: str) -> str:
+    if content is None:
+        if role == "assistant":  # OpenAI's shape for a message that only calls tools
+            return ""
+        raise ChatMessageError(where, "is required: a string or an array of text parts")
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise ChatMessageError(where, "must be a string or an array of text parts")
+    texts = []
+    for j, part in enumerate(content):
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind in MEDIA_PARTS:
+            raise ChatMessageError(where, f"part {j} is {kind!r}: this model does not support "
+                                          f"{MEDIA_PARTS[kind]}, only text parts")
+        key = TEXT_PARTS.get(kind)
+        if key is None or not isinstance(part.get(key), str):
+            raise ChatMessageError(where, f"part {j} must be a text part ({{\"type\": \"text\", \"text\": ...}})")
+        texts.append(part[key])
+    return "\n".join(texts)
+
+
+def _tool_call(call: Any, where: str) -> dict:
+    fn = call.get("function") if isinstance(call, dict) else None
+    if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+        raise ChatMessageError(f"{where}.function", "must be an object with the function's name and arguments")
+    if call.get("type", "function") != "function":
+        raise ChatMessageError(f"{where}.type", "must be 'function'")
+    args = fn.get("arguments")
+    if args is None or args == "":
+        args = {}
+    elif isinstance(args, str):
+        try:
+            args = json.loads(args)
+        except json.JSONDecodeError as e:
+            raise ChatMessageError(f"{where}.function.arguments", f"is not valid JSON: {e}") from None
+    if not isinstance(args, dict):
+        raise ChatMessageError(f"{where}.function.arguments", "must be a JSON object")
+    out = {k: v for k, v in call.items() if v is not None}
+    out["type"] = "function"
+    out["function"] = {**{k: v for k, v in fn.items() if v is not None}, "arguments": args}
+    return out

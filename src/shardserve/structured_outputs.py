@@ -1,0 +1,95 @@
+"""Structured outputs: what a request's text must match, in vLLM's shape (`StructuredOutputsParams`).
+
+Exactly one kind per request: a JSON schema (`json`), any JSON object (`json_object`), a regular
+expression (`regex`), a context-free grammar (`grammar`: GBNF/EBNF as llama.cpp, xgrammar and
+SGLang write it, or Lark) or a list of strings (`choice`). Each kind becomes an llguidance grammar
+(the engine vLLM calls `guidance`; xgrammar would pull a 1 GB triton wheel that a CPU engine never
+uses), compiled and checked once per distinct spec and process, so a bad one is a ValueError
+when the parameters are made. The sampling rank enforces it token by token (engine/grammar.py).
+"""
+
+from __future__ import annotations
+
+import json as _json
+from dataclasses import dataclass
+from functools import lru_cache
+
+KINDS = ("json", "json_object", "regex", "grammar", "choice")
+# Compact JSON: flexible whitespace would let a model pad its output with blanks until max_tokens.
+JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+_MAX_MESSAGE = 300
+
+
+@dataclass
+class StructuredOutputsParams:
+    """Set exactly one field. `json`: a JSON schema (a dict or its JSON text); `json_object`: True
+    for any JSON object; `regex`; `grammar` (GBNF/EBNF, or Lark); `choice`: one of these strings."""
+
+    json: dict | str | None = None
+    json_object: bool | None = None
+    regex: str | None = None
+    grammar: str | None = None
+    choice: list[str] | None = None
+
+    def __post_init__(self) -> None:
+        given = [k for k in KINDS if getattr(self, k) not in (None, False)]
+        if len(given) != 1:
+            raise ValueError(f"SamplingParams.structured_outputs must set exactly one of {', '.join(KINDS)} "
+                             f"(got {', '.join(given) or 'none'})")
+        if isinstance(self.json, str):
+            try:
+                self.json = _json.loads(self.json)
+            except ValueError as e:
+                raise ValueError(f"SamplingParams.structured_outputs.json is not valid JSON: {e}") from None
+        if self.json is not None and not isinstance(self.json, dict):
+            raise ValueError("SamplingParams.structured_outputs.json must be a JSON schema object")
+        if self.json_object is not None and self.json_object is not True:
+            raise ValueError("SamplingParams.structured_outputs.json_object must be True or None")
+        for name in ("regex", "grammar"):
+            value = getattr(self, name)
+            if value is not None and not (isinstance(value, str) and value):
+                raise ValueError(f"SamplingParams.structured_outputs.{name} must be a non-empty string")
+        if self.choice is not None and not (self.choice and all(isinstance(c, str) and c for c in self.choice)):
+            raise ValueError("SamplingParams.structured_outputs.choice must be a list of non-empty strings")
+        grammar_of(*self.key())  # compiles (cached) or raises
+
+    def key(self) -> tuple[str, str]:
+        """(kind, text): what the compiled grammar depends on, as a cache key. A schema keeps its
+        own key order: properties are generated in the order the schema lists them."""
+        if self.json is not None:
+            return "json", _json.dumps(self.json)
+        if self.json_object:
+            return "json", '{"type": "object"}'
+        if self.choice is not None:
+            return "choice", _json.dumps(self.choice)
+        return ("regex", self.regex) if self.regex is not None else ("grammar", self.grammar)
+
+    def describe(self) -> str:
+        return next(k for k in KINDS if getattr(self, k) not in (None, False))
+
+
+@lru_cache(maxsize=256)
+def grammar_of(kind: str, text: str) -> str:
+    """The llguidance grammar for one spec, checked (tokenizer-independent checks: syntax, schema
+    features, references); ValueError with a one-line message when it cannot be compiled."""
+    from llguidance import LLMatcher, grammar_from
+
+    what = {"json": "JSON schema", "regex": "regex", "grammar": "grammar", "choice": "choice"}[kind]
+    try:
+        if kind == "json":
+            grammar = LLMatcher.grammar_from_json_schema(text, JSON_OPTIONS)
+        elif kind == "choice":
+            grammar = LLMatcher.grammar_from_lark("start: " + " | ".join(_json.dumps(c) for c in _json.loads(text)))
+        else:
+            grammar = grammar_from(kind, text)
+        is_error, messages = LLMatcher.validate_grammar_with_warnings(grammar)
+    except (ValueError, TypeError, RuntimeError) as e:
+        is_error, messages = True, [str(e)]
+    if is_error:
+        raise ValueError(f"SamplingParams.structured_outputs: invalid {what}: {one_line(messages[0])}")
+    return grammar
+
+
+def one_line(message: str) -> str:
+    text = " ".join(message.split())
+    return text if len(text) <= _MAX_MESSAGE else text[: _MAX_MESSAGE - 3] + "..."
