@@ -1,8 +1,8 @@
 """Chat messages as OpenAI clients send them -> the dicts chat templates read.
 
-Every place that renders a chat uses `normalize_messages`: the server (chat completions and
-/tokenize), the standalone router's routing key and the offline `LLM.chat`, so one conversation
-renders to the same tokens everywhere.
+Every place that renders a chat uses `normalize_messages` and `render_chat`: the server (chat
+completions and /tokenize), the standalone router's routing key and the offline `LLM.chat`, so
+one conversation (with its tools) renders to the same tokens everywhere.
 
 - `content` is a string, an array of parts, or null (an assistant message that only calls
   tools: rendered as ""). Text parts (and an assistant's refusal parts) are joined with "\\n", as
@@ -25,6 +25,23 @@ ROLES = ("system", "user", "assistant", "tool", "developer")
 TEXT_PARTS = {"text": "text", "refusal": "refusal"}  # part type -> the key holding its text
 MEDIA_PARTS = {"image_url": "images", "input_image": "images", "image": "images", "input_audio": "audio",
                "audio_url": "audio", "video_url": "video", "file": "files", "input_file": "files"}
+
+
+class ToolsIgnored(ValueError):
+    """Tools offered to a model whose chat template has no place for them (a 400 naming `tools`)."""
+
+
+def render_chat(tok, messages: list[dict], tools: list[dict] | None = None) -> str:
+    """The prompt text of normalized `messages` (and tool definitions, as the model's own template
+    renders them), ready for the model's answer. Tools the template ignores are refused, never
+    silently dropped."""
+    if not getattr(tok, "chat_template", None):
+        raise ValueError("this model has no chat template")
+    text = tok.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=False)
+    if tools and text == tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False):
+        raise ToolsIgnored("this model's chat template does not render tool definitions, so the model "
+                           "cannot be offered tools")
+    return text
 
 
 class ChatMessageError(ValueError):

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 from tqdm import tqdm
 
-from shardserve.chat_messages import normalize_messages
+from shardserve.chat_messages import normalize_messages, render_chat
 from shardserve.config import EngineConfig
 from shardserve.core import CompletionOutput, RequestOutput, SamplingParams
 from shardserve.distributed.layout import Layout
@@ -135,11 +135,15 @@ class LLM:
         return [self._output(p, ids, g) for p, ids, g in zip(prompts, encoded, groups)]
 
     def chat(self, messages: list[dict] | list[list[dict]],
-             sampling_params: SamplingParams | None = None, use_tqdm: bool = True):
-        """One conversation returns one RequestOutput; a list of conversations returns a list."""
+             sampling_params: SamplingParams | None = None, use_tqdm: bool = True,
+             tools: list[dict] | None = None):
+        """One conversation returns one RequestOutput; a list of conversations returns a list.
+        `tools` (OpenAI's function definitions) are rendered by the model's chat template, as
+        vLLM's LLM.chat does; the output is the model's text (parse it with
+        server.tool_parsers, or serve with --tool-call-parser)."""
         single = bool(messages) and isinstance(messages[0], dict)
         convs = [messages] if single else messages
-        prompts = [self.render_chat(c) for c in convs]
+        prompts = [self.render_chat(c, tools) for c in convs]
         outs = self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
         return outs[0] if single else outs
 
@@ -147,13 +151,12 @@ class LLM:
         """SamplingParams with the model's generation defaults (temperature, top_p, ...) applied."""
         return SamplingParams(**self.generation_defaults)
 
-    def render_chat(self, conversation: list[dict]) -> list[int]:
+    def render_chat(self, conversation: list[dict], tools: list[dict] | None = None) -> list[int]:
         """The conversation's prompt tokens: messages in OpenAI's shapes (text parts, tool calls,
-        tool results) normalized as the server does (chat_messages.py)."""
-        if self.tokenizer is None or not self.tokenizer.chat_template:
+        tool results) normalized and rendered as the server does (chat_messages.py)."""
+        if self.tokenizer is None:
             raise ValueError("this model has no chat template")
-        text = self.tokenizer.apply_chat_template(normalize_messages(conversation), add_generation_prompt=True,
-                                                  tokenize=False)
+        text = render_chat(self.tokenizer, normalize_messages(conversation), tools)
         return self.tokenizer.encode(text, add_special_tokens=False)
 
     def add_request(self, prompt: Prompt, params: SamplingParams) -> str:

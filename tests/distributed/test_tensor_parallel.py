@@ -44,9 +44,9 @@ def reference(tiny_model):
 
 
 # Qwen3 differs from Llama only in its q/k norms, which shard with the heads: TP 2 covers them
-# (sizes 3 and 4 run on the other three architectures; CI time).
+# (sizes 3 and 4 run on the other architectures, TP 4 of a MoE on Qwen2-MoE only; CI time).
 MATRIX = [(arch, tp) for arch in ("llama", "qwen3", "qwen3_moe", "qwen2_moe") for tp in (2, 3, 4)
-          if arch != "qwen3" or tp == 2]
+          if (arch != "qwen3" or tp == 2) and (arch, tp) != ("qwen3_moe", 4)]
 
 
 @pytest.mark.parametrize("arch,tp", MATRIX, ids=[f"{a}-{t}" for a, t in MATRIX])

@@ -297,3 +297,29 @@ def test_template_without_tools_is_refused(tiny_tok):
             worker.encode(None, messages, True, tools)
     finally:
         tiny_tok.chat_template = saved
+
+
+def test_offline_chat_renders_tools_as_the_server_does(tiny_model):
+    """LLM.chat(tools=...) gives the prompt the server's tokenizer worker renders; a template
+    without a place for tools refuses them."""
+    from shardserve import LLM, SamplingParams
+    from shardserve.chat_messages import ToolsIgnored, render_chat
+
+    path, _ = tiny_model("llama")
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
+    convo = [{"role": "user", "content": "weather?"}]
+    with LLM(path, num_pages=64, show_progress=False) as llm:
+        with_tools, without = llm.render_chat(convo, tools), llm.render_chat(convo)
+        assert len(with_tools) > len(without)
+        assert llm.tokenizer.decode(with_tools).count("get_weather") == 1
+        params = SamplingParams(max_tokens=2, temperature=0)
+        assert llm.chat(convo, params, use_tqdm=False, tools=tools).prompt_token_ids == with_tools
+
+    class Plain:
+        chat_template = "{% for m in messages %}{{ m.content }}{% endfor %}"
+
+        def apply_chat_template(self, messages, tools=None, **_):
+            return "".join(m["content"] for m in messages)
+
+    with pytest.raises(ToolsIgnored, match="does not render tool definitions"):
+        render_chat(Plain(), convo, tools)

@@ -16,7 +16,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
-from shardserve.chat_messages import normalize_messages
+from shardserve.chat_messages import normalize_messages, render_chat
 
 
 class BadRequest(Exception):
@@ -91,17 +91,19 @@ class KeyMaker:
             messages = body.get("messages")
             if not isinstance(messages, list) or not messages:
                 raise BadRequest("'messages' must be a non-empty list of messages", param="messages")
-            ids = await self._run(self._chat_ids, messages)
+            # The tools are part of the prompt the worker renders (unless tool_choice is "none").
+            tools = body.get("tools") if body.get("tool_choice") != "none" else None
+            ids = await self._run(self._chat_ids, messages, tools if isinstance(tools, list) else None)
         else:
             if "prompt" not in body or body["prompt"] is None:
                 raise BadRequest("the request has no 'prompt'", param="prompt")
             ids = await self._run(self._prompt_ids, body["prompt"])
         return RouteKey(ids, _max_tokens(body))
 
-    async def _run(self, fn: Callable[[Any], list[int]], arg: Any) -> list[int]:
+    async def _run(self, fn: Callable[..., list[int]], *args: Any) -> list[int]:
         if self._pool is None:
-            return fn(arg)  # characters: no tokenizer to wait for
-        return await asyncio.get_running_loop().run_in_executor(self._pool, fn, arg)
+            return fn(*args)  # characters: no tokenizer to wait for
+        return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
 
     def _encode(self, text: str) -> list[int]:
         if self.tokenizer is None:
@@ -118,7 +120,7 @@ class KeyMaker:
             return prompt  # token ids are the key as they are, in either mode
         return []  # a shape the worker will refuse; route it anywhere and let the worker answer
 
-    def _chat_ids(self, messages: list) -> list[int]:
+    def _chat_ids(self, messages: list, tools: list | None = None) -> list[int]:
         try:  # the shape the workers render (text parts joined, tool calls' arguments parsed)
             messages = normalize_messages(messages)
         except ValueError:
@@ -126,8 +128,8 @@ class KeyMaker:
         tok = self.tokenizer
         if tok is not None and getattr(tok, "chat_template", None):
             try:
-                text = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-            except Exception:  # malformed messages: the worker will say what is wrong
+                text = render_chat(tok, messages, tools)
+            except Exception:  # malformed messages or tools: the worker will say what is wrong
                 text = None
             if isinstance(text, str):
                 return self._encode(text)

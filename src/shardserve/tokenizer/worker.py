@@ -12,6 +12,7 @@ import logging
 
 import zmq
 
+from shardserve.chat_messages import ToolsIgnored, render_chat
 from shardserve.ipc.child import run_child
 from shardserve.ipc.messages import (
     DetokenizeOut,
@@ -33,10 +34,6 @@ from shardserve.tokenizer.detokenizer import Detokenizer
 log = logging.getLogger(__name__)
 
 
-class ToolsIgnored(ValueError):
-    """Tools offered to a model whose chat template has no place for them (a 400 naming `tools`)."""
-
-
 class Tokenizer:
     """Owns a tokenizer; every reply goes to the API inbox, every prompt to the scheduler."""
 
@@ -48,13 +45,7 @@ class Tokenizer:
         if self.tok is None:
             raise ValueError("this model has no tokenizer: send token ids")
         if messages is not None:
-            if not self.tok.chat_template:
-                raise ValueError("this model has no chat template")
-            # Tool definitions as the model's own template renders them (none: the template's no-tools form).
-            text = self.tok.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=False)
-            if tools and text == self.tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False):
-                raise ToolsIgnored("this model's chat template does not render tool definitions, so the model "
-                                   "cannot be offered tools")
+            text = render_chat(self.tok, messages, tools)
             add_special = False  # the template already carries any BOS
         return self.tok.encode(text, add_special_tokens=add_special)
 
