@@ -9,22 +9,14 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_pipeline import SCORED, SEEDED, TOP, assert_logprobs_close
+from test_pipeline import NEW, SCORED, SEEDED, TOP, assert_logprobs_close, hf_reference
 
 from shardserve import LLM, SamplingParams
 
-NEW = 12
 LENGTHS = (1, 3, 37, 300)
 # A 64-token step budget cuts the 300-token prompt into five chunks.
 ENGINE = dict(num_pages=64, page_size=8, max_num_batched_tokens=64, show_progress=False)
 GREEDY = SamplingParams(max_tokens=NEW, temperature=0, logprobs=TOP)
-
-
-def hf_reference(model, prompt: list[int]) -> tuple[list[int], torch.Tensor]:
-    with torch.no_grad():
-        out = model.generate(torch.tensor([prompt]), max_new_tokens=NEW, min_new_tokens=NEW, do_sample=False)
-        logits = model(out[:, :-1]).logits[0, len(prompt) - 1 :]
-    return out[0, len(prompt) :].tolist(), torch.log_softmax(logits.float(), -1)
 
 
 @pytest.fixture(scope="module")
