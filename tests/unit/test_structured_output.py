@@ -203,3 +203,16 @@ def test_mask_is_as_wide_as_the_logits(tiny_model):
     row = guide.mask(torch.zeros(1, 320), [req])[0]
     assert torch.isfinite(row[1])  # complete now: EOS allowed
     assert guide.accept([req], [1]) == [0]
+
+
+def test_stop_string_ends_a_constrained_output(llm):
+    """A stop string still ends the output (a prefix of what the grammar allows, as in vLLM): the
+    structured outputs' end and the stop string's are both "stop", with the stop string cut."""
+    spec = StructuredOutputsParams(regex=r"(ab|cd){3,6}x")
+    free = llm.generate(["Hello"] * 4, sampled(spec, seeds=range(4)), use_tqdm=False)
+    stopped = llm.generate(["Hello"] * 4, sampled(spec, seeds=range(4), stop=["cd"]), use_tqdm=False)
+    assert any("cd" in f.text for f in free)  # the stop string really cuts some
+    for f, s in zip(free, stopped):
+        assert re.fullmatch(r"(ab|cd){3,6}x", f.text) and f.finish_reason == "stop"
+        cut = f.text.find("cd")
+        assert s.finish_reason == "stop" and s.text == (f.text[:cut] if cut >= 0 else f.text)
