@@ -14,6 +14,8 @@ from server_util import Server
 from tiny_tokenizer import save_tiny_tokenizer
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig
 
+from shardserve.chat_messages import render_chat
+
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "The weather in a city",
     "parameters": {"type": "object", "properties": {"city": {"enum": ["Paris", "Rome"]},
@@ -55,8 +57,8 @@ def tok(server):
 
 
 def prompt_len(tok, messages, tools=None) -> int:
-    text = tok.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=False)
-    return len(tok.encode(text, add_special_tokens=False))
+    """Prompt tokens of the chat as the server renders it (chat_messages.render_chat)."""
+    return len(tok.encode(render_chat(tok, messages, tools), add_special_tokens=False))
 
 
 def check_weather_call(call) -> dict:

@@ -16,42 +16,45 @@ import torch
 from shardserve.core import Request, SamplingParams
 
 
-class PenaltyState:
-    """What the penalties need from one request's tokens so far, kept on the logits' device and
-    brought up to date each step from only the tokens added since (O(new tokens), not O(context)).
+class _Tally:
+    """Occurrences of each vocabulary id in a token list that only grows, on the logits' device,
+    brought up to date from the tokens added since the last call (O(new tokens))."""
 
-    `seen`: bool [vocab], every token of prompt and output (repetition_penalty); `seen_upto`: how
-    many of `all_token_ids` it holds. `counts`: long [vocab], occurrences in the output
-    (presence/frequency penalties); `counts_upto`: how many of `output_token_ids` it holds.
-    Each part is made on the first step that needs it. A request's tokens only grow.
-    """
+    def __init__(self, vocab: int, device: torch.device) -> None:
+        self.counts = torch.zeros(vocab, dtype=torch.long, device=device)
+        self.upto = 0  # how many of the list's tokens `counts` holds
+
+    def update(self, tokens: list[int]) -> torch.Tensor:
+        if len(tokens) < self.upto:  # not expected (lists only grow): start over rather than be wrong
+            self.counts.zero_()
+            self.upto = 0
+        if len(tokens) > self.upto:
+            new = torch.tensor(tokens[self.upto :], dtype=torch.long, device=self.counts.device)
+            self.counts.index_add_(0, new, torch.ones_like(new))
+            self.upto = len(tokens)
+        return self.counts
+
+
+class PenaltyState:
+    """What the penalties need from one request's tokens so far (O(new tokens) a step, not
+    O(context)): a tally of prompt and output tokens (repetition_penalty reads which were seen)
+    and one of output tokens (presence/frequency penalties), each made on the first step that
+    needs it."""
 
     def __init__(self, vocab: int, device: torch.device) -> None:
         self.vocab, self.device = vocab, device
-        self.seen: torch.Tensor | None = None
-        self.seen_upto = 0
-        self.counts: torch.Tensor | None = None
-        self.counts_upto = 0
+        self.all: _Tally | None = None
+        self.output: _Tally | None = None
 
     def update_seen(self, tokens: list[int]) -> torch.Tensor:
-        if self.seen is None or len(tokens) < self.seen_upto:
-            self.seen = torch.zeros(self.vocab, dtype=torch.bool, device=self.device)
-            self.seen_upto = 0
-        if len(tokens) > self.seen_upto:
-            new = torch.tensor(tokens[self.seen_upto:], dtype=torch.long, device=self.device)
-            self.seen[new] = True
-            self.seen_upto = len(tokens)
-        return self.seen
+        """bool [vocab]: every token of `tokens` (prompt and output)."""
+        self.all = self.all or _Tally(self.vocab, self.device)
+        return self.all.update(tokens) > 0
 
     def update_counts(self, tokens: list[int]) -> torch.Tensor:
-        if self.counts is None or len(tokens) < self.counts_upto:
-            self.counts = torch.zeros(self.vocab, dtype=torch.long, device=self.device)
-            self.counts_upto = 0
-        if len(tokens) > self.counts_upto:
-            new = torch.tensor(tokens[self.counts_upto:], dtype=torch.long, device=self.device)
-            self.counts.index_add_(0, new, torch.ones_like(new))
-            self.counts_upto = len(tokens)
-        return self.counts
+        """long [vocab]: occurrences in `tokens` (the output)."""
+        self.output = self.output or _Tally(self.vocab, self.device)
+        return self.output.update(tokens)
 
 
 def apply_penalties(logits: torch.Tensor, req: Request) -> torch.Tensor:
