@@ -132,6 +132,10 @@ def _rope_scaling(rope: dict[str, Any], d: dict[str, Any]) -> RopeScaling | None
 # Decode attention: "cpu" = the C kernel reading pages in place (CPU, float32), "torch" = page
 # gather + SDPA (any device and dtype), "auto" = cpu where it applies and builds, else torch.
 ATTENTION_BACKENDS = ("auto", "torch", "cpu")
+# "null": an ordinary server. "prefill": computes prompts for decode instances and ships their
+# KV; "decode": takes requests (through `shardserve router --prefill .. --decode ..`), has a
+# prefill instance compute each prompt, and generates the rest.
+DISAGGREGATION_MODES = ("null", "prefill", "decode")
 
 
 @dataclass(frozen=True)
@@ -160,6 +164,13 @@ class EngineConfig:
     # counts recorded by `shardserve record-experts` (a JSON file).
     ep_num_redundant_experts: int = 0
     ep_expert_placement: str | None = None
+    # Disaggregated prefill/decode (see DISAGGREGATION_MODES): where this instance's KV channels
+    # listen (a prefill leader's bootstrap port; a decode instance's ranks, port + tensor rank),
+    # and how long a peer may stay silent about a request before it is dropped.
+    disaggregation_mode: str = "null"
+    disaggregation_host: str = "127.0.0.1"
+    disaggregation_port: int = 0
+    disaggregation_timeout: float = 30.0
 
     def __post_init__(self) -> None:
         checks = [
@@ -173,6 +184,9 @@ class EngineConfig:
             (self.ep_num_redundant_experts >= 0, "ep_num_redundant_experts", "must be >= 0"),
             (self.attention_backend in ATTENTION_BACKENDS, "attention_backend",
              f"must be one of {list(ATTENTION_BACKENDS)}"),
+            (self.disaggregation_mode in DISAGGREGATION_MODES, "disaggregation_mode",
+             f"must be one of {list(DISAGGREGATION_MODES)}"),
+            (self.disaggregation_timeout > 0, "disaggregation_timeout", "must be > 0"),
         ]
         for ok, name, why in checks:
             if not ok:

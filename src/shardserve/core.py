@@ -168,6 +168,10 @@ class Request:
     penalty_state: PenaltyState | None = field(default=None, repr=False, compare=False)
     # On the sampling rank, with structured outputs: the request's grammar matcher (engine/grammar.py).
     matcher: Any = field(default=None, repr=False, compare=False)
+    # Disaggregation. Prefill side: where the KV goes (ipc.messages.KVTarget); the request ends
+    # after its first token. Decode side: the prefill sampler's random state after that token.
+    transfer: Any = field(default=None, repr=False, compare=False)
+    rng_state: bytes = field(default=b"", repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if self.params.prompt_logprobs is not None and not self.prompt_logprobs:

@@ -70,6 +70,9 @@ class LLM:
         self.node = NodeSpec(node_rank, dist_init_addr, deployment_secret(dist_secret_file, node_rank == 0))
         if kwargs.get("pp_layer_partition") is not None:
             kwargs["pp_layer_partition"] = tuple(kwargs["pp_layer_partition"])
+        if kwargs.get("disaggregation_mode", "null") != "null":
+            raise ValueError("disaggregation_mode is for servers (`shardserve serve --disaggregation-mode ...` "
+                             "behind `shardserve router --prefill .. --decode ..`), not the offline LLM")
         self.config = EngineConfig(model=model, **kwargs)
         ckpt = resolve_checkpoint(model)
         check_layout(self.layout, self.node, ckpt, self.config)

@@ -1,4 +1,4 @@
-"""`shardserve bench {offline,serve,dist}`: argument parsing and dispatch."""
+"""`shardserve bench {offline,serve,dist,disagg}`: argument parsing and dispatch."""
 
 from __future__ import annotations
 
@@ -31,6 +31,10 @@ def add_bench_args(bench: argparse.ArgumentParser) -> None:
     from shardserve.bench.serve import add_serve_bench_args
 
     add_serve_bench_args(sub.add_parser("serve", help="load-test an OpenAI-compatible server over HTTP"))
+    from shardserve.bench.disagg import add_disagg_args
+
+    add_disagg_args(sub.add_parser("disagg", help="1 prefill + 1 decode instance vs one colocated server, mixed "
+                                                  "workload"))
 
 
 def run_bench(args: argparse.Namespace) -> int:
@@ -42,6 +46,10 @@ def run_bench(args: argparse.Namespace) -> int:
         from shardserve.bench.serve import run_serve_bench
 
         return run_serve_bench(args)
+    if args.bench == "disagg":
+        from shardserve.bench.disagg import run_disagg
+
+        return run_disagg(args)
     if args.bench == "dist":
         from shardserve.bench.dist import run_dist
 

@@ -8,6 +8,7 @@ the last stage applies the final norm and LM head.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -144,13 +145,15 @@ class ModelRunner:
         return pages
 
     @torch.inference_mode()
-    def forward(self, step: StepInputs, hidden: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, step: StepInputs, hidden: torch.Tensor | None = None,
+                after_layer: Callable[[int], None] | None = None) -> torch.Tensor:
         """The first stage embeds `step.token_ids`, a later one continues from `hidden`. Returns the
-        residual stream to send on, or on the last stage the logits of `step.logit_rows`."""
+        residual stream to send on, or on the last stage the logits of `step.logit_rows`.
+        `after_layer(i)` runs once layer i has (disaggregated prefill: its KV leaves then)."""
         cp = step.context
         meta = cp.meta if cp else build_metadata(self.cfg.page_size, step.decodes, step.prefills, self.device,
                                                  self.paged_decode)
-        ctx = ForwardContext(self.kv_views, meta)
+        ctx = ForwardContext(self.kv_views, meta, after_layer=after_layer)
         pos = torch.tensor(step.positions, dtype=torch.long, device=self.device)
         ids = torch.tensor(step.token_ids, dtype=torch.long, device=self.device) if self.stage.first else None
         out = self.model(ids, pos, ctx, hidden)

@@ -23,15 +23,19 @@ from shardserve.distributed.groups import ParallelGroups
 from shardserve.distributed.pipeline import StageLink, stage_of
 from shardserve.engine.context_inputs import ContextSplit
 from shardserve.engine.grammar import Guide
+from shardserve.engine.kv_shipper import KVShipper
 from shardserve.engine.model_runner import ModelRunner, StepInputs
 from shardserve.engine.sampler import Sampler, score_prompt
-from shardserve.ipc.messages import StepPlan, StepResult
+from shardserve.ipc.messages import KVTarget, PlanRequest, StepPlan, StepResult
+from shardserve.kvcache.transfer import KVSender
 from shardserve.loader.model_path import Checkpoint
 from shardserve.platform import anon_rss_mb, peak_rss_mb
 
 
 class StageWorker:
-    def __init__(self, cfg: EngineConfig, ckpt: Checkpoint, model_cfg: ModelConfig, groups: ParallelGroups):
+    def __init__(self, cfg: EngineConfig, ckpt: Checkpoint, model_cfg: ModelConfig, groups: ParallelGroups,
+                 secret: bytes = b""):
+        """`secret` keys the KV channels of a prefill instance (disaggregation)."""
         layout = groups.layout
         stage = stage_of(groups.coords.pp, model_cfg.num_layers, layout.pp, cfg.pp_layer_partition)
         # Micro-batches in flight: one per stage unless said otherwise (one stage runs one at a time).
@@ -49,6 +53,14 @@ class StageWorker:
         self.sampler = Sampler()
         self.guide = Guide(ckpt, model_cfg.vocab_size) if self.samples else None  # structured outputs
         self.plans = self.empty_plans = 0  # run so far (empty: data-parallel attention's idle steps)
+        # Disaggregation: a prefill rank ships KV (`shipper`, to `targets`); a decode rank's KV
+        # receiver (set by its process) must stop writing a dropped room before the next plan runs.
+        self.targets: dict[str, KVTarget] = {}
+        self.shipper = (KVShipper(KVSender(secret, cfg.disaggregation_timeout), r.kv_views, cfg.page_size,
+                                  model_cfg.num_heads, model_cfg.num_kv_heads, groups.tensor.size,
+                                  groups.tensor.rank, r.device)
+                        if cfg.disaggregation_mode == "prefill" else None)
+        self.receiver = None
 
     def execute(self, plan: StepPlan) -> StepResult | None:
         """Run this rank's part of `plan`; the sampling rank returns the micro-batch's result."""
@@ -59,25 +71,47 @@ class StageWorker:
         hidden = None
         if not self.stage.first:
             hidden = self.link.recv(len(step.positions), self.hidden_size, self.runner.dtype, self.runner.device)
-        out = self.runner.forward(step, hidden)
+        ships = self.shipper is not None and self.shipper.plan(plan.entries, self.pages, self.targets)
+        out = self.runner.forward(step, hidden, self.shipper.after_layer if ships else None)
+        if ships:
+            self.shipper.finish()
         if not self.stage.last:
             self.link.send(out)
             return None
         return self._sample(plan, out) if self.samples else None
 
     def _learn(self, plan: StepPlan) -> None:
+        for room in plan.dropped:
+            if self.receiver is not None:
+                self.receiver.cancel(room)
         for rid in plan.done:
             self.pages.pop(rid, None)
             self.sampling.pop(rid, None)
+            if self.targets.pop(rid, None) is not None:
+                self.shipper.forget(rid)
             if self.split is not None:
                 self.split.forget(rid)
         for r in plan.new:
             self.pages[r.rid] = []
+            if r.transfer is not None:
+                self.targets[r.rid] = r.transfer
             if self.samples:
-                gen = torch.Generator(device=self.runner.device).manual_seed(r.seed)
-                req = self.sampling[r.rid] = Request(r.rid, r.prompt, r.params, tuple(r.eos), generator=gen)
-                if r.params.structured_outputs is not None:
-                    req.matcher = self.guide.matcher(r.params.structured_outputs)
+                self.sampling[r.rid] = self._sampling_request(r)
+
+    def _sampling_request(self, r: PlanRequest) -> Request:
+        """The sampling rank's copy of a request: its generator (seeded, or for a request whose
+        first token a prefill instance sampled, in the state that instance left it) and tokens."""
+        gen = torch.Generator(device=self.runner.device).manual_seed(r.seed)
+        if r.rng_state:
+            gen.set_state(torch.frombuffer(bytearray(r.rng_state), dtype=torch.uint8))
+        req = Request(r.rid, r.prompt, r.params, tuple(r.eos), generator=gen)
+        if r.params.structured_outputs is not None:
+            req.matcher = self.guide.matcher(r.params.structured_outputs)
+        for tok in r.output:  # the penalties and the grammar continue after them
+            req.append_token(tok)
+            if req.matcher is not None:
+                req.matcher.consume_token(tok)
+        return req
 
     def _inputs(self, plan: StepPlan) -> StepInputs:
         for e in plan.entries:

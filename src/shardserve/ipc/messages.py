@@ -30,6 +30,7 @@ class GenerateReq(Msg):
     add_special_tokens: bool = True
     auto_max_tokens: bool = False  # max_tokens = whatever context the prompt leaves
     tools: list[dict] | None = None  # chat: tool definitions for the template
+    prefill: str = ""  # disaggregated decode: the prefill instance's bootstrap address (tcp://host:port)
 
 
 class TokenizedReq(Msg):
@@ -37,6 +38,7 @@ class TokenizedReq(Msg):
     token_ids: list[int]
     params: SamplingParams
     auto_max_tokens: bool = False
+    prefill: str = ""  # see GenerateReq
 
 
 class AddRequests(Msg):
@@ -151,6 +153,8 @@ class Stats(Msg):
     empty_steps: int = 0  # data-parallel attention: steps run with no tokens, to join the other replicas
     # MoE routing counts of the leader's layers (the first pipeline stage's): layer -> pairs per expert
     expert_routed: dict[str, list[int]] = {}
+    # Disaggregation: KV shipped (prefill side) or received (decode side), see kvcache/transfer.py
+    transfer: dict = {}
 
 
 _SUMMED = ("running", "waiting", "pages_used", "pages_total", "steps", "finished", "preemptions",
@@ -205,6 +209,79 @@ class RouterStats(Msg):
     load_tokens: list[int]
 
 
+class KVTarget(msgspec.Struct, array_like=True):
+    """Disaggregation: where a prefill's KV goes. The decode instance's ranks listen at `host` on
+    `ports` (one per tensor rank), rank i holding KV heads [heads[i][0], heads[i][1]); `pages` are
+    the decode instance's pages reserved for the prompt, `page_size` its page size."""
+
+    room: str
+    host: str
+    ports: list[int]
+    heads: list[tuple[int, int]]
+    pages: list[int]
+    page_size: int
+
+
+class ModelShape(msgspec.Struct, array_like=True):
+    """What must match for KV to move between two instances."""
+
+    layers: int
+    kv_heads: int
+    head_dim: int
+    dtype: str
+    vocab: int
+    device: str  # the sampler's random state is device-specific
+
+
+class PrefillReq(Msg):
+    """Decode leader -> prefill leader: compute this prompt, sample its first token, ship the KV."""
+
+    room: str
+    token_ids: list[int]
+    params: SamplingParams
+    seed: int
+    shape: ModelShape
+    target: KVTarget
+
+
+class PrefillDone(Msg):
+    """Prefill leader -> decode leader: the first token and all the decode side needs to go on."""
+
+    room: str
+    token: int
+    rng_state: bytes
+    logprobs: dict | None = None
+    prompt_logprobs: list[dict] = []
+    cached_tokens: int = 0
+    ended: bool = False  # structured outputs: the grammar is complete after this token
+
+
+class PrefillFailed(Msg):
+    room: str
+    message: str
+    status: int = 500
+
+
+class AbortPrefill(Msg):
+    """Decode leader -> prefill leader: the request is gone (client left, timed out)."""
+
+    room: str
+
+
+class PeerAlive(Msg):
+    """Both directions, every second while rooms are open between two instances: which of them
+    the sender still holds (a room not listed for `--disaggregation-timeout` is dropped)."""
+
+    rooms: list[str]
+
+
+class KVArrived(Msg):
+    """A decode rank's receiver -> its leader: every KV frame of `room` is in this rank's pool."""
+
+    room: str
+    rank: int
+
+
 # The leader's step plans, fanned out to every other rank of the replica (engine/stage_worker.py).
 class PlanRequest(msgspec.Struct, array_like=True):
     """A request the other ranks hear of the first time it is scheduled."""
@@ -215,6 +292,12 @@ class PlanRequest(msgspec.Struct, array_like=True):
     seed: int  # resolved by the leader, so whichever rank samples draws the same tokens
     # With structured outputs: the leader's EOS ids, which the grammar allows only once complete.
     eos: list[int] = []
+    # Disaggregated prefill: where this request's KV goes, layer by layer (kvcache/transfer.py).
+    transfer: KVTarget | None = None
+    # Disaggregated decode: the tokens the prefill instance sampled, and its sampler's random
+    # state after them, so this instance continues exactly as one engine would.
+    output: list[int] = []
+    rng_state: bytes = b""
 
 
 class PlanEntry(msgspec.Struct, array_like=True):
@@ -237,6 +320,7 @@ class StepPlan(Msg):
     entries: list[PlanEntry]
     new: list[PlanRequest] = []
     done: list[str] = []  # requests finished or aborted since the last plan: forget them
+    dropped: list[str] = []  # disaggregated decode: transfer rooms given up: write no more of their KV
 
 
 class Tick(Msg):
@@ -315,7 +399,7 @@ Message = (
     GenerateReq | TokenizedReq | AddRequests | AbortReq | ReportReq | RankReports | TokenBatch | TextBatch
     | ErrorOut | TokenizeReq | TokenizeOut
     | DetokenizeReq | DetokenizeOut | Stats | CacheEvents | RouterStats | StepPlan | Tick | Wake | StepResult
-    | StageTraffic
+    | StageTraffic | PrefillReq | PrefillDone | PrefillFailed | AbortPrefill | PeerAlive | KVArrived
     | Ready | Failed | Shutdown
     | NodeHello | NodeWelcome | NodeRefused | NodeBeat | NodeFailed | NodeStop
 )

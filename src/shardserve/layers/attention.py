@@ -3,6 +3,7 @@ paged attention, o_proj. Which heads a rank owns comes from `head_shard`."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -26,6 +27,8 @@ class ForwardContext:
     kv_caches: list[tuple[torch.Tensor, torch.Tensor]]  # per layer: ([slots, Hkv, d], same)
     attn: AttentionMetadata | ContextMetadata  # the latter under context parallelism
     rope: tuple[torch.Tensor, torch.Tensor] | None = None  # cos, sin of this step's positions
+    # Called with each layer's index once it has run (a prefill instance ships that layer's KV).
+    after_layer: Callable[[int], None] | None = None
 
 
 class SelfAttention(nn.Module):

@@ -90,8 +90,10 @@ class CausalLM(nn.Module):
         """The final-normed hidden states on the last stage, the residual stream elsewhere."""
         x = self.embed_tokens(input_ids) if self.stage.first else hidden
         ctx.rope = self.rotary.cos_sin(positions)
-        for layer in self.layers[self.stage.start : self.stage.end]:
-            x = layer(positions, x, ctx)
+        for i in range(self.stage.start, self.stage.end):
+            x = self.layers[i](positions, x, ctx)
+            if ctx.after_layer is not None:
+                ctx.after_layer(i)
         return self.norm(x) if self.stage.last else x
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -7,26 +7,27 @@ out until a health check passes), or when it answers 5xx (a live worker: its hea
 checks). A worker that times out once it has the request is slow, not gone: the client gets a 504
 naming it, and the worker stays in (`HTTPRouter.fault`). A 4xx is the client's answer, passed
 through. A stream is committed to its worker at its first event, then relayed event by event,
-bytes unchanged; if the worker breaks or stalls after that the client gets an SSE error event and
-`[DONE]`. A prompt's pages are pending at its worker while the request runs, and stored there
-only once the worker answers 2xx (or streams an event): a refusal leaves no credit behind.
+bytes unchanged (router/relay.py); if the worker breaks or stalls after that the client gets an SSE
+error event and `[DONE]`. A prompt's pages are pending at its worker while the request runs, and
+stored there only once the worker answers 2xx (or streams an event): a refusal leaves no credit
+behind.
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
 import time
 import uuid
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import httpx
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 
 from shardserve.kvcache.pages import page_hashes
 from shardserve.openai_errors import error_body
-from shardserve.router.policy import NoReplica
+from shardserve.router.policy import NoReplica, Router
+from shardserve.router.relay import Relay, RelayResponse, sse_error
 from shardserve.router.request_key import BadRequest, KeyMaker, RouteKey, parse_json_object
 from shardserve.router.workers import WorkerPool, describe, is_down
 
@@ -38,6 +39,8 @@ from shardserve.router.workers import WorkerPool, describe, is_down
 HOP_HEADERS = {"connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "te", "trailer",
                "transfer-encoding", "upgrade", "host", "content-length", "accept-encoding", "authorization"}
 TO_WORKER = {"accept-encoding": "identity"}
+
+__all__ = ["HTTPRouter", "error_response", "sse_error"]  # sse_error: callers know it from here
 
 
 def error_response(status: int, message: str, param: str | None = None) -> JSONResponse:
@@ -61,118 +64,52 @@ class GiveUp(Exception):
         self.response = response
 
 
-def sse_error(message: str, status: int = 503) -> bytes:
-    return f"data: {json.dumps(error_body(message, status))}\n\ndata: [DONE]\n\n".encode()
-
-
-def events_end(buf: bytes) -> int:
-    """Length of the complete SSE events at the front of `buf` (0 if none has ended yet)."""
-    lf, crlf = buf.rfind(b"\n\n"), buf.rfind(b"\r\n\r\n")
-    return max(lf + 2 if lf >= 0 else 0, crlf + 4 if crlf >= 0 else 0)
-
-
-class Relay:
-    """One worker's SSE response on its way to the client, whole events at a time (so a worker
-    that breaks mid-event never leaves half an event before the error event)."""
-
-    def __init__(self, owner: HTTPRouter, rid: str, worker: int, resp: httpx.Response, started: float):
-        self.owner, self.rid, self.worker, self.resp, self.started = owner, rid, worker, resp, started
-        # Decoded bytes: the worker's own, unchanged, as we ask for identity; a worker that
-        # compresses anyway is decoded here rather than relayed without its content-encoding.
-        self._chunks = resp.aiter_bytes()
-        self._buf = b""
-        self._first = b""
-        self.completed = self.closed = False
-        self._cut: str | None = None  # why the router itself ends this stream (shutting down)
-        self._reader: asyncio.Task | None = None  # the task while it waits on the worker, else None
-
-    async def _next_events(self) -> bytes:
-        """The next complete events (or the unterminated tail at the end; b"" once over)."""
-        while (cut := events_end(self._buf)) == 0:
-            try:
-                chunk = await anext(self._chunks)
-            except StopAsyncIteration:
-                tail, self._buf = self._buf, b""
-                return tail
-            self._buf += chunk
-        out, self._buf = self._buf[:cut], self._buf[cut:]
-        return out
-
-    async def first(self) -> None:
-        """Wait for the first event; raises httpx.HTTPError if the worker breaks or stalls before it."""
-        self._first = await self._next_events()
-
-    async def events(self) -> AsyncIterator[bytes]:
-        out = self._first
-        while out:
-            yield out
-            if self._cut is not None:
-                yield sse_error(self._cut)
-                return
-            try:
-                self._reader = asyncio.current_task()
-                out = await self._next_events()
-            except asyncio.CancelledError:
-                if self._cut is None:
-                    raise
-                # Our own cancel (see `cut`), as asyncio.timeout does it: not the task's end.
-                task = asyncio.current_task()
-                if task is not None and hasattr(task, "uncancel"):
-                    task.uncancel()
-                yield sse_error(self._cut)
-                return
-            except httpx.HTTPError as e:
-                fault = self.owner.fault(self.worker, e, "mid-stream")
-                yield sse_error(fault.message, fault.status)
-                return
-            finally:
-                self._reader = None
-        self.completed = True
-
-    def cut(self, reason: str) -> None:
-        """End the stream with an error event and [DONE], now if it is waiting on its worker,
-        else once the event being written is out (cancelling a write would truncate it)."""
-        self._cut = reason
-        if self._reader is not None:
-            self._reader.cancel()
-
-    async def close(self) -> None:
-        """Release the request (idempotent): policy load, latency, and the worker connection,
-        whose closing makes a worker abort a stream nobody reads any more."""
-        if self.closed:
-            return
-        self.closed = True
-        self.owner.relays.discard(self)
-        self.owner.router.finish(self.rid)  # bookkeeping first: the await below may be cut short
-        if self.completed:
-            url = self.owner.pool.urls[self.worker]
-            self.owner.pool.metrics.latency.labels(url).observe(time.monotonic() - self.started)
-        await self.resp.aclose()
-
-
-class RelayResponse(StreamingResponse):
-    """A StreamingResponse that closes its relay however it ends: done, client gone, or
-    cancelled (even before the body iterator ever started, when its own `finally` cannot run)."""
-
-    def __init__(self, relay: Relay):
-        super().__init__(relay.events(), status_code=relay.resp.status_code, media_type="text/event-stream",
-                         headers={"cache-control": "no-cache", "x-accel-buffering": "no"})
-        self.relay = relay
-
-    async def __call__(self, scope, receive, send) -> None:
-        try:
-            await super().__call__(scope, receive, send)
-        finally:
-            await self.relay.close()
+def route_excluding(router: Router, excluded: set[int], rid: str, pages: list[bytes], prompt_len: int,
+                    max_tokens: int | None) -> int:
+    """`router.route` among its healthy replicas outside `excluded`, which are marked down for
+    the call only (it is synchronous: no other task sees them down)."""
+    hidden = [r for r in router.replicas if r.index in excluded and r.healthy]
+    for r in hidden:
+        r.healthy = False
+    try:
+        # Pending, not stored: a worker that refuses the request must not keep the credit.
+        return router.route(rid, pages, prompt_len, max_tokens, confirmed=False)
+    finally:
+        for r in hidden:
+            r.healthy = True
 
 
 class HTTPRouter:
+    """Forwards each request to one worker of `pool`. The hooks `prepare`, `_pick`, `credit` and
+    `release` are where PD mode (router/pd.py) differs: it picks a prefill instance as well."""
+
+    no_worker = "no healthy worker to send the request to"  # the 503 when every worker is down or tried
+
     def __init__(self, pool: WorkerPool, keys: KeyMaker, client: httpx.AsyncClient, page_size: int):
         self.pool, self.keys, self.client, self.page_size = pool, keys, client, page_size
         self.router = pool.router
         self.relays: set[Relay] = set()  # streams being relayed
         self.tasks: set[asyncio.Task] = set()  # requests not yet answered (see standalone.py)
         self.stopping = False
+
+    def pools(self) -> dict[str, WorkerPool]:
+        """The pools /health reports, by the name it gives each."""
+        return {"workers": self.pool}
+
+    def render_metrics(self) -> bytes:
+        return self.pool.render()
+
+    def prepare(self, rid: str, pages: list[bytes], key: RouteKey) -> dict[str, str] | Response:
+        """Before the first try: headers to add to every try, or the answer that ends the request."""
+        return {}
+
+    def credit(self, rid: str, i: int, pages: list[bytes]) -> None:
+        """Worker `i` answered 2xx (or streamed an event): the prompt's pages are in its cache now."""
+        self.router.replicas[i].prefixes.store(pages)
+
+    def release(self, rid: str) -> None:
+        """The request has ended, however it ended: its load and pending pages go."""
+        self.router.finish(rid)
 
     def cut_all(self, reason: str) -> int:
         """End every request in flight with `reason` (a 503, or an error event on a stream)."""
@@ -193,7 +130,7 @@ class HTTPRouter:
         if is_down(e):
             self.pool.failed(i, f"{reason}{at}")
             return Fault(True, 503, f"worker {url} failed{at}: {reason}")
-        self.pool.metrics.errors.labels(url).inc()
+        self.pool.series(self.pool.metrics.errors, i).inc()
         if isinstance(e, httpx.TimeoutException):
             limit = self.client.timeout.read
             waited = f" for {limit:g} s, the router's request timeout" if limit is not None else ""
@@ -203,15 +140,7 @@ class HTTPRouter:
     def _pick(self, rid: str, pages: list[bytes], key: RouteKey, tried: set[int]) -> int:
         """The policy's choice among healthy workers not yet tried (a health check may have
         marked one of those healthy again meanwhile; one try per worker is enough)."""
-        hidden = [r for r in self.router.replicas if r.index in tried and r.healthy]
-        for r in hidden:
-            r.healthy = False
-        try:  # synchronous: no other task sees the hidden workers as down
-            # Pending, not stored: a worker that refuses the request must not keep the credit.
-            return self.router.route(rid, pages, len(key.ids), key.max_tokens, confirmed=False)
-        finally:
-            for r in hidden:
-                r.healthy = True
+        return route_excluding(self.router, tried, rid, pages, len(key.ids), key.max_tokens)
 
     async def forward(self, raw: bytes, client_headers: Mapping[str, str], path: str, kind: str) -> Response:
         """Route and forward the POST body `raw` to `path`; `kind` ("completions" or "chat") says
@@ -230,6 +159,11 @@ class HTTPRouter:
         last_5xx: Response | None = None
         relayed = False
         try:
+            extra = self.prepare(rid, pages, key)
+            if isinstance(extra, Response):
+                return extra
+            # Ours replace the client's: a client must not name, say, the prefill instance itself.
+            headers = {k: v for k, v in headers.items() if k.lower() not in {e.lower() for e in extra}} | extra
             while True:
                 try:
                     i = self._pick(rid, pages, key, tried)
@@ -237,20 +171,20 @@ class HTTPRouter:
                     if last_5xx is not None:  # every worker is up but refused it: say why, as they did
                         return last_5xx
                     tried_text = f" (tried {'; '.join(failures)})" if failures else ""
-                    return error_response(503, f"no healthy worker to send the request to{tried_text}")
+                    return error_response(503, f"{self.no_worker}{tried_text}")
                 tried.add(i)
                 try:
                     result = await self._try(rid, i, path, raw, headers)
                 except GiveUp as e:
                     return e.response
                 if isinstance(result, Relay):
-                    self.router.replicas[i].prefixes.store(pages)  # its first event: the prompt is in
+                    self.credit(rid, i, pages)  # its first event: the prompt is in
                     relayed = True
                     self.relays.add(result)
                     return RelayResponse(result)
                 if isinstance(result, Response) and result.status_code < 500:
                     if result.status_code < 300:
-                        self.router.replicas[i].prefixes.store(pages)
+                        self.credit(rid, i, pages)
                     return result
                 if isinstance(result, Response):
                     last_5xx = result
@@ -260,17 +194,16 @@ class HTTPRouter:
                 self.router.finish(rid)  # withdraws its pending pages; route() counts it again on the next worker
         finally:
             if not relayed:
-                self.router.finish(rid)
+                self.release(rid)
 
     async def _try(self, rid: str, i: int, path: str, raw: bytes, headers: dict) -> Response | Relay | str:
         """One try at worker `i`: its answer (a Relay for a stream), or why it failed and may be
         retried (str); raises GiveUp when it failed in a way another worker would not mend."""
-        url = self.pool.urls[i]
-        self.pool.metrics.requests.labels(url).inc()
+        self.pool.series(self.pool.metrics.requests, i).inc()
         started = time.monotonic()
         resp: httpx.Response | None = None
         try:
-            req = self.client.build_request("POST", url + path, content=raw, headers=headers)
+            req = self.client.build_request("POST", self.pool.urls[i] + path, content=raw, headers=headers)
             resp = await self.client.send(req, stream=True)
             is_sse = resp.headers.get("content-type", "").startswith("text/event-stream")
             if resp.status_code < 300 and is_sse:
@@ -291,7 +224,7 @@ class HTTPRouter:
         if resp.status_code >= 500:
             # Alive but refusing (overloaded, or this request broke it): try elsewhere, but leave its
             # health to the checks, or one bad request could take every worker out at once.
-            self.pool.metrics.errors.labels(url).inc()
+            self.pool.series(self.pool.metrics.errors, i).inc()
         else:
-            self.pool.metrics.latency.labels(url).observe(time.monotonic() - started)
+            self.pool.series(self.pool.metrics.latency, i).observe(time.monotonic() - started)
         return answer

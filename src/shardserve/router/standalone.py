@@ -8,6 +8,8 @@ prompt's page digests and forwarded (router/http_router.py); /v1/models is the f
 worker's; /health and /metrics are the router's own. There are no cache events from foreign
 workers, so a request's pages are credited to its worker once it answers 2xx (or streams its first
 event), and an LRU bound per worker (--max-tree-pages) stands in for the worker's eviction.
+With --prefill and --decode instead of --worker-urls it fronts disaggregated prefill and decode
+instances (router/pd.py).
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from shardserve.ipc.sockets import listen_socket
 from shardserve.openai_errors import bearer_ok, unauthorized_body
 from shardserve.router.http_router import HTTPRouter, error_response
+from shardserve.router.pd import DECODE_POLICY, make_pd_router
 from shardserve.router.policy import Router, Thresholds
 from shardserve.router.request_key import KeyMaker
 from shardserve.router.workers import WorkerPool, describe
@@ -101,18 +104,21 @@ class _Server(uvicorn.Server):
 def build_app(fwd: HTTPRouter, health_interval: float, api_key: str = "", metrics_require_key: bool = False) -> FastAPI:
     """`api_key`: what clients must send (as the server's --api-key; /health and /metrics stay open
     unless `metrics_require_key`)."""
-    pool = fwd.pool
+    pool = fwd.pool  # the workers requests are POSTed to (in PD mode the decode instances)
+    pools = fwd.pools()
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI):
-        await pool.check_all()  # know who is up before the first request
-        checks = asyncio.create_task(pool.run(health_interval))
+        await asyncio.gather(*(p.check_all() for p in pools.values()))  # know who is up before the first request
+        checks = [asyncio.create_task(p.run(health_interval)) for p in pools.values()]
         try:
             yield
         finally:
-            checks.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await checks
+            for task in checks:
+                task.cancel()
+            for task in checks:
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
             await fwd.client.aclose()
             fwd.keys.close()
 
@@ -160,18 +166,20 @@ def build_app(fwd: HTTPRouter, health_interval: float, api_key: str = "", metric
                 continue
             return Response(r.content, r.status_code, media_type=r.headers.get("content-type"))
         detail = f" ({'; '.join(failures)})" if failures else ""
-        return error_response(503, f"no healthy worker to list models{detail}")
+        return error_response(503, f"no healthy {pool.noun} to list models{detail}")
 
     @app.get("/health")
     async def health():
-        states = {url: "healthy" if pool.is_healthy(i) else "unhealthy" for i, url in enumerate(pool.urls)}
-        if pool.any_healthy():
-            return JSONResponse({"status": "ok", "workers": states})
-        return error_response(503, "no healthy worker: " + ", ".join(states))
+        states = {name: {url: "healthy" if p.is_healthy(i) else "unhealthy" for i, url in enumerate(p.urls)}
+                  for name, p in pools.items()}
+        missing = [p for p in pools.values() if not p.any_healthy()]
+        if not missing:
+            return JSONResponse({"status": "ok", **states})
+        return error_response(503, "; ".join(f"no healthy {p.noun}: {', '.join(p.urls)}" for p in missing))
 
     @app.get("/metrics")
     async def metrics():
-        return Response(pool.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+        return Response(fwd.render_metrics(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
     return app
 
@@ -203,6 +211,32 @@ def make_client(num_workers: int, request_timeout: float, worker_key: str = "") 
     return httpx.AsyncClient(limits=limits, timeout=timeout, trust_env=False, headers=headers)
 
 
+def build_forwarder(args: argparse.Namespace, tokenizer) -> tuple[HTTPRouter, str]:
+    """The forwarder the parsed `router` flags ask for (plain, or PD with --prefill and --decode),
+    and what the startup line says of it."""
+    thresholds = Thresholds(balance_abs_tokens=args.balance_abs_tokens, balance_rel=args.balance_rel,
+                            load_weight=args.load_weight)
+
+    def router(n: int, policy: str) -> Router:
+        # Without a tokenizer prompts are characters: about 4 to a token in English text, so loads
+        # and thresholds keep their meaning in tokens.
+        return Router(n, policy, args.page_size, thresholds, max_pages=args.max_tree_pages,
+                      units_per_token=1.0 if tokenizer is not None else CHARS_PER_TOKEN)
+
+    check_timeout = max(1.0, min(5.0, 2 * args.health_interval))
+    if args.prefill:
+        client = make_client(len(args.prefill) + len(args.decode), args.request_timeout, args.worker_api_key)
+        fwd = make_pd_router(args.prefill, args.decode, router(len(args.prefill), args.policy),
+                             router(len(args.decode), DECODE_POLICY), KeyMaker(tokenizer), client, args.page_size,
+                             check_timeout)
+        return fwd, (f"in prefill/decode mode: prefill by {args.policy} over {', '.join(fwd.prefill.urls)}; "
+                     f"decode by {DECODE_POLICY} over {', '.join(fwd.pool.urls)}")
+    client = make_client(len(args.worker_urls), args.request_timeout, args.worker_api_key)
+    pool = WorkerPool(args.worker_urls, router(len(args.worker_urls), args.policy), client, check_timeout)
+    fwd = HTTPRouter(pool, KeyMaker(tokenizer), client, args.page_size)
+    return fwd, f"by {args.policy} over {', '.join(pool.urls)}"
+
+
 def run_router(args: argparse.Namespace) -> int:
     """Serve until SIGINT/SIGTERM (exit 0); 1 when the port cannot be had."""
     try:
@@ -211,23 +245,15 @@ def run_router(args: argparse.Namespace) -> int:
         print(f"shardserve: error: {e}", file=sys.stderr)
         return 1
     tokenizer = load_tokenizer_for(args.model)
-    thresholds = Thresholds(balance_abs_tokens=args.balance_abs_tokens, balance_rel=args.balance_rel,
-                            load_weight=args.load_weight)
-    # Without a tokenizer prompts are characters: about 4 to a token in English text, so loads
-    # and thresholds keep their meaning in tokens.
-    router = Router(len(args.worker_urls), args.policy, args.page_size, thresholds, max_pages=args.max_tree_pages,
-                    units_per_token=1.0 if tokenizer is not None else CHARS_PER_TOKEN)
-    client = make_client(len(args.worker_urls), args.request_timeout, args.worker_api_key)
-    pool = WorkerPool(args.worker_urls, router, client, check_timeout=max(1.0, min(5.0, 2 * args.health_interval)))
-    fwd = HTTPRouter(pool, KeyMaker(tokenizer), client, args.page_size)
+    fwd, described = build_forwarder(args, tokenizer)
     # uvicorn's own limit comes later: by then every request has had its clean error.
     config = uvicorn.Config(build_app(fwd, args.health_interval, args.api_key, args.metrics_require_key),
                             log_level="info",
                             timeout_graceful_shutdown=SHUTDOWN_GRACE_S + 3)
     server = _Server(config, fwd)
     logging.getLogger("httpx").setLevel(logging.WARNING)  # not a line per health check and forwarded request
-    log.info("routing on http://%s:%d by %s over %s (keys: %s)", args.host, args.port, args.policy,
-             ", ".join(pool.urls), "token ids" if tokenizer is not None else "characters")
+    log.info("routing on http://%s:%d %s (keys: %s)", args.host, args.port, described,
+             "token ids" if tokenizer is not None else "characters")
     # uvicorn re-raises the stop signal once it has shut down; a no-op handler lets the process
     # exit 0 after a clean stop instead of dying by that signal.
     for sig in (signal.SIGINT, signal.SIGTERM):

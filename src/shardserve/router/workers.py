@@ -22,11 +22,13 @@ LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120
 
 
 class WorkerMetrics:
-    """Per-worker counters in a registry of their own (the router serves only these)."""
+    """Per-worker counters in a registry of their own (the router serves only these). With
+    `roles` (PD mode) every series also carries its worker's role, and the prefill and decode pools
+    share one WorkerMetrics, so /metrics shows each family once."""
 
-    def __init__(self, urls: list[str]):
+    def __init__(self, roles: bool = False):
         self.registry = reg = CollectorRegistry()
-        w = ["worker"]
+        w = ["worker", "role"] if roles else ["worker"]
         self.requests = Counter("shardserve_router_requests", "Requests sent to a worker (each try counts)", w,
                                 registry=reg)
         self.errors = Counter("shardserve_router_errors",
@@ -47,16 +49,34 @@ class WorkerMetrics:
                                    "without a tokenizer)", w, registry=reg)
         self.tree_pages = Gauge("shardserve_router_tree_pages", "Prompt pages the router believes a worker holds",
                                 w, registry=reg)
-        for url in urls:  # every series exists from the start, at 0
-            for metric in (self.requests, self.errors, self.latency):
-                metric.labels(url)
+
+    def add_worker(self, *labels: str) -> None:
+        """Make a worker's counters exist from the start, at 0."""
+        for metric in (self.requests, self.errors, self.latency):
+            metric.labels(*labels)
 
 
 class WorkerPool:
-    def __init__(self, urls: list[str], router: Router, client: httpx.AsyncClient, check_timeout: float):
+    def __init__(self, urls: list[str], router: Router, client: httpx.AsyncClient, check_timeout: float,
+                 role: str | None = None, metrics: WorkerMetrics | None = None):
+        """`role` ("prefill" or "decode") names a PD mode pool: in its log lines, and as a label on its
+        series in `metrics` (shared with the other pool; a plain pool has its own)."""
         self.urls = [u.rstrip("/") for u in urls]
-        self.router, self.client, self.check_timeout = router, client, check_timeout
-        self.metrics = WorkerMetrics(self.urls)
+        self.router, self.client, self.check_timeout, self.role = router, client, check_timeout, role
+        self.metrics = metrics if metrics is not None else WorkerMetrics(roles=role is not None)
+        for i in range(len(self.urls)):
+            self.metrics.add_worker(*self.labels(i))
+
+    @property
+    def noun(self) -> str:
+        return "worker" if self.role is None else f"{self.role} instance"
+
+    def labels(self, i: int) -> tuple[str, ...]:
+        return (self.urls[i],) if self.role is None else (self.urls[i], self.role)
+
+    def series(self, metric, i: int):
+        """`metric`'s series for worker `i`."""
+        return metric.labels(*self.labels(i))
 
     def is_healthy(self, i: int) -> bool:
         return self.router.replicas[i].healthy
@@ -71,25 +91,29 @@ class WorkerPool:
             return
         replica.healthy = healthy
         if healthy:
-            log.info("worker %s is healthy again; routing to it", self.urls[i])
+            log.info("%s %s is healthy again; routing to it", self.noun, self.urls[i])
         else:
             # What it held may be gone when it comes back (a restart starts with an empty cache):
             # believe nothing rather than pull requests to pages it no longer has.
             replica.prefixes.clear()
-            log.warning("worker %s is down (%s); not routing to it", self.urls[i], reason)
+            log.warning("%s %s is down (%s); not routing to it", self.noun, self.urls[i], reason)
 
     def failed(self, i: int, reason: str) -> None:
         """Worker `i` is gone (see `is_down`): count it and stop routing there until a check passes."""
-        self.metrics.errors.labels(self.urls[i]).inc()
+        self.series(self.metrics.errors, i).inc()
         self.mark(i, False, reason)
 
     async def check(self, i: int) -> None:
+        reason = await self.probe(i)
+        self.mark(i, reason is None, reason or "")
+
+    async def probe(self, i: int) -> str | None:
+        """Why worker `i` must not be routed to, by one check; None when it may."""
         try:
             r = await self.client.get(self.urls[i] + "/health", timeout=self.check_timeout)
-            ok, reason = r.status_code == 200, f"/health answered {r.status_code}"
         except httpx.HTTPError as e:
-            ok, reason = False, describe(e)
-        self.mark(i, ok, reason)
+            return describe(e)
+        return None if r.status_code == 200 else f"/health answered {r.status_code}"
 
     async def check_all(self) -> None:
         await asyncio.gather(*(self.check(i) for i in range(len(self.urls))))
@@ -103,15 +127,19 @@ class WorkerPool:
             except Exception:  # a bug here must not end the checks: dead workers would stay out for good
                 log.exception("health check failed")
 
-    def render(self) -> bytes:
+    def set_gauges(self) -> None:
         m = self.metrics
-        for url, r in zip(self.urls, self.router.replicas):
-            m.in_flight.labels(url).set(r.in_flight)
-            m.healthy.labels(url).set(1 if r.healthy else 0)
-            m.load.labels(url).set(r.load)
-            m.prompt_tokens.labels(url).set(r.prompt_tokens)
-            m.tree_pages.labels(url).set(len(r.prefixes))
-        return generate_latest(m.registry)
+        for i, r in enumerate(self.router.replicas):
+            self.series(m.in_flight, i).set(r.in_flight)
+            self.series(m.healthy, i).set(1 if r.healthy else 0)
+            self.series(m.load, i).set(r.load)
+            self.series(m.prompt_tokens, i).set(r.prompt_tokens)
+            self.series(m.tree_pages, i).set(len(r.prefixes))
+
+    def render(self) -> bytes:
+        """Every series in this pool's registry (the other pool's too, when they share it)."""
+        self.set_gauges()
+        return generate_latest(self.metrics.registry)
 
 
 def is_down(e: httpx.HTTPError) -> bool:

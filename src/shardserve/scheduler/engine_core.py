@@ -35,6 +35,7 @@ class StepOutput:
     request: Request
     new_token_ids: list[int]
     finished: bool
+    grammar_done: bool = False  # structured outputs: the grammar is complete after this token
 
 
 @dataclass
@@ -59,12 +60,13 @@ class EngineCore:
     def __init__(self, cfg: EngineConfig, decode: Callable[[list[int], bool], str] | None = None,
                  groups: ParallelGroups | None = None, extra_eos: tuple[int, ...] = (),
                  publish: Callable[[StepPlan], None] | None = None,
-                 results: Callable[[int], list] | None = None, tokenizer=None):
+                 results: Callable[[int], list] | None = None, tokenizer=None, secret: bytes = b""):
+        """`secret` keys a prefill instance's KV channels (disaggregation)."""
         self.cfg = cfg
         groups = groups or single_process_groups()
         self.ckpt: Checkpoint = resolve_checkpoint(cfg.model)
         self.model_cfg = read_model_config(self.ckpt)
-        self.worker = StageWorker(cfg, self.ckpt, self.model_cfg, groups)
+        self.worker = StageWorker(cfg, self.ckpt, self.model_cfg, groups, secret)
         if self.worker.guide is not None:  # this rank samples: structured outputs may use its tokenizer
             self.worker.guide.hf_tokenizer = tokenizer
         self.micro_batches = self.worker.micro_batches
@@ -92,6 +94,7 @@ class EngineCore:
         self.starved = False  # nothing was schedulable while plans were in flight
         self._new: list[PlanRequest] = []
         self._done: list[str] = []
+        self._dropped: list[str] = []  # disaggregated decode: transfer rooms given up since the last plan
         self.stage_traffic: dict[str, dict] = {}
         self.max_in_flight = 0  # the most micro-batches ever in flight at once
         self.stage_reports = 0  # StageTraffic messages received (a change worth a Stats message)
@@ -116,16 +119,44 @@ class EngineCore:
     def check_request(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
         self.limits.check(prompt_token_ids, params)
 
-    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> Request:
+    def resolve_seed(self, params: SamplingParams) -> int:
+        """The request's seed, or the next of this replica's sequence for a request giving none."""
+        return params.seed if params.seed is not None else int(torch.randint(2**62, (1,), generator=self._seed_rng))
+
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                    seed: int | None = None, transfer=None) -> Request:
+        """`seed` already resolved (disaggregation: by the decode instance); `transfer` (a
+        prefill instance): where the KV goes, layer by layer; the request ends after one token."""
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         self.check_request(prompt_token_ids, params)
-        seed = params.seed if params.seed is not None else int(torch.randint(2**62, (1,), generator=self._seed_rng))
-        req = Request(request_id, list(prompt_token_ids), params, self.eos_ids, seed=seed)
+        seed = self.resolve_seed(params) if seed is None else seed
+        req = Request(request_id, list(prompt_token_ids), params, self.eos_ids, seed=seed, transfer=transfer)
         self.requests[request_id] = req
         self.scheduler.add(req)
         self.starved = False
         return req
+
+    def admit_transferred(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, seed: int,
+                          pages: list[int], first: int, rng_state: bytes, logprobs: dict | None = None,
+                          prompt_logprobs: list[dict] | None = None, cached_tokens: int = 0,
+                          grammar_done: bool = False) -> StepOutput:
+        """Disaggregated decode: a request whose prompt KV a prefill instance wrote into `pages`
+        and whose first token it sampled joins as if swapped out right after its prefill."""
+        req = Request(request_id, list(prompt_token_ids), params, self.eos_ids, seed=seed, pages=list(pages),
+                      num_computed_tokens=len(prompt_token_ids), num_cached_tokens=cached_tokens,
+                      rng_state=rng_state)
+        if prompt_logprobs:
+            req.prompt_logprobs = list(prompt_logprobs)
+        self.requests[request_id] = req
+        self.scheduler.admit_running(req)
+        self.starved = False
+        return self._take_token(req, first, logprobs, grammar_done)
+
+    def drop_room(self, room: str) -> None:
+        """Disaggregated decode: every rank stops writing KV frames of `room` before the next plan
+        runs (its pages may be handed out again by then)."""
+        self._dropped.append(room)
 
     def abort(self, request_id: str) -> bool:
         req = self.requests.pop(request_id, None)
@@ -165,8 +196,8 @@ class EngineCore:
         return outputs
 
     def _run_empty(self) -> None:
-        plan = StepPlan(mb=self.next_mb, entries=[], new=self._new, done=self._done)
-        self._new, self._done = [], []
+        plan = StepPlan(mb=self.next_mb, entries=[], new=self._new, done=self._done, dropped=self._dropped)
+        self._new, self._done, self._dropped = [], [], []
         self.next_mb += 1
         self.empty_steps += 1
         if self.publish is not None:
@@ -213,7 +244,8 @@ class EngineCore:
             if not req.announced:
                 req.announced = True
                 eos = list(req.eos_token_ids) if req.params.structured_outputs is not None else []
-                self._new.append(PlanRequest(req.request_id, req.prompt_token_ids, req.params, req.seed, eos))
+                self._new.append(PlanRequest(req.request_id, req.prompt_token_ids, req.params, req.seed, eos,
+                                             req.transfer, list(req.output_token_ids), req.rng_state))
             start = req.num_computed_tokens
             sample = start + n == req.num_tokens
             first, count = scoring.get(id(req), (-1, 0))
@@ -223,8 +255,8 @@ class EngineCore:
                                      req.pages[base:], sample, first, count))
             if sample or count:
                 waits.append((req, sample, count > 0))
-        plan = StepPlan(mb=self.next_mb, entries=entries, new=self._new, done=self._done)
-        self._new, self._done = [], []
+        plan = StepPlan(mb=self.next_mb, entries=entries, new=self._new, done=self._done, dropped=self._dropped)
+        self._new, self._done, self._dropped = [], [], []
         return plan, waits
 
     def _collect(self, timeout_ms: int) -> list[StepOutput]:
@@ -264,18 +296,23 @@ class EngineCore:
             if req.finished:  # aborted while its micro-batch was in flight
                 continue
             req.prompt_logprobs.extend(entries)
-            if tok is None:
-                continue
-            req.append_token(tok)
-            if lp is not None:
-                req.logprobs.append(lp)
-            reason = finish_reason(req, tok, self.decode, self.max_model_len)
-            if reason != "stop" and k in ended:  # structured outputs: the grammar is complete
-                reason = "stop"
-            if reason:
-                self._end(req, reason)
-            outputs.append(StepOutput(req, [tok], reason is not None))
+            if tok is not None:
+                outputs.append(self._take_token(req, tok, lp, k in ended))
         return outputs
+
+    def _take_token(self, req: Request, tok: int, lp: dict | None, grammar_done: bool) -> StepOutput:
+        req.append_token(tok)
+        if lp is not None:
+            req.logprobs.append(lp)
+        if req.transfer is not None:  # disaggregated prefill: the decode instance takes it from here
+            self._end(req, "transferred")
+            return StepOutput(req, [tok], True, grammar_done)
+        reason = finish_reason(req, tok, self.decode, self.max_model_len)
+        if reason != "stop" and grammar_done:  # structured outputs: the grammar is complete
+            reason = "stop"
+        if reason:
+            self._end(req, reason)
+        return StepOutput(req, [tok], reason is not None, grammar_done)
 
     def stats(self) -> Stats:
         s = self.running_status()

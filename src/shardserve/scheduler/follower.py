@@ -23,6 +23,7 @@ from shardserve.ipc.sockets import Endpoints
 from shardserve.loader.model_path import resolve_checkpoint
 from shardserve.loader.weights import read_model_config
 from shardserve.scheduler.inbox import Feed, connected
+from shardserve.scheduler.pd_decode import make_receiver
 
 log = logging.getLogger(__name__)
 TRAFFIC_INTERVAL = 0.25
@@ -43,8 +44,10 @@ class Follower:
     def __init__(self, cfg: EngineConfig, ep: Endpoints, groups: ParallelGroups):
         ckpt = resolve_checkpoint(cfg.model)
         self.groups = groups
-        self.worker = StageWorker(cfg, ckpt, read_model_config(ckpt), groups)
+        self.worker = StageWorker(cfg, ckpt, read_model_config(ckpt), groups, ep.secret)
         ctx = zmq.Context.instance()
+        if cfg.disaggregation_mode == "decode":
+            self.worker.receiver = make_receiver(cfg, self.worker.runner, ep.leader(groups.coords.dp), ep.secret)
         self.feed = Feed(ctx, ep.fanout(groups.coords.dp), groups.control, cfg.dist_timeout, ep.secret)
         stage = self.worker.stage
         self.reports_traffic = stage.count > 1 and not stage.first and groups.tensor.rank == 0

@@ -53,14 +53,17 @@ class Inbox:
         self.pub.send(SYNC)
         return True
 
-    def receive(self, wait_ms: int, results_too: bool = False) -> list[Msg]:
+    def receive(self, wait_ms: int, results_too: bool = False, also: list[zmq.Socket] = ()) -> list[Msg]:
         """This step's messages; waits up to `wait_ms` for the first one (or, with `results_too`,
-        until a result is ready to collect)."""
+        until a result is ready to collect, or until one of `also` has something: the
+        disaggregation channels, which their owners read)."""
         if wait_ms:
             poller = zmq.Poller()
             poller.register(self.pull, zmq.POLLIN)
             if results_too and self.results is not None:
                 poller.register(self.results, zmq.POLLIN)
+            for sock in also:
+                poller.register(sock, zmq.POLLIN)
             poller.poll(wait_ms)
         return recv_all(self.pull)
 

@@ -25,6 +25,7 @@ from shardserve.ipc.messages import (
     AddRequests,
     CacheEvents,
     ErrorOut,
+    KVArrived,
     RankReports,
     ReportReq,
     Shutdown,
@@ -42,6 +43,8 @@ from shardserve.scheduler.engine_core import EngineCore, StepOutput
 from shardserve.scheduler.follower import Follower, serve_loop
 from shardserve.scheduler.inbox import Inbox
 from shardserve.scheduler.lockstep import Lockstep
+from shardserve.scheduler.pd_decode import DecodeSide, make_receiver
+from shardserve.scheduler.pd_prefill import PrefillSide
 
 log = logging.getLogger(__name__)
 STATS_INTERVAL = 0.25
@@ -66,7 +69,7 @@ class SchedulerServer:
         tok = load_tokenizer(resolve_checkpoint(cfg.model))
         decode = (lambda ids, skip: tok.decode(ids, skip_special_tokens=skip)) if tok else None
         eos = (tok.eos_token_id,) if tok is not None and tok.eos_token_id is not None else ()
-        self.engine = EngineCore(cfg, decode=decode, groups=groups, extra_eos=eos, tokenizer=tok)
+        self.engine = EngineCore(cfg, decode=decode, groups=groups, extra_eos=eos, tokenizer=tok, secret=ep.secret)
         ctx = zmq.Context.instance()
         self.replica = groups.coords.dp
         # After the engine: both sides meet in the same control-group collectives in the same order.
@@ -86,6 +89,16 @@ class SchedulerServer:
         self.lockstep = Lockstep(groups.data, cfg.dist_timeout) if groups.layout.dp_attention else None
         self.stopping = False  # told to shut down; under lockstep, stops when the replicas agree
         self.rank = groups.rank
+        # Disaggregation: a prefill leader takes prompts from decode instances; a decode leader
+        # has them computed there (scheduler/pd_prefill.py, pd_decode.py).
+        self.prefill = self.decode = self.receiver = None
+        if cfg.disaggregation_mode == "prefill":
+            self.prefill = PrefillSide(self.engine, cfg, ep.secret, ctx)
+        elif cfg.disaggregation_mode == "decode":
+            worker = self.engine.worker
+            self.receiver = worker.receiver = make_receiver(cfg, self.engine.runner, ep.leader(self.replica),
+                                                            ep.secret)
+            self.decode = DecodeSide(self.engine, cfg, ep.secret, ctx, self.receiver.cancel)
 
     def info(self) -> dict:
         return {"max_model_len": self.engine.max_model_len, "limits": dataclasses.asdict(self.engine.limits),
@@ -99,14 +112,29 @@ class SchedulerServer:
             idle = not self.engine.has_unfinished()
             stalled = self.engine.stalled()
             wait = IDLE_WAIT_MS if idle else STALL_WAIT_MS if stalled else 0
-            for msg in self.inbox.receive(wait, results_too=stalled):
+            for msg in self.inbox.receive(wait, results_too=stalled, also=self._channels()):
                 self.handle(msg)
-            self.emit(self.engine.step())
+            if self.prefill is not None:
+                self.prefill.receive()
+            if self.decode is not None:
+                self.emit(self.decode.step())
+                for err in self.decode.take_errors():
+                    send(self.to_api, err)
+            outs = self.engine.step()
+            if self.prefill is not None:
+                outs = self.prefill.outputs(outs)
+                self.prefill.tick()
+            self.emit(outs)
             if self.events is not None:
                 self.events.publish()
             self.maybe_send_stats()
             if idle:
                 self.inbox.tick()
+
+    def _channels(self) -> list:
+        if self.prefill is not None:
+            return [self.prefill.sock]
+        return self.decode.sockets() if self.decode is not None else []
 
     def _lockstep_loop(self) -> None:
         """Data-parallel attention: one agreement per step over every replica's leader, then
@@ -171,12 +199,18 @@ class SchedulerServer:
             try:
                 if msg.auto_max_tokens:  # chat without max_tokens: whatever the context leaves
                     msg.params.max_tokens = max(1, self.engine.max_model_len - len(msg.token_ids))
+                if self.decode is not None:
+                    self.decode.add(msg)
+                    return
                 self.engine.add_request(msg.rid, msg.token_ids, msg.params)
             except Exception as e:  # whatever a request carries, refusing it must not stop the engine
                 send(self.to_api, ErrorOut(rid=msg.rid, message=str(e), status=400))
                 self.ended([msg.rid])
+        elif isinstance(msg, KVArrived):
+            if self.decode is not None:
+                self.decode.arrived(msg.room, msg.rank)
         elif isinstance(msg, AbortReq):
-            if self.engine.abort(msg.rid):
+            if (self.decode is not None and self.decode.abort(msg.rid)) or self.engine.abort(msg.rid):
                 # Tell the detokenizer too, so it forgets the stream.
                 done = TokenOut(rid=msg.rid, new_ids=[], finished=True, finish_reason="abort")
                 send(self.to_detok, TokenBatch(items=[done]))
@@ -198,7 +232,7 @@ class SchedulerServer:
         empty beside busy replicas), at once when the engine falls idle (so /metrics never shows a
         finished request as running), when every replica has (`settled`), or when requests start
         running on an idle engine (so it never shows a running one as idle)."""
-        s = self.engine.running_status()
+        s = self.engine.running_status() | self._transfer_stats()  # KV sends complete on their own thread
         now = time.monotonic()
         busy = not settled and (self.engine.has_unfinished()
                                 or s["empty_steps"] != self.last_status.get("empty_steps"))
@@ -208,7 +242,17 @@ class SchedulerServer:
         self.last_stats, self.last_status = now, s
         stats = self.engine.stats()
         stats.replica = self.replica
+        stats.transfer = self._transfer_stats()
         send(self.to_api, stats)
+
+
+    def _transfer_stats(self) -> dict:
+        if self.prefill is not None:
+            return {"mode": "prefill", **self.engine.worker.shipper.sender.stats.report()}
+        if self.decode is not None:
+            return {"mode": "decode", "requests": self.decode.received, "bytes": self.receiver.bytes,
+                    "reserved_pages": self.decode.pages_reserved(), "waiting": len(self.decode.waiting)}
+        return {}
 
 
 class CacheEventFeed:

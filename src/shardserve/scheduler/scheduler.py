@@ -32,6 +32,11 @@ class Scheduler:
     def add(self, req: Request) -> None:
         self.waiting.append(req)
 
+    def admit_running(self, req: Request) -> None:
+        """A request whose KV is already in its pages (disaggregated decode) joins the running set."""
+        req.status = Status.RUNNING
+        self.running.append(req)
+
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 

@@ -43,6 +43,8 @@ class ServerState:
     max_stop_length: int = 256  # characters per stop string
     vocab_size: int | None = None  # logit_bias ids are checked against it (the engine checks again)
     tool_call_parser: str | None = None  # --tool-call-parser: how the model's tool calls are read back
+    disaggregation_mode: str = "null"  # --disaggregation-mode
+    bootstrap_port: int | None = None  # where decode instances reach a prefill instance's leader
 
     def needs_key(self, path: str) -> bool:
         if not self.api_key:
@@ -85,13 +87,21 @@ def build_app(state: ServerState) -> FastAPI:
 
     @app.post("/v1/completions")
     async def completions(request: Request):
+        prefill = prefill_address(state, request.headers.get(PREFILL_HEADER))
         body = await parse_body(request, CompletionRequest, state.max_body)
-        return await cancel_on_disconnect(request, api.completions(body))
+        return await cancel_on_disconnect(request, api.completions(body, prefill))
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request):
+        prefill = prefill_address(state, request.headers.get(PREFILL_HEADER))
         body = await parse_body(request, ChatRequest, state.max_body)
-        return await cancel_on_disconnect(request, api.chat(body))
+        return await cancel_on_disconnect(request, api.chat(body, prefill))
+
+    @app.get("/disaggregation")
+    async def disaggregation():
+        """What the PD router checks: this instance's role, and a prefill instance's bootstrap port."""
+        port = state.bootstrap_port if state.disaggregation_mode == "prefill" else None
+        return {"mode": state.disaggregation_mode, "bootstrap_port": port}
 
     @app.get("/v1/models")
     async def models():
@@ -131,6 +141,31 @@ def build_app(state: ServerState) -> FastAPI:
         return {"prompt": reply.text}
 
     return app
+
+
+PREFILL_HEADER = "x-shardserve-prefill"  # the PD router names the prefill instance (tcp://HOST:PORT)
+
+
+def prefill_address(state: ServerState, header: str | None) -> str:
+    """The prefill instance a decode instance's request goes through, or a 400 where the request
+    does not belong here."""
+    mode = state.disaggregation_mode
+    if mode == "prefill":
+        raise APIError(400, "this server is a prefill instance (--disaggregation-mode prefill): it takes prompts "
+                            "from decode instances only; send requests to the router in front of them")
+    if mode == "null":
+        if header is not None:
+            raise APIError(400, "the X-Shardserve-Prefill header is for decode instances (--disaggregation-mode "
+                                "decode)")
+        return ""
+    if header is None:
+        raise APIError(400, "this server is a decode instance (--disaggregation-mode decode): send requests "
+                            "through `shardserve router --prefill URL --decode URL`, which names the prefill "
+                            "instance (X-Shardserve-Prefill)")
+    host, _, port = header.removeprefix("tcp://").rpartition(":")
+    if not header.startswith("tcp://") or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise APIError(400, f"X-Shardserve-Prefill must be tcp://HOST:PORT, got {header[:100]!r}")
+    return header
 
 
 def _raise_if_error(reply) -> None:

@@ -57,15 +57,34 @@ def worker_url(text: str) -> str:
     return text.rstrip("/")
 
 
+def router_mode_error(args: argparse.Namespace) -> str | None:
+    """Why the `router` flags name no single mode (plain: --worker-urls; PD: --prefill and
+    --decode), or None when they name one."""
+    plain, prefill, decode = bool(args.worker_urls), bool(args.prefill), bool(args.decode)
+    if plain and (prefill or decode):
+        return "--worker-urls (plain mode) cannot be combined with --prefill/--decode (prefill/decode mode)"
+    if prefill != decode:
+        given, missing = ("--prefill", "--decode") if prefill else ("--decode", "--prefill")
+        return f"{given} needs {missing} too (prefill/decode mode takes both)"
+    if not (plain or prefill):
+        return "give --worker-urls URL ... (plain mode), or --prefill URL ... --decode URL ... (prefill/decode mode)"
+    return None
+
+
 def add_router_args(p: argparse.ArgumentParser) -> None:
     from shardserve.router.policy import POLICIES, Thresholds  # plain Python: cheap to import for parsing
 
     t = Thresholds()
-    p.add_argument("--worker-urls", nargs="+", required=True, metavar="URL", type=worker_url,
-                   help="base URLs of the workers, e.g. http://10.0.0.1:30000")
+    p.add_argument("--worker-urls", nargs="+", metavar="URL", type=worker_url,
+                   help="base URLs of the workers, e.g. http://10.0.0.1:30000 (plain mode)")
+    p.add_argument("--prefill", nargs="+", metavar="URL", type=worker_url,
+                   help="base URLs of the prefill instances (prefill/decode mode, with --decode)")
+    p.add_argument("--decode", nargs="+", metavar="URL", type=worker_url,
+                   help="base URLs of the decode instances, picked by least outstanding tokens (with --prefill)")
     # --load-balance-method too: the name `shardserve serve` gives the same choice for its replicas.
     p.add_argument("--policy", "--load-balance-method", dest="policy", choices=POLICIES, default="cache_aware",
-                   help="how requests are spread over the workers (default: cache_aware)")
+                   help="how requests are spread over the workers, or in prefill/decode mode over the prefill "
+                        "instances (default: cache_aware)")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=port_number, default=30000)
     p.add_argument("--model", default=None,
@@ -89,6 +108,17 @@ def add_router_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--worker-api-key", default=os.environ.get(WORKER_KEY_ENV, ""),
                    help=f"key sent to the workers (their --api-key; default: ${WORKER_KEY_ENV})")
     p.add_argument("--metrics-require-key", action="store_true", help="require the key on /health and /metrics too")
+    # Which mode the flags name is known only once all are parsed; it is checked then, as a one-line
+    # error of this subcommand (argparse hands a subcommand's arguments to its parse_known_args).
+    parse_known_args = p.parse_known_args
+
+    def parse_and_check(args=None, namespace=None):
+        parsed, extras = parse_known_args(args, namespace)
+        if (message := router_mode_error(parsed)) is not None:
+            p.error(message)
+        return parsed, extras
+
+    p.parse_known_args = parse_and_check
 
 
 def main(argv: list[str] | None = None) -> int:

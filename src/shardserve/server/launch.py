@@ -35,6 +35,7 @@ from shardserve.server.app import ServerState, build_app
 from shardserve.server.args import engine_config, layout_from_args, node_spec_from_args
 from shardserve.server.client import EngineClient
 from shardserve.server.metrics import Metrics
+from shardserve.server.serve_args import disaggregation_config
 from shardserve.tokenizer.worker import detokenizer_main, tokenizer_main
 
 log = logging.getLogger("shardserve.launch")
@@ -47,6 +48,23 @@ def tokenizer_children(model: str | None, ep: Endpoints, num_tokenizers: int) ->
         Child(f"tokenizer-{i}", tokenizer_main, (model, ep, i, False)) for i in range(num_tokenizers)]
 
 
+def check_disaggregation(cfg, layout, node, torchrun: bool) -> None:
+    """What disaggregated prefill/decode runs on today, refused up front with the flag to change."""
+    if cfg.disaggregation_mode == "null":
+        return
+    flag = f"--disaggregation-mode {cfg.disaggregation_mode}"
+    for size, name in ((layout.pp, "--pp-size"), (layout.cp, "--cp-size"), (layout.dp, "--dp-size"),
+                       (layout.nnodes, "--nnodes")):
+        if size > 1:
+            raise ValueError(f"{flag} runs with {name} 1 for now (got {size}): start one instance per replica "
+                             f"behind the router")
+    if torchrun:
+        raise ValueError(f"{flag} does not run under torchrun yet")
+    if not node.secret:
+        raise ValueError(f"{flag} needs the deployment secret that keys the KV channels between the instances: "
+                         f"set SHARDSERVE_DIST_SECRET (the same on both), or --dist-secret-file PATH")
+
+
 def bind_socket(host: str, port: int) -> socket.socket:
     """Bind before starting workers, so a busy port fails in a second, not after model load."""
     try:
@@ -56,9 +74,11 @@ def bind_socket(host: str, port: int) -> socket.socket:
 
 
 def serve(args: argparse.Namespace) -> int:
-    cfg, layout, node = engine_config(args), layout_from_args(args), node_spec_from_args(args)
+    cfg = engine_config(args, **disaggregation_config(args))
+    layout, node = layout_from_args(args), node_spec_from_args(args)
     ckpt = resolve_checkpoint(cfg.model)
     env = torchrun_env()
+    check_disaggregation(cfg, layout, node, env is not None)
     if env is not None:  # torchrun started this process as one rank: it decides rank and nodes
         layout, node = torchrun_layout(layout, env), env.node(node.secret)
     check_layout(layout, node, ckpt, cfg)
@@ -122,7 +142,9 @@ def run_http(args, default_name: str, info: dict, ep: Endpoints, grid: LocalGrid
                         metrics_require_key=args.metrics_require_key, max_prompts=args.max_prompts,
                         max_stop_strings=args.max_stop_strings, max_stop_length=args.max_stop_length,
                         vocab_size=info.get("limits", {}).get("vocab_size"),
-                        tool_call_parser=args.tool_call_parser)
+                        tool_call_parser=args.tool_call_parser,
+                        disaggregation_mode=args.disaggregation_mode,
+                        bootstrap_port=args.disaggregation_bootstrap_port or args.port + 1)
     server = _Server(uvicorn.Config(build_app(state), log_level="info", timeout_graceful_shutdown=5), client)
     failure: list[str] = []
 

@@ -40,6 +40,11 @@ class Metrics:
         self.expert_routed = Gauge("shardserve_expert_routed_tokens", "Token-expert pairs each MoE layer's gate "
                                    "chose per expert (first pipeline stage's layers), over all replicas",
                                    ["layer", "expert"], registry=r)
+        self.transfer = Gauge("shardserve_kv_transfer", "Disaggregation: KV shipped (prefill instance: requests, "
+                              "bytes, early_bytes sent before the chunk's last layer was computed, chunks, "
+                              "early_chunks whose layer 0 left before their last layer was computed, exposed_s "
+                              "after it, failed) or received (decode instance: requests, bytes, reserved_pages, "
+                              "waiting)", ["field"], registry=r)
         per = ["replica"]
         self.r_running = Gauge("shardserve_replica_num_requests_running", "Requests running, per data-parallel "
                                "replica", per, registry=r)
@@ -85,6 +90,9 @@ class Metrics:
         for layer, row in s.expert_routed.items():
             for expert, count in enumerate(row):
                 self.expert_routed.labels(layer, expert).set(count)
+        for name, value in s.transfer.items():
+            if isinstance(value, int | float):
+                self.transfer.labels(name).set(value)
         for op, rec in s.traffic.items():
             self.comm_calls.labels(op).set(rec["calls"])
             self.comm_bytes.labels(op).set(rec["MB"] * 1e6)

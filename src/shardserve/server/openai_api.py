@@ -116,7 +116,8 @@ class OpenAIHandlers:
         if s.client.num_active + count > s.max_queued:
             raise APIError(503, "the server is at its queue limit; retry later", headers={"Retry-After": "1"})
 
-    async def completions(self, body: CompletionRequest):
+    async def completions(self, body: CompletionRequest, prefill: str = ""):
+        """`prefill` (a decode instance): the prefill instance that computes each prompt."""
         prompts = completion_prompts(body.prompt)
         self._admit(body, len(prompts) * body.n)
         if body.best_of is not None and body.best_of != body.n:
@@ -132,7 +133,7 @@ class OpenAIHandlers:
         # echo + logprobs scores the prompt too, as OpenAI's legacy completions do.
         params = sampling_params(body, self.s.sampling_defaults, 1 if score_only else body.max_tokens, body.logprobs,
                                  body.logprobs if body.echo else None, self.s.vocab_size)
-        reqs = fan_out(prompts, params, body.n)
+        reqs = fan_out(prompts, params, body.n, prefill=prefill)
         echo = [await self._prompt_text(p, body.skip_special_tokens) for p in prompts] if body.echo else None
         meta = {"id": f"cmpl-{EngineClient.new_rid()}", "created": int(time.time()), "model": self.s.model_name}
         if body.stream:
@@ -177,7 +178,7 @@ class OpenAIHandlers:
         if body.stream_options and body.stream_options.include_usage:
             yield {"object": "text_completion", **meta, "choices": [], "usage": usage(choices, body.n)}
 
-    async def chat(self, body: ChatRequest):
+    async def chat(self, body: ChatRequest, prefill: str = ""):
         self._admit(body, body.n)
         field = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
         max_tokens = getattr(body, field)
@@ -191,7 +192,7 @@ class OpenAIHandlers:
                                                  vocab_size=self.s.vocab_size))
         messages = chat_messages(body.messages)
         reqs = fan_out([{"messages": messages, "tools": tools.tools}], params, body.n,
-                       auto_max_tokens=max_tokens is None)
+                       auto_max_tokens=max_tokens is None, prefill=prefill)
         meta = {"id": f"chatcmpl-{EngineClient.new_rid()}", "created": int(time.time()), "model": self.s.model_name}
         if body.stream:
             return await self._sse(self._chat_chunks(reqs, meta, body, tools))

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import os
 
+from shardserve.config import DISAGGREGATION_MODES
 from shardserve.openai_errors import API_KEY_ENV
 from shardserve.server.args import non_negative_int, port_number, positive_float, positive_int
 from shardserve.server.tool_parsers import PARSERS
@@ -33,3 +34,22 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                         "3's JSON); chat requests with tools need one")
     g.add_argument("--startup-timeout", type=positive_float, default=300.0,
                    help="seconds to wait for workers to be ready")
+    d = p.add_argument_group("disaggregated prefill/decode")
+    d.add_argument("--disaggregation-mode", choices=DISAGGREGATION_MODES, default="null",
+                   help="prefill: compute prompts for decode instances and ship their KV; decode: have a prefill "
+                        "instance compute each prompt, generate the rest (clients go through `shardserve router "
+                        "--prefill URL --decode URL`); both need the deployment secret (SHARDSERVE_DIST_SECRET or "
+                        "--dist-secret-file) that keys the KV channels")
+    d.add_argument("--disaggregation-bootstrap-port", type=port_number, default=None,
+                   help="prefill: where decode instances connect; decode: where tensor rank r takes KV, this port + "
+                        "r (default: --port + 1)")
+    d.add_argument("--disaggregation-timeout", type=positive_float, default=30.0,
+                   help="seconds the other instance may say nothing about a request before it is dropped (its pages "
+                        "freed, the client told)")
+
+
+def disaggregation_config(args: argparse.Namespace) -> dict:
+    """EngineConfig fields for the disaggregation flags (the KV channels listen on --host)."""
+    port = args.disaggregation_bootstrap_port or args.port + 1
+    return {"disaggregation_mode": args.disaggregation_mode, "disaggregation_host": args.host,
+            "disaggregation_port": port, "disaggregation_timeout": args.disaggregation_timeout}

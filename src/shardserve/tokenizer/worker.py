@@ -55,7 +55,7 @@ class Tokenizer:
                 ids = msg.token_ids if msg.token_ids is not None else self.encode(
                     msg.text, msg.messages, msg.add_special_tokens, msg.tools)
                 send(self.to_scheduler, TokenizedReq(rid=msg.rid, token_ids=ids, params=msg.params,
-                                                   auto_max_tokens=msg.auto_max_tokens))
+                                                   auto_max_tokens=msg.auto_max_tokens, prefill=msg.prefill))
             elif isinstance(msg, TokenizeReq):
                 ids = self.encode(msg.text, msg.messages, msg.add_special_tokens, msg.tools)
                 send(self.to_api, TokenizeOut(rid=msg.rid, token_ids=ids))
