@@ -7,12 +7,12 @@ import itertools
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-import torch
-
 from shardserve.structured_outputs import StructuredOutputsParams
 from shardserve.text import IncrementalText
 
 if TYPE_CHECKING:
+    import torch
+
     from shardserve.engine.sampler import PenaltyState
 
 _MAX_LOGPROBS = 20

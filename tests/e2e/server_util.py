@@ -50,12 +50,16 @@ def alive(pid: int) -> bool:
 
 
 class Server:
-    def __init__(self, *args: str, log_path: str, timeout: float = 180):
+    def __init__(self, *args: str, log_path: str, timeout: float = 180, host: str | None = None):
+        """`host`: --host to listen on (reached at that address; a wildcard at 127.0.0.1)."""
         self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
+        reach = host if host and host not in ("0.0.0.0", "::") else "127.0.0.1"
+        self.url = f"http://{reach}:{self.port}"
         self.log_path = log_path
         self.log = open(log_path, "w")
         cmd = [sys.executable, "-m", "shardserve", "serve", "--port", str(self.port), *args]
+        if host:
+            cmd += ["--host", host]
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:

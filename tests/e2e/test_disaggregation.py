@@ -44,8 +44,14 @@ def transfer(url: str, field: str) -> float:
     return metric(url, "shardserve_kv_transfer", field=field)
 
 
+# Two machines as two loopback addresses: p1 listens on 127.0.0.2 only; d2 on every address, so the
+# prefill instances send its KV to the address they see its leader at.
+HOSTS = {"p1": "127.0.0.2", "d2": "0.0.0.0"}
+
+
 def bootstrap(server: Server) -> str:
-    return f"tcp://127.0.0.1:{httpx.get(server.url + '/disaggregation', timeout=5).json()['bootstrap_port']}"
+    host = server.url.removeprefix("http://").rsplit(":", 1)[0]
+    return f"tcp://{host}:{httpx.get(server.url + '/disaggregation', timeout=5).json()['bootstrap_port']}"
 
 
 class PD:
@@ -58,12 +64,12 @@ class PD:
         return httpx.post(url + path, json=body, headers=headers, timeout=60)
 
 
-def start(args_by_name: dict[str, tuple], logs) -> dict[str, Server]:
+def start(args_by_name: dict[str, tuple], logs, hosts: dict[str, str]) -> dict[str, Server]:
     out, errors = {}, []
 
     def one(name: str, args: tuple) -> None:
         try:
-            out[name] = Server(*args, log_path=str(logs / f"{name}.log"))
+            out[name] = Server(*args, log_path=str(logs / f"{name}.log"), host=hosts.get(name))
         except Exception as e:  # handed to the main thread
             errors.append(e)
 
@@ -91,7 +97,7 @@ def pd(tiny_model, tmp_path_factory):
             "p2": ("--model", path, *COMMON, "--max-num-batched-tokens", "1", *role, "prefill"),
             "d1": ("--model", path, *COMMON, "--tp-size", "2", *role, "decode"),
             "d2": ("--model", path, *COMMON, *role, "decode"),
-        }, logs)
+        }, logs, HOSTS)
     router = None
     try:
         p, d = [servers["p1"], servers["p2"]], [servers["d1"], servers["d2"]]

@@ -25,7 +25,6 @@ from contextlib import contextmanager
 import httpx
 
 from shardserve.bench.serve import TIMEOUT, WORDS, send, stats_ms
-from shardserve.bench.spawn import Spawned
 
 SECRET_ENV = "SHARDSERVE_DIST_SECRET"
 
@@ -40,6 +39,9 @@ def add_disagg_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--long-words", type=int, default=600, help="words per long prompt")
     p.add_argument("--long-every", type=float, default=1.5, help="seconds between long prompts")
     p.add_argument("--num-pages", type=int, default=2048)
+    p.add_argument("--max-num-batched-tokens", type=int, default=2048,
+                   help="every server's prefill chunk budget (smaller chunks stall a colocated server's streams "
+                        "for less time, at some prefill speed)")
     p.add_argument("--seed", type=int, default=0)
 
 
@@ -113,6 +115,8 @@ def bytes_per_token(model: str | None) -> int:
 
 
 def colocated(args: argparse.Namespace, common: list[str], reqs) -> dict:
+    from shardserve.bench.spawn import Spawned  # ZeroMQ and the process tree: not for parsing the flags
+
     with environ(OMP_NUM_THREADS=str(args.threads)):
         server = Spawned("serve", common, "colocated")
     try:
@@ -123,6 +127,8 @@ def colocated(args: argparse.Namespace, common: list[str], reqs) -> dict:
 
 
 def disaggregated(args: argparse.Namespace, common: list[str], reqs) -> dict:
+    from shardserve.bench.spawn import Spawned
+
     half = str(max(1, args.threads // 2))
     procs = []
     try:
@@ -148,11 +154,12 @@ def disaggregated(args: argparse.Namespace, common: list[str], reqs) -> dict:
 
 
 def run_disagg(args: argparse.Namespace) -> int:
-    common = ["--num-pages", str(args.num_pages), "--num-tokenizers", "0"] + (["--model", args.model]
-                                                                              if args.model else [])
+    common = ["--num-pages", str(args.num_pages), "--num-tokenizers", "0", "--max-num-batched-tokens",
+              str(args.max_num_batched_tokens)] + (["--model", args.model] if args.model else [])
     reqs = workload(args)
     print(f"[bench] {args.streams} streams x {args.stream_tokens} tokens, {args.long_prompts} prompts of "
-          f"{args.long_words} words every {args.long_every:g} s; {args.threads} threads in all", flush=True)
+          f"{args.long_words} words every {args.long_every:g} s; {args.threads} threads in all; prefill chunks of "
+          f"{args.max_num_batched_tokens} tokens", flush=True)
     results = {"colocated": colocated(args, common, reqs), "disaggregated": disaggregated(args, common, reqs)}
     print_table(results)
     print(json.dumps(results))

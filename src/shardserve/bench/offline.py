@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from shardserve.config import DTYPES
+from shardserve.config import torch_dtype
 from shardserve.core import SamplingParams
 from shardserve.llm import LLM
 from shardserve.loader.model_path import resolve_checkpoint
@@ -98,7 +98,7 @@ def load_transformers(args: argparse.Namespace, device: torch.device) -> torch.n
     ckpt = resolve_checkpoint(args.model)
     kw = {"gguf_file": os.path.basename(ckpt.path)} if ckpt.is_gguf else {}
     where = os.path.dirname(ckpt.path) if ckpt.is_gguf else ckpt.path
-    model = AutoModelForCausalLM.from_pretrained(where, dtype=DTYPES[args.dtype], **kw)
+    model = AutoModelForCausalLM.from_pretrained(where, dtype=torch_dtype(args.dtype), **kw)
     return model.to(device).eval()
 
 

@@ -195,3 +195,13 @@ class Layout:
     def creation_order(self) -> list[tuple[str, tuple[int, ...]]]:
         """(kind, members) for every group of more than one rank, in the one order all ranks use."""
         return [(kind, g) for kind in GROUP_KINDS for g in self.all_groups(kind) if len(g) > 1]
+
+
+@dataclass(frozen=True)
+class RankSpec:
+    """Where one scheduler process sits: its global rank in the layout, and the rendezvous
+    address (host:port) every rank of the grid meets at."""
+
+    rank: int = 0
+    layout: Layout = Layout()
+    master: str = ""

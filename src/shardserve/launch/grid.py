@@ -13,7 +13,6 @@ from collections.abc import Callable
 from shardserve.config import EngineConfig
 from shardserve.distributed.expert_placement import PlacementPlan, load_counts
 from shardserve.distributed.layout import Layout, LayoutError
-from shardserve.distributed.pipeline import split_layers
 from shardserve.ipc.sockets import Endpoints
 from shardserve.launch.nodes import NodeServer, NodeSpec, hello, run_worker_node
 from shardserve.launch.process_tree import Child, ProcessTree
@@ -40,6 +39,8 @@ def check_layout(layout: Layout, node: NodeSpec, ckpt: Checkpoint, cfg: EngineCo
     if cfg.ep_num_redundant_experts or cfg.ep_expert_placement:
         check_placement(cfg, layout, mc)
     if cfg.pp_layer_partition is not None or layout.pp > 1:
+        from shardserve.distributed.pipeline import split_layers  # torch: imported only when checked
+
         split_layers(mc.num_layers, layout.pp, cfg.pp_layer_partition)
     if (cfg.pp_micro_batches or 1) > 1 and layout.pp == 1:
         raise LayoutError(f"--pp-micro-batches {cfg.pp_micro_batches} needs --pp-size > 1 (one stage runs one "

@@ -29,6 +29,20 @@ from shardserve.launch.worker import PARENT_ENV
 log = logging.getLogger("shardserve.launch")
 
 
+@dataclass(frozen=True)
+class ByName:
+    """A child's function named by module and attribute: the launcher need not import the module
+    (the engine, transformers), only the child does, when it calls it."""
+
+    module: str
+    name: str
+
+    def __call__(self, *args):
+        import importlib
+
+        return getattr(importlib.import_module(self.module), self.name)(*args)
+
+
 @dataclass
 class Child:
     """A process to start: `target(*args)` runs in it (target importable by name, args picklable)."""

@@ -6,10 +6,12 @@ import os
 import socket
 
 from shardserve.config import EngineConfig
-from shardserve.distributed.layout import Layout
+from shardserve.distributed.layout import Layout, RankSpec
 from shardserve.ipc.sockets import Endpoints
-from shardserve.launch.process_tree import Child
-from shardserve.scheduler.process import RankSpec, scheduler_main
+from shardserve.launch.process_tree import ByName, Child
+
+# By name: the launcher (the API process) never imports the engine itself.
+SCHEDULER_MAIN = ByName("shardserve.scheduler.process", "scheduler_main")
 
 
 def scheduler_children(cfg: EngineConfig, ep: Endpoints, layout: Layout, master: str = "",
@@ -20,7 +22,7 @@ def scheduler_children(cfg: EngineConfig, ep: Endpoints, layout: Layout, master:
     if layout.world > 1 and not master:
         master = f"127.0.0.1:{free_port()}"
     threads = str(max(1, (os.cpu_count() or 1) // layout.ranks_per_node))
-    return [Child(f"scheduler-{r}", scheduler_main, (cfg, ep, RankSpec(r, layout, master)),
+    return [Child(f"scheduler-{r}", SCHEDULER_MAIN, (cfg, ep, RankSpec(r, layout, master)),
                   env={"OMP_NUM_THREADS": threads} if layout.ranks_per_node > 1 else None, role=role(layout, r))
             for r in (only if only is not None else layout.node_ranks(node))]
 

@@ -19,11 +19,10 @@ import sys
 from dataclasses import dataclass
 
 from shardserve.config import EngineConfig
-from shardserve.distributed.layout import Layout, LayoutError
+from shardserve.distributed.layout import Layout, LayoutError, RankSpec
 from shardserve.ipc.child import setup_logging
 from shardserve.ipc.sockets import Endpoints
 from shardserve.launch.nodes import NodeSpec
-from shardserve.scheduler.process import RankSpec, rank_server
 
 ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
 
@@ -72,6 +71,8 @@ def run_rank_here(cfg: EngineConfig, layout: Layout, env: TorchrunEnv, secret: b
         signal.signal(sig, lambda *_: sys.exit(0))
     ep = Endpoints.create(1, fanout_tcp=env.node().fanout, results_tcp=env.node().results, secret=secret)
     try:
+        from shardserve.scheduler.process import rank_server  # the engine, in this rank's process only
+
         server = rank_server(cfg, ep, RankSpec(env.rank, layout, "env://"))
         logging.getLogger("shardserve.launch").info("%s ready (torchrun rank %d of %d)", name, env.rank, env.world)
         server.serve()

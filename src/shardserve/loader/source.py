@@ -7,9 +7,10 @@ safetensors file is sliced on read and no rank holds a full copy of a tensor it 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
 
 class TensorSource:

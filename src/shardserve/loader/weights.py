@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import TYPE_CHECKING
 
-from torch import nn
 from tqdm import tqdm
 
 from shardserve.config import ModelConfig
 from shardserve.loader.model_path import Checkpoint
 from shardserve.loader.source import LazySource, TensorSource
+
+if TYPE_CHECKING:
+    from torch import nn
 
 
 def read_model_config(ckpt: Checkpoint) -> ModelConfig:

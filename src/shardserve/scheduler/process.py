@@ -18,7 +18,7 @@ import zmq
 
 from shardserve.config import EngineConfig
 from shardserve.distributed.groups import ParallelGroups, init_distributed, single_process_groups
-from shardserve.distributed.layout import Layout
+from shardserve.distributed.layout import RankSpec
 from shardserve.ipc.child import run_child
 from shardserve.ipc.messages import (
     AbortReq,
@@ -50,16 +50,6 @@ log = logging.getLogger(__name__)
 STATS_INTERVAL = 0.25
 IDLE_WAIT_MS = 100
 STALL_WAIT_MS = 100  # every micro-batch slot is in flight: wait this long for a result (or a message)
-
-
-@dataclasses.dataclass(frozen=True)
-class RankSpec:
-    """Where one scheduler process sits: its global rank in the layout, and the rendezvous
-    address (host:port) every rank of the grid meets at."""
-
-    rank: int = 0
-    layout: Layout = Layout()
-    master: str = ""
 
 
 class SchedulerServer:

@@ -25,7 +25,7 @@ import uvicorn
 from shardserve.ipc.sockets import Endpoints, listen_socket
 from shardserve.launch import LaunchError
 from shardserve.launch.grid import LocalGrid, check_layout, endpoints, run_other_node
-from shardserve.launch.process_tree import Child
+from shardserve.launch.process_tree import ByName, Child
 from shardserve.launch.torchrun import run_rank_here, torchrun_env, torchrun_layout
 from shardserve.loader.generation_config import describe, generation_defaults
 from shardserve.loader.model_path import resolve_checkpoint
@@ -36,9 +36,13 @@ from shardserve.server.args import engine_config, layout_from_args, node_spec_fr
 from shardserve.server.client import EngineClient
 from shardserve.server.metrics import Metrics
 from shardserve.server.serve_args import disaggregation_config
-from shardserve.tokenizer.worker import detokenizer_main, tokenizer_main
 
 log = logging.getLogger("shardserve.launch")
+
+
+# By name: the API process never imports transformers itself.
+tokenizer_main = ByName("shardserve.tokenizer.worker", "tokenizer_main")
+detokenizer_main = ByName("shardserve.tokenizer.worker", "detokenizer_main")
 
 
 def tokenizer_children(model: str | None, ep: Endpoints, num_tokenizers: int) -> list[Child]:
