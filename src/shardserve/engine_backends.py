@@ -32,7 +32,7 @@ from shardserve.launch.grid import LocalGrid, endpoints
 from shardserve.launch.nodes import NodeSpec
 from shardserve.router.replicas import router_child
 from shardserve.scheduler.engine_core import EngineCore, RequestLimits
-from shardserve.scheduler.process import token_out
+from shardserve.scheduler.outputs import token_out
 
 log = logging.getLogger(__name__)
 

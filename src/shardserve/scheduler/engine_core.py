@@ -23,6 +23,7 @@ from shardserve.ipc.messages import PlanEntry, PlanRequest, StageTraffic, Stats,
 from shardserve.kvcache.pages import PageAllocator
 from shardserve.loader.model_path import Checkpoint, resolve_checkpoint
 from shardserve.loader.weights import read_model_config
+from shardserve.scheduler.engine_stats import engine_stats, running_status
 from shardserve.scheduler.finish import finish_reason
 from shardserve.scheduler.limits import RequestLimits
 from shardserve.scheduler.scheduler import Scheduler
@@ -315,36 +316,14 @@ class EngineCore:
         return StepOutput(req, [tok], reason is not None, grammar_done)
 
     def stats(self) -> Stats:
-        s = self.running_status()
-        return Stats(running=s["running"], waiting=s["waiting"], pages_used=s["pages_used"],
-                     pages_total=s["pages_total"], prefix_hit_rate=self.allocator.hit_rate,
-                     prefix_hit_tokens=self.allocator.hits, prefix_query_tokens=self.allocator.queries,
-                     steps=self.num_steps, finished=self.num_finished,
-                     traffic=self.runner.comm.traffic_report(), control=self.control.traffic_report(),
-                     stages=self._stage_traffic(), max_in_flight=self.max_in_flight,
-                     preemptions=self.scheduler.num_preemptions, empty_steps=self.empty_steps,
-                     expert_routed={str(k): v for k, v in self.runner.expert_counts().get("routed", {}).items()})
-
-    def _stage_traffic(self) -> dict:
-        if self.runner.stage.count == 1:
-            return {}
-        return {"0": self.runner.groups.traffic_by_group()["groups"], **self.stage_traffic}
+        return engine_stats(self)
 
     def traffic_by_group(self) -> dict:
         """This rank's rank report: traffic by group (and routing counts for a MoE model)."""
         return self.worker.rank_report()
 
     def running_status(self) -> dict[str, int]:
-        return {
-            "steps": self.num_steps,
-            "finished": self.num_finished,
-            "running": len(self.scheduler.running),
-            "waiting": len(self.scheduler.waiting),
-            "pages_used": self.allocator.num_used,
-            "pages_total": self.allocator.num_pages,
-            "stage_reports": self.stage_reports,
-            "empty_steps": self.empty_steps,
-        }
+        return running_status(self)
 
 
 __all__ = ["Batch", "EngineCore", "RequestLimits", "Status", "StepOutput"]

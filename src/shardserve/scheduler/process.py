@@ -23,7 +23,6 @@ from shardserve.ipc.child import run_child
 from shardserve.ipc.messages import (
     AbortReq,
     AddRequests,
-    CacheEvents,
     ErrorOut,
     KVArrived,
     RankReports,
@@ -43,6 +42,7 @@ from shardserve.scheduler.engine_core import EngineCore, StepOutput
 from shardserve.scheduler.follower import Follower, serve_loop
 from shardserve.scheduler.inbox import Inbox
 from shardserve.scheduler.lockstep import Lockstep
+from shardserve.scheduler.outputs import CacheEventFeed, token_out
 from shardserve.scheduler.pd_decode import DecodeSide, make_receiver
 from shardserve.scheduler.pd_prefill import PrefillSide
 
@@ -243,48 +243,6 @@ class SchedulerServer:
             return {"mode": "decode", "requests": self.decode.received, "bytes": self.receiver.bytes,
                     "reserved_pages": self.decode.pages_reserved(), "waiting": len(self.decode.waiting)}
         return {}
-
-
-class CacheEventFeed:
-    """The leader's cache events and ended requests, published for the router after each step.
-
-    An XPUB socket: ZeroMQ drops what a PUB sends before a subscriber has joined, and a lost
-    `ended` would leave its load on the router's books for good, so the leader does not report
-    Ready until the router's subscription has arrived (other subscribers may join later)."""
-
-    def __init__(self, ctx: zmq.Context, addr: str, replica: int, allocator, timeout_s: float):
-        self.pub = ctx.socket(zmq.XPUB)
-        self.pub.setsockopt(zmq.SNDHWM, 0)
-        self.pub.bind(addr)
-        if not self.pub.poll(int(timeout_s * 1000)):
-            raise RuntimeError(f"replica {replica}'s leader: the router did not subscribe to its cache events "
-                               f"within {timeout_s:.0f} s")
-        self.pub.recv()  # the subscription itself
-        self.replica, self.allocator, self.seq = replica, allocator, 0
-        self.ended: list[str] = []
-        allocator.watch_events()
-
-    def publish(self) -> None:
-        stored, evicted = self.allocator.take_events()
-        if not (stored or evicted or self.ended):
-            return
-        send(self.pub, CacheEvents(replica=self.replica, seq=self.seq, stored=stored, evicted=evicted,
-                                   ended=self.ended))
-        self.seq += 1
-        self.ended = []
-
-
-def token_out(o: StepOutput) -> TokenOut:
-    r = o.request
-    p = r.params
-    return TokenOut(
-        rid=r.request_id, new_ids=o.new_token_ids, finished=o.finished, finish_reason=r.finish_reason,
-        stop_reason=r.stop_reason, text_cut=r.text_cut, hold=max((len(s) for s in p.stop), default=1) - 1,
-        skip_special_tokens=p.skip_special_tokens, logprobs=r.logprobs[-1:] if p.logprobs is not None else None,
-        prompt_tokens=len(r.prompt_token_ids), cached_tokens=r.num_cached_tokens,
-        # Complete by the first sampled token, and sent with it only.
-        prompt_logprobs=r.prompt_logprobs if p.prompt_logprobs is not None and len(r.output_token_ids) == 1 else None,
-    )
 
 
 def rank_server(cfg: EngineConfig, ep: Endpoints, spec: RankSpec) -> SchedulerServer | Follower:
