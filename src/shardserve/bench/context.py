@@ -28,18 +28,17 @@ request needs at N = 1. One JSON line per N, then a summary line:
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import statistics
 import tempfile
 import time
-from collections.abc import Iterator
 
 import torch
 
 from shardserve.attention.ring import causal_pairs
 from shardserve.bench.dist import _per_group, random_model
+from shardserve.bench.spawn import environ
 from shardserve.core import SamplingParams
 from shardserve.kvcache.pages import PageAllocator
 from shardserve.scheduler.limits import RequestLimits
@@ -90,26 +89,12 @@ def longest_prompt(limits: RequestLimits, max_tokens: int) -> tuple[int, str]:
     return lo, why
 
 
-@contextlib.contextmanager
-def one_thread() -> Iterator[None]:
-    """Scheduler processes started inside read OMP_NUM_THREADS=1 (the launcher overrides it for N > 1)."""
-    old = os.environ.get("OMP_NUM_THREADS")
-    os.environ["OMP_NUM_THREADS"] = "1"
-    try:
-        yield
-    finally:
-        if old is None:
-            del os.environ["OMP_NUM_THREADS"]
-        else:
-            os.environ["OMP_NUM_THREADS"] = old
-
-
 def run_size(path: str, size: int, args: argparse.Namespace, prompt: list[int], pages: int) -> dict:
     from shardserve.llm import LLM
 
     greedy = SamplingParams(max_tokens=args.new_tokens, temperature=0, ignore_eos=True)
     first = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
-    with one_thread():
+    with environ(OMP_NUM_THREADS="1"):  # the launcher overrides it for N > 1
         llm = LLM(path, cp_size=size, isolated=True, dtype=args.dtype, page_size=args.page_size, num_pages=pages,
                   enable_prefix_cache=False, max_num_batched_tokens=args.prompt_len, show_progress=False)
     with llm:

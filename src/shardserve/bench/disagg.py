@@ -20,7 +20,6 @@ import json
 import os
 import random
 import time
-from contextlib import contextmanager
 
 import httpx
 
@@ -43,20 +42,6 @@ def add_disagg_args(p: argparse.ArgumentParser) -> None:
                    help="every server's prefill chunk budget (smaller chunks stall a colocated server's streams "
                         "for less time, at some prefill speed)")
     p.add_argument("--seed", type=int, default=0)
-
-
-@contextmanager
-def environ(**values: str):
-    old = {k: os.environ.get(k) for k in values}
-    os.environ.update(values)
-    try:
-        yield
-    finally:
-        for k, v in old.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
 
 
 def workload(args: argparse.Namespace) -> list[tuple[float, dict]]:
@@ -115,7 +100,7 @@ def bytes_per_token(model: str | None) -> int:
 
 
 def colocated(args: argparse.Namespace, common: list[str], reqs) -> dict:
-    from shardserve.bench.spawn import Spawned  # ZeroMQ and the process tree: not for parsing the flags
+    from shardserve.bench.spawn import Spawned, environ  # ZeroMQ and the process tree: not for parsing the flags
 
     with environ(OMP_NUM_THREADS=str(args.threads)):
         server = Spawned("serve", common, "colocated")
@@ -127,7 +112,7 @@ def colocated(args: argparse.Namespace, common: list[str], reqs) -> dict:
 
 
 def disaggregated(args: argparse.Namespace, common: list[str], reqs) -> dict:
-    from shardserve.bench.spawn import Spawned
+    from shardserve.bench.spawn import Spawned, environ
 
     half = str(max(1, args.threads // 2))
     procs = []

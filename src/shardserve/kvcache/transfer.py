@@ -246,8 +246,9 @@ class KVReceiver:
         shape = (h.count, h.h1 - h.h0, k_cache.shape[-1])
         where = slots(h.pages, self.page_size, h.start, h.count, h.start // self.page_size)
         local = slice(h.h0 - self.kv_start, h.h1 - self.kv_start)
-        k_cache[where, local] = torch.frombuffer(kb, dtype=k_cache.dtype).view(shape)
-        v_cache[where, local] = torch.frombuffer(vb, dtype=v_cache.dtype).view(shape)
+        where = where.to(k_cache.device)
+        k_cache[where, local] = torch.frombuffer(kb, dtype=k_cache.dtype).view(shape).to(k_cache.device)
+        v_cache[where, local] = torch.frombuffer(vb, dtype=v_cache.dtype).view(shape).to(v_cache.device)
         self.bytes += len(kb) + len(vb)
 
 
