@@ -67,6 +67,15 @@ def check_disaggregation(cfg, layout, node, torchrun: bool) -> None:
     if not node.secret:
         raise ValueError(f"{flag} needs the deployment secret that keys the KV channels between the instances: "
                          f"set SHARDSERVE_DIST_SECRET (the same on both), or --dist-secret-file PATH")
+    # The KV channels' ports (a prefill leader's one; a decode rank's port + tensor rank), tried now:
+    # a busy one fails in a second with its flag named, not after model load in a scheduler.
+    ports = range(cfg.disaggregation_port, cfg.disaggregation_port + (layout.tp if cfg.disaggregation_mode == "decode"
+                                                                      else 1))
+    for port in ports:
+        try:
+            bind_socket(cfg.disaggregation_host, port).close()
+        except LaunchError as e:
+            raise ValueError(f"--disaggregation-bootstrap-port: {e}") from None
 
 
 def bind_socket(host: str, port: int) -> socket.socket:
