@@ -139,6 +139,11 @@ ATTENTION_BACKENDS = ("auto", "torch", "cpu")
 # KV; "decode": takes requests (through `shardserve router --prefill .. --decode ..`), has a
 # prefill instance compute each prompt, and generates the rest.
 DISAGGREGATION_MODES = ("null", "prefill", "decode")
+# Weights: "auto" keeps a GGUF's block formats (Q4_0, Q4_1, Q8_0, Q4_K, Q6_K) and multiplies
+# them by the CPU kernel (floats for other checkpoints); "none" expands everything to `dtype`;
+# "int8" quantizes a float checkpoint's linear weights to Q8_0 blocks at load (weight-only int8
+# with one scale per 32 weights: finer than one per channel, and the same kernel).
+QUANTIZATION_MODES = ("auto", "none", "int8")
 
 
 @dataclass(frozen=True)
@@ -159,6 +164,7 @@ class EngineConfig:
     show_progress: bool = True
     dist_timeout: float = 60.0  # seconds before a collective that never completes is an error
     attention_backend: str = "auto"  # see ATTENTION_BACKENDS
+    quantization: str = "auto"  # see QUANTIZATION_MODES
     # Pipeline parallelism (the stage count is the layout's pp): layers per stage (None: even
     # split) and how many micro-batches may be in flight (None: one per stage).
     pp_layer_partition: tuple[int, ...] | None = None
@@ -187,6 +193,7 @@ class EngineConfig:
             (self.ep_num_redundant_experts >= 0, "ep_num_redundant_experts", "must be >= 0"),
             (self.attention_backend in ATTENTION_BACKENDS, "attention_backend",
              f"must be one of {list(ATTENTION_BACKENDS)}"),
+            (self.quantization in QUANTIZATION_MODES, "quantization", f"must be one of {list(QUANTIZATION_MODES)}"),
             (self.disaggregation_mode in DISAGGREGATION_MODES, "disaggregation_mode",
              f"must be one of {list(DISAGGREGATION_MODES)}"),
             (self.disaggregation_timeout > 0, "disaggregation_timeout", "must be > 0"),

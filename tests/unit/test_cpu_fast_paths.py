@@ -7,6 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from shardserve import native
 from shardserve.attention import cpu_kernel
 from shardserve.attention.metadata import build_metadata
 from shardserve.attention.torch_backend import TorchAttention
@@ -152,14 +153,14 @@ def test_backends_agree_on_a_mixed_batch():
 
 def test_a_compiler_failure_is_a_clear_error(tmp_path):
     with pytest.raises(cpu_kernel.KernelUnavailable, match="failed on paged_decode.c"):
-        cpu_kernel._compile(["false"], tmp_path / "k.so")
+        native.compile_library(["false"], cpu_kernel.SOURCE, tmp_path / "k.so")
     assert list(tmp_path.iterdir()) == []  # no half-written library left behind
 
 
 def test_a_missing_compiler_is_a_clear_error(monkeypatch):
     monkeypatch.setenv("CC", "/nonexistent/cc")
     with pytest.raises(cpu_kernel.KernelUnavailable, match="cannot run the C compiler '/nonexistent/cc'"):
-        cpu_kernel.load.__wrapped__()  # uncached: the real load() already holds the built kernel
+        native.load_uncached(cpu_kernel.SOURCE)
 
 
 def test_backend_choice(tiny_model):

@@ -48,8 +48,8 @@ def load_stage(path: str, stage: Stage, monkeypatch, **cfg) -> tuple[ModelRunner
     read: list[str] = []
     real = REAL_SOURCES
 
-    def recording(ckpt):
-        sources, total = real(ckpt)
+    def recording(ckpt, quantization="none"):
+        sources, total = real(ckpt, quantization)
 
         def wrap(src):
             original = src.read

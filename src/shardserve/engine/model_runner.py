@@ -21,6 +21,7 @@ from shardserve.distributed.expert_placement import PlacementPlan, load_counts
 from shardserve.distributed.groups import ParallelGroups, single_process_groups
 from shardserve.distributed.pipeline import Stage
 from shardserve.kvcache.pool import KVPool, page_bytes
+from shardserve.layers import quant_kernel
 from shardserve.layers.attention import ForwardContext
 from shardserve.layers.moe import SparseMoE
 from shardserve.layers.sharding import head_shard
@@ -64,7 +65,8 @@ class ModelRunner:
         with torch.device(self.device):
             self.model = cls(model_cfg, self.comm, self.dtype, self.device, self.stage, expert=groups.expert,
                              placements=self.placements)
-        sources, total = checkpoint_sources(ckpt)
+        self.quantization = self._pick_quantization(ckpt)
+        sources, total = checkpoint_sources(ckpt, self.quantization)
         desc = f"[{groups.label}] Loading {ckpt.name}"
         load_weights(self.model, sources, total, progress=cfg.show_progress, desc=desc)
         self.model.eval()
@@ -113,6 +115,26 @@ class ModelRunner:
     def decode_attention(self) -> str:
         """Which decode attention runs: 'cpu' (the C kernel) or 'torch' (gather + SDPA)."""
         return "cpu" if self.paged_decode else "torch"
+
+    def _pick_quantization(self, ckpt: Checkpoint) -> str:
+        """What the loader offers the layers: "auto" (a GGUF's blocks), "int8", or "none"."""
+        choice = self.cfg.quantization
+        if choice == "int8" and ckpt.is_gguf:
+            raise ValueError("quantization 'int8' quantizes a float (safetensors) checkpoint; a GGUF keeps its own "
+                             "formats ('auto') or is expanded ('none')")
+        if choice == "none" or (choice == "auto" and not ckpt.is_gguf):
+            return "none"
+        why = None
+        if self.device.type != "cpu" or self.dtype != torch.float32:
+            why = f"the block-quantized kernels run on the CPU in float32, not {self.device.type} {self.cfg.dtype}"
+        else:
+            why = quant_kernel.available()
+        if why is None:
+            return choice
+        if choice == "int8":
+            raise ValueError(f"quantization 'int8': {why}")
+        log.warning("GGUF weights are expanded to %s: %s", self.cfg.dtype, why)
+        return "none"
 
     def _pick_attention(self, choice: str) -> bool:
         """Whether decodes use the CPU C kernel (True) or gather + SDPA (False)."""

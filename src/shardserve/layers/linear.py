@@ -14,7 +14,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from shardserve.distributed.communicator import Communicator
+from shardserve.layers import quant_kernel
 from shardserve.layers.sharding import HeadShard, split_range
+from shardserve.loader.quantized import QuantWeight
 from shardserve.loader.source import TensorSource
 
 
@@ -73,19 +75,57 @@ def apply_linear(x: torch.Tensor, weight: torch.Tensor | None, packed: torch.Ten
     return F.linear(x, weight, bias)
 
 
+def merge_segments(pieces: dict[int, QuantWeight]) -> tuple[tuple[int, QuantWeight], ...]:
+    """Row pieces (offset -> weight) in order, neighbours of one format joined into one."""
+    out: list[tuple[int, QuantWeight]] = []
+    for offset, q in sorted(pieces.items()):
+        if out and out[-1][1].qtype == q.qtype and out[-1][0] + out[-1][1].rows == offset:
+            prev = out[-1][1]
+            out[-1] = (out[-1][0], QuantWeight(q.qtype, torch.cat([prev.data, q.data]), q.cols))
+        else:
+            out.append((offset, q))
+    return tuple(out)
+
+
 class PackedLinear(nn.Module):
-    """Base of the linear layers: after loading, the dense weight is swapped for oneDNN's packed
-    copy where `pack_weight` applies (the dense one is dropped, so memory does not double)."""
+    """Base of the linear layers. After loading, the weight takes one of three forms:
+    block-quantized pieces kept as the checkpoint stored them (`quant`, when the loader offers
+    them: a GGUF under --quantization auto, or int8), oneDNN's packed copy of a CPU float32
+    weight (`packed`), or the plain weight. The forms not taken are dropped, so memory does not
+    double."""
 
     weight: nn.Parameter | None
     packed: torch.Tensor | None = None
+    quant: tuple[tuple[int, QuantWeight], ...] | None = None
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._qpieces: dict[int, QuantWeight] = {}
+
+    def take_quantized(self, src: TensorSource, row: int, dim: int | None, start: int = 0,
+                       end: int | None = None) -> bool:
+        """Keep this piece (local rows from `row`) in its block format if the source offers it;
+        a row-parallel cut inside a block is not offered, and that piece loads as floats."""
+        q = src.read_quantized(dim, start, end)
+        if q is None:
+            return False
+        self._qpieces[row] = q
+        return True
 
     def process_after_loading(self) -> None:
+        pieces, self._qpieces = self._qpieces, {}
+        if pieces and len(pieces) == len(self.weight.expected_shards):
+            self.quant, self.weight = merge_segments(pieces), None
+            return
+        for row, q in pieces.items():  # some pieces came quantized, some not: all floats then
+            self.weight.data[row: row + q.rows].copy_(quant_kernel.dequantize(q))
         self.packed = pack_weight(self.weight)
         if self.packed is not None:
             self.weight = None
 
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        if self.quant is not None:
+            return quant_kernel.linear(x, self.quant, self.out_features, bias)
         return apply_linear(x, self.weight, self.packed, bias)
 
 
@@ -94,10 +134,13 @@ class ReplicatedLinear(PackedLinear):
 
     def __init__(self, in_f: int, out_f: int, bias: bool, dtype: torch.dtype, device: torch.device):
         super().__init__()
+        self.out_features = out_f
         self.weight = make_param((out_f, in_f), dtype, device, self._load, [None])
         self.bias = make_param((out_f,), dtype, device, self._load, [None]) if bias else None
 
     def _load(self, param: nn.Parameter, src: TensorSource, shard_id=None) -> None:
+        if param is self.weight and self.take_quantized(src, 0, None):
+            return
         copy_into(param.data, src.read(), src.name)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -120,11 +163,14 @@ class ColumnParallelLinear(PackedLinear):
             self.offsets[shard_id] = (local, start, end)
             local += end - start
         ids = list(self.offsets)
+        self.out_features = local
         self.weight = make_param((local, in_f), dtype, device, self._load, ids)
         self.bias = make_param((local,), dtype, device, self._load, ids) if bias else None
 
     def _load(self, param: nn.Parameter, src: TensorSource, shard_id=None) -> None:
         local, start, end = self.offsets[shard_id]
+        if param is self.weight and self.take_quantized(src, local, 0, start, end):
+            return
         copy_into(param.data.narrow(0, local, end - start), src.read(0, start, end), src.name)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -167,10 +213,13 @@ class RowParallelLinear(PackedLinear):
         self.comm, self.reduce = comm, reduce
         # Attention's o_proj passes head-aligned ranges; everything else splits evenly.
         self.start, self.end = in_range or split_range(in_f, comm.size, comm.rank)
+        self.out_features = out_f
         self.weight = make_param((out_f, self.end - self.start), dtype, device, self._load_w, [None])
         self.bias = make_param((out_f,), dtype, device, self._load_b, [None]) if bias else None
 
     def _load_w(self, param: nn.Parameter, src: TensorSource, shard_id=None) -> None:
+        if self.take_quantized(src, 0, 1, self.start, self.end):
+            return
         copy_into(param.data, src.read(1, self.start, self.end), src.name)
 
     def _load_b(self, param: nn.Parameter, src: TensorSource, shard_id=None) -> None:

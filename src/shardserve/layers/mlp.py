@@ -7,6 +7,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from shardserve.distributed.communicator import Communicator
+from shardserve.layers import cpu_ops
 from shardserve.layers.linear import RowParallelLinear, merged_column_linear
 
 
@@ -17,5 +18,8 @@ class GatedMLP(nn.Module):
         self.down_proj = RowParallelLinear(intermediate, hidden, False, comm, dtype, device, reduce=reduce)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        gate_up = self.gate_up_proj(x)
+        if (h := cpu_ops.silu_mul(gate_up)) is None:
+            gate, up = gate_up.chunk(2, dim=-1)
+            h = F.silu(gate) * up
+        return self.down_proj(h)

@@ -36,6 +36,8 @@ from shardserve.loader.gguf_names import (
     MOE_ARCHS,
     NORM_TOPK_PROB_BY_ARCH,
 )
+from shardserve.loader.quantized import FORMATS, QuantWeight
+from shardserve.loader.source import LazySource
 
 _LAYER_TENSOR_RE = re.compile(r"blk\.(?P<layer>\d+)\.(?P<stem>\w+)\.(?P<kind>weight|bias)")
 
@@ -251,6 +253,38 @@ def iter_gguf_tensors(path: str) -> Iterator[tuple[str, Callable[[], torch.Tenso
     config = _config_from_reader(reader)
     for tensor in reader.tensors:
         yield from _tensor_entries(tensor, config)
+
+
+def _quantized_loader(tensor: ReaderTensor, config: dict) -> Callable[[], QuantWeight] | None:
+    """The tensor's raw blocks as a QuantWeight [rows, cols] (llama Q/K rows un-permuted, which
+    moves whole rows of blocks), for 2-D weights in a format with a kernel; else None."""
+    match = _LAYER_TENSOR_RE.fullmatch(tensor.name)
+    if int(tensor.tensor_type) not in FORMATS or tensor.data.ndim != 2 or (match and match["kind"] != "weight"):
+        return None
+    if match and match["stem"] not in GGUF_LAYER_TENSOR_TO_HF:
+        return None
+    rope_heads = _llama_rope_heads(config, match["stem"]) if match else None
+    cols = int(tensor.shape[0])  # GGUF lists dims innermost first
+
+    def load() -> QuantWeight:
+        data = torch.from_numpy(np.array(tensor.data, copy=True))
+        if rope_heads is not None:
+            data = _unpermute_llama_rope_rows(data, rope_heads)
+        return QuantWeight(int(tensor.tensor_type), data, cols)
+
+    return load
+
+
+def gguf_sources(path: str, keep_quantized: bool) -> list[LazySource]:
+    """The file's tensors as lazy sources (names and loaders only, no data yet). With
+    `keep_quantized`, a weight in a format with a kernel is also offered in its blocks."""
+    reader = _open_reader(path)
+    config = _config_from_reader(reader)
+    out = []
+    for tensor in reader.tensors:
+        quantized = _quantized_loader(tensor, config) if keep_quantized else None
+        out.extend(LazySource(name, load, quantized) for name, load in _tensor_entries(tensor, config))
+    return out
 
 
 # ----------------------------------------------------------------------------- tokenizer

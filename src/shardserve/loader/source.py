@@ -12,6 +12,8 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     import torch
 
+    from shardserve.loader.quantized import QuantWeight
+
 
 class TensorSource:
     """Base: a named tensor with a shape that can be read whole or as one slice along a dim."""
@@ -24,6 +26,11 @@ class TensorSource:
 
     def read(self, dim: int | None = None, start: int = 0, end: int | None = None) -> torch.Tensor:
         raise NotImplementedError
+
+    def read_quantized(self, dim: int | None = None, start: int = 0, end: int | None = None) -> QuantWeight | None:
+        """The same slice in a block-quantized format, where this source keeps one and the cut
+        falls on block boundaries; None means: read floats."""
+        return None
 
 
 class SliceSource(TensorSource):
@@ -45,10 +52,14 @@ class SliceSource(TensorSource):
 
 
 class LazySource(TensorSource):
-    """A tensor produced by a function (e.g. a GGUF dequantisation), computed once, then sliced."""
+    """A tensor produced by a function (e.g. a GGUF dequantisation), computed once, then sliced.
+    `quantized`, where given, yields the tensor still in its block format (or None); a layer
+    that takes that form never triggers the float one."""
 
-    def __init__(self, name: str, load: Callable[[], torch.Tensor]):
+    def __init__(self, name: str, load: Callable[[], torch.Tensor],
+                 quantized: Callable[[], QuantWeight | None] | None = None):
         self.name, self._load, self._t = name, load, None
+        self._quantized, self._q = quantized, None
 
     def _tensor(self) -> torch.Tensor:
         if self._t is None:
@@ -62,3 +73,13 @@ class LazySource(TensorSource):
     def read(self, dim: int | None = None, start: int = 0, end: int | None = None) -> torch.Tensor:
         t = self._tensor()
         return t if dim is None else t.narrow(dim, start, (end or t.shape[dim]) - start)
+
+    def read_quantized(self, dim: int | None = None, start: int = 0, end: int | None = None) -> QuantWeight | None:
+        if self._quantized is None:
+            return None
+        if self._q is None:
+            self._q = self._quantized()
+            if self._q is None:
+                self._quantized = None
+                return None
+        return self._q.narrow(dim, start, end)

@@ -9,7 +9,7 @@ from tqdm import tqdm
 
 from shardserve.config import ModelConfig
 from shardserve.loader.model_path import Checkpoint
-from shardserve.loader.source import LazySource, TensorSource
+from shardserve.loader.source import TensorSource
 
 if TYPE_CHECKING:
     from torch import nn
@@ -23,16 +23,23 @@ def read_model_config(ckpt: Checkpoint) -> ModelConfig:
     return ModelConfig.from_dir(ckpt.path)
 
 
-def checkpoint_sources(ckpt: Checkpoint) -> tuple[Iterable[TensorSource], int]:
-    """The checkpoint's tensors as lazy sources, and how many there are (for the progress bar)."""
+def checkpoint_sources(ckpt: Checkpoint, quantization: str = "none") -> tuple[Iterable[TensorSource], int]:
+    """The checkpoint's tensors as lazy sources, and how many there are (for the progress bar).
+    `quantization` (see QUANTIZATION_MODES, already checked against the checkpoint): "auto"
+    offers a GGUF's blocks as they are, "int8" offers float weights quantized to Q8_0."""
     if ckpt.is_gguf:
-        from shardserve.loader.gguf_loader import iter_gguf_tensors
+        from shardserve.loader.gguf_loader import gguf_sources
 
-        entries = list(iter_gguf_tensors(ckpt.path))  # names and loaders only; no data yet
-        return (LazySource(name, fn) for name, fn in entries), len(entries)
+        sources = gguf_sources(ckpt.path, keep_quantized=quantization == "auto")
+        return sources, len(sources)
     from shardserve.loader.safetensors_loader import count_tensors, iter_safetensors
 
-    return iter_safetensors(ckpt.path), count_tensors(ckpt.path)
+    sources = iter_safetensors(ckpt.path)
+    if quantization == "int8":
+        from shardserve.loader.quantized import Int8Source
+
+        sources = (Int8Source(src) for src in sources)
+    return sources, count_tensors(ckpt.path)
 
 
 def load_weights(model: nn.Module, sources: Iterable[TensorSource], total: int | None = None,

@@ -16,6 +16,7 @@ from shardserve.distributed.communicator import Communicator
 from shardserve.distributed.expert_placement import PlacementPlan
 from shardserve.distributed.pipeline import Stage
 from shardserve.layers.attention import ForwardContext, SelfAttention
+from shardserve.layers.decode_loop import DecodeLoop
 from shardserve.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from shardserve.layers.mlp import GatedMLP
 from shardserve.layers.moe import EXPERT_PIECES
@@ -31,6 +32,9 @@ FUSED = {
     "up_proj": ("gate_up_proj", 1),
 }
 _EXPERT = re.compile(r"^(.*\.mlp)\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
+
+
+_UNBUILT = object()
 
 
 class DecoderLayer(nn.Module):
@@ -76,6 +80,7 @@ class CausalLM(nn.Module):
             for i in range(cfg.num_layers)
         )
         self.norm = self.lm_head = None
+        self._loop: DecodeLoop | None | object = _UNBUILT
         if stage.last:
             self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
             # A tied head on a stage without the embedding loads the embedding matrix itself.
@@ -90,11 +95,22 @@ class CausalLM(nn.Module):
         """The final-normed hidden states on the last stage, the residual stream elsewhere."""
         x = self.embed_tokens(input_ids) if self.stage.first else hidden
         ctx.rope = self.rotary.cos_sin(positions)
+        loop = self._decode_loop()
+        if loop is not None and loop.applies(x, ctx):
+            x = loop.run(x, ctx)
+            return self.norm(x) if self.stage.last else x
         for i in range(self.stage.start, self.stage.end):
             x = self.layers[i](positions, x, ctx)
             if ctx.after_layer is not None:
                 ctx.after_layer(i)
         return self.norm(x) if self.stage.last else x
+
+    def _decode_loop(self) -> DecodeLoop | None:
+        """The C loop over this stage's layers for small decode steps, built on first use (after
+        loading: it needs the quantized weights); None where it does not apply."""
+        if self._loop is _UNBUILT:
+            self._loop = DecodeLoop.build([self.layers[i] for i in range(self.stage.start, self.stage.end)])
+        return self._loop
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden)

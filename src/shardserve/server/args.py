@@ -11,7 +11,7 @@ import dataclasses
 import math
 import sys
 
-from shardserve.config import ATTENTION_BACKENDS, DTYPES, EngineConfig
+from shardserve.config import ATTENTION_BACKENDS, DTYPES, QUANTIZATION_MODES, EngineConfig
 from shardserve.distributed.layout import Layout
 from shardserve.router.policy import POLICIES
 
@@ -167,6 +167,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--attention-backend", choices=ATTENTION_BACKENDS, default="auto",
                    help="decode attention: cpu = C kernel over the pages (CPU float32), torch = gather + SDPA, "
                         "auto = cpu where it applies")
+    g.add_argument("--quantization", "-q", choices=QUANTIZATION_MODES, default="auto",
+                   help="weights: auto = a GGUF keeps its block formats (CPU float32 kernels; floats elsewhere), "
+                        "none = expand to --dtype, int8 = quantize a safetensors checkpoint's linear weights at load")
     g.add_argument("--generation-config", default="auto",
                    help="default sampling settings for requests that leave them out: 'auto' reads the model's "
                         "(generation_config.json, or a GGUF's general.sampling.*), 'none' keeps the built-in "
@@ -180,7 +183,7 @@ def engine_config(args: argparse.Namespace, **overrides) -> EngineConfig:
         max_num_batched_tokens=args.max_num_batched_tokens, max_running_requests=args.max_running_requests,
         max_model_len=args.max_model_len, enable_prefix_cache=not args.no_prefix_cache, seed=args.seed,
         dist_timeout=args.dist_timeout,
-        attention_backend=args.attention_backend,
+        attention_backend=args.attention_backend, quantization=args.quantization,
         pp_layer_partition=args.pp_layer_partition, pp_micro_batches=args.pp_micro_batches,
         ep_num_redundant_experts=args.ep_num_redundant_experts, ep_expert_placement=args.ep_expert_placement,
     )

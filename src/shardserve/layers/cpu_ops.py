@@ -1,0 +1,75 @@
+"""The fused small operators (csrc/cpu_ops.c): RMSNorm, rotary, gated SiLU in one call each.
+
+Each function answers None where it does not apply (not a CPU float32 tensor with unit inner
+stride, or no compiler here), and the caller runs its torch formula instead; the two agree to
+float32 rounding (tests/unit/test_quantized.py checks it).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import logging
+from pathlib import Path
+
+import torch
+
+from shardserve.native import KernelUnavailable, load_library
+
+log = logging.getLogger(__name__)
+SOURCE = Path(__file__).with_name("csrc") / "decode_loop.c"  # includes cpu_ops.c
+
+
+@functools.cache
+def _lib() -> ctypes.CDLL | None:
+    try:
+        lib = load_library(SOURCE)
+    except KernelUnavailable as e:
+        log.warning("fused CPU operators unavailable, torch's run instead: %s", e)
+        return None
+    i64, ptr, c_int, c_float = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int, ctypes.c_float
+    lib.rms_norm_f32.argtypes = [ptr, i64, i64, i64, ptr, c_float, ptr, i64, c_int]
+    lib.rotary_f32.argtypes = [ptr, i64, i64, ptr, i64, i64, i64, i64, ptr, ptr, c_int]
+    lib.silu_mul_f32.argtypes = [ptr, i64, i64, i64, ptr, c_int]
+    return lib
+
+
+def _fits(*ts: torch.Tensor) -> bool:
+    return all(t.device.type == "cpu" and t.dtype == torch.float32 and t.stride(-1) == 1 for t in ts)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor | None:
+    """weight * x / sqrt(mean(x^2) + eps) over the last dim, or None (use torch)."""
+    if not _fits(x, weight) or (lib := _lib()) is None:
+        return None
+    x2 = x.reshape(-1, x.shape[-1])
+    if x2.stride(-1) != 1:
+        return None
+    out = torch.empty(x2.shape, dtype=torch.float32)
+    lib.rms_norm_f32(x2.data_ptr(), x2.shape[0], x2.stride(0), x2.shape[1], weight.data_ptr(), eps, out.data_ptr(),
+                     out.stride(0), torch.get_num_threads())
+    return out.view(x.shape)
+
+
+def rotary_(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> bool:
+    """Rotate q [T, Hq, d] and k [T, Hk, d] in place (heads packed in each row); False where the
+    kernel does not apply and nothing was done."""
+    if not _fits(q, k, cos, sin) or (lib := _lib()) is None:
+        return False
+    t, hq, d = q.shape
+    if q.stride(1) != d or k.stride(1) != d or not cos.is_contiguous() or not sin.is_contiguous():
+        return False
+    lib.rotary_f32(q.data_ptr(), q.stride(0), hq, k.data_ptr(), k.stride(0), k.shape[1], t, d, cos.data_ptr(),
+                   sin.data_ptr(), torch.get_num_threads())
+    return True
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor | None:
+    """silu(gate) * up where gate_up [.., 2I] holds gate then up; or None (use torch)."""
+    if not _fits(gate_up) or (lib := _lib()) is None:
+        return None
+    g2 = gate_up.reshape(-1, gate_up.shape[-1])
+    inter = g2.shape[1] // 2
+    out = torch.empty(g2.shape[0], inter, dtype=torch.float32)
+    lib.silu_mul_f32(g2.data_ptr(), g2.shape[0], g2.stride(0), inter, out.data_ptr(), torch.get_num_threads())
+    return out.view(*gate_up.shape[:-1], inter)

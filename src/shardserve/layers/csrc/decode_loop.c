@@ -1,0 +1,178 @@
+/* A decode step's decoder layers in one call, for the CPU: the library the layers load.
+ *
+ * This file is the one compiled unit: it includes the block-quantized products
+ * (quant_matmul.c) and the fused small operators (cpu_ops.c), and adds `decode_layers`, which
+ * runs every layer of a dense llama-family stack for a few decode rows without returning to
+ * Python. In a one-row step the layers' arithmetic is a few milliseconds; from Python the same
+ * step is ~15 operator calls per layer, each costing more than its arithmetic. The decode
+ * attention kernel lives in another library (attention/csrc/paged_decode.c) and is passed in as
+ * a function pointer.
+ *
+ * Per layer, x being the residual stream [m, hidden]:
+ *   h = rms_norm(x); qkv = h W_qkv^T (+ bias); [q_norm, k_norm per head]; rotary on q and k;
+ *   k, v -> the cache at this row's slot; a = attention(q, cache); x += a W_o^T;
+ *   h = rms_norm(x); x += (silu(h W_gate^T) * (h W_up^T)) W_down^T.
+ * The same formulas as the torch modules in layers/, so outputs agree to float rounding (the
+ * products to the 16-bit activations of quant_matmul.c).
+ */
+#include "quant_matmul.c"
+#include "cpu_ops.c"
+
+typedef struct {
+    int64_t type, rows, row_bytes;
+    const uint8_t *data;
+} Seg; /* rows of a weight in one block format */
+
+typedef struct {
+    int64_t nseg;
+    Seg seg[3];
+} Mat; /* a weight as up to 3 row segments (a fused q/k/v may mix formats) */
+
+typedef struct {
+    const float *ln1, *ln2, *qkv_bias, *q_norm, *k_norm; /* the last three may be NULL */
+    Mat qkv, o, gate_up, down;
+    float *k_cache, *v_cache; /* [slots, hkv, d] */
+} Layer;
+
+typedef struct {
+    int64_t hidden, hq, hkv, d, inter;
+    float eps, scale;
+    const int64_t *kv_of_q;
+} Dims;
+
+typedef int (*attn_fn)(const float *q, int64_t q_stride, const float *k_cache, const float *v_cache,
+                       const int64_t *block_tables, int64_t max_pages, const int64_t *context_lens,
+                       const int64_t *kv_of_q, float *out, float *lse, int64_t B, int64_t H, int64_t Hkv, int64_t D,
+                       int64_t page_size, float scale, int num_threads);
+
+/* This thread's share of y = x W^T (rows split evenly over the region's threads). */
+static void mat_rows(const Mat *w, const Acts *a, int64_t m, float *y, int64_t ldy, int tid, int nth) {
+    int64_t off = 0;
+    for (int64_t s = 0; s < w->nseg; s++) {
+        const Seg *g = &w->seg[s];
+        qmatmul_rows((int)g->type, g->data, g->row_bytes, g->rows * tid / nth, g->rows * (tid + 1) / nth, a, NULL, 0, m,
+                     y + off, ldy, NULL);
+        off += g->rows;
+    }
+}
+
+static int mat_fits(const Mat *w, int64_t k) {
+    for (int64_t s = 0; s < w->nseg; s++)
+        if (!fits((int)w->seg[s].type, k)) return 0;
+    return 1;
+}
+
+/* This thread's share of the attention: whole rows when there are several, else query heads
+ * (the kernel threads over rows; one decode row would leave the other threads idle). */
+static int attend(const Layer *L, const Dims *dm, const float *qkv, int64_t nqkv, float *att, int64_t m,
+                  const int64_t *block_tables, int64_t max_pages, const int64_t *context_lens, int64_t page_size,
+                  attn_fn attn, int tid, int nth) {
+    int64_t d = dm->d, nq = dm->hq * d;
+    if (m > 1) {
+        int64_t i0 = m * tid / nth, i1 = m * (tid + 1) / nth;
+        if (i1 == i0) return 0;
+        return attn(qkv + i0 * nqkv, nqkv, L->k_cache, L->v_cache, block_tables + i0 * max_pages, max_pages,
+                    context_lens + i0, dm->kv_of_q, att + i0 * nq, NULL, i1 - i0, dm->hq, dm->hkv, d, page_size,
+                    dm->scale, 1);
+    }
+    int64_t h0 = dm->hq * tid / nth, h1 = dm->hq * (tid + 1) / nth;
+    if (h1 == h0) return 0;
+    return attn(qkv + h0 * d, nqkv, L->k_cache, L->v_cache, block_tables, max_pages, context_lens, dm->kv_of_q + h0,
+                att + h0 * d, NULL, 1, h1 - h0, dm->hkv, d, page_size, dm->scale, 1);
+}
+
+/* x [m, hidden] in/out. cos, sin [m, d/2]; slots [m] (each row's new cache slot); block_tables
+ * [m, max_pages] and context_lens [m] as the attention kernel takes them. Returns 0, 1 for a
+ * weight the kernels do not take (checked before anything runs), 2 when out of memory.
+ *
+ * One parallel region covers the whole stack: the products split their rows over the threads,
+ * the small steps run on one thread, and barriers (not a fork and join per operator) separate
+ * them. Each thread calls the attention kernel for its share (`attend`). */
+int decode_layers(const Layer *layers, int64_t nlayers, const Dims *dm, float *x, int64_t m, const float *cos,
+                  const float *sin, const int64_t *slots, const int64_t *block_tables, int64_t max_pages,
+                  const int64_t *context_lens, int64_t page_size, attn_fn attn, int nthreads) {
+#ifndef __AVX2__
+    return 1; /* the plain path has no row-range worker on quantized activations */
+#endif
+    int64_t H = dm->hidden, d = dm->d, nq = dm->hq * d, nkv = dm->hkv * d, nqkv = nq + 2 * nkv, I = dm->inter;
+    for (int64_t l = 0; l < nlayers; l++) {
+        const Layer *L = &layers[l];
+        if (!mat_fits(&L->qkv, H) || !mat_fits(&L->o, nq) || !mat_fits(&L->gate_up, H) || !mat_fits(&L->down, I))
+            return 1;
+    }
+    int64_t kmax = H > nq ? H : nq;
+    kmax = kmax > I ? kmax : I;
+    float *buf = malloc(sizeof(float) * (size_t)(m * (H + nqkv + nq + 3 * I + H)));
+    Acts a;
+    int ok = acts_alloc(&a, m, kmax);
+    if (!buf || !ok) { free(buf); acts_free(&a); return 2; }
+    float *h = buf, *qkv = h + m * H, *att = qkv + m * nqkv, *gu = att + m * nq, *act = gu + m * 2 * I,
+          *t = act + m * I;
+    int rc = 0;
+#pragma omp parallel num_threads(nthreads)
+    {
+        int tid = omp_get_thread_num(), nth = omp_get_num_threads();
+        for (int64_t l = 0; l < nlayers; l++) {
+            const Layer *L = &layers[l];
+#pragma omp single
+            {
+                rms_norm_f32(x, m, H, H, L->ln1, dm->eps, h, H, 1);
+                a.k = H;
+                quantize_rows(h, m, H, H, &a);
+            }
+            mat_rows(&L->qkv, &a, m, qkv, nqkv, tid, nth);
+#pragma omp barrier
+#pragma omp single
+            {
+                for (int64_t i = 0; i < m; i++) {
+                    float *row = qkv + i * nqkv;
+                    if (L->qkv_bias)
+                        for (int64_t e = 0; e < nqkv; e++) row[e] += L->qkv_bias[e];
+                    if (L->q_norm) {
+                        rms_norm_f32(row, dm->hq, d, d, L->q_norm, dm->eps, row, d, 1);
+                        rms_norm_f32(row + nq, dm->hkv, d, d, L->k_norm, dm->eps, row + nq, d, 1);
+                    }
+                }
+                rotary_f32(qkv, nqkv, dm->hq, qkv + nq, nqkv, dm->hkv, m, d, cos, sin, 1);
+                for (int64_t i = 0; i < m; i++) {
+                    memcpy(L->k_cache + slots[i] * nkv, qkv + i * nqkv + nq, sizeof(float) * (size_t)nkv);
+                    memcpy(L->v_cache + slots[i] * nkv, qkv + i * nqkv + nq + nkv, sizeof(float) * (size_t)nkv);
+                }
+            }
+            if (attend(L, dm, qkv, nqkv, att, m, block_tables, max_pages, context_lens, page_size, attn, tid, nth)) {
+#pragma omp atomic write
+                rc = 2;
+            }
+#pragma omp barrier
+#pragma omp single
+            {
+                a.k = nq;
+                quantize_rows(att, m, nq, nq, &a);
+            }
+            mat_rows(&L->o, &a, m, t, H, tid, nth);
+#pragma omp barrier
+#pragma omp single
+            {
+                for (int64_t e = 0; e < m * H; e++) x[e] += t[e];
+                rms_norm_f32(x, m, H, H, L->ln2, dm->eps, h, H, 1);
+                a.k = H;
+                quantize_rows(h, m, H, H, &a);
+            }
+            mat_rows(&L->gate_up, &a, m, gu, 2 * I, tid, nth);
+#pragma omp barrier
+#pragma omp single
+            {
+                silu_mul_f32(gu, m, 2 * I, I, act, 1);
+                a.k = I;
+                quantize_rows(act, m, I, I, &a);
+            }
+            mat_rows(&L->down, &a, m, t, H, tid, nth);
+#pragma omp barrier
+#pragma omp single
+            for (int64_t e = 0; e < m * H; e++) x[e] += t[e];
+        }
+    }
+    free(buf);
+    acts_free(&a);
+    return rc;
+}

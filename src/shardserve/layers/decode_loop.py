@@ -1,0 +1,131 @@
+"""A decode step's decoder layers in one C call (csrc/decode_loop.c), where they fit it.
+
+It applies to a dense llama-family stack (llama, qwen2, qwen3) on the CPU in float32 with every
+linear weight block-quantized (a GGUF under --quantization auto, or int8), run by one tensor
+rank, and to steps made only of a few decode rows (up to KERNEL_MAX_ROWS) attended by the CPU
+paged kernel. Anything else runs the modules one by one, with the same arithmetic.
+
+The weights' and caches' addresses are gathered once (the tensors never move after loading);
+each step passes only the rows, positions and pages.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from collections.abc import Sequence
+
+import torch
+
+from shardserve.attention import cpu_kernel
+from shardserve.attention.metadata import AttentionMetadata
+from shardserve.layers import quant_kernel
+from shardserve.layers.attention import ForwardContext, SelfAttention
+from shardserve.layers.linear import PackedLinear
+from shardserve.layers.mlp import GatedMLP
+from shardserve.native import KernelUnavailable
+
+i64, ptr = ctypes.c_int64, ctypes.c_void_p
+
+
+class Seg(ctypes.Structure):
+    _fields_ = [("type", i64), ("rows", i64), ("row_bytes", i64), ("data", ptr)]
+
+
+class Mat(ctypes.Structure):
+    _fields_ = [("nseg", i64), ("seg", Seg * 3)]
+
+
+class Layer(ctypes.Structure):
+    _fields_ = [("ln1", ptr), ("ln2", ptr), ("qkv_bias", ptr), ("q_norm", ptr), ("k_norm", ptr),
+                ("qkv", Mat), ("o", Mat), ("gate_up", Mat), ("down", Mat), ("k_cache", ptr), ("v_cache", ptr)]
+
+
+class Dims(ctypes.Structure):
+    _fields_ = [("hidden", i64), ("hq", i64), ("hkv", i64), ("d", i64), ("inter", i64), ("eps", ctypes.c_float),
+                ("scale", ctypes.c_float), ("kv_of_q", ptr)]
+
+
+def _mat(linear: PackedLinear) -> Mat:
+    segs = linear.quant
+    m = Mat(nseg=len(segs))
+    for i, (_, q) in enumerate(segs):
+        m.seg[i] = Seg(q.qtype, q.rows, q.data.stride(0), q.data.data_ptr())
+    return m
+
+
+def _fits(layer: torch.nn.Module) -> bool:
+    attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
+    if not isinstance(attn, SelfAttention) or type(mlp) is not GatedMLP:
+        return False
+    linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
+    return (all(lin.quant is not None and len(lin.quant) <= 3 for lin in linears)
+            and attn.o_proj.bias is None and attn.o_proj.comm.size == 1 and mlp.down_proj.reduce
+            and layer.input_layernorm.weight.dtype == torch.float32
+            and layer.input_layernorm.weight.device.type == "cpu")
+
+
+class DecodeLoop:
+    """The C layer loop over a stage's layers; `build` answers None where it does not apply."""
+
+    def __init__(self, layers: Sequence[torch.nn.Module], lib: ctypes.CDLL, attn_fn: int):
+        first = layers[0].self_attn
+        self.layers, self.lib, self.attn_fn = list(layers), lib, attn_fn
+        self.kv_index = first.backend.kv_index
+        mlp = layers[0].mlp
+        self.dims = Dims(hidden=first.o_proj.out_features, hq=first.hq, hkv=first.hkv, d=first.d,
+                         inter=mlp.down_proj.end - mlp.down_proj.start, eps=layers[0].input_layernorm.eps,
+                         scale=first.backend.scale, kv_of_q=self.kv_index.data_ptr())
+        self._table: ctypes.Array | None = None
+        self._caches: tuple[int, ...] = ()
+
+    @classmethod
+    def build(cls, layers: Sequence[torch.nn.Module]) -> DecodeLoop | None:
+        if not layers or not all(_fits(layer) for layer in layers):
+            return None
+        try:
+            lib = quant_kernel.load()
+            attn_fn = ctypes.cast(cpu_kernel.load().paged_decode_f32, ctypes.c_void_p).value
+        except KernelUnavailable:
+            return None
+        lib.decode_layers.argtypes = [ptr, i64, ptr, ptr, i64, ptr, ptr, ptr, ptr, i64, ptr, i64, ptr, ctypes.c_int]
+        lib.decode_layers.restype = ctypes.c_int
+        return cls(layers, lib, attn_fn)
+
+    def applies(self, x: torch.Tensor, ctx: ForwardContext) -> bool:
+        meta = ctx.attn
+        return (isinstance(meta, AttentionMetadata) and meta.paged is not None and not meta.prefills
+                and not meta.decode_groups and meta.num_decode == x.shape[0] <= quant_kernel.KERNEL_MAX_ROWS
+                and ctx.after_layer is None and x.dtype == torch.float32)
+
+    def _layer_table(self, ctx: ForwardContext) -> ctypes.Array:
+        caches = tuple(ctx.kv_caches[layer.self_attn.layer_idx][0].data_ptr() for layer in self.layers[:1])
+        if self._table is None or caches != self._caches:
+            table = (Layer * len(self.layers))()
+            for i, layer in enumerate(self.layers):
+                attn, mlp = layer.self_attn, layer.mlp
+                k_cache, v_cache = ctx.kv_caches[attn.layer_idx]
+                table[i] = Layer(
+                    ln1=layer.input_layernorm.weight.data_ptr(), ln2=layer.post_attention_layernorm.weight.data_ptr(),
+                    qkv_bias=attn.qkv_proj.bias.data_ptr() if attn.qkv_proj.bias is not None else None,
+                    q_norm=attn.q_norm.weight.data_ptr() if attn.q_norm is not None else None,
+                    k_norm=attn.k_norm.weight.data_ptr() if attn.k_norm is not None else None,
+                    qkv=_mat(attn.qkv_proj), o=_mat(attn.o_proj), gate_up=_mat(mlp.gate_up_proj),
+                    down=_mat(mlp.down_proj), k_cache=k_cache.data_ptr(), v_cache=v_cache.data_ptr())
+            self._table, self._caches = table, caches
+        return self._table
+
+    def run(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        """The residual stream after every layer, for this step's decode rows."""
+        meta, (cos, sin) = ctx.attn, ctx.rope
+        x = x.contiguous().clone()
+        cos, sin = cos.contiguous(), sin.contiguous()
+        tables, lens, slots = meta.paged.block_tables, meta.paged.context_lens, meta.slot_mapping
+        rc = self.lib.decode_layers(
+            ctypes.addressof(self._layer_table(ctx)), len(self.layers), ctypes.addressof(self.dims), x.data_ptr(),
+            x.shape[0], cos.data_ptr(), sin.data_ptr(), slots.data_ptr(), tables.data_ptr(), tables.shape[1],
+            lens.data_ptr(), meta.page_size, self.attn_fn, torch.get_num_threads())
+        if rc == 1:
+            raise ValueError("decode_layers: a weight's block format or shape is not supported")
+        if rc:
+            raise MemoryError("decode_layers: out of memory for the step's scratch buffers")
+        return x

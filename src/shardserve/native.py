@@ -1,0 +1,103 @@
+"""Build and load the project's C kernels: compiled once per machine, loaded with ctypes.
+
+Each kernel is one C file (which may include its neighbours) compiled with the system C
+compiler on first use (a few seconds) into a cache keyed by the sources, the build commands,
+the compiler and the CPU (it is compiled with -march=native, so a cache copied to another CPU
+is rebuilt, not crashed). The kernels include no torch headers; they link torch's bundled
+OpenMP runtime so their threads are torch's. Where no compiler works, `load_library` raises
+KernelUnavailable saying why, and the caller keeps its torch path.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import glob
+import hashlib
+import logging
+import os
+import shlex
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC", "-std=c11"]
+
+
+class KernelUnavailable(RuntimeError):
+    """A kernel could not be built or loaded here; the message says why."""
+
+
+def _cpu_signature() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((line for line in f if line.startswith("flags")), "")
+    except OSError:
+        return ""
+
+
+def _cache_dir() -> Path:
+    root = os.environ.get("SHARDSERVE_CACHE") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "shardserve")
+    return Path(root) / "kernels"
+
+
+def _torch_openmp() -> str | None:
+    """torch's own OpenMP runtime, where the wheel bundles one. Linking a kernel against that
+    file makes it share torch's thread pool; a second runtime would spin beside the first."""
+    import torch
+
+    libs = sorted(glob.glob(os.path.join(os.path.dirname(torch.__file__), "lib", "libgomp*.so*")))
+    return libs[0] if libs else None
+
+
+def _commands(cc: list[str], source: Path, obj: str, out: str) -> list[list[str]]:
+    omp = _torch_openmp()
+    link = [omp, f"-Wl,-rpath,{os.path.dirname(omp)}"] if omp else ["-fopenmp"]
+    return [[*cc, *FLAGS, "-c", str(source), "-o", obj], [*cc, "-shared", obj, *link, "-lm", "-o", out]]
+
+
+def compile_library(cc: list[str], source: Path, out: Path) -> None:
+    out.parent.mkdir(parents=True, exist_ok=True)
+    # Several ranks may build at once: each writes its own files, the rename is atomic.
+    with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
+        obj, lib = os.path.join(tmp, "k.o"), os.path.join(tmp, "k.so")
+        for cmd in _commands(cc, source, obj, lib):
+            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+            if proc.returncode != 0:
+                raise KernelUnavailable(f"{cc[0]} failed on {source.name}: {proc.stderr.strip()[-500:]}")
+        os.replace(lib, out)
+
+
+@functools.cache
+def load_library(source: Path) -> ctypes.CDLL:
+    """The compiled library of one C file (built on first use); raises KernelUnavailable."""
+    return load_uncached(source)
+
+
+def load_uncached(source: Path) -> ctypes.CDLL:
+    cc = shlex.split(os.environ.get("CC", "")) or [shutil.which("cc") or shutil.which("gcc") or ""]
+    if not cc[0]:
+        raise KernelUnavailable("no C compiler (cc/gcc) on PATH")
+    try:
+        version = subprocess.run([*cc, "--version"], capture_output=True, text=True, timeout=30).stdout
+        # A source may #include its neighbours: every C file beside it is part of the key.
+        texts = [f.read_text() for f in sorted(source.parent.glob("*.[ch]"))]
+        parts = [source.name, *texts, repr(_commands(cc, source, "", "")), version, _cpu_signature()]
+    except (OSError, subprocess.SubprocessError) as e:
+        raise KernelUnavailable(f"cannot run the C compiler {cc[0]!r}: {e}") from e
+    digest = hashlib.sha256(chr(0).join(parts).encode()).hexdigest()[:16]
+    path = _cache_dir() / f"{source.stem}-{digest}.so"
+    if not path.exists():
+        log.info("building the C kernel %s into %s", source.name, path)
+        try:
+            compile_library(cc, source, path)
+        except (OSError, subprocess.SubprocessError) as e:
+            raise KernelUnavailable(f"cannot build {source.name}: {e}") from e
+    try:
+        return ctypes.CDLL(str(path))
+    except OSError as e:
+        raise KernelUnavailable(f"cannot load {path}: {e}") from e
