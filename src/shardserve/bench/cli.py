@@ -20,8 +20,11 @@ def add_bench_args(bench: argparse.ArgumentParser) -> None:
     off.add_argument("--min-output", type=positive_int, default=16)
     off.add_argument("--max-output", type=positive_int, default=256)
     off.add_argument("--workload-seed", type=seed_int, default=0)
-    off.add_argument("--compare", choices=["transformers"], default=None,
-                     help="also run this peer on the same requests and print the ratio")
+    off.add_argument("--compare", choices=["transformers", "llama.cpp"], default=None,
+                     help="transformers: also run it on the same requests and print the ratio; llama.cpp: one "
+                          "stream's prompt and decode tokens/s against llama-bench on the same GGUF")
+    off.add_argument("--llama-bench", default=None,
+                     help="the llama-bench executable for --compare llama.cpp (default: $LLAMA_BENCH, then PATH)")
     off.add_argument("--hf-batch-size", type=positive_int, default=16,
                      help="static batch size for the transformers peer")
     off.add_argument("--batch1-tokens", type=non_negative_int, default=64,

@@ -201,7 +201,7 @@ def run_offline(args: argparse.Namespace) -> int:
     vocab = llm.limits.vocab_size
     low = min(100, vocab // 2)
     wl = make_workload(args, vocab)
-    hf = load_transformers(args, pick_device(args.device)) if args.compare else None
+    hf = load_transformers(args, pick_device(args.device)) if args.compare == "transformers" else None
     warm_up(llm, hf, low)
     result: dict = {"ours": None, "transformers": None, "ratio_output_tps": None, "batch1": None,
                     "torch_threads": torch.get_num_threads(),
@@ -221,6 +221,10 @@ def run_offline(args: argparse.Namespace) -> int:
         print(f"greedy tokens equal to transformers' (first {NUM_CHECKED} requests): {m['equal']}/{m['compared']}")
     if args.batch1_tokens:
         result["batch1"] = run_batch1(args, llm, hf, low)
+    if args.compare == "llama.cpp":
+        from shardserve.bench.llamacpp import run_llamacpp_compare
+
+        result["llama_cpp"] = run_llamacpp_compare(args, llm, low)
     if args.json_schema:
         result["json_schema"] = run_json_schema(args, llm, wl, low, result)
     print(json.dumps(result))

@@ -159,7 +159,7 @@ typedef struct {
     float s_lo, s_hi, min;
 } Block;
 
-static inline Block block16(const int type, const uint8_t *row, int64_t b) {
+static inline __attribute__((always_inline)) Block block16(const int type, const uint8_t *row, int64_t b) {
     Block k;
     const __m128i m4 = _mm_set1_epi8(0x0F);
     if (type == Q4_0 || type == Q4_1) {
@@ -288,12 +288,22 @@ static void qmatmul_rows(int type, const uint8_t *w, int64_t row_bytes, int64_t 
         for (int64_t i = 0; i < m; i += ROWS) {
             int nr = m - i < ROWS ? (int)(m - i) : ROWS;
             float out[ROWS];
-            switch (type) {
-            case Q4_0: row_times(Q4_0, wr, a, i, nr, out); break;
-            case Q4_1: row_times(Q4_1, wr, a, i, nr, out); break;
-            case Q8_0: row_times(Q8_0, wr, a, i, nr, out); break;
-            case Q4_K: row_times(Q4_K, wr, a, i, nr, out); break;
-            default: row_times(Q6_K, wr, a, i, nr, out); break;
+            if (nr == ROWS) { /* a constant row count: the compiler unrolls and keeps acc in registers */
+                switch (type) {
+                case Q4_0: row_times(Q4_0, wr, a, i, ROWS, out); break;
+                case Q4_1: row_times(Q4_1, wr, a, i, ROWS, out); break;
+                case Q8_0: row_times(Q8_0, wr, a, i, ROWS, out); break;
+                case Q4_K: row_times(Q4_K, wr, a, i, ROWS, out); break;
+                default: row_times(Q6_K, wr, a, i, ROWS, out); break;
+                }
+            } else {
+                switch (type) {
+                case Q4_0: row_times(Q4_0, wr, a, i, nr, out); break;
+                case Q4_1: row_times(Q4_1, wr, a, i, nr, out); break;
+                case Q8_0: row_times(Q8_0, wr, a, i, nr, out); break;
+                case Q4_K: row_times(Q4_K, wr, a, i, nr, out); break;
+                default: row_times(Q6_K, wr, a, i, nr, out); break;
+                }
             }
             for (int j = 0; j < nr; j++) y[(i + j) * ldy + r] = out[j];
         }
