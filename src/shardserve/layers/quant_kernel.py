@@ -1,9 +1,10 @@
 """Products against block-quantized weights (csrc/quant_matmul.c), for the CPU.
 
-Up to `KERNEL_MAX_ROWS` activation rows (decode, small batches) run the C kernel, which expands
-each block in registers. Larger batches (prefill, many streams) expand the weight tile by tile
-into a reused buffer and multiply each tile with a float GEMM: at that size the GEMM's reuse of
-each weight across rows wins, and a tile the size of the cache costs no page faults.
+Up to `KERNEL_MAX_ROWS` activation rows (decode, small batches) run the C kernel (16-bit
+activations against the weight's blocks as stored; see the C file's header). More rows (prefill)
+expand the weight tile by tile into a reused buffer and multiply each tile with a float GEMM: at
+that size the GEMM's reuse of each weight across rows wins, and a tile the size of the cache
+costs no page faults.
 """
 
 from __future__ import annotations
