@@ -76,6 +76,14 @@ def smollm2_path() -> str:
 
 
 @pytest.fixture(scope="session")
+def smollm2_hf(smollm2_path) -> torch.nn.Module:
+    """transformers' SmolLM2 loaded from the same GGUF (dequantized to float32): the oracle for
+    the loader's tensors and the engine's tokens. Loaded once; it takes ~20 s."""
+    directory, name = os.path.split(smollm2_path)
+    return AutoModelForCausalLM.from_pretrained(directory, gguf_file=name, dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="session")
 def smollm2_answer(smollm2_path):
     """One process's greedy answer of SmolLM2 to SMOLLM2_QUESTION (16 tokens): what every layout
     must reproduce."""

@@ -31,22 +31,10 @@ def ours(smollm2_path: str) -> dict:
 
 
 @pytest.fixture(scope="module")
-def reference(smollm2_path: str) -> tuple[dict[str, torch.Tensor], set[str]]:
-    """transformers' dequantized GGUF tensors and the HF model's state_dict keys.
-
-    This is the exact code path `AutoModelForCausalLM.from_pretrained(..., gguf_file=...)`
-    runs to fill the model; calling it directly skips building real weights (and the
-    `accelerate` dependency from_pretrained requires for GGUF).
-    """
-    from transformers import AutoConfig, AutoModelForCausalLM
-    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
-
-    directory, name = os.path.split(smollm2_path)
-    config = AutoConfig.from_pretrained(directory, gguf_file=name)
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    tensors = load_gguf_checkpoint(smollm2_path, return_tensors=True, model_to_load=model)["tensors"]
-    return tensors, set(model.state_dict())
+def reference(smollm2_hf: torch.nn.Module) -> tuple[dict[str, torch.Tensor], set[str]]:
+    """transformers' dequantized GGUF tensors (as loaded into its model) and the state_dict keys."""
+    state = smollm2_hf.state_dict()
+    return state, set(state)
 
 
 @pytest.fixture(scope="module")

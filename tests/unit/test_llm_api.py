@@ -9,7 +9,6 @@ so both live in module-scoped fixtures.
 from __future__ import annotations
 
 import dataclasses
-import os
 
 import pytest
 import torch
@@ -27,11 +26,8 @@ def llm(smollm2_path: str) -> LLM:
 
 
 @pytest.fixture(scope="module")
-def hf_model(smollm2_path: str) -> torch.nn.Module:
-    from transformers import AutoModelForCausalLM
-
-    directory, name = os.path.split(smollm2_path)
-    return AutoModelForCausalLM.from_pretrained(directory, gguf_file=name, dtype=torch.float32).eval()
+def hf_model(smollm2_hf: torch.nn.Module) -> torch.nn.Module:
+    return smollm2_hf
 
 
 def gen(llm: LLM, prompts, params: SamplingParams | list[SamplingParams] = GREEDY) -> list[RequestOutput]:

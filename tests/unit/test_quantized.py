@@ -20,8 +20,9 @@ from shardserve.core import SamplingParams
 from shardserve.layers import cpu_ops, quant_kernel
 from shardserve.layers.decode_loop import DecodeLoop
 from shardserve.layers.embedding import VocabParallelEmbedding
-from shardserve.layers.linear import PackedLinear
+from shardserve.layers.linear import PackedLinear, RowParallelLinear
 from shardserve.loader.quantized import FORMATS, QuantWeight, quantize_q8_0
+from shardserve.loader.source import LazySource
 from shardserve.scheduler.engine_core import EngineCore
 
 # The kernels round activations to 16-bit fixed point per block of 32 (see quant_matmul.c):
@@ -53,7 +54,7 @@ def test_kernels_equal_dequantize_then_multiply(qtype):
     rows = torch.tensor([5, 0, 69, 5])
     torch.testing.assert_close(quant_kernel.dequantize(w, rows), ref[rows], rtol=1e-6, atol=1e-7)
     g = torch.Generator().manual_seed(1)
-    # 1 and 5 rows: the one-row and the 4-row paths (and a tail); 21: the tiled float GEMM.
+    # 1 and 5 rows: the one-row and the 4-row 16-bit paths (and a tail); 21: the float GEMM (and tails).
     for m in (1, 5, 21):
         x = torch.randn(m, 512, generator=g) * 3
         y = quant_kernel.linear(x, ((0, w),), 70)
@@ -73,7 +74,7 @@ def test_mixed_formats_in_one_fused_weight():
     bias = torch.randn(off)
     x = torch.randn(3, 256)
     want = x @ torch.cat([q.dequantize() for q in parts]).T + bias
-    for rows in (3, 40):  # kernel and tiled paths
+    for rows in (3, 40):  # 16-bit and float GEMM paths
         xx = x.repeat(rows // 3 + 1, 1)[:rows]
         got = quant_kernel.linear(xx, tuple(segments), off, bias)[:3]
         assert float((got - want).abs().max()) <= KERNEL_RTOL * float(want.abs().max())
@@ -206,14 +207,16 @@ def test_quantized_logits_match_the_expanded_model(tiny_gguf):
         assert float((got - want).abs().max()) <= 1e-3 * float(want.abs().max())
 
 
-def test_decode_loop_equals_the_layer_by_layer_path(tiny_gguf, monkeypatch):
+@pytest.mark.parametrize("streams", [3, 18])  # the 16-bit path; the float GEMM (16 rows and more)
+def test_decode_loop_equals_the_layer_by_layer_path(tiny_gguf, monkeypatch, streams):
+    prompts = [PROMPTS[i % 3][i:] + [i] for i in range(streams)]
     calls = []
     real_run = DecodeLoop.run
     monkeypatch.setattr(DecodeLoop, "run", lambda self, x, ctx: calls.append(x.shape[0]) or real_run(self, x, ctx))
-    tokens, logits, _ = run(tiny_gguf, PROMPTS)
-    assert calls and max(calls) == len(PROMPTS)  # decode steps took the C loop, all rows at once
+    tokens, logits, _ = run(tiny_gguf, prompts)
+    assert calls and max(calls) == streams  # decode steps took the C loop, all rows at once
     monkeypatch.setattr(DecodeLoop, "build", classmethod(lambda cls, layers: None))
-    slow_tokens, slow_logits, _ = run(tiny_gguf, PROMPTS)
+    slow_tokens, slow_logits, _ = run(tiny_gguf, prompts)
     assert tokens == slow_tokens
     for got, want in zip(logits, slow_logits):
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4 * float(want.abs().max()))
@@ -247,3 +250,28 @@ def test_quantization_choices_and_refusals(tiny_gguf, tiny_model, caplog):
     expanded = EngineCore(EngineConfig(model=tiny_gguf, show_progress=False, num_pages=8, quantization="none"))
     emb = expanded.runner.model.embed_tokens
     assert isinstance(emb, VocabParallelEmbedding) and emb.quant is None and emb.weight is not None
+
+
+class _Rank:
+    """The size and rank a row-parallel layer reads at construction (no collective is run)."""
+
+    def __init__(self, size: int, rank: int):
+        self.size, self.rank = size, rank
+
+
+def test_row_parallel_shards_keep_blocks_only_on_block_boundaries():
+    """Columns [32, 64) of a Q4_1 weight stay blocks; [48, 64) (a cut inside a block, as 4 heads
+    of 16 split over 3 ranks) loads as floats; both multiply like the expanded slice."""
+    w = random_weight(3, 8, 64)
+    ref = w.dequantize()
+    x = torch.randn(2, 64)
+    for in_range, kept in (((32, 64), True), ((48, 64), False)):
+        layer = RowParallelLinear(64, 8, False, _Rank(3, 1), torch.float32, torch.device("cpu"), in_range=in_range)
+        src = LazySource("w", w.dequantize, lambda: w)
+        layer.weight.weight_loader(layer.weight, src, None)
+        layer.process_after_loading()
+        assert (layer.quant is not None) == kept
+        lo, hi = in_range
+        want = x[:, lo:hi] @ ref[:, lo:hi].T
+        got = layer.matmul(x[:, lo:hi].contiguous())
+        assert float((got - want).abs().max()) <= KERNEL_RTOL * float(want.abs().max())

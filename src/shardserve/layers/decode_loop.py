@@ -2,8 +2,8 @@
 
 It applies to a dense llama-family stack (llama, qwen2, qwen3) on the CPU in float32 with every
 linear weight block-quantized (a GGUF under --quantization auto, or int8), run by one tensor
-rank, and to steps made only of a few decode rows (up to KERNEL_MAX_ROWS) attended by the CPU
-paged kernel. Anything else runs the modules one by one, with the same arithmetic.
+rank, and to steps made only of decode rows attended by the CPU paged kernel. Anything else
+runs the modules one by one, with the same arithmetic.
 
 The weights' and caches' addresses are gathered once (the tensors never move after loading);
 each step passes only the rows, positions and pages.
@@ -94,7 +94,7 @@ class DecodeLoop:
     def applies(self, x: torch.Tensor, ctx: ForwardContext) -> bool:
         meta = ctx.attn
         return (isinstance(meta, AttentionMetadata) and meta.paged is not None and not meta.prefills
-                and not meta.decode_groups and meta.num_decode == x.shape[0] <= quant_kernel.KERNEL_MAX_ROWS
+                and not meta.decode_groups and meta.num_decode == x.shape[0]
                 and ctx.after_layer is None and x.dtype == torch.float32)
 
     def _layer_table(self, ctx: ForwardContext) -> ctypes.Array:

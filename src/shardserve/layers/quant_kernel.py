@@ -1,10 +1,8 @@
 """Products against block-quantized weights (csrc/quant_matmul.c), for the CPU.
 
-Up to `KERNEL_MAX_ROWS` activation rows (decode, small batches) run the C kernel (16-bit
-activations against the weight's blocks as stored; see the C file's header). More rows (prefill)
-expand the weight tile by tile into a reused buffer and multiply each tile with a float GEMM: at
-that size the GEMM's reuse of each weight across rows wins, and a tile the size of the cache
-costs no page faults.
+Every product runs in C: below 16 activation rows (decode) against the weight's blocks with
+16-bit activations, from 16 rows on (prefill, many streams) as a float GEMM on weight rows
+expanded 16 at a time (see the C file's header for both).
 """
 
 from __future__ import annotations
@@ -22,10 +20,6 @@ __all__ = ["KernelUnavailable", "available", "dequantize", "linear", "load"]
 
 # decode_loop.c includes quant_matmul.c and cpu_ops.c: one library for the layers' kernels.
 SOURCE = Path(__file__).with_name("csrc") / "decode_loop.c"
-# Measured on a 2-core AVX2 machine (SmolLM2 shapes): the kernel beats expanding tiles for a float
-# GEMM up to about this many rows (32 rows: 43 ms vs 50 for every layer once; 64: 104 vs 84).
-KERNEL_MAX_ROWS = 32
-TILE_FLOATS = 1 << 18  # 1 MiB of expanded weight per tile
 
 
 @functools.cache
@@ -76,21 +70,6 @@ def _kernel(x: torch.Tensor, w: QuantWeight, out: torch.Tensor) -> None:
     _check(rc, "qmatmul", w)
 
 
-def _tiled(x: torch.Tensor, w: QuantWeight, out: torch.Tensor) -> None:
-    """out [M, w.rows] (rows may be strided) = x . w^T, expanding `w` a tile of rows at a time.
-    Each tile is multiplied as tile . x^T (weight-major): ~1.7x faster than x . tile^T in
-    torch's CPU GEMM at these shapes."""
-    step = max(1, min(w.rows, TILE_FLOATS // w.cols))
-    buf = torch.empty(step, w.cols, dtype=torch.float32)
-    out_t = torch.empty(w.rows, x.shape[0], dtype=torch.float32)
-    xt = x.T
-    for r0 in range(0, w.rows, step):
-        n = min(step, w.rows - r0)
-        tile = dequantize(QuantWeight(w.qtype, w.data[r0: r0 + n], w.cols), out=buf[:n])
-        torch.mm(tile, xt, out=out_t[r0: r0 + n])
-    out.copy_(out_t.T)
-
-
 def linear(x: torch.Tensor, segments: tuple[tuple[int, QuantWeight], ...], out_features: int,
            bias: torch.Tensor | None = None) -> torch.Tensor:
     """x [.., K] float32 . W^T (+ bias), W given as row segments (offset, QuantWeight) that
@@ -102,11 +81,8 @@ def linear(x: torch.Tensor, segments: tuple[tuple[int, QuantWeight], ...], out_f
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
     y = torch.empty(x2.shape[0], out_features, dtype=torch.float32)
-    small = x2.shape[0] <= KERNEL_MAX_ROWS
-    if not small:
-        x2 = x2.contiguous()
     for offset, w in segments:
-        (_kernel if small else _tiled)(x2, w, y[:, offset: offset + w.rows])
+        _kernel(x2, w, y[:, offset: offset + w.rows])
     if bias is not None:
         y += bias
     return y.reshape(*lead, out_features)

@@ -45,13 +45,15 @@ typedef int (*attn_fn)(const float *q, int64_t q_stride, const float *k_cache, c
                        const int64_t *kv_of_q, float *out, float *lse, int64_t B, int64_t H, int64_t Hkv, int64_t D,
                        int64_t page_size, float scale, int num_threads);
 
-/* This thread's share of y = x W^T (rows split evenly over the region's threads). */
-static void mat_rows(const Mat *w, const Acts *a, int64_t m, float *y, int64_t ldy, int tid, int nth) {
+/* This thread's share of y = x W^T (rows split evenly over the region's threads); x both as
+ * floats and, for few rows, quantized in `a`. */
+static void mat_rows(const Mat *w, const Acts *a, const float *x, int64_t m, float *y, int64_t ldy, float *wp,
+                     int tid, int nth) {
     int64_t off = 0;
     for (int64_t s = 0; s < w->nseg; s++) {
         const Seg *g = &w->seg[s];
-        qmatmul_rows((int)g->type, g->data, g->row_bytes, g->rows * tid / nth, g->rows * (tid + 1) / nth, a, NULL, 0, m,
-                     y + off, ldy, NULL);
+        qmatmul_rows((int)g->type, g->data, g->row_bytes, g->rows * tid / nth, g->rows * (tid + 1) / nth, a, x, a->k,
+                     m, y + off, ldy, wp);
         off += g->rows;
     }
 }
@@ -81,19 +83,25 @@ static int attend(const Layer *L, const Dims *dm, const float *qkv, int64_t nqkv
                 att + h0 * d, NULL, 1, h1 - h0, dm->hkv, d, page_size, dm->scale, 1);
 }
 
+/* Rows [r0, r1) of x: h = rms_norm(x) and, on the 16-bit path, h quantized into `a`. */
+static void norm_rows(const float *x, int64_t r0, int64_t r1, int64_t H, const float *w, float eps, float *h,
+                      const Acts *a, int quant) {
+    rms_norm_f32(x + r0 * H, r1 - r0, H, H, w, eps, h + r0 * H, H, 1);
+    if (quant)
+        quantize_rows(h + r0 * H, r1 - r0, H, H, &(Acts){a->q + r0 * H, a->d + r0 * (H / QK), a->s + r0 * (H / QK), H});
+}
+
 /* x [m, hidden] in/out. cos, sin [m, d/2]; slots [m] (each row's new cache slot); block_tables
  * [m, max_pages] and context_lens [m] as the attention kernel takes them. Returns 0, 1 for a
  * weight the kernels do not take (checked before anything runs), 2 when out of memory.
  *
- * One parallel region covers the whole stack: the products split their rows over the threads,
- * the small steps run on one thread, and barriers (not a fork and join per operator) separate
- * them. Each thread calls the attention kernel for its share (`attend`). */
+ * One parallel region covers the whole stack: the products split their weight rows over the
+ * threads, the small steps (norms, rotary, the cache write, SiLU, residual adds) split the
+ * activation rows, each thread runs the attention kernel on its share (`attend`), and barriers
+ * (not a fork and join per operator) separate the phases. */
 int decode_layers(const Layer *layers, int64_t nlayers, const Dims *dm, float *x, int64_t m, const float *cos,
                   const float *sin, const int64_t *slots, const int64_t *block_tables, int64_t max_pages,
                   const int64_t *context_lens, int64_t page_size, attn_fn attn, int nthreads) {
-#ifndef __AVX2__
-    return 1; /* the plain path has no row-range worker on quantized activations */
-#endif
     int64_t H = dm->hidden, d = dm->d, nq = dm->hq * d, nkv = dm->hkv * d, nqkv = nq + 2 * nkv, I = dm->inter;
     for (int64_t l = 0; l < nlayers; l++) {
         const Layer *L = &layers[l];
@@ -103,74 +111,74 @@ int decode_layers(const Layer *layers, int64_t nlayers, const Dims *dm, float *x
     int64_t kmax = H > nq ? H : nq;
     kmax = kmax > I ? kmax : I;
     float *buf = malloc(sizeof(float) * (size_t)(m * (H + nqkv + nq + 3 * I + H)));
-    Acts a;
-    int ok = acts_alloc(&a, m, kmax);
+    Acts a = {NULL, NULL, NULL, kmax};
+    int ok = !uses_acts(m) || acts_alloc(&a, m, kmax);
     if (!buf || !ok) { free(buf); acts_free(&a); return 2; }
     float *h = buf, *qkv = h + m * H, *att = qkv + m * nqkv, *gu = att + m * nq, *act = gu + m * 2 * I,
           *t = act + m * I;
     int rc = 0;
+    int quant = uses_acts(m);
+    Acts aH = a, aQ = a, aI = a; /* the same buffers, read as rows of H, nq or I */
+    aH.k = H; aQ.k = nq; aI.k = I;
 #pragma omp parallel num_threads(nthreads)
     {
         int tid = omp_get_thread_num(), nth = omp_get_num_threads();
-        for (int64_t l = 0; l < nlayers; l++) {
-            const Layer *L = &layers[l];
-#pragma omp single
-            {
-                rms_norm_f32(x, m, H, H, L->ln1, dm->eps, h, H, 1);
-                a.k = H;
-                quantize_rows(h, m, H, H, &a);
-            }
-            mat_rows(&L->qkv, &a, m, qkv, nqkv, tid, nth);
+        int64_t r0 = m * tid / nth, r1 = m * (tid + 1) / nth; /* this thread's rows of the small steps */
+        float *wp = quant ? NULL : malloc(gemm_scratch(kmax));
+        if (!quant && !wp) {
+#pragma omp atomic write
+            rc = 2;
+        }
 #pragma omp barrier
-#pragma omp single
-            {
-                for (int64_t i = 0; i < m; i++) {
-                    float *row = qkv + i * nqkv;
-                    if (L->qkv_bias)
-                        for (int64_t e = 0; e < nqkv; e++) row[e] += L->qkv_bias[e];
-                    if (L->q_norm) {
-                        rms_norm_f32(row, dm->hq, d, d, L->q_norm, dm->eps, row, d, 1);
-                        rms_norm_f32(row + nq, dm->hkv, d, d, L->k_norm, dm->eps, row + nq, d, 1);
-                    }
+        for (int64_t l = 0; l < nlayers && !rc; l++) {
+            const Layer *L = &layers[l];
+            norm_rows(x, r0, r1, H, L->ln1, dm->eps, h, &aH, quant);
+#pragma omp barrier
+            mat_rows(&L->qkv, &aH, h, m, qkv, nqkv, wp, tid, nth);
+#pragma omp barrier
+            for (int64_t i = r0; i < r1; i++) {
+                float *row = qkv + i * nqkv;
+                if (L->qkv_bias)
+                    for (int64_t e = 0; e < nqkv; e++) row[e] += L->qkv_bias[e];
+                if (L->q_norm) {
+                    rms_norm_f32(row, dm->hq, d, d, L->q_norm, dm->eps, row, d, 1);
+                    rms_norm_f32(row + nq, dm->hkv, d, d, L->k_norm, dm->eps, row + nq, d, 1);
                 }
-                rotary_f32(qkv, nqkv, dm->hq, qkv + nq, nqkv, dm->hkv, m, d, cos, sin, 1);
-                for (int64_t i = 0; i < m; i++) {
-                    memcpy(L->k_cache + slots[i] * nkv, qkv + i * nqkv + nq, sizeof(float) * (size_t)nkv);
-                    memcpy(L->v_cache + slots[i] * nkv, qkv + i * nqkv + nq + nkv, sizeof(float) * (size_t)nkv);
-                }
+                rotary_f32(row, nqkv, dm->hq, row + nq, nqkv, dm->hkv, 1, d, cos + i * (d / 2), sin + i * (d / 2), 1);
+                memcpy(L->k_cache + slots[i] * nkv, row + nq, sizeof(float) * (size_t)nkv);
+                memcpy(L->v_cache + slots[i] * nkv, row + nq + nkv, sizeof(float) * (size_t)nkv);
+            }
+            /* Several rows: a thread attends, then quantizes, the rows it just wrote. One row: the
+             * threads split its heads, so they wait for it. */
+            if (m == 1) {
+#pragma omp barrier
             }
             if (attend(L, dm, qkv, nqkv, att, m, block_tables, max_pages, context_lens, page_size, attn, tid, nth)) {
 #pragma omp atomic write
                 rc = 2;
             }
+            if (m == 1) {
 #pragma omp barrier
-#pragma omp single
-            {
-                a.k = nq;
-                quantize_rows(att, m, nq, nq, &a);
             }
-            mat_rows(&L->o, &a, m, t, H, tid, nth);
+            if (quant) quantize_rows(att + r0 * nq, r1 - r0, nq, nq, &(Acts){aQ.q + r0 * nq, aQ.d + r0 * (nq / QK),
+                                                                          aQ.s + r0 * (nq / QK), nq});
 #pragma omp barrier
-#pragma omp single
-            {
-                for (int64_t e = 0; e < m * H; e++) x[e] += t[e];
-                rms_norm_f32(x, m, H, H, L->ln2, dm->eps, h, H, 1);
-                a.k = H;
-                quantize_rows(h, m, H, H, &a);
-            }
-            mat_rows(&L->gate_up, &a, m, gu, 2 * I, tid, nth);
+            mat_rows(&L->o, &aQ, att, m, t, H, wp, tid, nth);
 #pragma omp barrier
-#pragma omp single
-            {
-                silu_mul_f32(gu, m, 2 * I, I, act, 1);
-                a.k = I;
-                quantize_rows(act, m, I, I, &a);
-            }
-            mat_rows(&L->down, &a, m, t, H, tid, nth);
+            for (int64_t e = r0 * H; e < r1 * H; e++) x[e] += t[e];
+            norm_rows(x, r0, r1, H, L->ln2, dm->eps, h, &aH, quant);
 #pragma omp barrier
-#pragma omp single
-            for (int64_t e = 0; e < m * H; e++) x[e] += t[e];
+            mat_rows(&L->gate_up, &aH, h, m, gu, 2 * I, wp, tid, nth);
+#pragma omp barrier
+            silu_mul_f32(gu + r0 * 2 * I, r1 - r0, 2 * I, I, act + r0 * I, 1);
+            if (quant) quantize_rows(act + r0 * I, r1 - r0, I, I, &(Acts){aI.q + r0 * I, aI.d + r0 * (I / QK),
+                                                                        aI.s + r0 * (I / QK), I});
+#pragma omp barrier
+            mat_rows(&L->down, &aI, act, m, t, H, wp, tid, nth);
+#pragma omp barrier
+            for (int64_t e = r0 * H; e < r1 * H; e++) x[e] += t[e]; /* the next layer starts on these rows */
         }
+        free(wp);
     }
     free(buf);
     acts_free(&a);
