@@ -69,8 +69,12 @@ def test_chat_matches_transformers_on_the_gguf(llm: LLM, hf_model: torch.nn.Modu
             ref_lp.append(float(logprobs[ref[-1]]))
             step_ids, cache = torch.tensor([[ref[-1]]]), res.cache
     assert out.token_ids == ref
+    # The engine keeps the GGUF's blocks and rounds activations to 16 bits per block of 32 in
+    # products of few rows (layers/csrc/quant_matmul.c): ~3e-5 per product, up to ~2e-3 in a
+    # logprob after 30 layers (a prompt answered from the prefix cache recomputes its last tokens
+    # that way); transformers multiplies the expanded weights in float32.
     torch.testing.assert_close(torch.tensor([e["logprob"] for e in out.logprobs]), torch.tensor(ref_lp),
-                               atol=1e-3, rtol=0)
+                               atol=4e-3, rtol=0)
 
 
 # ----------------------------------------------------------------------------- generate
