@@ -275,3 +275,13 @@ def test_row_parallel_shards_keep_blocks_only_on_block_boundaries():
         want = x[:, lo:hi] @ ref[:, lo:hi].T
         got = layer.matmul(x[:, lo:hi].contiguous())
         assert float((got - want).abs().max()) <= KERNEL_RTOL * float(want.abs().max())
+
+
+def test_int8_refusals_come_before_any_process_starts(tiny_gguf, tiny_model):
+    from shardserve.distributed.layout import LayoutError
+    from shardserve.llm import LLM
+
+    with pytest.raises(LayoutError, match="--quantization int8 quantizes a safetensors checkpoint"):
+        LLM(tiny_gguf, quantization="int8", show_progress=False)
+    with pytest.raises(LayoutError, match="--quantization int8 runs on the CPU in float32, not --dtype bfloat16"):
+        LLM(tiny_model("llama")[0], quantization="int8", dtype="bfloat16", show_progress=False)

@@ -34,6 +34,7 @@ def check_layout(layout: Layout, node: NodeSpec, ckpt: Checkpoint, cfg: EngineCo
         raise LayoutError(f"--dp-size {layout.dp} with --nnodes {layout.nnodes} is not supported yet: run one "
                           f"multi-node server per replica and put `shardserve router` in front")
     node.check(layout)
+    check_quantization(cfg, ckpt)
     mc = read_model_config(ckpt)
     layout.check_model(mc.num_layers, mc.num_heads, mc.num_experts)
     if cfg.ep_num_redundant_experts or cfg.ep_expert_placement:
@@ -45,6 +46,18 @@ def check_layout(layout: Layout, node: NodeSpec, ckpt: Checkpoint, cfg: EngineCo
     if (cfg.pp_micro_batches or 1) > 1 and layout.pp == 1:
         raise LayoutError(f"--pp-micro-batches {cfg.pp_micro_batches} needs --pp-size > 1 (one stage runs one "
                           f"micro-batch at a time)")
+
+
+def check_quantization(cfg: EngineConfig, ckpt: Checkpoint) -> None:
+    """--quantization int8 where it cannot run (each rank would fail the same way after start)."""
+    if cfg.quantization != "int8":
+        return
+    if ckpt.is_gguf:
+        raise LayoutError("--quantization int8 quantizes a safetensors checkpoint at load; a GGUF keeps its own "
+                          "formats (--quantization auto) or is expanded (none)")
+    if cfg.dtype != "float32" or (cfg.device or "cpu").startswith("cuda"):
+        raise LayoutError(f"--quantization int8 runs on the CPU in float32, not --dtype {cfg.dtype} on "
+                          f"{cfg.device or 'the default device'}")
 
 
 def check_placement(cfg: EngineConfig, layout: Layout, mc) -> None:
