@@ -156,11 +156,12 @@ def wait_idle(url: str, timeout: float = 10) -> dict[str, float]:
 
 @pytest.fixture(scope="module")
 def deep_server(tiny_model, tmp_path_factory):
-    """The tiny Llama at 24 layers: its decode steps take long enough (milliseconds) that a
-    disconnect is noticed well within half of a 480-token generation even on a loaded 2-core
-    machine (at 2 layers a step is so short the whole generation could finish first)."""
+    """The tiny Llama at 24 layers in bfloat16 (layer by layer from Python; float32 would run the
+    C decode loop): its decode steps take long enough (milliseconds) that a disconnect is noticed
+    well within half of a 480-token generation even on a loaded 2-core machine (at 2 layers, or
+    in the C loop, a step is so short the whole generation could finish first)."""
     path, _ = tiny_model("llama", 24)
-    server = Server("--model", path, "--num-pages", "256", "--page-size", "8",
+    server = Server("--model", path, "--dtype", "bfloat16", "--num-pages", "256", "--page-size", "8",
                     log_path=str(tmp_path_factory.mktemp("logs") / "deep.log"))
     yield server
     code, left = server.stop()

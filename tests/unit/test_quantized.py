@@ -63,6 +63,21 @@ def test_kernels_equal_dequantize_then_multiply(qtype):
         assert float((y - want).abs().max()) <= KERNEL_RTOL * scale, (m, float((y - want).abs().max()), scale)
 
 
+def test_float32_rows_take_the_same_paths_exactly():
+    """A float32 weight as F32 rows (what float checkpoints now hold on the CPU): the one-row,
+    few-row and GEMM paths equal torch's product to float rounding, over the weight's own memory."""
+    w = torch.randn(70, 200)
+    q = quant_kernel.float_weight(w)
+    assert q.name == "F32" and q.data.data_ptr() == w.data_ptr() and q.nbytes == w.numel() * 4
+    torch.testing.assert_close(q.dequantize(), w)
+    torch.testing.assert_close(quant_kernel.dequantize(q, torch.tensor([3, 69])), w[[3, 69]])
+    for m in (1, 3, 6, 21):
+        x = torch.randn(m, 200)
+        torch.testing.assert_close(quant_kernel.linear(x, ((0, q),), 70), x @ w.T, rtol=1e-5, atol=1e-5)
+    assert quant_kernel.float_weight(torch.randn(4, 12)) is None  # columns not a multiple of 8
+    assert quant_kernel.float_weight(w.bfloat16()) is None
+
+
 def test_mixed_formats_in_one_fused_weight():
     """A fused q/k/v whose pieces come in different formats (Q4_K_M files do this) runs as row
     segments into one output, bias added once."""
@@ -261,7 +276,8 @@ class _Rank:
 
 def test_row_parallel_shards_keep_blocks_only_on_block_boundaries():
     """Columns [32, 64) of a Q4_1 weight stay blocks; [48, 64) (a cut inside a block, as 4 heads
-    of 16 split over 3 ranks) loads as floats; both multiply like the expanded slice."""
+    of 16 split over 3 ranks) loads as floats (held as F32 rows); both multiply like the
+    expanded slice."""
     w = random_weight(3, 8, 64)
     ref = w.dequantize()
     x = torch.randn(2, 64)
@@ -270,7 +286,7 @@ def test_row_parallel_shards_keep_blocks_only_on_block_boundaries():
         src = LazySource("w", w.dequantize, lambda: w)
         layer.weight.weight_loader(layer.weight, src, None)
         layer.process_after_loading()
-        assert (layer.quant is not None) == kept
+        assert [q.name for _, q in layer.quant] == (["Q4_1"] if kept else ["F32"])
         lo, hi = in_range
         want = x[:, lo:hi] @ ref[:, lo:hi].T
         got = layer.matmul(x[:, lo:hi].contiguous())

@@ -1,9 +1,10 @@
 """A decode step's decoder layers in one C call (csrc/decode_loop.c), where they fit it.
 
 It applies to a dense llama-family stack (llama, qwen2, qwen3) on the CPU in float32 with every
-linear weight block-quantized (a GGUF under --quantization auto, or int8), run by one tensor
-rank, and to steps made only of decode rows attended by the CPU paged kernel. Anything else
-runs the modules one by one, with the same arithmetic.
+linear weight held as row segments for the C kernels (block-quantized: a GGUF under
+--quantization auto, or int8; or float32 weights as F32 rows), run by one tensor rank, and to
+steps made only of decode rows attended by the CPU paged kernel. Anything else runs the modules
+one by one, with the same arithmetic.
 
 The weights' and caches' addresses are gathered once (the tensors never move after loading);
 each step passes only the rows, positions and pages.

@@ -75,6 +75,8 @@ class ParallelLMHead(VocabParallelEmbedding):
     def process_after_loading(self) -> None:
         if self._tied_to:
             self.quant = self._tied_to[0].quant
+        if self.quant is None:  # float32 on the CPU: F32 rows, the same memory as the weight
+            self.quant = quant_kernel.float_weight(self.weight)
         if self.quant is not None:
             self.weight = None
             return

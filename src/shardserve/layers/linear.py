@@ -89,10 +89,10 @@ def merge_segments(pieces: dict[int, QuantWeight]) -> tuple[tuple[int, QuantWeig
 
 class PackedLinear(nn.Module):
     """Base of the linear layers. After loading, the weight takes one of three forms:
-    block-quantized pieces kept as the checkpoint stored them (`quant`, when the loader offers
-    them: a GGUF under --quantization auto, or int8), oneDNN's packed copy of a CPU float32
-    weight (`packed`), or the plain weight. The forms not taken are dropped, so memory does not
-    double."""
+    row segments for the C kernels (`quant`): block-quantized pieces kept as the checkpoint
+    stored them (a GGUF under --quantization auto, or int8) or a CPU float32 weight as F32 rows;
+    oneDNN's packed copy of a CPU float32 weight the C kernels do not take (`packed`); or the
+    plain weight. The forms not taken are dropped, so memory does not double."""
 
     weight: nn.Parameter | None
     packed: torch.Tensor | None = None
@@ -119,6 +119,10 @@ class PackedLinear(nn.Module):
             return
         for row, q in pieces.items():  # some pieces came quantized, some not: all floats then
             self.weight.data[row: row + q.rows].copy_(quant_kernel.dequantize(q))
+        rows = quant_kernel.float_weight(self.weight)
+        if rows is not None:
+            self.quant, self.weight = ((0, rows),), None
+            return
         self.packed = pack_weight(self.weight)
         if self.packed is not None:
             self.weight = None

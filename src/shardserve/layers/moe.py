@@ -28,10 +28,20 @@ from torch import nn
 from shardserve.config import ModelConfig
 from shardserve.distributed.communicator import Communicator
 from shardserve.distributed.expert_placement import Placement
+from shardserve.layers import quant_kernel
 from shardserve.layers.expert_dispatch import ExpertDispatch
-from shardserve.layers.linear import ReplicatedLinear, apply_linear, copy_into, make_param, pack_weight, packable
+from shardserve.layers.linear import (
+    ReplicatedLinear,
+    apply_linear,
+    copy_into,
+    make_param,
+    merge_segments,
+    pack_weight,
+    packable,
+)
 from shardserve.layers.mlp import GatedMLP
 from shardserve.layers.sharding import split_range
+from shardserve.loader.quantized import QuantWeight
 
 # Checkpoint projection name -> (which stacked tensor, which half of gate/up).
 EXPERT_PIECES = {"gate_proj": ("w13", 0), "up_proj": ("w13", 1), "down_proj": ("w2", None)}
@@ -64,6 +74,9 @@ class SparseMoE(nn.Module):
                               [(e, p) for e in held for p in ("gate_proj", "up_proj")])
         self.w2 = make_param((n_local, h, inter), dtype, device, self._load, [(e, "down_proj") for e in held])
         self.packed: list[tuple[torch.Tensor | None, torch.Tensor | None]] = []
+        # A GGUF's experts under --quantization auto: per slot, gate/up and down as row segments.
+        self.quant: list[tuple[tuple, tuple]] = []
+        self._qpieces: dict[tuple[int, str], QuantWeight] = {}
         self.shared_expert = self.shared_expert_gate = None
         if cfg.shared_expert_intermediate_size:
             self.shared_expert = GatedMLP(h, cfg.shared_expert_intermediate_size, comm, dtype, device, reduce=False)
@@ -82,6 +95,10 @@ class SparseMoE(nn.Module):
         if not slots:
             return  # another rank's expert: never read
         _, half = EXPERT_PIECES[proj]
+        q = src.read_quantized()
+        if q is not None:  # kept in its blocks (see process_after_loading)
+            self._qpieces.update({(i, proj): q for i in slots})
+            return
         data = src.read()
         for i in slots:  # a replicated expert fills every local slot holding it
             dst = param.data[i]
@@ -91,14 +108,31 @@ class SparseMoE(nn.Module):
             copy_into(dst, data, src.name)
 
     def process_after_loading(self) -> None:
-        """Where oneDNN applies (see layers/linear.pack_weight), each local expert's matrices are
-        packed one by one and the dense stacks dropped."""
-        if self.w13.shape[0] == 0 or not packable(self.w13):
+        """Experts that all came block-quantized stay so (the dense stacks dropped); else any that
+        did are expanded into the stacks. Then, where oneDNN applies (see
+        layers/linear.pack_weight), each local expert's matrices are packed one by one and the
+        dense stacks dropped."""
+        pieces, self._qpieces = self._qpieces, {}
+        n, inter = self.w13.shape[0], self.w13.shape[1] // 2
+        if pieces and len(pieces) == 3 * n:
+            self.quant = [(merge_segments({0: pieces[i, "gate_proj"], inter: pieces[i, "up_proj"]}),
+                           ((0, pieces[i, "down_proj"]),)) for i in range(n)]
+            self.w13 = self.w2 = None
+            return
+        for (i, proj), q in pieces.items():
+            stack, half = EXPERT_PIECES[proj]
+            dst = self.w13.data[i, half * inter: (half + 1) * inter] if stack == "w13" else self.w2.data[i]
+            dst.copy_(quant_kernel.dequantize(q))
+        if n == 0 or not packable(self.w13):
             return
         self.packed = [(pack_weight(self.w13[i]), pack_weight(self.w2[i])) for i in range(self.w13.shape[0])]
         self.w13 = self.w2 = None
 
     def expert(self, i: int, x: torch.Tensor) -> torch.Tensor:
+        if self.quant:
+            gate_up, down = self.quant[i]
+            gate, up = quant_kernel.linear(x, gate_up, sum(q.rows for _, q in gate_up)).chunk(2, dim=-1)
+            return quant_kernel.linear(F.silu(gate) * up, down, down[0][1].rows)
         if self.packed:
             gate, up = apply_linear(x, None, self.packed[i][0]).chunk(2, dim=-1)
             return apply_linear(F.silu(gate) * up, None, self.packed[i][1])

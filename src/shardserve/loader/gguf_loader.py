@@ -275,15 +275,28 @@ def _quantized_loader(tensor: ReaderTensor, config: dict) -> Callable[[], QuantW
     return load
 
 
+def _expert_blocks(tensor: ReaderTensor, expert: int) -> Callable[[], QuantWeight]:
+    """One expert of a stacked MoE tensor (bytes [experts, rows, row_bytes]) as its raw blocks."""
+    return lambda: QuantWeight(int(tensor.tensor_type), torch.from_numpy(np.array(tensor.data[expert])),
+                               int(tensor.shape[0]))
+
+
 def gguf_sources(path: str, keep_quantized: bool) -> list[LazySource]:
     """The file's tensors as lazy sources (names and loaders only, no data yet). With
-    `keep_quantized`, a weight in a format with a kernel is also offered in its blocks."""
+    `keep_quantized`, a weight in a format with a kernel is also offered in its blocks (a stacked
+    MoE tensor expert by expert)."""
     reader = _open_reader(path)
     config = _config_from_reader(reader)
     out = []
     for tensor in reader.tensors:
+        entries = list(_tensor_entries(tensor, config))
+        match = _LAYER_TENSOR_RE.fullmatch(tensor.name)
+        if keep_quantized and match and match["stem"] in GGUF_STACKED_EXPERT_TENSOR_TO_HF \
+                and int(tensor.tensor_type) in FORMATS:
+            out.extend(LazySource(name, load, _expert_blocks(tensor, e)) for e, (name, load) in enumerate(entries))
+            continue
         quantized = _quantized_loader(tensor, config) if keep_quantized else None
-        out.extend(LazySource(name, load, quantized) for name, load in _tensor_entries(tensor, config))
+        out.extend(LazySource(name, load, quantized) for name, load in entries)
     return out
 
 

@@ -2,6 +2,8 @@
 
 A `QuantWeight` is a 2-D weight [rows, cols] kept in one of llama.cpp's block formats: each row
 is `cols / block` blocks of `block_bytes` bytes, stored as a uint8 tensor [rows, row_bytes].
+Plain float32 rows (F32, GGML's type 0: one weight per "block") take the same form, so a float
+checkpoint runs on the same C kernels and decode loop (`float_rows`).
 Rows slice freely (a column-parallel or vocab-parallel shard); columns slice only on block
 boundaries (a row-parallel shard), so `narrow` answers None where a cut falls inside a block
 and the caller keeps that shard in floats.
@@ -25,6 +27,9 @@ FORMATS: dict[int, tuple[str, int, int]] = {
     14: ("Q6_K", 256, 210),
 }
 Q8_0 = 8
+F32 = 0
+# Every layout a QuantWeight holds: the block formats and plain float32 rows.
+LAYOUTS: dict[int, tuple[str, int, int]] = {**FORMATS, F32: ("F32", 1, 4)}
 
 
 @dataclass(frozen=True)
@@ -34,18 +39,18 @@ class QuantWeight:
     cols: int
 
     def __post_init__(self) -> None:
-        _, block, nbytes = FORMATS[self.qtype]
+        _, block, nbytes = LAYOUTS[self.qtype]
         if self.cols % block or self.data.shape[-1] != self.cols // block * nbytes:
             raise ValueError(f"{self.name}: {self.cols} columns are not whole {block}-weight blocks "
                              f"of {tuple(self.data.shape)} bytes")
 
     @property
     def name(self) -> str:
-        return FORMATS[self.qtype][0]
+        return LAYOUTS[self.qtype][0]
 
     @property
     def block(self) -> int:
-        return FORMATS[self.qtype][1]
+        return LAYOUTS[self.qtype][1]
 
     @property
     def rows(self) -> int:
@@ -68,7 +73,7 @@ class QuantWeight:
             return QuantWeight(self.qtype, self.data[start:end], self.cols)
         if start % self.block or end % self.block:
             return None
-        per = FORMATS[self.qtype][2]
+        per = LAYOUTS[self.qtype][2]
         return QuantWeight(self.qtype, self.data[:, start // self.block * per: end // self.block * per],
                            end - start)
 
@@ -77,11 +82,18 @@ class QuantWeight:
 
     def dequantize(self) -> torch.Tensor:
         """Float32 [rows, cols] by gguf's own (numpy) decoder: the reference the kernels match."""
+        if self.qtype == F32:
+            return self.data.view(torch.float32).clone()
         from gguf import GGMLQuantizationType
         from gguf.quants import dequantize
 
         out = dequantize(self.data.cpu().numpy(), GGMLQuantizationType(self.qtype))
         return torch.from_numpy(np.ascontiguousarray(out, dtype=np.float32)).reshape(self.shape)
+
+
+def float_rows(weight: torch.Tensor) -> QuantWeight:
+    """A float32 [rows, cols] weight as F32 rows (the same memory, viewed as bytes)."""
+    return QuantWeight(F32, weight.detach().contiguous().view(torch.uint8), weight.shape[1])
 
 
 def quantize_q8_0(weight: torch.Tensor) -> QuantWeight | None:

@@ -45,16 +45,21 @@ typedef int (*attn_fn)(const float *q, int64_t q_stride, const float *k_cache, c
                        const int64_t *kv_of_q, float *out, float *lse, int64_t B, int64_t H, int64_t Hkv, int64_t D,
                        int64_t page_size, float scale, int num_threads);
 
-/* This thread's share of y = x W^T (rows split evenly over the region's threads); x both as
- * floats and, for few rows, quantized in `a`. */
+/* This thread's share of y = x W^T: chunks of weight rows claimed from *next (see CHUNK); x
+ * both as floats and, for few rows, quantized in `a`. */
 static void mat_rows(const Mat *w, const Acts *a, const float *x, int64_t m, float *y, int64_t ldy, float *wp,
-                     int tid, int nth) {
-    int64_t off = 0;
-    for (int64_t s = 0; s < w->nseg; s++) {
+                     int64_t *next) {
+    int64_t total = 0;
+    for (int64_t s = 0; s < w->nseg; s++) total += (w->seg[s].rows + CHUNK - 1) / CHUNK;
+    for (int64_t c; (c = claim(next, total)) >= 0;) {
+        int64_t s = 0, off = 0;
+        for (; c >= (w->seg[s].rows + CHUNK - 1) / CHUNK; s++) { /* the segment holding chunk c */
+            c -= (w->seg[s].rows + CHUNK - 1) / CHUNK;
+            off += w->seg[s].rows;
+        }
         const Seg *g = &w->seg[s];
-        qmatmul_rows((int)g->type, g->data, g->row_bytes, g->rows * tid / nth, g->rows * (tid + 1) / nth, a, x, a->k,
-                     m, y + off, ldy, wp);
-        off += g->rows;
+        int64_t r1 = (c + 1) * CHUNK < g->rows ? (c + 1) * CHUNK : g->rows;
+        qmatmul_rows((int)g->type, g->data, g->row_bytes, c * CHUNK, r1, a, x, a->k, m, y + off, ldy, wp);
     }
 }
 
@@ -64,23 +69,34 @@ static int mat_fits(const Mat *w, int64_t k) {
     return 1;
 }
 
-/* This thread's share of the attention: whole rows when there are several, else query heads
- * (the kernel threads over rows; one decode row would leave the other threads idle). */
+typedef struct {
+    const int64_t *block_tables, *context_lens; /* [m, max_pages], [m] */
+    int64_t max_pages, page_size;
+    attn_fn attn;
+} Pages; /* what the attention kernel reads besides q and the caches */
+
+/* Attention for the step's rows into att, each row then quantized into `aq` when not NULL.
+ * Several rows: claimed one at a time from *next (their contexts differ in length, and a thread
+ * the OS preempts leaves its rows to the others). One row: this thread's share of the query
+ * heads (one row claimed whole would leave the other threads idle); the caller quantizes it. */
 static int attend(const Layer *L, const Dims *dm, const float *qkv, int64_t nqkv, float *att, int64_t m,
-                  const int64_t *block_tables, int64_t max_pages, const int64_t *context_lens, int64_t page_size,
-                  attn_fn attn, int tid, int nth) {
+                  const Pages *pg, const Acts *aq, int64_t *next, int tid, int nth) {
     int64_t d = dm->d, nq = dm->hq * d;
-    if (m > 1) {
-        int64_t i0 = m * tid / nth, i1 = m * (tid + 1) / nth;
-        if (i1 == i0) return 0;
-        return attn(qkv + i0 * nqkv, nqkv, L->k_cache, L->v_cache, block_tables + i0 * max_pages, max_pages,
-                    context_lens + i0, dm->kv_of_q, att + i0 * nq, NULL, i1 - i0, dm->hq, dm->hkv, d, page_size,
-                    dm->scale, 1);
+    if (m == 1) {
+        int64_t h0 = dm->hq * tid / nth, h1 = dm->hq * (tid + 1) / nth;
+        if (h1 == h0) return 0;
+        return pg->attn(qkv + h0 * d, nqkv, L->k_cache, L->v_cache, pg->block_tables, pg->max_pages,
+                        pg->context_lens, dm->kv_of_q + h0, att + h0 * d, NULL, 1, h1 - h0, dm->hkv, d,
+                        pg->page_size, dm->scale, 1);
     }
-    int64_t h0 = dm->hq * tid / nth, h1 = dm->hq * (tid + 1) / nth;
-    if (h1 == h0) return 0;
-    return attn(qkv + h0 * d, nqkv, L->k_cache, L->v_cache, block_tables, max_pages, context_lens, dm->kv_of_q + h0,
-                att + h0 * d, NULL, 1, h1 - h0, dm->hkv, d, page_size, dm->scale, 1);
+    for (int64_t i; (i = claim(next, m)) >= 0;) {
+        if (pg->attn(qkv + i * nqkv, nqkv, L->k_cache, L->v_cache, pg->block_tables + i * pg->max_pages,
+                     pg->max_pages, pg->context_lens + i, dm->kv_of_q, att + i * nq, NULL, 1, dm->hq, dm->hkv, d,
+                     pg->page_size, dm->scale, 1))
+            return 1;
+        if (aq) quantize_rows(att + i * nq, 1, nq, nq, &(Acts){aq->q + i * nq, aq->d + i * (nq / QK), aq->s + i * (nq / QK), nq});
+    }
+    return 0;
 }
 
 /* Rows [r0, r1) of x: h = rms_norm(x) and, on the 16-bit path, h quantized into `a`. */
@@ -95,10 +111,10 @@ static void norm_rows(const float *x, int64_t r0, int64_t r1, int64_t H, const f
  * [m, max_pages] and context_lens [m] as the attention kernel takes them. Returns 0, 1 for a
  * weight the kernels do not take (checked before anything runs), 2 when out of memory.
  *
- * One parallel region covers the whole stack: the products split their weight rows over the
- * threads, the small steps (norms, rotary, the cache write, SiLU, residual adds) split the
- * activation rows, each thread runs the attention kernel on its share (`attend`), and barriers
- * (not a fork and join per operator) separate the phases. */
+ * One parallel region covers the whole stack: the threads claim chunks of the products' weight
+ * rows and the attention's rows (`mat_rows`, `attend`), the small steps (norms, rotary, the cache
+ * write, SiLU, residual adds) split the activation rows evenly, and barriers (not a fork and join
+ * per operator) separate the phases. */
 int decode_layers(const Layer *layers, int64_t nlayers, const Dims *dm, float *x, int64_t m, const float *cos,
                   const float *sin, const int64_t *slots, const int64_t *block_tables, int64_t max_pages,
                   const int64_t *context_lens, int64_t page_size, attn_fn attn, int nthreads) {
@@ -108,24 +124,32 @@ int decode_layers(const Layer *layers, int64_t nlayers, const Dims *dm, float *x
         if (!mat_fits(&L->qkv, H) || !mat_fits(&L->o, nq) || !mat_fits(&L->gate_up, H) || !mat_fits(&L->down, I))
             return 1;
     }
+    int blocks = 0; /* any block-quantized weight (else all F32 rows: no 16-bit activations needed) */
+    for (int64_t l = 0; l < nlayers; l++) {
+        const Mat *mats[4] = {&layers[l].qkv, &layers[l].o, &layers[l].gate_up, &layers[l].down};
+        for (int j = 0; j < 4; j++)
+            for (int64_t s = 0; s < mats[j]->nseg; s++) blocks |= mats[j]->seg[s].type != F32;
+    }
     int64_t kmax = H > nq ? H : nq;
     kmax = kmax > I ? kmax : I;
     float *buf = malloc(sizeof(float) * (size_t)(m * (H + nqkv + nq + 3 * I + H)));
+    int64_t *next = calloc((size_t)(nlayers * 5), sizeof(int64_t)); /* chunk counters: 5 per layer */
     Acts a = {NULL, NULL, NULL, kmax};
-    int ok = !uses_acts(m) || acts_alloc(&a, m, kmax);
-    if (!buf || !ok) { free(buf); acts_free(&a); return 2; }
+    int quant = blocks && uses_acts(m);
+    int ok = !quant || acts_alloc(&a, m, kmax);
+    if (!buf || !next || !ok) { free(buf); free(next); acts_free(&a); return 2; }
     float *h = buf, *qkv = h + m * H, *att = qkv + m * nqkv, *gu = att + m * nq, *act = gu + m * 2 * I,
           *t = act + m * I;
     int rc = 0;
-    int quant = uses_acts(m);
     Acts aH = a, aQ = a, aI = a; /* the same buffers, read as rows of H, nq or I */
     aH.k = H; aQ.k = nq; aI.k = I;
+    Pages pg = {block_tables, context_lens, max_pages, page_size, attn};
 #pragma omp parallel num_threads(nthreads)
     {
         int tid = omp_get_thread_num(), nth = omp_get_num_threads();
         int64_t r0 = m * tid / nth, r1 = m * (tid + 1) / nth; /* this thread's rows of the small steps */
-        float *wp = quant ? NULL : malloc(gemm_scratch(kmax));
-        if (!quant && !wp) {
+        float *wp = uses_acts(m) ? NULL : malloc(gemm_scratch(kmax));
+        if (!uses_acts(m) && !wp) {
 #pragma omp atomic write
             rc = 2;
         }
@@ -134,7 +158,7 @@ int decode_layers(const Layer *layers, int64_t nlayers, const Dims *dm, float *x
             const Layer *L = &layers[l];
             norm_rows(x, r0, r1, H, L->ln1, dm->eps, h, &aH, quant);
 #pragma omp barrier
-            mat_rows(&L->qkv, &aH, h, m, qkv, nqkv, wp, tid, nth);
+            mat_rows(&L->qkv, &aH, h, m, qkv, nqkv, wp, &next[5 * l]);
 #pragma omp barrier
             for (int64_t i = r0; i < r1; i++) {
                 float *row = qkv + i * nqkv;
@@ -148,39 +172,36 @@ int decode_layers(const Layer *layers, int64_t nlayers, const Dims *dm, float *x
                 memcpy(L->k_cache + slots[i] * nkv, row + nq, sizeof(float) * (size_t)nkv);
                 memcpy(L->v_cache + slots[i] * nkv, row + nq + nkv, sizeof(float) * (size_t)nkv);
             }
-            /* Several rows: a thread attends, then quantizes, the rows it just wrote. One row: the
-             * threads split its heads, so they wait for it. */
-            if (m == 1) {
+            /* Rows' caches are written before any row is attended; one row's heads are split. */
 #pragma omp barrier
-            }
-            if (attend(L, dm, qkv, nqkv, att, m, block_tables, max_pages, context_lens, page_size, attn, tid, nth)) {
+            if (attend(L, dm, qkv, nqkv, att, m, &pg, quant ? &aQ : NULL, &next[5 * l + 4], tid, nth)) {
 #pragma omp atomic write
                 rc = 2;
             }
             if (m == 1) {
 #pragma omp barrier
+                if (quant && tid == 0) quantize_rows(att, 1, nq, nq, &aQ);
             }
-            if (quant) quantize_rows(att + r0 * nq, r1 - r0, nq, nq, &(Acts){aQ.q + r0 * nq, aQ.d + r0 * (nq / QK),
-                                                                          aQ.s + r0 * (nq / QK), nq});
 #pragma omp barrier
-            mat_rows(&L->o, &aQ, att, m, t, H, wp, tid, nth);
+            mat_rows(&L->o, &aQ, att, m, t, H, wp, &next[5 * l + 1]);
 #pragma omp barrier
             for (int64_t e = r0 * H; e < r1 * H; e++) x[e] += t[e];
             norm_rows(x, r0, r1, H, L->ln2, dm->eps, h, &aH, quant);
 #pragma omp barrier
-            mat_rows(&L->gate_up, &aH, h, m, gu, 2 * I, wp, tid, nth);
+            mat_rows(&L->gate_up, &aH, h, m, gu, 2 * I, wp, &next[5 * l + 2]);
 #pragma omp barrier
             silu_mul_f32(gu + r0 * 2 * I, r1 - r0, 2 * I, I, act + r0 * I, 1);
             if (quant) quantize_rows(act + r0 * I, r1 - r0, I, I, &(Acts){aI.q + r0 * I, aI.d + r0 * (I / QK),
                                                                         aI.s + r0 * (I / QK), I});
 #pragma omp barrier
-            mat_rows(&L->down, &aI, act, m, t, H, wp, tid, nth);
+            mat_rows(&L->down, &aI, act, m, t, H, wp, &next[5 * l + 3]);
 #pragma omp barrier
             for (int64_t e = r0 * H; e < r1 * H; e++) x[e] += t[e]; /* the next layer starts on these rows */
         }
         free(wp);
     }
     free(buf);
+    free(next);
     acts_free(&a);
     return rc;
 }

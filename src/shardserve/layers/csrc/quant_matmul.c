@@ -18,12 +18,15 @@
  * rows at a time instead and multiplied by a register-blocked float GEMM (exact to float
  * rounding; see gemm_rows).
  *
+ * Plain float32 rows (type F32) take the same entry points: exact float products (f32_rows
+ * below 16 rows, the float GEMM from there), so float checkpoints share the decode loop.
+ *
  * `qmatmul` threads over the rows of W (torch's OpenMP pool). `qmatmul_rows` is the same work
  * for a range of rows, for callers inside a parallel region of their own (decode_loop.c).
  * `qdequant` expands chosen rows to floats (embedding look-ups).
  *
- * Without AVX2 a row is expanded by the plain loops below (the readable statement of each
- * format) and multiplied in float.
+ * Without AVX2 a row is expanded by the plain loops of quant_formats.c (the readable statement
+ * of each format) and multiplied in float.
  */
 #include <math.h>
 #include <omp.h>
@@ -34,88 +37,7 @@
 #include <immintrin.h>
 #endif
 
-enum { Q4_0 = 2, Q4_1 = 3, Q8_0 = 8, Q4_K = 12, Q6_K = 14 };
-#define QK 32   /* activation block */
-#define QKK 256 /* K-quant super-block */
-
-static inline float f16(const uint8_t *p) {
-    uint16_t h;
-    memcpy(&h, p, 2);
-#ifdef __F16C__
-    return _cvtsh_ss(h);
-#else
-    uint32_t sign = (uint32_t)(h >> 15) << 31, exp = (h >> 10) & 31, man = h & 1023, bits;
-    if (exp == 0) {
-        if (man == 0) { bits = sign; }
-        else { /* subnormal: normalise */
-            int e = -1;
-            do { man <<= 1; e++; } while (!(man & 1024));
-            bits = sign | (uint32_t)(127 - 15 - e) << 23 | (man & 1023) << 13;
-        }
-    } else if (exp == 31) { bits = sign | 0x7f800000u | man << 13; }
-    else { bits = sign | (exp + 127 - 15) << 23 | man << 13; }
-    float f;
-    memcpy(&f, &bits, 4);
-    return f;
-#endif
-}
-
-/* Q4_K packs eight 6-bit (scale, min) pairs into 12 bytes. */
-static inline void k4_scale_min(const uint8_t *q, int j, int *sc, int *m) {
-    if (j < 4) { *sc = q[j] & 63; *m = q[j + 4] & 63; }
-    else {
-        *sc = (q[j + 4] & 0xF) | ((q[j - 4] >> 6) << 4);
-        *m = (q[j + 4] >> 4) | ((q[j] >> 6) << 4);
-    }
-}
-
-/* ------------------------------------------------------------------ dequantize one row */
-
-__attribute__((unused)) static void dequant_row(int type, const uint8_t *w, int64_t k, float *y) {
-    if (type == Q4_0 || type == Q4_1 || type == Q8_0) {
-        int64_t bytes = type == Q4_0 ? 18 : type == Q4_1 ? 20 : 34;
-        for (int64_t b = 0; b < k / QK; b++, w += bytes, y += QK) {
-            float d = f16(w);
-            if (type == Q8_0) {
-                for (int i = 0; i < QK; i++) y[i] = d * (int8_t)w[2 + i];
-                continue;
-            }
-            float m = type == Q4_1 ? f16(w + 2) : -8.0f * d;
-            const uint8_t *qs = w + (type == Q4_1 ? 4 : 2);
-            for (int i = 0; i < 16; i++) {
-                y[i] = d * (qs[i] & 0xF) + m;
-                y[i + 16] = d * (qs[i] >> 4) + m;
-            }
-        }
-    } else if (type == Q4_K) {
-        for (int64_t b = 0; b < k / QKK; b++, w += 144) {
-            float d = f16(w), dmin = f16(w + 2);
-            const uint8_t *sc = w + 4, *qs = w + 16;
-            for (int j = 0; j < 8; j += 2, qs += 32) {
-                int s0, m0, s1, m1;
-                k4_scale_min(sc, j, &s0, &m0);
-                k4_scale_min(sc, j + 1, &s1, &m1);
-                for (int i = 0; i < 32; i++) *y++ = d * s0 * (qs[i] & 0xF) - dmin * m0;
-                for (int i = 0; i < 32; i++) *y++ = d * s1 * (qs[i] >> 4) - dmin * m1;
-            }
-        }
-    } else { /* Q6_K: ql[128] qh[64] scales[16] d */
-        for (int64_t b = 0; b < k / QKK; b++, w += 210) {
-            const uint8_t *ql = w, *qh = w + 128;
-            const int8_t *sc = (const int8_t *)(w + 192);
-            float d = f16(w + 208);
-            for (int half = 0; half < 2; half++, ql += 64, qh += 32, sc += 8, y += 128) {
-                for (int l = 0; l < 32; l++) {
-                    int is = l / 16;
-                    y[l] = d * sc[is] * (((ql[l] & 0xF) | ((qh[l] & 3) << 4)) - 32);
-                    y[l + 32] = d * sc[is + 2] * (((ql[l + 32] & 0xF) | (((qh[l] >> 2) & 3) << 4)) - 32);
-                    y[l + 64] = d * sc[is + 4] * (((ql[l] >> 4) | (((qh[l] >> 4) & 3) << 4)) - 32);
-                    y[l + 96] = d * sc[is + 6] * (((ql[l + 32] >> 4) | (((qh[l] >> 6) & 3) << 4)) - 32);
-                }
-            }
-        }
-    }
-}
+#include "quant_formats.c"
 
 /* ------------------------------------------------------------------ activations to 16 bits */
 
@@ -151,60 +73,6 @@ static inline float hsum(__m256 v) {
     s = _mm_add_ps(s, _mm_movehl_ps(s, s));
     s = _mm_add_ss(s, _mm_movehdup_ps(s));
     return _mm_cvtss_f32(s);
-}
-
-/* Block b (32 weights) of a row as 16-bit integers: lo = weights 0..15, hi = 16..31; the
- * block's weights are s_lo * lo + min and s_hi * hi + min (s_lo == s_hi except in Q6_K, whose
- * scales cover 16 weights). */
-typedef struct {
-    __m256i lo, hi;
-    float s_lo, s_hi, min;
-} Block;
-
-static inline __attribute__((always_inline)) Block block16(const int type, const uint8_t *row, int64_t b) {
-    Block k;
-    const __m128i m4 = _mm_set1_epi8(0x0F);
-    if (type == Q4_0 || type == Q4_1) {
-        const uint8_t *blk = row + b * (type == Q4_1 ? 20 : 18);
-        __m128i t = _mm_loadu_si128((const __m128i *)(blk + (type == Q4_1 ? 4 : 2)));
-        k.lo = _mm256_cvtepu8_epi16(_mm_and_si128(t, m4));
-        k.hi = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(t, 4), m4));
-        k.s_lo = k.s_hi = f16(blk);
-        k.min = type == Q4_1 ? f16(blk + 2) : -8.0f * k.s_lo;
-    } else if (type == Q8_0) {
-        const uint8_t *blk = row + b * 34;
-        k.lo = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(blk + 2)));
-        k.hi = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(blk + 18)));
-        k.s_lo = k.s_hi = f16(blk);
-        k.min = 0.0f;
-    } else if (type == Q4_K) {
-        const uint8_t *blk = row + (b / 8) * 144, *qs = blk + 16 + ((b % 8) / 2) * 32;
-        int j = (int)(b % 8), sc, m;
-        k4_scale_min(blk + 4, j, &sc, &m);
-        __m128i t0 = _mm_loadu_si128((const __m128i *)qs), t1 = _mm_loadu_si128((const __m128i *)(qs + 16));
-        if (j & 1) { t0 = _mm_srli_epi16(t0, 4); t1 = _mm_srli_epi16(t1, 4); }
-        k.lo = _mm256_cvtepu8_epi16(_mm_and_si128(t0, m4));
-        k.hi = _mm256_cvtepu8_epi16(_mm_and_si128(t1, m4));
-        k.s_lo = k.s_hi = f16(blk) * sc;
-        k.min = -f16(blk + 2) * m;
-    } else { /* Q6_K: group g of half h */
-        const uint8_t *blk = row + (b / 8) * 210;
-        int h = (int)(b % 8) / 4, g = (int)(b % 4);
-        const uint8_t *ql = blk + h * 64 + (g & 1) * 32, *qh = blk + 128 + h * 32;
-        const int8_t *sc = (const int8_t *)(blk + 192) + h * 8 + 2 * g;
-        __m256i l = _mm256_loadu_si256((const __m256i *)ql), hb = _mm256_loadu_si256((const __m256i *)qh);
-        if (g >= 2) l = _mm256_srli_epi16(l, 4);
-        l = _mm256_and_si256(l, _mm256_set1_epi8(0x0F));
-        hb = _mm256_and_si256(_mm256_srli_epi16(hb, 2 * g), _mm256_set1_epi8(3));
-        __m256i q = _mm256_sub_epi8(_mm256_or_si256(l, _mm256_slli_epi16(hb, 4)), _mm256_set1_epi8(32));
-        k.lo = _mm256_cvtepi8_epi16(_mm256_castsi256_si128(q));
-        k.hi = _mm256_cvtepi8_epi16(_mm256_extracti128_si256(q, 1));
-        float d = f16(blk + 208);
-        k.s_lo = d * sc[0];
-        k.s_hi = d * sc[1];
-        k.min = 0.0f;
-    }
-    return k;
 }
 
 /* acc += block k . activation block (xv: 32 int16, dx its step); Q4/Q8/Q4_K's minimum apart. */
@@ -263,34 +131,49 @@ static inline __attribute__((always_inline)) void row_times(const int type, cons
 }
 #endif
 
-static int known(int type) {
-    return type == Q4_0 || type == Q4_1 || type == Q8_0 || type == Q4_K || type == Q6_K;
-}
+/* ------------------------------------------------------------------ float32 rows (type F32) */
 
-static int fits(int type, int64_t k) { return known(type) && k % ((type == Q4_K || type == Q6_K) ? QKK : QK) == 0; }
-
-/* Row `wr` of W as k floats. */
-static void expand_row(int type, const uint8_t *wr, int64_t k, float *o) {
+/* y[i * ldy + r] = x_i . W[r] for i < m, r0 <= r < r1, W plain floats: float checkpoints take
+ * the same C paths as the block formats (the decode loop above all). With one activation row the
+ * product is bound by reading W, so four weight rows share each load of x. */
+static void f32_rows(const float *w, int64_t ldw, int64_t r0, int64_t r1, const float *x, int64_t ldx, int64_t m,
+                     int64_t k, float *y, int64_t ldy) {
 #ifdef __AVX2__
-    for (int64_t b = 0; b < k / QK; b++, o += QK) {
-        Block q;
-        switch (type) { /* constant types, so block16 specializes */
-        case Q4_0: q = block16(Q4_0, wr, b); break;
-        case Q4_1: q = block16(Q4_1, wr, b); break;
-        case Q8_0: q = block16(Q8_0, wr, b); break;
-        case Q4_K: q = block16(Q4_K, wr, b); break;
-        default: q = block16(Q6_K, wr, b); break;
+    int64_t r = r0;
+    if (m == 1) {
+        for (; r + 4 <= r1; r += 4) {
+            const float *w0 = w + r * ldw, *w1 = w0 + ldw, *w2 = w1 + ldw, *w3 = w2 + ldw;
+            __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+            for (int64_t e = 0; e < k; e += 8) {
+                __m256 xv = _mm256_loadu_ps(x + e);
+                a0 = _mm256_fmadd_ps(_mm256_loadu_ps(w0 + e), xv, a0);
+                a1 = _mm256_fmadd_ps(_mm256_loadu_ps(w1 + e), xv, a1);
+                a2 = _mm256_fmadd_ps(_mm256_loadu_ps(w2 + e), xv, a2);
+                a3 = _mm256_fmadd_ps(_mm256_loadu_ps(w3 + e), xv, a3);
+            }
+            y[r] = hsum(a0); y[r + 1] = hsum(a1); y[r + 2] = hsum(a2); y[r + 3] = hsum(a3);
         }
-        __m256 m = _mm256_set1_ps(q.min), s0 = _mm256_set1_ps(q.s_lo), s1 = _mm256_set1_ps(q.s_hi);
-        __m256i part[4] = {_mm256_cvtepi16_epi32(_mm256_castsi256_si128(q.lo)),
-                           _mm256_cvtepi16_epi32(_mm256_extracti128_si256(q.lo, 1)),
-                           _mm256_cvtepi16_epi32(_mm256_castsi256_si128(q.hi)),
-                           _mm256_cvtepi16_epi32(_mm256_extracti128_si256(q.hi, 1))};
-        for (int i = 0; i < 4; i++)
-            _mm256_storeu_ps(o + 8 * i, _mm256_fmadd_ps(_mm256_cvtepi32_ps(part[i]), i < 2 ? s0 : s1, m));
+    }
+    for (; r < r1; r++) {
+        const float *wr = w + r * ldw;
+        for (int64_t i = 0; i < m; i += ROWS) {
+            int nr = m - i < ROWS ? (int)(m - i) : ROWS;
+            __m256 acc[ROWS];
+            for (int j = 0; j < ROWS; j++) acc[j] = _mm256_setzero_ps();
+            for (int64_t e = 0; e < k; e += 8) {
+                __m256 wv = _mm256_loadu_ps(wr + e);
+                for (int j = 0; j < nr; j++) acc[j] = _mm256_fmadd_ps(wv, _mm256_loadu_ps(x + (i + j) * ldx + e), acc[j]);
+            }
+            for (int j = 0; j < nr; j++) y[(i + j) * ldy + r] = hsum(acc[j]);
+        }
     }
 #else
-    dequant_row(type, wr, k, o);
+    for (int64_t r = r0; r < r1; r++)
+        for (int64_t i = 0; i < m; i++) {
+            float t = 0.0f;
+            for (int64_t e = 0; e < k; e++) t += x[i * ldx + e] * w[r * ldw + e];
+            y[i * ldy + r] = t;
+        }
 #endif
 }
 
@@ -314,6 +197,10 @@ static size_t gemm_scratch(int64_t k) { return sizeof(float) * (size_t)((NR + 8)
  * its own. */
 static void qmatmul_rows(int type, const uint8_t *w, int64_t row_bytes, int64_t r0, int64_t r1, const Acts *a,
                          const float *x, int64_t ldx, int64_t m, float *y, int64_t ldy, float *wp) {
+    if (type == F32 && m < GEMM_ROWS) {
+        f32_rows((const float *)w, row_bytes / (int64_t)sizeof(float), r0, r1, x, ldx, m, a->k, y, ldy);
+        return;
+    }
     if (!uses_acts(m)) {
         gemm_rows(type, w, row_bytes, r0, r1, x, ldx, m, a->k, y, ldy, wp, wp + NR * a->k);
         return;
@@ -369,26 +256,41 @@ static void acts_free(Acts *a) { free(a->q); free(a->d); free(a->s); }
 
 /* ------------------------------------------------------------------ entry points */
 
+/* Weight rows per claimed chunk (a multiple of the GEMM's 16). Threads claim chunks from a shared
+ * counter rather than taking fixed halves: where other processes share the cores, a thread the
+ * OS preempts mid-product leaves its remaining chunks to the others instead of holding them all
+ * at the next barrier. */
+#define CHUNK 32
+
+/* Claims the next of `total` chunks from *next (zeroed before the threads start), or -1. */
+static inline int64_t claim(int64_t *next, int64_t total) {
+    int64_t c = __atomic_fetch_add(next, 1, __ATOMIC_RELAXED);
+    return c < total ? c : -1;
+}
+
 /* y[i * ldy + r] = x[i] . W[r] for i < m, r < n. Returns 0, 1 for an unknown format or a K
  * that is not whole blocks, 2 when scratch memory cannot be allocated. */
 int qmatmul(int type, const uint8_t *w, int64_t row_bytes, int64_t n, int64_t k, const float *x,
             int64_t m, int64_t ldx, float *y, int64_t ldy, int nthreads) {
     if (!fits(type, k)) return 1;
     Acts a = {NULL, NULL, NULL, k};
-    if (uses_acts(m)) {
+    if (uses_acts(m) && type != F32) {
         if (!acts_alloc(&a, m, k)) { acts_free(&a); return 2; }
         quantize_rows(x, m, ldx, k, &a);
     }
     int err = 0;
+    int64_t next = 0, chunks = (n + CHUNK - 1) / CHUNK;
 #pragma omp parallel num_threads(nthreads)
     {
-        int tid = omp_get_thread_num(), nth = omp_get_num_threads();
         float *wp = uses_acts(m) ? NULL : malloc(gemm_scratch(k));
         if (!uses_acts(m) && !wp) {
 #pragma omp atomic write
             err = 2;
         } else {
-            qmatmul_rows(type, w, row_bytes, n * tid / nth, n * (tid + 1) / nth, &a, x, ldx, m, y, ldy, wp);
+            for (int64_t c; (c = claim(&next, chunks)) >= 0;) {
+                int64_t r1 = (c + 1) * CHUNK < n ? (c + 1) * CHUNK : n;
+                qmatmul_rows(type, w, row_bytes, c * CHUNK, r1, &a, x, ldx, m, y, ldy, wp);
+            }
         }
         free(wp);
     }
