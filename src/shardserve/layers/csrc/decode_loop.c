@@ -45,21 +45,24 @@ typedef int (*attn_fn)(const float *q, int64_t q_stride, const float *k_cache, c
                        const int64_t *kv_of_q, float *out, float *lse, int64_t B, int64_t H, int64_t Hkv, int64_t D,
                        int64_t page_size, float scale, int num_threads);
 
-/* This thread's share of y = x W^T: chunks of weight rows claimed from *next (see CHUNK); x
- * both as floats and, for few rows, quantized in `a`. */
+/* This thread's share of y = x W^T: chunks of weight rows claimed from *next (see chunk_rows);
+ * x both as floats and, for few rows, quantized in `a`. */
 static void mat_rows(const Mat *w, const Acts *a, const float *x, int64_t m, float *y, int64_t ldy, float *wp,
-                     int64_t *next) {
-    int64_t total = 0;
-    for (int64_t s = 0; s < w->nseg; s++) total += (w->seg[s].rows + CHUNK - 1) / CHUNK;
+                     int64_t *next, int nth) {
+    int64_t step[3], total = 0;
+    for (int64_t s = 0; s < w->nseg; s++) {
+        step[s] = chunk_rows(w->seg[s].rows, nth);
+        total += (w->seg[s].rows + step[s] - 1) / step[s];
+    }
     for (int64_t c; (c = claim(next, total)) >= 0;) {
         int64_t s = 0, off = 0;
-        for (; c >= (w->seg[s].rows + CHUNK - 1) / CHUNK; s++) { /* the segment holding chunk c */
-            c -= (w->seg[s].rows + CHUNK - 1) / CHUNK;
+        for (; c >= (w->seg[s].rows + step[s] - 1) / step[s]; s++) { /* the segment holding chunk c */
+            c -= (w->seg[s].rows + step[s] - 1) / step[s];
             off += w->seg[s].rows;
         }
         const Seg *g = &w->seg[s];
-        int64_t r1 = (c + 1) * CHUNK < g->rows ? (c + 1) * CHUNK : g->rows;
-        qmatmul_rows((int)g->type, g->data, g->row_bytes, c * CHUNK, r1, a, x, a->k, m, y + off, ldy, wp);
+        int64_t r0 = c * step[s], r1 = r0 + step[s] < g->rows ? r0 + step[s] : g->rows;
+        qmatmul_rows((int)g->type, g->data, g->row_bytes, r0, r1, a, x, a->k, m, y + off, ldy, wp);
     }
 }
 
@@ -76,7 +79,7 @@ typedef struct {
 } Pages; /* what the attention kernel reads besides q and the caches */
 
 /* Attention for the step's rows into att, each row then quantized into `aq` when not NULL.
- * Several rows: claimed one at a time from *next (their contexts differ in length, and a thread
+ * Several rows: claimed a few at a time from *next (their contexts differ in length, and a thread
  * the OS preempts leaves its rows to the others). One row: this thread's share of the query
  * heads (one row claimed whole would leave the other threads idle); the caller quantizes it. */
 static int attend(const Layer *L, const Dims *dm, const float *qkv, int64_t nqkv, float *att, int64_t m,
@@ -89,12 +92,14 @@ static int attend(const Layer *L, const Dims *dm, const float *qkv, int64_t nqkv
                         pg->context_lens, dm->kv_of_q + h0, att + h0 * d, NULL, 1, h1 - h0, dm->hkv, d,
                         pg->page_size, dm->scale, 1);
     }
-    for (int64_t i; (i = claim(next, m)) >= 0;) {
+    int64_t step = (m + 4 * nth - 1) / (4 * nth); /* rows per claim: a quarter of an even share */
+    for (int64_t c; (c = claim(next, (m + step - 1) / step)) >= 0;) {
+        int64_t i = c * step, n = i + step < m ? step : m - i;
         if (pg->attn(qkv + i * nqkv, nqkv, L->k_cache, L->v_cache, pg->block_tables + i * pg->max_pages,
-                     pg->max_pages, pg->context_lens + i, dm->kv_of_q, att + i * nq, NULL, 1, dm->hq, dm->hkv, d,
+                     pg->max_pages, pg->context_lens + i, dm->kv_of_q, att + i * nq, NULL, n, dm->hq, dm->hkv, d,
                      pg->page_size, dm->scale, 1))
             return 1;
-        if (aq) quantize_rows(att + i * nq, 1, nq, nq, &(Acts){aq->q + i * nq, aq->d + i * (nq / QK), aq->s + i * (nq / QK), nq});
+        if (aq) quantize_rows(att + i * nq, n, nq, nq, &(Acts){aq->q + i * nq, aq->d + i * (nq / QK), aq->s + i * (nq / QK), nq});
     }
     return 0;
 }
@@ -158,7 +163,7 @@ int decode_layers(const Layer *layers, int64_t nlayers, const Dims *dm, float *x
             const Layer *L = &layers[l];
             norm_rows(x, r0, r1, H, L->ln1, dm->eps, h, &aH, quant);
 #pragma omp barrier
-            mat_rows(&L->qkv, &aH, h, m, qkv, nqkv, wp, &next[5 * l]);
+            mat_rows(&L->qkv, &aH, h, m, qkv, nqkv, wp, &next[5 * l], nth);
 #pragma omp barrier
             for (int64_t i = r0; i < r1; i++) {
                 float *row = qkv + i * nqkv;
@@ -183,18 +188,18 @@ int decode_layers(const Layer *layers, int64_t nlayers, const Dims *dm, float *x
                 if (quant && tid == 0) quantize_rows(att, 1, nq, nq, &aQ);
             }
 #pragma omp barrier
-            mat_rows(&L->o, &aQ, att, m, t, H, wp, &next[5 * l + 1]);
+            mat_rows(&L->o, &aQ, att, m, t, H, wp, &next[5 * l + 1], nth);
 #pragma omp barrier
             for (int64_t e = r0 * H; e < r1 * H; e++) x[e] += t[e];
             norm_rows(x, r0, r1, H, L->ln2, dm->eps, h, &aH, quant);
 #pragma omp barrier
-            mat_rows(&L->gate_up, &aH, h, m, gu, 2 * I, wp, &next[5 * l + 2]);
+            mat_rows(&L->gate_up, &aH, h, m, gu, 2 * I, wp, &next[5 * l + 2], nth);
 #pragma omp barrier
             silu_mul_f32(gu + r0 * 2 * I, r1 - r0, 2 * I, I, act + r0 * I, 1);
             if (quant) quantize_rows(act + r0 * I, r1 - r0, I, I, &(Acts){aI.q + r0 * I, aI.d + r0 * (I / QK),
                                                                         aI.s + r0 * (I / QK), I});
 #pragma omp barrier
-            mat_rows(&L->down, &aI, act, m, t, H, wp, &next[5 * l + 3]);
+            mat_rows(&L->down, &aI, act, m, t, H, wp, &next[5 * l + 3], nth);
 #pragma omp barrier
             for (int64_t e = r0 * H; e < r1 * H; e++) x[e] += t[e]; /* the next layer starts on these rows */
         }
