@@ -42,9 +42,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor 
     """weight * x / sqrt(mean(x^2) + eps) over the last dim, or None (use torch)."""
     if not _fits(x, weight) or (lib := _lib()) is None:
         return None
-    x2 = x.reshape(-1, x.shape[-1])
-    if x2.stride(-1) != 1:
-        return None
+    x2 = x.reshape(-1, x.shape[-1])  # a view or a contiguous copy: unit stride either way
     out = torch.empty(x2.shape, dtype=torch.float32)
     lib.rms_norm_f32(x2.data_ptr(), x2.shape[0], x2.stride(0), x2.shape[1], weight.data_ptr(), eps, out.data_ptr(),
                      out.stride(0), torch.get_num_threads())

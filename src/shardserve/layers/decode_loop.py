@@ -77,7 +77,7 @@ class DecodeLoop:
                          inter=mlp.down_proj.end - mlp.down_proj.start, eps=layers[0].input_layernorm.eps,
                          scale=first.backend.scale, kv_of_q=self.kv_index.data_ptr())
         self._table: ctypes.Array | None = None
-        self._caches: tuple[int, ...] = ()
+        self._key = 0
 
     @classmethod
     def build(cls, layers: Sequence[torch.nn.Module]) -> DecodeLoop | None:
@@ -99,8 +99,9 @@ class DecodeLoop:
                 and ctx.after_layer is None and x.dtype == torch.float32)
 
     def _layer_table(self, ctx: ForwardContext) -> ctypes.Array:
-        caches = tuple(ctx.kv_caches[layer.self_attn.layer_idx][0].data_ptr() for layer in self.layers[:1])
-        if self._table is None or caches != self._caches:
+        # The pool's caches are made once; a new pool (a new first K cache) means new addresses.
+        key = ctx.kv_caches[self.layers[0].self_attn.layer_idx][0].data_ptr()
+        if self._table is None or key != self._key:
             table = (Layer * len(self.layers))()
             for i, layer in enumerate(self.layers):
                 attn, mlp = layer.self_attn, layer.mlp
@@ -112,7 +113,7 @@ class DecodeLoop:
                     k_norm=attn.k_norm.weight.data_ptr() if attn.k_norm is not None else None,
                     qkv=_mat(attn.qkv_proj), o=_mat(attn.o_proj), gate_up=_mat(mlp.gate_up_proj),
                     down=_mat(mlp.down_proj), k_cache=k_cache.data_ptr(), v_cache=v_cache.data_ptr())
-            self._table, self._caches = table, caches
+            self._table, self._key = table, key
         return self._table
 
     def run(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
