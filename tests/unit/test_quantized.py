@@ -12,8 +12,9 @@ import torch
 import torch.nn.functional as F
 from engine_util import record_logits
 from gguf import GGMLQuantizationType as T
-from gguf import GGUFReader, GGUFWriter
+from gguf import GGUFReader
 from gguf.quants import quantize
+from gguf_util import finish, gguf_writer
 
 from shardserve.config import EngineConfig
 from shardserve.core import SamplingParams
@@ -158,16 +159,7 @@ def tiny_gguf(tiny_model, tmp_path_factory) -> str:
     _, model = tiny_model("llama")
     cfg, sd = model.config, {k: v.numpy() for k, v in model.state_dict().items()}
     path = str(tmp_path_factory.mktemp("qgguf") / "tiny-q.gguf")
-    writer = GGUFWriter(path, "llama")
-    writer.add_block_count(cfg.num_hidden_layers)
-    writer.add_context_length(cfg.max_position_embeddings)
-    writer.add_embedding_length(cfg.hidden_size)
-    writer.add_feed_forward_length(cfg.intermediate_size)
-    writer.add_head_count(cfg.num_attention_heads)
-    writer.add_head_count_kv(cfg.num_key_value_heads)
-    writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
-    writer.add_rope_freq_base(10000.0)
-    writer.add_vocab_size(cfg.vocab_size)
+    writer = gguf_writer(path, "llama", cfg)
     writer.add_tensor("token_embd.weight", quantize(sd["model.embed_tokens.weight"], T.Q8_0), raw_dtype=T.Q8_0)
     writer.add_tensor("output_norm.weight", sd["model.norm.weight"])
     writer.add_tensor("output.weight", quantize(sd["lm_head.weight"], T.Q8_0), raw_dtype=T.Q8_0)
@@ -181,10 +173,7 @@ def tiny_gguf(tiny_model, tmp_path_factory) -> str:
                 writer.add_tensor(f"blk.{i}.{stem}.weight", w)
             else:
                 writer.add_tensor(f"blk.{i}.{stem}.weight", quantize(w, qtype), raw_dtype=qtype)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    finish(writer)
     return path
 
 

@@ -7,8 +7,9 @@ import pytest
 import torch
 from engine_util import record_logits
 from gguf import GGMLQuantizationType as T
-from gguf import GGUFReader, GGUFWriter
+from gguf import GGUFReader
 from gguf.quants import quantize
+from gguf_util import finish, gguf_writer
 
 from shardserve.config import EngineConfig
 from shardserve.core import SamplingParams
@@ -30,18 +31,9 @@ def tiny_moe_gguf(tiny_model, tmp_path_factory) -> str:
     _, model = tiny_model("qwen3_moe")
     cfg, sd = model.config, {k: v.numpy() for k, v in model.state_dict().items()}
     path = str(tmp_path_factory.mktemp("moegguf") / "tiny-moe.gguf")
-    w = GGUFWriter(path, "qwen3moe")
-    w.add_block_count(cfg.num_hidden_layers)
-    w.add_context_length(cfg.max_position_embeddings)
-    w.add_embedding_length(cfg.hidden_size)
-    w.add_feed_forward_length(cfg.intermediate_size)
-    w.add_head_count(cfg.num_attention_heads)
-    w.add_head_count_kv(cfg.num_key_value_heads)
+    w = gguf_writer(path, "qwen3moe", cfg)
     w.add_key_length(cfg.head_dim)
     w.add_value_length(cfg.head_dim)
-    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
-    w.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
-    w.add_vocab_size(cfg.vocab_size)
     w.add_expert_count(cfg.num_experts)
     w.add_expert_used_count(cfg.num_experts_per_tok)
     w.add_expert_feed_forward_length(cfg.moe_intermediate_size)
@@ -58,10 +50,7 @@ def tiny_moe_gguf(tiny_model, tmp_path_factory) -> str:
         for stem, (proj, qtype) in EXPERTS.items():
             stack = np.ascontiguousarray(stacks[proj])
             w.add_tensor(f"blk.{i}.{stem}.weight", quantize(stack, qtype), raw_dtype=qtype)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    finish(w)
     return path
 
 
