@@ -49,15 +49,16 @@ typedef int (*attn_fn)(const float *q, int64_t q_stride, const float *k_cache, c
  * x both as floats and, for few rows, quantized in `a`. */
 static void mat_rows(const Mat *w, const Acts *a, const float *x, int64_t m, float *y, int64_t ldy, float *wp,
                      int64_t *next, int nth) {
-    int64_t step[3], total = 0;
+    int64_t step[3], count[3], total = 0;
     for (int64_t s = 0; s < w->nseg; s++) {
         step[s] = chunk_rows(w->seg[s].rows, nth);
-        total += (w->seg[s].rows + step[s] - 1) / step[s];
+        count[s] = (w->seg[s].rows + step[s] - 1) / step[s];
+        total += count[s];
     }
     for (int64_t c; (c = claim(next, total)) >= 0;) {
         int64_t s = 0, off = 0;
-        for (; c >= (w->seg[s].rows + step[s] - 1) / step[s]; s++) { /* the segment holding chunk c */
-            c -= (w->seg[s].rows + step[s] - 1) / step[s];
+        for (; c >= count[s]; s++) { /* the segment holding chunk c */
+            c -= count[s];
             off += w->seg[s].rows;
         }
         const Seg *g = &w->seg[s];
@@ -70,6 +71,13 @@ static int mat_fits(const Mat *w, int64_t k) {
     for (int64_t s = 0; s < w->nseg; s++)
         if (!fits((int)w->seg[s].type, k)) return 0;
     return 1;
+}
+
+/* Rows [r0, r1) of x (rows of a->k floats) quantized into the same rows of `a`. */
+static void quantize_range(const float *x, int64_t r0, int64_t r1, const Acts *a) {
+    int64_t k = a->k;
+    Acts at = {a->q + r0 * k, a->d + r0 * (k / QK), a->s + r0 * (k / QK), k};
+    quantize_rows(x + r0 * k, r1 - r0, k, k, &at);
 }
 
 typedef struct {
@@ -99,7 +107,7 @@ static int attend(const Layer *L, const Dims *dm, const float *qkv, int64_t nqkv
                      pg->max_pages, pg->context_lens + i, dm->kv_of_q, att + i * nq, NULL, n, dm->hq, dm->hkv, d,
                      pg->page_size, dm->scale, 1))
             return 1;
-        if (aq) quantize_rows(att + i * nq, n, nq, nq, &(Acts){aq->q + i * nq, aq->d + i * (nq / QK), aq->s + i * (nq / QK), nq});
+        if (aq) quantize_range(att, i, i + n, aq);
     }
     return 0;
 }
@@ -108,8 +116,7 @@ static int attend(const Layer *L, const Dims *dm, const float *qkv, int64_t nqkv
 static void norm_rows(const float *x, int64_t r0, int64_t r1, int64_t H, const float *w, float eps, float *h,
                       const Acts *a, int quant) {
     rms_norm_f32(x + r0 * H, r1 - r0, H, H, w, eps, h + r0 * H, H, 1);
-    if (quant)
-        quantize_rows(h + r0 * H, r1 - r0, H, H, &(Acts){a->q + r0 * H, a->d + r0 * (H / QK), a->s + r0 * (H / QK), H});
+    if (quant) quantize_range(h, r0, r1, a);
 }
 
 /* x [m, hidden] in/out. cos, sin [m, d/2]; slots [m] (each row's new cache slot); block_tables
@@ -185,7 +192,7 @@ int decode_layers(const Layer *layers, int64_t nlayers, const Dims *dm, float *x
             }
             if (m == 1) {
 #pragma omp barrier
-                if (quant && tid == 0) quantize_rows(att, 1, nq, nq, &aQ);
+                if (quant && tid == 0) quantize_range(att, 0, 1, &aQ);
             }
 #pragma omp barrier
             mat_rows(&L->o, &aQ, att, m, t, H, wp, &next[5 * l + 1], nth);
@@ -196,8 +203,7 @@ int decode_layers(const Layer *layers, int64_t nlayers, const Dims *dm, float *x
             mat_rows(&L->gate_up, &aH, h, m, gu, 2 * I, wp, &next[5 * l + 2], nth);
 #pragma omp barrier
             silu_mul_f32(gu + r0 * 2 * I, r1 - r0, 2 * I, I, act + r0 * I, 1);
-            if (quant) quantize_rows(act + r0 * I, r1 - r0, I, I, &(Acts){aI.q + r0 * I, aI.d + r0 * (I / QK),
-                                                                        aI.s + r0 * (I / QK), I});
+            if (quant) quantize_range(act, r0, r1, &aI);
 #pragma omp barrier
             mat_rows(&L->down, &aI, act, m, t, H, wp, &next[5 * l + 3], nth);
 #pragma omp barrier
