@@ -64,6 +64,20 @@ def test_kernels_equal_dequantize_then_multiply(qtype):
         assert float((y - want).abs().max()) <= KERNEL_RTOL * scale, (m, float((y - want).abs().max()), scale)
 
 
+@pytest.mark.parametrize("qtype,cols", [(2, 1344), (14, 1536), (0, 1000)], ids=["Q4_0", "Q6_K", "F32"])
+def test_float_gemms_and_their_tails(qtype, cols):
+    """Both float GEMMs of quant_gemm.c: activation panels (16 to 127 rows: panels of 16, an
+    8-wide tail, weight rows in blocks of 6 with a remainder of 70) and weight strips (128 rows
+    and more; 130 leaves a tail of 4). Float32 throughout: equal to rounding."""
+    w = quant_kernel.float_weight(torch.randn(70, cols)) if qtype == 0 else random_weight(qtype, 70, cols)
+    ref = w.dequantize()
+    for m in (16, 25, 70, 130):
+        x = torch.randn(m, cols)
+        want = x @ ref.T
+        got = quant_kernel.linear(x, ((0, w),), 70)
+        assert float((got - want).abs().max()) <= 1e-5 * float(want.abs().max()), m
+
+
 def test_float32_rows_take_the_same_paths_exactly():
     """A float32 weight as F32 rows (what float checkpoints now hold on the CPU): the one-row,
     few-row and GEMM paths equal torch's product to float rounding, over the weight's own memory."""
@@ -179,7 +193,7 @@ def tiny_gguf(tiny_model, tmp_path_factory) -> str:
 
 def run(path: str, prompts: list[list[int]], n: int = 12,
         **cfg) -> tuple[list[list[int]], list[torch.Tensor], EngineCore]:
-    core = EngineCore(EngineConfig(model=path, show_progress=False, num_pages=64, **cfg))
+    core = EngineCore(EngineConfig(model=path, show_progress=False, **{"num_pages": 64, **cfg}))
     seen = record_logits(core)
     reqs = [core.add_request(str(i), p, SamplingParams(max_tokens=n, temperature=0)) for i, p in enumerate(prompts)]
     while core.has_unfinished():
@@ -211,16 +225,18 @@ def test_quantized_logits_match_the_expanded_model(tiny_gguf):
         assert float((got - want).abs().max()) <= 1e-3 * float(want.abs().max())
 
 
-@pytest.mark.parametrize("streams", [3, 18])  # the 16-bit path; the float GEMM (16 rows and more)
+# The 16-bit path; the float GEMM on activation panels (16 rows and more); on weight strips (128+).
+@pytest.mark.parametrize("streams", [3, 18, 130])
 def test_decode_loop_equals_the_layer_by_layer_path(tiny_gguf, monkeypatch, streams):
     prompts = [PROMPTS[i % 3][i:] + [i] for i in range(streams)]
     calls = []
     real_run = DecodeLoop.run
     monkeypatch.setattr(DecodeLoop, "run", lambda self, x, ctx: calls.append(x.shape[0]) or real_run(self, x, ctx))
-    tokens, logits, _ = run(tiny_gguf, prompts)
+    pages = {"num_pages": 4 * streams, "max_running_requests": streams}
+    tokens, logits, _ = run(tiny_gguf, prompts, **pages)
     assert calls and max(calls) == streams  # decode steps took the C loop, all rows at once
     monkeypatch.setattr(DecodeLoop, "build", classmethod(lambda cls, layers: None))
-    slow_tokens, slow_logits, _ = run(tiny_gguf, prompts)
+    slow_tokens, slow_logits, _ = run(tiny_gguf, prompts, **pages)
     assert tokens == slow_tokens
     for got, want in zip(logits, slow_logits):
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4 * float(want.abs().max()))

@@ -51,7 +51,7 @@ static void mat_rows(const Mat *w, const Acts *a, const float *x, int64_t m, flo
                      int64_t *next, int nth) {
     int64_t step[3], count[3], total = 0;
     for (int64_t s = 0; s < w->nseg; s++) {
-        step[s] = chunk_rows(w->seg[s].rows, nth);
+        step[s] = chunk_rows(w->seg[s].rows, m, nth);
         count[s] = (w->seg[s].rows + step[s] - 1) / step[s];
         total += count[s];
     }
@@ -71,13 +71,6 @@ static int mat_fits(const Mat *w, int64_t k) {
     for (int64_t s = 0; s < w->nseg; s++)
         if (!fits((int)w->seg[s].type, k)) return 0;
     return 1;
-}
-
-/* Rows [r0, r1) of x (rows of a->k floats) quantized into the same rows of `a`. */
-static void quantize_range(const float *x, int64_t r0, int64_t r1, const Acts *a) {
-    int64_t k = a->k;
-    Acts at = {a->q + r0 * k, a->d + r0 * (k / QK), a->s + r0 * (k / QK), k};
-    quantize_rows(x + r0 * k, r1 - r0, k, k, &at);
 }
 
 typedef struct {
@@ -107,16 +100,16 @@ static int attend(const Layer *L, const Dims *dm, const float *qkv, int64_t nqkv
                      pg->max_pages, pg->context_lens + i, dm->kv_of_q, att + i * nq, NULL, n, dm->hq, dm->hkv, d,
                      pg->page_size, dm->scale, 1))
             return 1;
-        if (aq) quantize_range(att, i, i + n, aq);
+        if (aq) acts_rows(att, nq, i, i + n, aq);
     }
     return 0;
 }
 
-/* Rows [r0, r1) of x: h = rms_norm(x) and, on the 16-bit path, h quantized into `a`. */
+/* Rows [r0, r1) of x: h = rms_norm(x) and, when `prep`, h into `a` (quantized or packed). */
 static void norm_rows(const float *x, int64_t r0, int64_t r1, int64_t H, const float *w, float eps, float *h,
-                      const Acts *a, int quant) {
+                      const Acts *a, int prep) {
     rms_norm_f32(x + r0 * H, r1 - r0, H, H, w, eps, h + r0 * H, H, 1);
-    if (quant) quantize_range(h, r0, r1, a);
+    if (prep) acts_rows(h, H, r0, r1, a);
 }
 
 /* x [m, hidden] in/out. cos, sin [m, d/2]; slots [m] (each row's new cache slot); block_tables
@@ -146,9 +139,9 @@ int decode_layers(const Layer *layers, int64_t nlayers, const Dims *dm, float *x
     kmax = kmax > I ? kmax : I;
     float *buf = malloc(sizeof(float) * (size_t)(m * (H + nqkv + nq + 3 * I + H)));
     int64_t *next = calloc((size_t)(nlayers * 5), sizeof(int64_t)); /* chunk counters: 5 per layer */
-    Acts a = {NULL, NULL, NULL, kmax};
-    int quant = blocks && uses_acts(m);
-    int ok = !quant || acts_alloc(&a, m, kmax);
+    Acts a;
+    int ok = acts_alloc(&a, m, kmax, blocks);
+    int prep = a.q || a.p; /* the products read `a` (else all F32 rows below GEMM_ROWS: x itself) */
     if (!buf || !next || !ok) { free(buf); free(next); acts_free(&a); return 2; }
     float *h = buf, *qkv = h + m * H, *att = qkv + m * nqkv, *gu = att + m * nq, *act = gu + m * 2 * I,
           *t = act + m * I;
@@ -168,7 +161,7 @@ int decode_layers(const Layer *layers, int64_t nlayers, const Dims *dm, float *x
 #pragma omp barrier
         for (int64_t l = 0; l < nlayers && !rc; l++) {
             const Layer *L = &layers[l];
-            norm_rows(x, r0, r1, H, L->ln1, dm->eps, h, &aH, quant);
+            norm_rows(x, r0, r1, H, L->ln1, dm->eps, h, &aH, prep);
 #pragma omp barrier
             mat_rows(&L->qkv, &aH, h, m, qkv, nqkv, wp, &next[5 * l], nth);
 #pragma omp barrier
@@ -186,24 +179,24 @@ int decode_layers(const Layer *layers, int64_t nlayers, const Dims *dm, float *x
             }
             /* Rows' caches are written before any row is attended; one row's heads are split. */
 #pragma omp barrier
-            if (attend(L, dm, qkv, nqkv, att, m, &pg, quant ? &aQ : NULL, &next[5 * l + 4], tid, nth)) {
+            if (attend(L, dm, qkv, nqkv, att, m, &pg, prep ? &aQ : NULL, &next[5 * l + 4], tid, nth)) {
 #pragma omp atomic write
                 rc = 2;
             }
             if (m == 1) {
 #pragma omp barrier
-                if (quant && tid == 0) quantize_range(att, 0, 1, &aQ);
+                if (prep && tid == 0) acts_rows(att, nq, 0, 1, &aQ);
             }
 #pragma omp barrier
             mat_rows(&L->o, &aQ, att, m, t, H, wp, &next[5 * l + 1], nth);
 #pragma omp barrier
             for (int64_t e = r0 * H; e < r1 * H; e++) x[e] += t[e];
-            norm_rows(x, r0, r1, H, L->ln2, dm->eps, h, &aH, quant);
+            norm_rows(x, r0, r1, H, L->ln2, dm->eps, h, &aH, prep);
 #pragma omp barrier
             mat_rows(&L->gate_up, &aH, h, m, gu, 2 * I, wp, &next[5 * l + 2], nth);
 #pragma omp barrier
             silu_mul_f32(gu + r0 * 2 * I, r1 - r0, 2 * I, I, act + r0 * I, 1);
-            if (quant) quantize_range(act, r0, r1, &aI);
+            if (prep) acts_rows(act, I, r0, r1, &aI);
 #pragma omp barrier
             mat_rows(&L->down, &aI, act, m, t, H, wp, &next[5 * l + 3], nth);
 #pragma omp barrier

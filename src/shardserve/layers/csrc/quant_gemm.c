@@ -1,20 +1,116 @@
-/* The float GEMM half of quant_matmul.c (which includes this file after `expand_row`): products
- * of GEMM_ROWS activation rows or more against block-quantized weights. Not compiled alone. */
-
-/* ------------------------------------------------------------------ many rows: a float GEMM */
-
-/* From GEMM_ROWS activation rows up (prefill, many decode streams), 16 weight rows at a time are
- * expanded to floats and packed k-major (wp[e * 16 + j] = W[n0 + j][e], in L1/L2), and a 6 x 16
- * block of the output is computed in 12 accumulators: per e, two loads of packed weights, six
- * broadcasts of x, twelve multiply-adds (the register-blocked shape of a float GEMM). Float32
- * throughout, so exact to float rounding. */
+/* The float GEMMs of quant_matmul.c (which includes this file after `expand_row`): products of
+ * GEMM_ROWS activation rows or more against block-quantized or float32 weights, float32
+ * throughout (exact to float rounding). Not compiled alone. Two shapes of the same register
+ * block, 12 accumulators fed per step by two vector loads and six broadcasts:
+ *
+ * - Up to STRIP_ROWS rows (decode of many streams): the activations are packed once per product
+ *   into panels of 16 rows, k-major (p[e * 16 + i] = x[i0 + i][e]); the weight is expanded 6 rows
+ *   at a time, row-major (float32 weights are read where they lie), and a 16 x 6 block of the
+ *   output is computed per panel. The weight needs no transpose: at 32 rows, transposing it cost
+ *   as much as half the multiply-adds (gate_up of SmolLM2, 32 rows: 1.2 -> 0.94 ms).
+ * - From STRIP_ROWS (prefill): 16 weight rows at a time are expanded and packed k-major
+ *   (wp[e * 16 + j] = W[n0 + j][e]) and a 6 x 16 block of the output is computed from x's rows
+ *   as they lie. Its cost per weight row is paid over many rows, and the broadcast side (6 floats
+ *   per step) is the one streamed from memory, not 16: at 1,024 rows it is the faster one. */
 #ifndef GEMM_ROWS
 #define GEMM_ROWS 16 /* below: the 16-bit path; from here the float GEMM (measured crossover) */
 #endif
+#define STRIP_ROWS 128 /* from here weight strips, below activation panels (measured crossover) */
+#define PW 16 /* activation rows per panel */
+#define NW 6  /* weight rows per panel block */
+
+/* ------------------------------------------------------------------ few rows: panels */
+
+/* Rows [r0, r1) of x into their places in a's panels; the rows after the last (r1 == a->m) up
+ * to the panel's end are zeroed, so the multiply-adds of a part-filled panel read numbers. */
+static void pack_rows(const float *x, int64_t ldx, int64_t r0, int64_t r1, const Acts *a) {
+    int64_t k = a->k;
+    for (int64_t i = r0; i < r1; i++) {
+        float *dst = a->p + (i / PW) * PW * k + i % PW;
+        const float *src = x + i * ldx;
+        for (int64_t e = 0; e < k; e++) dst[e * PW] = src[e];
+    }
+    if (r1 == a->m)
+        for (int64_t i = a->m; i % PW; i++) {
+            float *dst = a->p + (i / PW) * PW * k + i % PW;
+            for (int64_t e = 0; e < k; e++) dst[e * PW] = 0.0f;
+        }
+}
+
+/* out[j * PW + i] = panel row i . weight row j (w + j * ldw) for j < nr, i < lanes (16 or 8). */
+static inline __attribute__((always_inline)) void panel_micro(const int lanes, const int nr, const float *w, int64_t ldw,
+                                                        const float *p, int64_t k, float *out) {
+#ifdef __AVX2__
+    __m256 c[NW][2];
+    for (int j = 0; j < NW; j++) c[j][0] = c[j][1] = _mm256_setzero_ps();
+    for (int64_t e = 0; e < k; e++) {
+        __m256 a0 = _mm256_loadu_ps(p + e * PW), a1 = lanes > 8 ? _mm256_loadu_ps(p + e * PW + 8) : a0;
+        for (int j = 0; j < nr; j++) {
+            __m256 b = _mm256_broadcast_ss(w + j * ldw + e);
+            c[j][0] = _mm256_fmadd_ps(b, a0, c[j][0]);
+            if (lanes > 8) c[j][1] = _mm256_fmadd_ps(b, a1, c[j][1]);
+        }
+    }
+    for (int j = 0; j < nr; j++) {
+        _mm256_storeu_ps(out + j * PW, c[j][0]);
+        if (lanes > 8) _mm256_storeu_ps(out + j * PW + 8, c[j][1]);
+    }
+#else
+    for (int j = 0; j < nr; j++)
+        for (int i = 0; i < lanes; i++) {
+            float t = 0.0f;
+            for (int64_t e = 0; e < k; e++) t += p[e * PW + i] * w[j * ldw + e];
+            out[j * PW + i] = t;
+        }
+#endif
+}
+
+/* panel_micro() with constant lanes and row counts: unrolled, accumulators in registers. */
+static void panel_tile(int lanes, int nr, const float *w, int64_t ldw, const float *p, int64_t k, float *out) {
+#define ROWS_OF(L)                                                                                               \
+    switch (nr) {                                                                                                \
+    case 6: panel_micro(L, 6, w, ldw, p, k, out); break;                                                               \
+    case 5: panel_micro(L, 5, w, ldw, p, k, out); break;                                                               \
+    case 4: panel_micro(L, 4, w, ldw, p, k, out); break;                                                               \
+    case 3: panel_micro(L, 3, w, ldw, p, k, out); break;                                                               \
+    case 2: panel_micro(L, 2, w, ldw, p, k, out); break;                                                               \
+    default: panel_micro(L, 1, w, ldw, p, k, out); break;                                                              \
+    }
+    if (lanes > 8) { ROWS_OF(16) } else { ROWS_OF(8) }
+#undef ROWS_OF
+}
+
+/* y[i * ldy + r] = x_i . W[r] for i < a->m, r0 <= r < r1, x given as a's panels; tmp holds NW * k
+ * floats. */
+static void panel_gemm(int type, const uint8_t *w, int64_t row_bytes, int64_t r0, int64_t r1, const Acts *a,
+                      float *y, int64_t ldy, float *tmp) {
+    int64_t k = a->k, m = a->m;
+    for (int64_t n0 = r0; n0 < r1; n0 += NW) {
+        int nr = r1 - n0 < NW ? (int)(r1 - n0) : NW;
+        const float *wt = tmp;
+        int64_t ldw = k;
+        if (type == F32) {
+            wt = (const float *)(w + n0 * row_bytes);
+            ldw = row_bytes / (int64_t)sizeof(float);
+        } else {
+            for (int j = 0; j < nr; j++) expand_row(type, w + (n0 + j) * row_bytes, k, tmp + j * k);
+        }
+        for (int64_t i0 = 0; i0 < m; i0 += PW) {
+            int mr = m - i0 < PW ? (int)(m - i0) : PW;
+            float out[NW * PW];
+            panel_tile(mr > 8 ? 16 : 8, nr, wt, ldw, a->p + i0 * k, k, out);
+            for (int i = 0; i < mr; i++)
+                for (int j = 0; j < nr; j++) y[(i0 + i) * ldy + n0 + j] = out[j * PW + i];
+        }
+    }
+}
+
+/* ------------------------------------------------------------------ many rows: weight strips */
+
 #define MR 6
 #define NR 16
 
-static inline __attribute__((always_inline)) void micro(const int mr, const float *x, int64_t ldx, const float *wp,
+static inline __attribute__((always_inline)) void strip_micro(const int mr, const float *x, int64_t ldx, const float *wp,
                                                         int64_t k, float *out) {
 #ifdef __AVX2__
     __m256 c[MR][2];
@@ -60,7 +156,7 @@ static inline void transpose8(__m256 r[8]) {
 #endif
 
 /* wp[e * NR + j] = W[n0 + j][e] for j < nn (0 for nn <= j < NR); tmp holds 8 * k floats. */
-static void pack_rows(int type, const uint8_t *w, int64_t row_bytes, int64_t n0, int nn, int64_t k, float *wp,
+static void pack_strip(int type, const uint8_t *w, int64_t row_bytes, int64_t n0, int nn, int64_t k, float *wp,
                       float *tmp) {
     for (int g = 0; g < NR; g += 8) {
         for (int j = 0; j < 8; j++) {
@@ -82,22 +178,22 @@ static void pack_rows(int type, const uint8_t *w, int64_t row_bytes, int64_t n0,
 }
 
 /* y[i * ldy + r] = x_i . W[r] for i < m, r0 <= r < r1; wp holds NR * k floats, tmp 8 * k. */
-static void gemm_rows(int type, const uint8_t *w, int64_t row_bytes, int64_t r0, int64_t r1, const float *x,
+static void strip_gemm(int type, const uint8_t *w, int64_t row_bytes, int64_t r0, int64_t r1, const float *x,
                       int64_t ldx, int64_t m, int64_t k, float *y, int64_t ldy, float *wp, float *tmp) {
     for (int64_t n0 = r0; n0 < r1; n0 += NR) {
         int nn = r1 - n0 < NR ? (int)(r1 - n0) : NR;
-        pack_rows(type, w, row_bytes, n0, nn, k, wp, tmp);
+        pack_strip(type, w, row_bytes, n0, nn, k, wp, tmp);
         for (int64_t i0 = 0; i0 < m; i0 += MR) {
             int mr = m - i0 < MR ? (int)(m - i0) : MR;
             float out[MR * NR];
             const float *xi = x + i0 * ldx;
             switch (mr) { /* constant row counts: unrolled, accumulators in registers */
-            case 6: micro(6, xi, ldx, wp, k, out); break;
-            case 5: micro(5, xi, ldx, wp, k, out); break;
-            case 4: micro(4, xi, ldx, wp, k, out); break;
-            case 3: micro(3, xi, ldx, wp, k, out); break;
-            case 2: micro(2, xi, ldx, wp, k, out); break;
-            default: micro(1, xi, ldx, wp, k, out); break;
+            case 6: strip_micro(6, xi, ldx, wp, k, out); break;
+            case 5: strip_micro(5, xi, ldx, wp, k, out); break;
+            case 4: strip_micro(4, xi, ldx, wp, k, out); break;
+            case 3: strip_micro(3, xi, ldx, wp, k, out); break;
+            case 2: strip_micro(2, xi, ldx, wp, k, out); break;
+            default: strip_micro(1, xi, ldx, wp, k, out); break;
             }
             for (int i = 0; i < mr; i++)
                 for (int j = 0; j < nn; j++) y[(i0 + i) * ldy + n0 + j] = out[i * NR + j];

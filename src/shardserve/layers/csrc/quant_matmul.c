@@ -53,14 +53,18 @@ static void quantize16(const float *x, int64_t k, int16_t *xq, float *xd, float 
     }
 }
 
+/* A product's activations as its kernels read them: below GEMM_ROWS rows quantized to 16 bits
+ * (q, d, s), from there packed into the float GEMM's panels (p; see quant_gemm.c). */
 typedef struct {
     int16_t *q;
     float *d, *s;
-    int64_t k; /* row length; rows are k apart in q, k / 32 apart in d and s */
+    float *p;
+    int64_t k, m; /* row length, rows; rows are k apart in q, k / 32 apart in d and s */
 } Acts;
 
-static void quantize_rows(const float *x, int64_t m, int64_t ldx, int64_t k, const Acts *a) {
-    for (int64_t i = 0; i < m; i++) quantize16(x + i * ldx, k, a->q + i * k, a->d + i * (k / QK), a->s + i * (k / QK));
+static void quantize_rows(const float *x, int64_t ldx, int64_t r0, int64_t r1, const Acts *a) {
+    int64_t k = a->k;
+    for (int64_t i = r0; i < r1; i++) quantize16(x + i * ldx, k, a->q + i * k, a->d + i * (k / QK), a->s + i * (k / QK));
 }
 
 /* ------------------------------------------------------------------ one weight row . up to 4 rows */
@@ -190,11 +194,18 @@ static int uses_acts(int64_t m) {
 }
 
 /* Scratch floats one thread's float GEMM needs for rows of k weights. */
-static size_t gemm_scratch(int64_t k) { return sizeof(float) * (size_t)((NR + 8) * k); }
+static size_t gemm_scratch(int64_t k) { return sizeof(float) * (size_t)((NR + 8) * k); } /* >= NW * k */
+
+/* Rows [r0, r1) of x into the same rows of `a`: quantized or packed, whichever `a` holds. */
+static void acts_rows(const float *x, int64_t ldx, int64_t r0, int64_t r1, const Acts *a) {
+    if (a->q) quantize_rows(x, ldx, r0, r1, a);
+    if (a->p) pack_rows(x, ldx, r0, r1, a);
+}
 
 /* y[i * ldy + r] = x_i . W[r] for i < m and r0 <= r < r1: the 16-bit path on `a` (x quantized)
- * when uses_acts(m), else the float GEMM on x with `wp` (gemm_scratch(k) bytes). No threads of
- * its own. */
+ * when uses_acts(m), else a float GEMM with `wp` (gemm_scratch(k) bytes): on a's panels below
+ * STRIP_ROWS, on x itself from there; F32 rows below GEMM_ROWS read x too. No threads of its
+ * own. */
 static void qmatmul_rows(int type, const uint8_t *w, int64_t row_bytes, int64_t r0, int64_t r1, const Acts *a,
                          const float *x, int64_t ldx, int64_t m, float *y, int64_t ldy, float *wp) {
     if (type == F32 && m < GEMM_ROWS) {
@@ -202,7 +213,8 @@ static void qmatmul_rows(int type, const uint8_t *w, int64_t row_bytes, int64_t 
         return;
     }
     if (!uses_acts(m)) {
-        gemm_rows(type, w, row_bytes, r0, r1, x, ldx, m, a->k, y, ldy, wp, wp + NR * a->k);
+        if (m >= STRIP_ROWS) strip_gemm(type, w, row_bytes, r0, r1, x, ldx, m, a->k, y, ldy, wp, wp + NR * a->k);
+        else panel_gemm(type, w, row_bytes, r0, r1, a, y, ldy, wp);
         return;
     }
 #ifdef __AVX2__
@@ -244,28 +256,37 @@ static void qmatmul_rows(int type, const uint8_t *w, int64_t row_bytes, int64_t 
 #endif
 }
 
-static int acts_alloc(Acts *a, int64_t m, int64_t k) {
-    a->k = k;
+/* Buffers for m rows of up to k: 16-bit ones when uses_acts(m) (and `quant`: some weight is in
+ * blocks), panels below STRIP_ROWS otherwise, none from there. Returns 0 when out of memory. */
+static int acts_alloc(Acts *a, int64_t m, int64_t k, int quant) {
+    *a = (Acts){NULL, NULL, NULL, NULL, k, m};
+    if (m >= STRIP_ROWS) return 1;
+    if (!uses_acts(m)) {
+        a->p = malloc(sizeof(float) * (size_t)((m + PW - 1) / PW * PW * k));
+        return a->p != NULL;
+    }
+    if (!quant) return 1;
     a->q = malloc(sizeof(int16_t) * (size_t)(m * k));
     a->d = malloc(sizeof(float) * (size_t)(m * (k / QK)));
     a->s = malloc(sizeof(float) * (size_t)(m * (k / QK)));
     return a->q && a->d && a->s;
 }
 
-static void acts_free(Acts *a) { free(a->q); free(a->d); free(a->s); }
+static void acts_free(Acts *a) { free(a->q); free(a->d); free(a->s); free(a->p); }
 
 /* ------------------------------------------------------------------ entry points */
 
 /* Threads claim chunks of weight rows from a shared counter rather than taking fixed halves:
  * where other processes share the cores, a thread the OS preempts mid-product leaves its
  * remaining chunks to the others instead of holding them all at the next barrier. A chunk is a
- * quarter of a thread's even share (at least 32 rows, a multiple of the GEMM's 16): long enough
- * runs for the memory prefetchers of a one-row product, small enough to rebalance. (Serving 32
+ * quarter of a thread's even share (at least 32 rows): long enough runs for the memory
+ * prefetchers of a one-row product, small enough to rebalance. It is whole blocks of the float
+ * GEMM that m rows take: 6 weight rows (panels) or 16 (strips; also the 16-bit path). (Serving 32
  * streams on the shared 2-core test machine, against fixed halves: within its +-5% noise.) */
-static inline int64_t chunk_rows(int64_t rows, int nth) {
-    int64_t c = (rows + 4 * nth - 1) / (4 * nth);
-    c = (c + 15) / 16 * 16;
-    return c < 32 ? 32 : c;
+static inline int64_t chunk_rows(int64_t rows, int64_t m, int nth) {
+    int64_t g = m >= GEMM_ROWS && m < STRIP_ROWS ? NW : 16, c = (rows + 4 * nth - 1) / (4 * nth);
+    c = (c + g - 1) / g * g;
+    return c < 32 ? (32 + g - 1) / g * g : c;
 }
 
 /* Claims the next of `total` chunks from *next (zeroed before the threads start), or -1. */
@@ -279,16 +300,14 @@ static inline int64_t claim(int64_t *next, int64_t total) {
 int qmatmul(int type, const uint8_t *w, int64_t row_bytes, int64_t n, int64_t k, const float *x,
             int64_t m, int64_t ldx, float *y, int64_t ldy, int nthreads) {
     if (!fits(type, k)) return 1;
-    Acts a = {NULL, NULL, NULL, k};
-    if (uses_acts(m) && type != F32) {
-        if (!acts_alloc(&a, m, k)) { acts_free(&a); return 2; }
-        quantize_rows(x, m, ldx, k, &a);
-    }
+    Acts a;
+    if (!acts_alloc(&a, m, k, type != F32)) { acts_free(&a); return 2; }
+    acts_rows(x, ldx, 0, m, &a);
     int err = 0;
     int64_t next = 0;
 #pragma omp parallel num_threads(nthreads)
     {
-        int64_t step = chunk_rows(n, omp_get_num_threads()), chunks = (n + step - 1) / step;
+        int64_t step = chunk_rows(n, m, omp_get_num_threads()), chunks = (n + step - 1) / step;
         float *wp = uses_acts(m) ? NULL : malloc(gemm_scratch(k));
         if (!uses_acts(m) && !wp) {
 #pragma omp atomic write
