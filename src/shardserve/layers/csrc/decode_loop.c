@@ -45,27 +45,20 @@ typedef int (*attn_fn)(const float *q, int64_t q_stride, const float *k_cache, c
                        const int64_t *kv_of_q, float *out, float *lse, int64_t B, int64_t H, int64_t Hkv, int64_t D,
                        int64_t page_size, float scale, int num_threads);
 
-/* This thread's share of y = x W^T: chunks of weight rows claimed from *next (see chunk_rows);
- * x both as floats and, for few rows, quantized in `a`. */
+/* This thread's share of y = x W^T: runs of weight rows claimed from *next (see claim_rows), a
+ * run that spans segments taken segment by segment; x both as floats and as `a` prepares it. */
 static void mat_rows(const Mat *w, const Acts *a, const float *x, int64_t m, float *y, int64_t ldy, float *wp,
                      int64_t *next, int nth) {
-    int64_t step[3], count[3], total = 0;
-    for (int64_t s = 0; s < w->nseg; s++) {
-        step[s] = chunk_rows(w->seg[s].rows, m, nth);
-        count[s] = (w->seg[s].rows + step[s] - 1) / step[s];
-        total += count[s];
-    }
-    for (int64_t c; (c = claim(next, total)) >= 0;) {
-        int64_t s = 0, off = 0;
-        for (; c >= count[s]; s++) { /* the segment holding chunk c */
-            c -= count[s];
-            off += w->seg[s].rows;
+    int64_t total = 0;
+    for (int64_t s = 0; s < w->nseg; s++) total += w->seg[s].rows;
+    for (int64_t r0, r1; (r0 = claim_rows(next, total, m, nth, &r1)) >= 0;) {
+        for (int64_t s = 0, off = 0; s < w->nseg && off < r1; off += w->seg[s++].rows) { /* segments in the run */
+            const Seg *g = &w->seg[s];
+            int64_t lo = r0 > off ? r0 - off : 0, hi = r1 - off < g->rows ? r1 - off : g->rows;
+            if (lo < hi) qmatmul_rows((int)g->type, g->data, g->row_bytes, lo, hi, a, x, a->k, m, y + off, ldy, wp);
         }
-        const Seg *g = &w->seg[s];
-        int64_t r0 = c * step[s], r1 = r0 + step[s] < g->rows ? r0 + step[s] : g->rows;
-        qmatmul_rows((int)g->type, g->data, g->row_bytes, r0, r1, a, x, a->k, m, y + off, ldy, wp);
-    }
 }
+    }
 
 static int mat_fits(const Mat *w, int64_t k) {
     for (int64_t s = 0; s < w->nseg; s++)
@@ -116,7 +109,7 @@ static void norm_rows(const float *x, int64_t r0, int64_t r1, int64_t H, const f
  * [m, max_pages] and context_lens [m] as the attention kernel takes them. Returns 0, 1 for a
  * weight the kernels do not take (checked before anything runs), 2 when out of memory.
  *
- * One parallel region covers the whole stack: the threads claim chunks of the products' weight
+ * One parallel region covers the whole stack: the threads claim runs of the products' weight
  * rows and the attention's rows (`mat_rows`, `attend`), the small steps (norms, rotary, the cache
  * write, SiLU, residual adds) split the activation rows evenly, and barriers (not a fork and join
  * per operator) separate the phases. */
@@ -138,7 +131,7 @@ int decode_layers(const Layer *layers, int64_t nlayers, const Dims *dm, float *x
     int64_t kmax = H > nq ? H : nq;
     kmax = kmax > I ? kmax : I;
     float *buf = malloc(sizeof(float) * (size_t)(m * (H + nqkv + nq + 3 * I + H)));
-    int64_t *next = calloc((size_t)(nlayers * 5), sizeof(int64_t)); /* chunk counters: 5 per layer */
+    int64_t *next = calloc((size_t)(nlayers * 5), sizeof(int64_t)); /* claim counters: 5 per layer */
     Acts a;
     int ok = acts_alloc(&a, m, kmax, blocks);
     int prep = a.q || a.p; /* the products read `a` (else all F32 rows below GEMM_ROWS: x itself) */
