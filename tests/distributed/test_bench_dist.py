@@ -32,35 +32,36 @@ def test_bench_dist_counts_follow_from_the_shapes(capsys):
 
 def test_bench_dist_pipeline_counts_follow_from_the_shapes(capsys):
     """PP 2 and 3 with one micro-batch: every step's residual stream crosses each boundary once;
-    with the default micro-batches the same tokens and bytes, in more (smaller) sends."""
+    PP 2 with the default micro-batches: the same tokens and bytes, in more (smaller) sends."""
     prompts, prompt_len, hidden = 6, 20, 64
     common = ["bench", "dist", "--mode", "pipeline", "--layers", "5", "--hidden", str(hidden), "--heads", "4",
               "--kv-heads", "2", "--intermediate", "96", "--vocab", "301", "--num-prompts", str(prompts),
               "--prompt-len", str(prompt_len), "--new-tokens", str(NEW), "--sizes", "1,2,3", "--kv-cache-memory", "4M"]
     assert main([*common, "--pp-micro-batches", "1"]) == 0
     one = [json.loads(line) for line in capsys.readouterr().out.splitlines() if line.startswith("{")]
-    # PP 1 with the default micro-batches is the run above: the second run skips it (CI time).
-    assert main([*common[:-3], "2,3", *common[-2:]]) == 0
+    # PP 1 with the default micro-batches is the run above, and PP 3 adds nothing PP 2 does not
+    # show here (test_pipeline runs 3 micro-batches): the second run is PP 2 alone (CI time).
+    assert main([*common[:-3], "2", *common[-2:]]) == 0
     default = one[:1] + [json.loads(line) for line in capsys.readouterr().out.splitlines() if line.startswith("{")]
     tokens = prompts * prompt_len + (NEW - 1) * prompts
     for runs in (one, default):
-        assert [r["ranks"] for r in runs] == [1, 2, 3] and all(r["same_tokens"] for r in runs)
-        assert [r["layers_per_rank"] for r in runs] == [[[0, 5]], [[0, 3], [3, 5]], [[0, 2], [2, 4], [4, 5]]]
+        n = len(runs)  # 3, then 2
+        assert [r["ranks"] for r in runs] == [1, 2, 3][:n] and all(r["same_tokens"] for r in runs)
+        assert [r["layers_per_rank"] for r in runs] == [[[0, 5]], [[0, 3], [3, 5]], [[0, 2], [2, 4], [4, 5]]][:n]
         # A page of one layer: K and V, 16 tokens x 2 KV heads x 16 dims x 4 bytes. Every rank uses
         # what the stage with the most layers holds (5, then 3, then 2).
         per_layer = 2 * 16 * 2 * 16 * 4
-        assert [r["kv_pages_per_rank"] for r in runs] == [4 * 2**20 // (n * per_layer) for n in (5, 3, 2)]
+        assert [r["kv_pages_per_rank"] for r in runs] == [4 * 2**20 // (k * per_layer) for k in (5, 3, 2)][:n]
         for r in runs[1:]:
             assert r["pipeline"]["send"]["MB"] == tokens * hidden * 4 / 1e6
             assert r["control"]["plan_fanout"]["calls"] == r["steps"] + 1  # the plans, and the report request
             assert r["traffic_per_rank"][-1]["control"]["result"]["calls"] == r["steps"]  # tokens back
     assert [r["steps"] for r in one] == [NEW] * 3
     assert [r["pipeline"]["send"]["calls"] for r in one[1:]] == [NEW, NEW]
-    # Six requests over K = 2 and 3 micro-batches of at most 6 / K each: at least K times the steps
-    # (more when a slot is filled before every result is back), one send per step and boundary.
+    # Six requests over 2 micro-batches of at most 3 each: at least twice the steps (more when a
+    # slot is filled before every result is back), one send per step.
     assert default[0]["steps"] == NEW
-    for k, r in ((2, default[1]), (3, default[2])):
-        assert r["steps"] >= k * NEW and r["pipeline"]["send"]["calls"] == r["steps"]
+    assert default[1]["steps"] >= 2 * NEW and default[1]["pipeline"]["send"]["calls"] == default[1]["steps"]
 
 
 def test_bench_dist_expert_bytes_follow_from_the_routing(capsys):

@@ -78,7 +78,7 @@ def silent_stage(comm):
 
     pipe = Communicator(comm.group, comm.rank, comm.size, "pipeline", comm.members)
     if comm.rank == 0:
-        time.sleep(8)
+        time.sleep(5)  # alive, silent, past rank 1's 2 s timeout
         return None
     link = StageLink(pipe, Stage(1, 2, 2, 4), timeout_s=2)
     start = time.monotonic()

@@ -22,8 +22,6 @@ import os
 import tempfile
 import time
 
-import torch
-
 from shardserve.core import SamplingParams
 
 # The traffic modes' default model is small (the counts follow from the shapes); the bubble's is
@@ -73,6 +71,7 @@ def add_dist_args(p: argparse.ArgumentParser) -> None:
 
 
 def random_model(args: argparse.Namespace, path: str) -> None:
+    import torch  # here, not at the top: `shardserve serve` builds this parser and needs no torch
     from transformers import AutoModelForCausalLM, LlamaConfig
 
     torch.manual_seed(0)
@@ -126,6 +125,8 @@ def _minus(after: dict, before: dict) -> dict:
 
 
 def run_dist(args: argparse.Namespace) -> int:
+    import torch
+
     fill_defaults(args)
     sizes = args.sizes
     if args.mode == "bubble":

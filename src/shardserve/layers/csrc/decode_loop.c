@@ -52,13 +52,13 @@ static void mat_rows(const Mat *w, const Acts *a, const float *x, int64_t m, flo
     int64_t total = 0;
     for (int64_t s = 0; s < w->nseg; s++) total += w->seg[s].rows;
     for (int64_t r0, r1; (r0 = claim_rows(next, total, m, nth, &r1)) >= 0;) {
-        for (int64_t s = 0, off = 0; s < w->nseg && off < r1; off += w->seg[s++].rows) { /* segments in the run */
+        for (int64_t s = 0, off = 0; s < w->nseg && off < r1; off += w->seg[s++].rows) { /* its segments */
             const Seg *g = &w->seg[s];
             int64_t lo = r0 > off ? r0 - off : 0, hi = r1 - off < g->rows ? r1 - off : g->rows;
             if (lo < hi) qmatmul_rows((int)g->type, g->data, g->row_bytes, lo, hi, a, x, a->k, m, y + off, ldy, wp);
         }
-}
     }
+}
 
 static int mat_fits(const Mat *w, int64_t k) {
     for (int64_t s = 0; s < w->nseg; s++)
@@ -72,7 +72,7 @@ typedef struct {
     attn_fn attn;
 } Pages; /* what the attention kernel reads besides q and the caches */
 
-/* Attention for the step's rows into att, each row then quantized into `aq` when not NULL.
+/* Attention for the step's rows into att, each row then into `aq` (quantized or packed) when not NULL.
  * Several rows: claimed a few at a time from *next (their contexts differ in length, and a thread
  * the OS preempts leaves its rows to the others). One row: this thread's share of the query
  * heads (one row claimed whole would leave the other threads idle); the caller quantizes it. */

@@ -64,7 +64,8 @@ typedef struct {
 
 static void quantize_rows(const float *x, int64_t ldx, int64_t r0, int64_t r1, const Acts *a) {
     int64_t k = a->k;
-    for (int64_t i = r0; i < r1; i++) quantize16(x + i * ldx, k, a->q + i * k, a->d + i * (k / QK), a->s + i * (k / QK));
+    for (int64_t i = r0; i < r1; i++)
+        quantize16(x + i * ldx, k, a->q + i * k, a->d + i * (k / QK), a->s + i * (k / QK));
 }
 
 /* ------------------------------------------------------------------ one weight row . up to 4 rows */
@@ -282,9 +283,10 @@ static void acts_free(Acts *a) { free(a->q); free(a->d); free(a->s); free(a->p);
  * each takes 1 / (2 nth) of the rows still unclaimed, so the first are long (for the memory
  * prefetchers of a one-row product) and the last short (the threads reach the barrier together),
  * at least 32 rows, in whole blocks of the float GEMM that m rows take: 6 weight rows (panels) or
- * 16 (strips; also the 16-bit path). Against fixed quarters of a share, the threads of a 32-stream
- * SmolLM2 decode step waited 3-6 ms at its barriers instead of 11-13 (both summed). Returns the run's first row (its end in *end), or
- * -1 when all `total` rows are claimed; *next is zeroed before the threads start. */
+ * 16 (strips; also the 16-bit path). Against fixed quarters of a share, the threads of a
+ * 32-stream SmolLM2 decode step waited 3-6 ms at its barriers instead of 11-13 (both summed).
+ * Returns the run's first row (its end in *end), or -1 when all `total` rows are claimed; *next
+ * is zeroed before the threads start. */
 static inline int64_t claim_rows(int64_t *next, int64_t total, int64_t m, int nth, int64_t *end) {
     int64_t g = m >= GEMM_ROWS && m < STRIP_ROWS ? NW : 16, s = __atomic_load_n(next, __ATOMIC_RELAXED), e;
     do {
