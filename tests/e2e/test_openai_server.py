@@ -388,3 +388,11 @@ def test_structured_output_refusals_name_the_field(client, extra, field):
                                        extra_body=extra)
     err = e.value.body
     assert err["param"].startswith(field) and field in err["message"], err
+
+
+def test_the_api_process_does_not_load_torch(client, tiny_server):
+    """The HTTP process only parses, routes and streams: torch (~200 MB, ~2 s of import on each
+    start) is the ranks' business. Asked after a request has been served."""
+    client.completions.create(model=None, prompt="hello", max_tokens=2, temperature=0)
+    with open(f"/proc/{tiny_server.proc.pid}/maps") as f:
+        assert "libtorch" not in f.read()
