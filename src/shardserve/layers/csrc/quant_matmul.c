@@ -194,6 +194,9 @@ static int uses_acts(int64_t m) {
 #endif
 }
 
+/* Whether m activation rows take the float GEMM on panels (else the 16-bit path or strips). */
+static int uses_panels(int64_t m) { return !uses_acts(m) && m < STRIP_ROWS; }
+
 /* Scratch floats one thread's float GEMM needs for rows of k weights. */
 static size_t gemm_scratch(int64_t k) { return sizeof(float) * (size_t)((NR + 8) * k); } /* >= NW * k */
 
@@ -214,8 +217,8 @@ static void qmatmul_rows(int type, const uint8_t *w, int64_t row_bytes, int64_t 
         return;
     }
     if (!uses_acts(m)) {
-        if (m >= STRIP_ROWS) strip_gemm(type, w, row_bytes, r0, r1, x, ldx, m, a->k, y, ldy, wp, wp + NR * a->k);
-        else panel_gemm(type, w, row_bytes, r0, r1, a, y, ldy, wp);
+        if (uses_panels(m)) panel_gemm(type, w, row_bytes, r0, r1, a, y, ldy, wp);
+        else strip_gemm(type, w, row_bytes, r0, r1, x, ldx, m, a->k, y, ldy, wp, wp + NR * a->k);
         return;
     }
 #ifdef __AVX2__
@@ -261,12 +264,11 @@ static void qmatmul_rows(int type, const uint8_t *w, int64_t row_bytes, int64_t 
  * blocks), panels below STRIP_ROWS otherwise, none from there. Returns 0 when out of memory. */
 static int acts_alloc(Acts *a, int64_t m, int64_t k, int quant) {
     *a = (Acts){NULL, NULL, NULL, NULL, k, m};
-    if (m >= STRIP_ROWS) return 1;
-    if (!uses_acts(m)) {
+    if (uses_panels(m)) {
         a->p = malloc(sizeof(float) * (size_t)((m + PW - 1) / PW * PW * k));
         return a->p != NULL;
     }
-    if (!quant) return 1;
+    if (!uses_acts(m) || !quant) return 1;
     a->q = malloc(sizeof(int16_t) * (size_t)(m * k));
     a->d = malloc(sizeof(float) * (size_t)(m * (k / QK)));
     a->s = malloc(sizeof(float) * (size_t)(m * (k / QK)));
@@ -288,7 +290,7 @@ static void acts_free(Acts *a) { free(a->q); free(a->d); free(a->s); free(a->p);
  * Returns the run's first row (its end in *end), or -1 when all `total` rows are claimed; *next
  * is zeroed before the threads start. */
 static inline int64_t claim_rows(int64_t *next, int64_t total, int64_t m, int nth, int64_t *end) {
-    int64_t g = m >= GEMM_ROWS && m < STRIP_ROWS ? NW : 16, s = __atomic_load_n(next, __ATOMIC_RELAXED), e;
+    int64_t g = uses_panels(m) ? NW : 16, s = __atomic_load_n(next, __ATOMIC_RELAXED), e;
     do {
         if (s >= total) return -1;
         int64_t c = (total - s) / (2 * nth);
