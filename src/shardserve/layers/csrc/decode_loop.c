@@ -49,9 +49,9 @@ typedef int (*attn_fn)(const float *q, int64_t q_stride, const float *k_cache, c
  * run that spans segments taken segment by segment; x both as floats and as `a` prepares it. */
 static void mat_rows(const Mat *w, const Acts *a, const float *x, int64_t m, float *y, int64_t ldy, float *wp,
                      int64_t *next, int nth) {
-    int64_t total = 0;
+    int64_t total = 0, grain = claim_grain((int)w->seg[0].type, m);
     for (int64_t s = 0; s < w->nseg; s++) total += w->seg[s].rows;
-    for (int64_t r0, r1; (r0 = claim_rows(next, total, m, nth, &r1)) >= 0;) {
+    for (int64_t r0, r1; (r0 = claim_rows(next, total, grain, nth, &r1)) >= 0;) {
         for (int64_t s = 0, off = 0; s < w->nseg && off < r1; off += w->seg[s++].rows) { /* its segments */
             const Seg *g = &w->seg[s];
             int64_t lo = r0 > off ? r0 - off : 0, hi = r1 - off < g->rows ? r1 - off : g->rows;
@@ -122,19 +122,19 @@ int decode_layers(const Layer *layers, int64_t nlayers, const Dims *dm, float *x
         if (!mat_fits(&L->qkv, H) || !mat_fits(&L->o, nq) || !mat_fits(&L->gate_up, H) || !mat_fits(&L->down, I))
             return 1;
     }
-    int blocks = 0; /* any block-quantized weight (else all F32 rows: no 16-bit activations needed) */
+    int paths = 0; /* the products' paths (product_path), as bits: which activation buffers they read */
     for (int64_t l = 0; l < nlayers; l++) {
         const Mat *mats[4] = {&layers[l].qkv, &layers[l].o, &layers[l].gate_up, &layers[l].down};
         for (int j = 0; j < 4; j++)
-            for (int64_t s = 0; s < mats[j]->nseg; s++) blocks |= mats[j]->seg[s].type != F32;
+            for (int64_t s = 0; s < mats[j]->nseg; s++) paths |= 1 << product_path((int)mats[j]->seg[s].type, m);
     }
     int64_t kmax = H > nq ? H : nq;
     kmax = kmax > I ? kmax : I;
     float *buf = malloc(sizeof(float) * (size_t)(m * (H + nqkv + nq + 3 * I + H)));
     int64_t *next = calloc((size_t)(nlayers * 5), sizeof(int64_t)); /* claim counters: 5 per layer */
     Acts a;
-    int ok = acts_alloc(&a, m, kmax, blocks);
-    int prep = a.q || a.p; /* the products read `a` (else all F32 rows below GEMM_ROWS: x itself) */
+    int ok = acts_alloc(&a, m, kmax, paths);
+    int prep = a.q || a.p; /* some product reads `a` (else all read x itself) */
     if (!buf || !next || !ok) { free(buf); free(next); acts_free(&a); return 2; }
     float *h = buf, *qkv = h + m * H, *att = qkv + m * nqkv, *gu = att + m * nq, *act = gu + m * 2 * I,
           *t = act + m * I;
@@ -146,8 +146,8 @@ int decode_layers(const Layer *layers, int64_t nlayers, const Dims *dm, float *x
     {
         int tid = omp_get_thread_num(), nth = omp_get_num_threads();
         int64_t r0 = m * tid / nth, r1 = m * (tid + 1) / nth; /* this thread's rows of the small steps */
-        float *wp = uses_acts(m) ? NULL : malloc(gemm_scratch(kmax));
-        if (!uses_acts(m) && !wp) {
+        float *wp = needs_scratch(paths) ? malloc(gemm_scratch(kmax)) : NULL;
+        if (needs_scratch(paths) && !wp) {
 #pragma omp atomic write
             rc = 2;
         }

@@ -153,22 +153,12 @@ static int fits(int type, int64_t k) {
     return known(type) && k % (type == F32 ? 8 : (type == Q4_K || type == Q6_K) ? QKK : QK) == 0;
 }
 
-/* Row `wr` of W as k floats. */
-static void expand_row(int type, const uint8_t *wr, int64_t k, float *o) {
-    if (type == F32) {
-        memcpy(o, wr, sizeof(float) * (size_t)k);
-        return;
-    }
 #ifdef __AVX2__
+/* Row `wr` as k floats through block16 (the K-quants). */
+static inline __attribute__((always_inline)) void expand_blocks16(const int type, const uint8_t *wr, int64_t k,
+                                                                  float *o) {
     for (int64_t b = 0; b < k / QK; b++, o += QK) {
-        Block q;
-        switch (type) { /* constant types, so block16 specializes */
-        case Q4_0: q = block16(Q4_0, wr, b); break;
-        case Q4_1: q = block16(Q4_1, wr, b); break;
-        case Q8_0: q = block16(Q8_0, wr, b); break;
-        case Q4_K: q = block16(Q4_K, wr, b); break;
-        default: q = block16(Q6_K, wr, b); break;
-        }
+        Block q = block16(type, wr, b);
         __m256 m = _mm256_set1_ps(q.min), s0 = _mm256_set1_ps(q.s_lo), s1 = _mm256_set1_ps(q.s_hi);
         __m256i part[4] = {_mm256_cvtepi16_epi32(_mm256_castsi256_si128(q.lo)),
                            _mm256_cvtepi16_epi32(_mm256_extracti128_si256(q.lo, 1)),
@@ -176,6 +166,46 @@ static void expand_row(int type, const uint8_t *wr, int64_t k, float *o) {
                            _mm256_cvtepi16_epi32(_mm256_extracti128_si256(q.hi, 1))};
         for (int i = 0; i < 4; i++)
             _mm256_storeu_ps(o + 8 * i, _mm256_fmadd_ps(_mm256_cvtepi32_ps(part[i]), i < 2 ? s0 : s1, m));
+    }
+}
+
+/* Row `wr` of Q4_0, Q4_1 or Q8_0 as k floats: bytes widened straight to 32 bits (no 16-bit
+ * step as in block16), which expands ~25% faster; the float GEMMs spend a sixth of a
+ * many-stream decode step here. */
+static inline __attribute__((always_inline)) void expand_blocks32(const int type, const uint8_t *wr, int64_t k,
+                                                                  float *o) {
+    const int64_t bytes = type == Q4_0 ? 18 : type == Q4_1 ? 20 : 34;
+    const __m128i m4 = _mm_set1_epi8(0x0F);
+    for (int64_t b = 0; b < k / QK; b++, o += QK, wr += bytes) {
+        __m256 d = _mm256_set1_ps(f16(wr));
+        __m256i v[4];
+        if (type == Q8_0) {
+            for (int i = 0; i < 4; i++) v[i] = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(wr + 2 + 8 * i)));
+            for (int i = 0; i < 4; i++) _mm256_storeu_ps(o + 8 * i, _mm256_mul_ps(_mm256_cvtepi32_ps(v[i]), d));
+            continue;
+        }
+        __m256 m = type == Q4_1 ? _mm256_set1_ps(f16(wr + 2)) : _mm256_mul_ps(d, _mm256_set1_ps(-8.0f));
+        __m128i t = _mm_loadu_si128((const __m128i *)(wr + (type == Q4_1 ? 4 : 2)));
+        __m128i lo = _mm_and_si128(t, m4), hi = _mm_and_si128(_mm_srli_epi16(t, 4), m4);
+        v[0] = _mm256_cvtepu8_epi32(lo);
+        v[1] = _mm256_cvtepu8_epi32(_mm_srli_si128(lo, 8));
+        v[2] = _mm256_cvtepu8_epi32(hi);
+        v[3] = _mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8));
+        for (int i = 0; i < 4; i++) _mm256_storeu_ps(o + 8 * i, _mm256_fmadd_ps(_mm256_cvtepi32_ps(v[i]), d, m));
+    }
+}
+#endif
+
+/* Row `wr` of W as k floats. */
+static void expand_row(int type, const uint8_t *wr, int64_t k, float *o) {
+#ifdef __AVX2__
+    switch (type) { /* constant types, so each loop specializes */
+    case F32: memcpy(o, wr, sizeof(float) * (size_t)k); break;
+    case Q4_0: expand_blocks32(Q4_0, wr, k, o); break;
+    case Q4_1: expand_blocks32(Q4_1, wr, k, o); break;
+    case Q8_0: expand_blocks32(Q8_0, wr, k, o); break;
+    case Q4_K: expand_blocks16(Q4_K, wr, k, o); break;
+    default: expand_blocks16(Q6_K, wr, k, o); break;
     }
 #else
     dequant_row(type, wr, k, o);

@@ -1,6 +1,6 @@
 /* The float GEMMs of quant_matmul.c (which includes this file after `expand_row`): products of
- * GEMM_ROWS activation rows or more against block-quantized or float32 weights, float32
- * throughout (exact to float rounding). Not compiled alone. Two shapes of the same register
+ * more than a few activation rows (product_path) against block-quantized or float32 weights,
+ * float32 throughout (exact to float rounding). Not compiled alone. Two shapes of the same register
  * block, 12 accumulators fed per step by two vector loads and six broadcasts:
  *
  * - Up to STRIP_ROWS rows (decode of many streams): the activations are packed once per product
@@ -14,9 +14,6 @@
  *   as they lie. Its cost per weight row is paid over many rows, and the side streamed from
  *   memory is the broadcast one (6 floats a step, not 16): SmolLM2's 32-prompt prefill in chunks
  *   of 1,024 rows took 4.0-4.5 s on strips, 5.9-6.1 s on panels. */
-#ifndef GEMM_ROWS
-#define GEMM_ROWS 16 /* below: the 16-bit path; from here the float GEMM (measured crossover) */
-#endif
 #define STRIP_ROWS 128 /* from here weight strips, below activation panels (measured crossover) */
 #define PW 16 /* activation rows per panel */
 #define NW 6  /* weight rows per panel block */
@@ -39,24 +36,49 @@ static void pack_rows(const float *x, int64_t ldx, int64_t r0, int64_t r1, const
         }
 }
 
-/* out[j * PW + i] = panel row i . weight row j (w + j * ldw) for j < nr, i < lanes (16 or 8). */
+/* out[j * PW + i] = panel row i . weight row j (w + j * ldw) for j < nr, i < lanes (16 or 8).
+ * The accumulators are named variables, not an array: gcc kept an array's elements in
+ * registers only in some of the functions it inlined this into, and elsewhere stored all twelve
+ * to the stack on every step (the same product 1.5x slower depending on unrelated code). */
 static inline __attribute__((always_inline)) void panel_micro(const int lanes, const int nr, const float *w,
                                                               int64_t ldw, const float *p, int64_t k, float *out) {
 #ifdef __AVX2__
-    __m256 c[NW][2];
-    for (int j = 0; j < NW; j++) c[j][0] = c[j][1] = _mm256_setzero_ps();
-    for (int64_t e = 0; e < k; e++) {
-        __m256 a0 = _mm256_loadu_ps(p + e * PW), a1 = lanes > 8 ? _mm256_loadu_ps(p + e * PW + 8) : a0;
-        for (int j = 0; j < nr; j++) {
-            __m256 b = _mm256_broadcast_ss(w + j * ldw + e);
-            c[j][0] = _mm256_fmadd_ps(b, a0, c[j][0]);
-            if (lanes > 8) c[j][1] = _mm256_fmadd_ps(b, a1, c[j][1]);
+    const __m256 z = _mm256_setzero_ps();
+    __m256 c00 = z, c01 = z, c10 = z, c11 = z, c20 = z, c21 = z, c30 = z, c31 = z, c40 = z, c41 = z, c50 = z, c51 = z;
+    const float *w0 = w, *w1 = w0 + ldw, *w2 = w1 + ldw, *w3 = w2 + ldw, *w4 = w3 + ldw, *w5 = w4 + ldw;
+    if (lanes > 8) {
+        for (int64_t e = 0; e < k; e++) {
+            __m256 a0 = _mm256_loadu_ps(p + e * PW), a1 = _mm256_loadu_ps(p + e * PW + 8);
+#define PANEL_FMA(j)                                        \
+    if (nr > j) {                                           \
+        __m256 b = _mm256_broadcast_ss(w##j + e);           \
+        c##j##0 = _mm256_fmadd_ps(b, a0, c##j##0);          \
+        c##j##1 = _mm256_fmadd_ps(b, a1, c##j##1);          \
+    }
+            PANEL_FMA(0) PANEL_FMA(1) PANEL_FMA(2) PANEL_FMA(3) PANEL_FMA(4) PANEL_FMA(5)
+#undef PANEL_FMA
         }
+    } else { /* 8 lanes: even and odd k into separate accumulators, so 12 chains still overlap */
+        for (int64_t e = 0; e < k; e += 2) {
+            __m256 a0 = _mm256_loadu_ps(p + e * PW), a1 = _mm256_loadu_ps(p + (e + 1) * PW);
+#define PANEL_FMA(j)                                                               \
+    if (nr > j) {                                                                  \
+        c##j##0 = _mm256_fmadd_ps(_mm256_broadcast_ss(w##j + e), a0, c##j##0);      \
+        c##j##1 = _mm256_fmadd_ps(_mm256_broadcast_ss(w##j + e + 1), a1, c##j##1);  \
     }
-    for (int j = 0; j < nr; j++) {
-        _mm256_storeu_ps(out + j * PW, c[j][0]);
-        if (lanes > 8) _mm256_storeu_ps(out + j * PW + 8, c[j][1]);
+            PANEL_FMA(0) PANEL_FMA(1) PANEL_FMA(2) PANEL_FMA(3) PANEL_FMA(4) PANEL_FMA(5)
+#undef PANEL_FMA
+        }
+        c00 = _mm256_add_ps(c00, c01); c10 = _mm256_add_ps(c10, c11); c20 = _mm256_add_ps(c20, c21);
+        c30 = _mm256_add_ps(c30, c31); c40 = _mm256_add_ps(c40, c41); c50 = _mm256_add_ps(c50, c51);
     }
+#define PANEL_OUT(j)                                                      \
+    if (nr > j) {                                                         \
+        _mm256_storeu_ps(out + j * PW, c##j##0);                          \
+        if (lanes > 8) _mm256_storeu_ps(out + j * PW + 8, c##j##1);       \
+    }
+    PANEL_OUT(0) PANEL_OUT(1) PANEL_OUT(2) PANEL_OUT(3) PANEL_OUT(4) PANEL_OUT(5)
+#undef PANEL_OUT
 #else
     for (int j = 0; j < nr; j++)
         for (int i = 0; i < lanes; i++) {
@@ -112,23 +134,31 @@ static void panel_gemm(int type, const uint8_t *w, int64_t row_bytes, int64_t r0
 #define MR 6
 #define NR 16
 
+/* out[i * NR + j] = x row i . strip column j for i < mr, j < 16; named accumulators as in panel_micro. */
 static inline __attribute__((always_inline)) void strip_micro(const int mr, const float *x, int64_t ldx,
                                                               const float *wp, int64_t k, float *out) {
 #ifdef __AVX2__
-    __m256 c[MR][2];
-    for (int i = 0; i < MR; i++) c[i][0] = c[i][1] = _mm256_setzero_ps();
+    const __m256 z = _mm256_setzero_ps();
+    __m256 c00 = z, c01 = z, c10 = z, c11 = z, c20 = z, c21 = z, c30 = z, c31 = z, c40 = z, c41 = z, c50 = z, c51 = z;
+    const float *x0 = x, *x1 = x0 + ldx, *x2 = x1 + ldx, *x3 = x2 + ldx, *x4 = x3 + ldx, *x5 = x4 + ldx;
     for (int64_t e = 0; e < k; e++) {
         __m256 b0 = _mm256_loadu_ps(wp + e * NR), b1 = _mm256_loadu_ps(wp + e * NR + 8);
-        for (int i = 0; i < mr; i++) {
-            __m256 av = _mm256_broadcast_ss(x + i * ldx + e);
-            c[i][0] = _mm256_fmadd_ps(av, b0, c[i][0]);
-            c[i][1] = _mm256_fmadd_ps(av, b1, c[i][1]);
-        }
+#define STRIP_FMA(i)                                          \
+    if (mr > i) {                                             \
+        __m256 av = _mm256_broadcast_ss(x##i + e);            \
+        c##i##0 = _mm256_fmadd_ps(av, b0, c##i##0);           \
+        c##i##1 = _mm256_fmadd_ps(av, b1, c##i##1);           \
     }
-    for (int i = 0; i < mr; i++) {
-        _mm256_storeu_ps(out + i * NR, c[i][0]);
-        _mm256_storeu_ps(out + i * NR + 8, c[i][1]);
+        STRIP_FMA(0) STRIP_FMA(1) STRIP_FMA(2) STRIP_FMA(3) STRIP_FMA(4) STRIP_FMA(5)
+#undef STRIP_FMA
     }
+#define STRIP_OUT(i)                                          \
+    if (mr > i) {                                             \
+        _mm256_storeu_ps(out + i * NR, c##i##0);              \
+        _mm256_storeu_ps(out + i * NR + 8, c##i##1);          \
+    }
+    STRIP_OUT(0) STRIP_OUT(1) STRIP_OUT(2) STRIP_OUT(3) STRIP_OUT(4) STRIP_OUT(5)
+#undef STRIP_OUT
 #else
     for (int i = 0; i < mr; i++)
         for (int j = 0; j < NR; j++) {

@@ -14,9 +14,9 @@
  * SmolLM2-135M then drifts off its float answers. 16 bits keep them, at ~2x the speed of
  * widening every weight to a float.)
  *
- * From GEMM_ROWS activation rows on (prefill, many streams) the weight is expanded to floats 16
- * rows at a time instead and multiplied by a register-blocked float GEMM (exact to float
- * rounding; see gemm_rows).
+ * From a few activation rows on (prefill, many streams; see product_path) the weight is expanded
+ * to floats instead and multiplied by a register-blocked float GEMM (exact to float rounding;
+ * quant_gemm.c).
  *
  * Plain float32 rows (type F32) take the same entry points: exact float products (f32_rows
  * below 16 rows, the float GEMM from there), so float checkpoints share the decode loop.
@@ -53,8 +53,9 @@ static void quantize16(const float *x, int64_t k, int16_t *xq, float *xd, float 
     }
 }
 
-/* A product's activations as its kernels read them: below GEMM_ROWS rows quantized to 16 bits
- * (q, d, s), from there packed into the float GEMM's panels (p; see quant_gemm.c). */
+/* A product's activations as its kernels read them: quantized to 16 bits (q, d, s) for the
+ * 16-bit path, packed into the float GEMM's panels (p; see quant_gemm.c) for PANELS; a step
+ * whose weights take both paths holds both. */
 typedef struct {
     int16_t *q;
     float *d, *s;
@@ -184,18 +185,25 @@ static void f32_rows(const float *w, int64_t ldw, int64_t r0, int64_t r1, const 
 
 #include "quant_gemm.c"
 
-/* Whether m activation rows take the 16-bit path (and so need quantized activations). */
-static int uses_acts(int64_t m) {
+/* How a product of m activation rows runs, by the weight's type (measured crossovers, SmolLM2's
+ * shapes, 2 threads): the 16-bit path (ACTS16) while decoding a block costs less than expanding
+ * the weight to floats (below 9 rows for 4-bit blocks, 13 for Q8_0, whose bytes widen directly);
+ * F32 rows are read as they lie below 16 rows (F32_ROWS); then the float GEMM on activation
+ * panels, and from STRIP_ROWS on weight strips. Without AVX2 every block format takes the float
+ * GEMMs. */
+enum { ACTS16, F32_ROWS, PANELS, STRIPS };
+
+static int product_path(int type, int64_t m) {
+    if (m >= STRIP_ROWS) return STRIPS;
+    if (type == F32) return m < 16 ? F32_ROWS : PANELS;
 #ifdef __AVX2__
-    return m < GEMM_ROWS;
-#else
-    (void)m;
-    return 0;
+    if (m < (type == Q8_0 ? 13 : 9)) return ACTS16;
 #endif
+    return PANELS;
 }
 
-/* Whether m activation rows take the float GEMM on panels (else the 16-bit path or strips). */
-static int uses_panels(int64_t m) { return !uses_acts(m) && m < STRIP_ROWS; }
+/* Rows of W a thread claims at a time in whole blocks of its kernel: 6 (panels) or 16. */
+static int64_t claim_grain(int type, int64_t m) { return product_path(type, m) == PANELS ? NW : 16; }
 
 /* Scratch floats one thread's float GEMM needs for rows of k weights. */
 static size_t gemm_scratch(int64_t k) { return sizeof(float) * (size_t)((NR + 8) * k); } /* >= NW * k */
@@ -206,20 +214,18 @@ static void acts_rows(const float *x, int64_t ldx, int64_t r0, int64_t r1, const
     if (a->p) pack_rows(x, ldx, r0, r1, a);
 }
 
-/* y[i * ldy + r] = x_i . W[r] for i < m and r0 <= r < r1: the 16-bit path on `a` (x quantized)
- * when uses_acts(m), else a float GEMM with `wp` (gemm_scratch(k) bytes): on a's panels below
- * STRIP_ROWS, on x itself from there; F32 rows below GEMM_ROWS read x too. No threads of its
- * own. */
+/* y[i * ldy + r] = x_i . W[r] for i < m and r0 <= r < r1, by product_path: the 16-bit path on
+ * `a` (x quantized), F32 rows against x, or a float GEMM with `wp` (gemm_scratch(k) bytes) on a's
+ * panels or on x itself (strips). No threads of its own. */
 static void qmatmul_rows(int type, const uint8_t *w, int64_t row_bytes, int64_t r0, int64_t r1, const Acts *a,
                          const float *x, int64_t ldx, int64_t m, float *y, int64_t ldy, float *wp) {
-    if (type == F32 && m < GEMM_ROWS) {
+    switch (product_path(type, m)) {
+    case F32_ROWS:
         f32_rows((const float *)w, row_bytes / (int64_t)sizeof(float), r0, r1, x, ldx, m, a->k, y, ldy);
         return;
-    }
-    if (!uses_acts(m)) {
-        if (uses_panels(m)) panel_gemm(type, w, row_bytes, r0, r1, a, y, ldy, wp);
-        else strip_gemm(type, w, row_bytes, r0, r1, x, ldx, m, a->k, y, ldy, wp, wp + NR * a->k);
-        return;
+    case PANELS: panel_gemm(type, w, row_bytes, r0, r1, a, y, ldy, wp); return;
+    case STRIPS: strip_gemm(type, w, row_bytes, r0, r1, x, ldx, m, a->k, y, ldy, wp, wp + NR * a->k); return;
+    default: break;
     }
 #ifdef __AVX2__
     for (int64_t r = r0; r < r1; r++) {
@@ -260,20 +266,23 @@ static void qmatmul_rows(int type, const uint8_t *w, int64_t row_bytes, int64_t 
 #endif
 }
 
-/* Buffers for m rows of up to k: 16-bit ones when uses_acts(m) (and `quant`: some weight is in
- * blocks), panels below STRIP_ROWS otherwise, none from there. Returns 0 when out of memory. */
-static int acts_alloc(Acts *a, int64_t m, int64_t k, int quant) {
+/* Buffers for m rows of up to k, for the paths in `paths` (bits 1 << ACTS16 and 1 << PANELS;
+ * the others read x itself). Returns 0 when out of memory. */
+static int acts_alloc(Acts *a, int64_t m, int64_t k, int paths) {
     *a = (Acts){NULL, NULL, NULL, NULL, k, m};
-    if (uses_panels(m)) {
+    if (paths & (1 << PANELS)) {
         a->p = malloc(sizeof(float) * (size_t)((m + PW - 1) / PW * PW * k));
-        return a->p != NULL;
+        if (!a->p) return 0;
     }
-    if (!uses_acts(m) || !quant) return 1;
+    if (!(paths & (1 << ACTS16))) return 1;
     a->q = malloc(sizeof(int16_t) * (size_t)(m * k));
     a->d = malloc(sizeof(float) * (size_t)(m * (k / QK)));
     a->s = malloc(sizeof(float) * (size_t)(m * (k / QK)));
     return a->q && a->d && a->s;
 }
+
+/* Whether products on these paths run a float GEMM (and so need gemm_scratch). */
+static int needs_scratch(int paths) { return (paths & ((1 << PANELS) | (1 << STRIPS))) != 0; }
 
 static void acts_free(Acts *a) { free(a->q); free(a->d); free(a->s); free(a->p); }
 
@@ -284,13 +293,12 @@ static void acts_free(Acts *a) { free(a->q); free(a->d); free(a->s); free(a->p);
  * remaining rows to the others instead of holding them all at the next barrier. Runs are guided:
  * each takes 1 / (2 nth) of the rows still unclaimed, so the first are long (for the memory
  * prefetchers of a one-row product) and the last short (the threads reach the barrier together),
- * at least 32 rows, in whole blocks of the float GEMM that m rows take: 6 weight rows (panels) or
- * 16 (strips; also the 16-bit path). Against fixed quarters of a share, the threads of a
+ * at least 32 rows, in whole grains (claim_grain: the kernel's block of weight rows). Against fixed quarters of a share, the threads of a
  * 32-stream SmolLM2 decode step waited 3-6 ms at its barriers instead of 11-13 (both summed).
  * Returns the run's first row (its end in *end), or -1 when all `total` rows are claimed; *next
  * is zeroed before the threads start. */
-static inline int64_t claim_rows(int64_t *next, int64_t total, int64_t m, int nth, int64_t *end) {
-    int64_t g = uses_panels(m) ? NW : 16, s = __atomic_load_n(next, __ATOMIC_RELAXED), e;
+static inline int64_t claim_rows(int64_t *next, int64_t total, int64_t g, int nth, int64_t *end) {
+    int64_t s = __atomic_load_n(next, __ATOMIC_RELAXED), e;
     do {
         if (s >= total) return -1;
         int64_t c = (total - s) / (2 * nth);
@@ -313,19 +321,20 @@ int qmatmul(int type, const uint8_t *w, int64_t row_bytes, int64_t n, int64_t k,
             int64_t m, int64_t ldx, float *y, int64_t ldy, int nthreads) {
     if (!fits(type, k)) return 1;
     Acts a;
-    if (!acts_alloc(&a, m, k, type != F32)) { acts_free(&a); return 2; }
+    int paths = 1 << product_path(type, m);
+    if (!acts_alloc(&a, m, k, paths)) { acts_free(&a); return 2; }
     acts_rows(x, ldx, 0, m, &a);
     int err = 0;
     int64_t next = 0;
 #pragma omp parallel num_threads(nthreads)
     {
         int nth = omp_get_num_threads();
-        float *wp = uses_acts(m) ? NULL : malloc(gemm_scratch(k));
-        if (!uses_acts(m) && !wp) {
+        float *wp = needs_scratch(paths) ? malloc(gemm_scratch(k)) : NULL;
+        if (needs_scratch(paths) && !wp) {
 #pragma omp atomic write
             err = 2;
         } else {
-            for (int64_t r0, r1; (r0 = claim_rows(&next, n, m, nth, &r1)) >= 0;)
+            for (int64_t r0, r1; (r0 = claim_rows(&next, n, claim_grain(type, m), nth, &r1)) >= 0;)
                 qmatmul_rows(type, w, row_bytes, r0, r1, &a, x, ldx, m, y, ldy, wp);
         }
         free(wp);
