@@ -56,8 +56,8 @@ def test_kernels_equal_dequantize_then_multiply(qtype):
     torch.testing.assert_close(quant_kernel.dequantize(w, rows), ref[rows], rtol=1e-6, atol=1e-7)
     g = torch.Generator().manual_seed(1)
     # 1 and 5 rows: the one-row and the 4-row 16-bit paths (and a tail); 21: the float GEMM (and
-    # tails); 10: the 16-bit path for Q8_0, the float GEMM for the others (product_path).
-    for m in (1, 5, 10, 21):
+    # tails); 11: the 16-bit path for Q8_0 (8 rows, then 3), the float GEMM for the others.
+    for m in (1, 5, 11, 21):
         x = torch.randn(m, 512, generator=g) * 3
         y = quant_kernel.linear(x, ((0, w),), 70)
         want = x @ ref.T
@@ -105,7 +105,7 @@ def test_mixed_formats_in_one_fused_weight():
     bias = torch.randn(off)
     x = torch.randn(3, 256)
     want = x @ torch.cat([q.dequantize() for q in parts]).T + bias
-    for rows in (3, 10, 40):  # 16-bit path, both paths (Q8_0 16-bit, the K-quants float), float GEMM
+    for rows in (3, 11, 40):  # 16-bit path, both paths (Q8_0 16-bit, the K-quants float), float GEMM
         xx = x.repeat(rows // 3 + 1, 1)[:rows]
         got = quant_kernel.linear(xx, tuple(segments), off, bias)[:3]
         assert float((got - want).abs().max()) <= KERNEL_RTOL * float(want.abs().max())
@@ -226,9 +226,9 @@ def test_quantized_logits_match_the_expanded_model(tiny_gguf):
         assert float((got - want).abs().max()) <= 1e-3 * float(want.abs().max())
 
 
-# The 16-bit path; both in one step (10 rows: Q8_0 16-bit, Q4_0/Q4_1 on panels, some of them in
+# The 16-bit path; both in one step (11 rows: Q8_0 16-bit, Q4_0/Q4_1 on panels, some of them in
 # one fused q/k/v); the float GEMM on activation panels; on weight strips (128 rows and more).
-@pytest.mark.parametrize("streams", [3, 10, 18, 130])
+@pytest.mark.parametrize("streams", [3, 11, 18, 130])
 def test_decode_loop_equals_the_layer_by_layer_path(tiny_gguf, monkeypatch, streams):
     prompts = [PROMPTS[i % 3][i:] + [i] for i in range(streams)]
     calls = []

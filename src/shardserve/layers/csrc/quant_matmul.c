@@ -69,9 +69,9 @@ static void quantize_rows(const float *x, int64_t ldx, int64_t r0, int64_t r1, c
         quantize16(x + i * ldx, k, a->q + i * k, a->d + i * (k / QK), a->s + i * (k / QK));
 }
 
-/* ------------------------------------------------------------------ one weight row . up to 4 rows */
+/* ------------------------------------------------------------------ one weight row . up to 8 rows */
 
-#define ROWS 4
+#define ROWS 4 /* activation rows per weight row in f32_rows */
 
 #ifdef __AVX2__
 static inline float hsum(__m256 v) {
@@ -117,23 +117,48 @@ static inline __attribute__((always_inline)) float row_dot1(const int type, cons
     return hsum(_mm256_add_ps(acc0, acc1)) + off;
 }
 
-/* out[j] = x_j . row for j < nr (<= ROWS), x_j given as 16-bit blocks. always_inline with a
- * constant type specializes the block decoder per format. */
-static inline __attribute__((always_inline)) void row_times(const int type, const uint8_t *row, const Acts *a,
-                                                            int64_t i0, int nr, float *out) {
-    int64_t nb = a->k / QK;
-    __m256 acc[ROWS];
-    float off[ROWS];
-    for (int j = 0; j < ROWS; j++) { acc[j] = _mm256_setzero_ps(); off[j] = 0.0f; }
+/* out[j] = x_j . row for j < nr (<= QROWS), x_j given as 16-bit blocks: each weight block is
+ * decoded once for all nr rows. always_inline with a constant type and nr specializes the block
+ * decoder per format and unrolls the rows; the accumulators are named variables (see
+ * panel_micro in quant_gemm.c). */
+#define QROWS 8
+static inline __attribute__((always_inline)) void row_times(const int type, const int nr, const uint8_t *row,
+                                                            const Acts *a, int64_t i0, float *out) {
+    int64_t nb = a->k / QK, k = a->k;
+    const __m256 z = _mm256_setzero_ps();
+    __m256 c0 = z, c1 = z, c2 = z, c3 = z, c4 = z, c5 = z, c6 = z, c7 = z;
+    float o0 = 0.0f, o1 = 0.0f, o2 = 0.0f, o3 = 0.0f, o4 = 0.0f, o5 = 0.0f, o6 = 0.0f, o7 = 0.0f;
+    const int16_t *xq = a->q + i0 * k;
+    const float *xd = a->d + i0 * nb, *xs = a->s + i0 * nb;
     for (int64_t b = 0; b < nb; b++) {
-        Block k = block16(type, row, b);
-        for (int j = 0; j < nr; j++) {
-            acc[j] = block_fma(type, k, (const __m256i *)(a->q + (i0 + j) * a->k + b * QK), a->d[(i0 + j) * nb + b],
-                               acc[j]);
-            off[j] += k.min * a->s[(i0 + j) * nb + b];
-        }
+        Block w = block16(type, row, b);
+#define ROW_FMA(j)                                                                                    \
+    if (nr > j) {                                                                                     \
+        c##j = block_fma(type, w, (const __m256i *)(xq + j * k + b * QK), xd[j * nb + b], c##j);      \
+        o##j += w.min * xs[j * nb + b];                                                               \
     }
-    for (int j = 0; j < nr; j++) out[j] = hsum(acc[j]) + off[j];
+        ROW_FMA(0) ROW_FMA(1) ROW_FMA(2) ROW_FMA(3) ROW_FMA(4) ROW_FMA(5) ROW_FMA(6) ROW_FMA(7)
+#undef ROW_FMA
+    }
+#define ROW_OUT(j) \
+    if (nr > j) out[j] = hsum(c##j) + o##j;
+    ROW_OUT(0) ROW_OUT(1) ROW_OUT(2) ROW_OUT(3) ROW_OUT(4) ROW_OUT(5) ROW_OUT(6) ROW_OUT(7)
+#undef ROW_OUT
+}
+
+/* row_times() for nr rows, nr a constant in each case. */
+static inline __attribute__((always_inline)) void rows_of(const int type, int nr, const uint8_t *row, const Acts *a,
+                                                          int64_t i0, float *out) {
+    switch (nr) {
+    case 8: row_times(type, 8, row, a, i0, out); break;
+    case 7: row_times(type, 7, row, a, i0, out); break;
+    case 6: row_times(type, 6, row, a, i0, out); break;
+    case 5: row_times(type, 5, row, a, i0, out); break;
+    case 4: row_times(type, 4, row, a, i0, out); break;
+    case 3: row_times(type, 3, row, a, i0, out); break;
+    case 2: row_times(type, 2, row, a, i0, out); break;
+    default: row_times(type, 1, row, a, i0, out); break;
+    }
 }
 #endif
 
@@ -186,8 +211,9 @@ static void f32_rows(const float *w, int64_t ldw, int64_t r0, int64_t r1, const 
 #include "quant_gemm.c"
 
 /* How a product of m activation rows runs, by the weight's type (measured crossovers, SmolLM2's
- * shapes, 2 threads): the 16-bit path (ACTS16) while decoding a block costs less than expanding
- * the weight to floats (below 9 rows for 4-bit blocks, 13 for Q8_0, whose bytes widen directly);
+ * decode steps, 2 threads): the 16-bit path (ACTS16) while decoding a block costs less than
+ * expanding the weight to floats (below 10 rows for 4-bit blocks: a 9-row step took 34 ms
+ * against 40 on panels, 12 rows 48 against 40; below 13 for Q8_0, whose bytes widen directly);
  * F32 rows are read as they lie below 16 rows (F32_ROWS); then the float GEMM on activation
  * panels, and from STRIP_ROWS on weight strips. Without AVX2 every block format takes the float
  * GEMMs. */
@@ -197,7 +223,7 @@ static int product_path(int type, int64_t m) {
     if (m >= STRIP_ROWS) return STRIPS;
     if (type == F32) return m < 16 ? F32_ROWS : PANELS;
 #ifdef __AVX2__
-    if (m < (type == Q8_0 ? 13 : 9)) return ACTS16;
+    if (m < (type == Q8_0 ? 13 : 10)) return ACTS16;
 #endif
     return PANELS;
 }
@@ -240,25 +266,15 @@ static void qmatmul_rows(int type, const uint8_t *w, int64_t row_bytes, int64_t 
             }
             continue;
         }
-        for (int64_t i = 0; i < m; i += ROWS) {
-            int nr = m - i < ROWS ? (int)(m - i) : ROWS;
-            float out[ROWS];
-            if (nr == ROWS) { /* a constant row count: the compiler unrolls and keeps acc in registers */
-                switch (type) {
-                case Q4_0: row_times(Q4_0, wr, a, i, ROWS, out); break;
-                case Q4_1: row_times(Q4_1, wr, a, i, ROWS, out); break;
-                case Q8_0: row_times(Q8_0, wr, a, i, ROWS, out); break;
-                case Q4_K: row_times(Q4_K, wr, a, i, ROWS, out); break;
-                default: row_times(Q6_K, wr, a, i, ROWS, out); break;
-                }
-            } else {
-                switch (type) {
-                case Q4_0: row_times(Q4_0, wr, a, i, nr, out); break;
-                case Q4_1: row_times(Q4_1, wr, a, i, nr, out); break;
-                case Q8_0: row_times(Q8_0, wr, a, i, nr, out); break;
-                case Q4_K: row_times(Q4_K, wr, a, i, nr, out); break;
-                default: row_times(Q6_K, wr, a, i, nr, out); break;
-                }
+        for (int64_t i = 0; i < m; i += QROWS) {
+            int nr = m - i < QROWS ? (int)(m - i) : QROWS;
+            float out[QROWS];
+            switch (type) {
+            case Q4_0: rows_of(Q4_0, nr, wr, a, i, out); break;
+            case Q4_1: rows_of(Q4_1, nr, wr, a, i, out); break;
+            case Q8_0: rows_of(Q8_0, nr, wr, a, i, out); break;
+            case Q4_K: rows_of(Q4_K, nr, wr, a, i, out); break;
+            default: rows_of(Q6_K, nr, wr, a, i, out); break;
             }
             for (int j = 0; j < nr; j++) y[(i + j) * ldy + r] = out[j];
         }
