@@ -1,7 +1,8 @@
 /* The float GEMMs of quant_matmul.c (which includes this file after `expand_row`): products of
  * more than a few activation rows (product_path) against block-quantized or float32 weights,
- * float32 throughout (exact to float rounding). Not compiled alone. Two shapes of the same register
- * block, 12 accumulators fed per step by two vector loads and six broadcasts:
+ * float32 throughout (exact to float rounding). Not compiled alone. One register block
+ * (panel_micro: 12 accumulators fed per step by two vector loads of a k-major 16-wide panel and
+ * six broadcasts from rows as they lie), used two ways round:
  *
  * - Up to STRIP_ROWS rows (decode of many streams): the activations are packed once per product
  *   into panels of 16 rows, k-major (p[e * 16 + i] = x[i0 + i][e]); the weight is expanded 6 rows
@@ -164,44 +165,10 @@ static void panel_gemm(int type, const uint8_t *w, int64_t row_bytes, int64_t r0
 
 /* ------------------------------------------------------------------ many rows: weight strips */
 
-#define MR 6
-#define NR 16
-
-/* out[i * NR + j] = x row i . strip column j for i < mr, j < 16; named accumulators as in panel_micro. */
-static inline __attribute__((always_inline)) void strip_micro(const int mr, const float *x, int64_t ldx,
-                                                              const float *wp, int64_t k, float *out) {
-#ifdef __AVX2__
-    const __m256 z = _mm256_setzero_ps();
-    __m256 c00 = z, c01 = z, c10 = z, c11 = z, c20 = z, c21 = z, c30 = z, c31 = z, c40 = z, c41 = z, c50 = z, c51 = z;
-    const float *x0 = x, *x1 = x0 + ldx, *x2 = x1 + ldx, *x3 = x2 + ldx, *x4 = x3 + ldx, *x5 = x4 + ldx;
-    for (int64_t e = 0; e < k; e++) {
-        __m256 b0 = _mm256_loadu_ps(wp + e * NR), b1 = _mm256_loadu_ps(wp + e * NR + 8);
-#define STRIP_FMA(i)                                          \
-    if (mr > i) {                                             \
-        __m256 av = _mm256_broadcast_ss(x##i + e);            \
-        c##i##0 = _mm256_fmadd_ps(av, b0, c##i##0);           \
-        c##i##1 = _mm256_fmadd_ps(av, b1, c##i##1);           \
-    }
-        STRIP_FMA(0) STRIP_FMA(1) STRIP_FMA(2) STRIP_FMA(3) STRIP_FMA(4) STRIP_FMA(5)
-#undef STRIP_FMA
-    }
-#define STRIP_OUT(i)                                          \
-    if (mr > i) {                                             \
-        _mm256_storeu_ps(out + i * NR, c##i##0);              \
-        _mm256_storeu_ps(out + i * NR + 8, c##i##1);          \
-    }
-    STRIP_OUT(0) STRIP_OUT(1) STRIP_OUT(2) STRIP_OUT(3) STRIP_OUT(4) STRIP_OUT(5)
-#undef STRIP_OUT
-#else
-    for (int i = 0; i < mr; i++)
-        for (int j = 0; j < NR; j++) {
-            float t = 0.0f;
-            for (int64_t e = 0; e < k; e++) t += x[i * ldx + e] * wp[e * NR + j];
-            out[i * NR + j] = t;
-        }
-#endif
-}
-
+/* The panels' register block with the roles swapped: 6 rows of x broadcast (MR), a strip of 16
+ * weight rows (NR) loaded k-major as a panel is. */
+#define MR NW
+#define NR PW
 
 /* wp[e * NR + j] = W[n0 + j][e] for j < nn (0 for nn <= j < NR); tmp holds 8 * k floats. */
 static void pack_strip(int type, const uint8_t *w, int64_t row_bytes, int64_t n0, int nn, int64_t k, float *wp,
@@ -235,14 +202,7 @@ static void strip_gemm(int type, const uint8_t *w, int64_t row_bytes, int64_t r0
             int mr = m - i0 < MR ? (int)(m - i0) : MR;
             float out[MR * NR];
             const float *xi = x + i0 * ldx;
-            switch (mr) { /* constant row counts: unrolled, accumulators in registers */
-            case 6: strip_micro(6, xi, ldx, wp, k, out); break;
-            case 5: strip_micro(5, xi, ldx, wp, k, out); break;
-            case 4: strip_micro(4, xi, ldx, wp, k, out); break;
-            case 3: strip_micro(3, xi, ldx, wp, k, out); break;
-            case 2: strip_micro(2, xi, ldx, wp, k, out); break;
-            default: strip_micro(1, xi, ldx, wp, k, out); break;
-            }
+            panel_tile(NR, mr, xi, ldx, wp, k, out);
             for (int i = 0; i < mr; i++)
                 for (int j = 0; j < nn; j++) y[(i0 + i) * ldy + n0 + j] = out[i * NR + j];
         }
