@@ -39,6 +39,23 @@ static inline void transpose8(__m256 r[8]) {
 }
 #endif
 
+/* dst[e * PW + j] = src[j * lds + e] for j < 8, e < k (a multiple of 8): 8 rows into 8 lanes of a
+ * k-major 16-wide panel or strip, by 8 x 8 register transposes (a float at a time, the stores
+ * 64 bytes apart had cost ~3% of a 32-row decode step in pack_rows). */
+static void rows8_kmajor(const float *src, int64_t lds, int64_t k, float *dst) {
+#ifdef __AVX2__
+    for (int64_t e0 = 0; e0 < k; e0 += 8) {
+        __m256 r[8];
+        for (int j = 0; j < 8; j++) r[j] = _mm256_loadu_ps(src + j * lds + e0);
+        transpose8(r);
+        for (int e = 0; e < 8; e++) _mm256_storeu_ps(dst + (e0 + e) * PW, r[e]);
+    }
+#else
+    for (int64_t e = 0; e < k; e++)
+        for (int j = 0; j < 8; j++) dst[e * PW + j] = src[j * lds + e];
+#endif
+}
+
 /* Row i of x into its place in a's panels. */
 static void pack_row(const float *x, int64_t ldx, int64_t i, const Acts *a) {
     int64_t k = a->k;
@@ -49,22 +66,9 @@ static void pack_row(const float *x, int64_t ldx, int64_t i, const Acts *a) {
 /* Rows [r0, r1) of x into their places in a's panels; the rows after the last (r1 == a->m) up
  * to the panel's end are zeroed, so the multiply-adds of a part-filled panel read numbers. */
 static void pack_rows(const float *x, int64_t ldx, int64_t r0, int64_t r1, const Acts *a) {
-    int64_t i = r0;
-#ifdef __AVX2__
-    int64_t k = a->k;
-    /* Whole groups of 8 rows as 8 x 8 blocks transposed in registers (k is a multiple of 8):
-     * a float at a time, the stores 64 bytes apart cost ~3% of a 32-row decode step. */
+    int64_t i = r0, k = a->k;
     for (; i < r1 && i % 8; i++) pack_row(x, ldx, i, a);
-    for (; i + 8 <= r1; i += 8) {
-        float *dst = a->p + (i / PW) * PW * k + i % PW;
-        for (int64_t e0 = 0; e0 < k; e0 += 8) {
-            __m256 r[8];
-            for (int j = 0; j < 8; j++) r[j] = _mm256_loadu_ps(x + (i + j) * ldx + e0);
-            transpose8(r);
-            for (int e = 0; e < 8; e++) _mm256_storeu_ps(dst + (e0 + e) * PW, r[e]);
-        }
-    }
-#endif
+    for (; i + 8 <= r1; i += 8) rows8_kmajor(x + i * ldx, ldx, k, a->p + (i / PW) * PW * k + i % PW); /* whole 8s */
     for (; i < r1; i++) pack_row(x, ldx, i, a);
     if (r1 == a->m)
         for (int64_t j = a->m; j % PW; j++) pack_row(NULL, 0, j, a);
@@ -80,31 +84,16 @@ static inline __attribute__((always_inline)) void panel_micro(const int lanes, c
     const __m256 z = _mm256_setzero_ps();
     __m256 c00 = z, c01 = z, c10 = z, c11 = z, c20 = z, c21 = z, c30 = z, c31 = z, c40 = z, c41 = z, c50 = z, c51 = z;
     const float *w0 = w, *w1 = w0 + ldw, *w2 = w1 + ldw, *w3 = w2 + ldw, *w4 = w3 + ldw, *w5 = w4 + ldw;
-    if (lanes > 8) {
-        for (int64_t e = 0; e < k; e++) {
-            __m256 a0 = _mm256_loadu_ps(p + e * PW), a1 = _mm256_loadu_ps(p + e * PW + 8);
-#define PANEL_FMA(j)                                        \
-    if (nr > j) {                                           \
-        __m256 b = _mm256_broadcast_ss(w##j + e);           \
-        c##j##0 = _mm256_fmadd_ps(b, a0, c##j##0);          \
-        c##j##1 = _mm256_fmadd_ps(b, a1, c##j##1);          \
+    for (int64_t e = 0; e < k; e++) {
+        __m256 a0 = _mm256_loadu_ps(p + e * PW), a1 = lanes > 8 ? _mm256_loadu_ps(p + e * PW + 8) : z;
+#define PANEL_FMA(j)                                                  \
+    if (nr > j) {                                                     \
+        __m256 b = _mm256_broadcast_ss(w##j + e);                     \
+        c##j##0 = _mm256_fmadd_ps(b, a0, c##j##0);                    \
+        if (lanes > 8) c##j##1 = _mm256_fmadd_ps(b, a1, c##j##1);     \
     }
-            PANEL_FMA(0) PANEL_FMA(1) PANEL_FMA(2) PANEL_FMA(3) PANEL_FMA(4) PANEL_FMA(5)
+        PANEL_FMA(0) PANEL_FMA(1) PANEL_FMA(2) PANEL_FMA(3) PANEL_FMA(4) PANEL_FMA(5)
 #undef PANEL_FMA
-        }
-    } else { /* 8 lanes: even and odd k into separate accumulators, so 12 chains still overlap */
-        for (int64_t e = 0; e < k; e += 2) {
-            __m256 a0 = _mm256_loadu_ps(p + e * PW), a1 = _mm256_loadu_ps(p + (e + 1) * PW);
-#define PANEL_FMA(j)                                                               \
-    if (nr > j) {                                                                  \
-        c##j##0 = _mm256_fmadd_ps(_mm256_broadcast_ss(w##j + e), a0, c##j##0);      \
-        c##j##1 = _mm256_fmadd_ps(_mm256_broadcast_ss(w##j + e + 1), a1, c##j##1);  \
-    }
-            PANEL_FMA(0) PANEL_FMA(1) PANEL_FMA(2) PANEL_FMA(3) PANEL_FMA(4) PANEL_FMA(5)
-#undef PANEL_FMA
-        }
-        c00 = _mm256_add_ps(c00, c01); c10 = _mm256_add_ps(c10, c11); c20 = _mm256_add_ps(c20, c21);
-        c30 = _mm256_add_ps(c30, c31); c40 = _mm256_add_ps(c40, c41); c50 = _mm256_add_ps(c50, c51);
     }
 #define PANEL_OUT(j)                                                      \
     if (nr > j) {                                                         \
@@ -178,17 +167,7 @@ static void pack_strip(int type, const uint8_t *w, int64_t row_bytes, int64_t n0
             if (g + j < nn) expand_row(type, w + (n0 + g + j) * row_bytes, k, tmp + j * k);
             else memset(tmp + j * k, 0, sizeof(float) * (size_t)k);
         }
-#ifdef __AVX2__
-        for (int64_t e0 = 0; e0 < k; e0 += 8) {
-            __m256 r[8];
-            for (int j = 0; j < 8; j++) r[j] = _mm256_loadu_ps(tmp + j * k + e0);
-            transpose8(r);
-            for (int e = 0; e < 8; e++) _mm256_storeu_ps(wp + (e0 + e) * NR + g, r[e]);
-        }
-#else
-        for (int64_t e = 0; e < k; e++)
-            for (int j = 0; j < 8; j++) wp[e * NR + g + j] = tmp[j * k + e];
-#endif
+        rows8_kmajor(tmp, k, k, wp + g);
     }
 }
 
