@@ -76,19 +76,26 @@ def test_tokenizer_worker_layouts(tiny_model, tmp_path, num_tokenizers):
 def test_killed_scheduler_fails_requests_and_exits_nonzero(tiny_model, tmp_path):
     path, _ = tiny_model("llama")
     server = Server("--model", path, "--num-pages", "64", log_path=str(tmp_path / "log"))
-    result: dict = {}
+    result: dict = {"events": []}
+    streaming = threading.Event()
 
     def long_request() -> None:
         body = {"prompt": [5, 6], "max_tokens": 505, "ignore_eos": True, "stream": True}
         try:
             with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=30) as r:
-                result["events"] = [line for line in r.iter_lines() if line]
+                for line in r.iter_lines():
+                    if line:
+                        result["events"].append(line)
+                        streaming.set()
         except httpx.HTTPError as e:
             result["error"] = repr(e)
+        streaming.set()
 
     t = threading.Thread(target=long_request)
     t.start()
-    time.sleep(0.5)
+    # Killed once tokens flow, not after a fixed sleep: the tiny model can decode all 505 tokens
+    # (its context limit) in well under a second, and a finished request has nothing to fail.
+    assert streaming.wait(30)
     os.kill(server.child_pid("scheduler-0"), signal.SIGKILL)
     saw_503 = False
     deadline = time.monotonic() + 10
