@@ -1,5 +1,5 @@
 import sys
 
-from shardserve.server.cli import main
+from shardserve.cli.main import main
 
 sys.exit(main())

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 
-from shardserve.server.cli import main
+from shardserve.cli.main import main
 
 LAYERS, NEW = 2, 5
 

@@ -138,7 +138,7 @@ def test_engine_counts_routing_and_refuses_replicas_without_ep(tiny_model):
 def test_record_experts_counts_each_token_once_on_any_layout(tiny_model, tmp_path):
     """`shardserve record-experts` writes every MoE layer's counts; one rank and EP 2 (two tensor
     ranks that each route every token, then dispatch a share) record the same routing."""
-    from shardserve.server.cli import main
+    from shardserve.cli.main import main
 
     path, model = tiny_model("qwen3_moe")
     prompts = tmp_path / "prompts.txt"

@@ -8,7 +8,7 @@ import json
 import pytest
 from server_util import Server
 
-from shardserve.server.cli import main
+from shardserve.cli.main import main
 
 NUM_REQUESTS = 8
 MAX_OUTPUT = 12
@@ -26,7 +26,7 @@ def assert_ordered(stats: dict) -> None:
 
 def test_bench_serve_against_tiny_server(tiny_model, tmp_path, capsys):
     from shardserve.bench.serve import make_requests, resolve_ranges
-    from shardserve.server.cli import build_parser
+    from shardserve.cli.main import build_parser
 
     path, _ = tiny_model("llama")
     server = Server("--model", path, "--num-pages", "128", log_path=str(tmp_path / "server.log"))
@@ -53,7 +53,7 @@ def test_bench_serve_against_tiny_server(tiny_model, tmp_path, capsys):
 
 def test_workload_and_arrivals_are_seeded():
     from shardserve.bench.serve import arrival_times, make_requests, resolve_ranges
-    from shardserve.server.cli import build_parser
+    from shardserve.cli.main import build_parser
 
     args = build_parser().parse_args(["bench", "serve", "--url", "x", "--num-requests", "50", "--max-output", "8"])
     resolve_ranges(args)

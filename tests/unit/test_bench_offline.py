@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import re
 
-from shardserve.server.cli import main
+from shardserve.cli.main import main
 
 
 def test_bench_offline_compare(tiny_model, capsys):

@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from shardserve.server.cli import build_parser, main
+from shardserve.cli.main import build_parser, main
 
 
 @pytest.mark.parametrize("argv, message", [
@@ -58,7 +58,7 @@ def test_help_shows_every_default():
 
 
 def test_parsing_imports_no_server_or_model_machinery(tmp_path):
-    code = ("import sys; from shardserve.server.cli import build_parser; build_parser(); "
+    code = ("import sys; from shardserve.cli.main import build_parser; build_parser(); "
             "print([m for m in ('transformers', 'fastapi', 'uvicorn', 'openai', 'zmq') if m in sys.modules])")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path, timeout=120)
     assert out.returncode == 0, out.stderr

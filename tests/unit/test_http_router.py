@@ -296,7 +296,7 @@ def test_route_keys():
 
 @pytest.mark.parametrize("flag", ["--policy", "--load-balance-method"])
 def test_router_policy_flag_and_its_serve_alias(flag):
-    from shardserve.server.cli import build_parser
+    from shardserve.cli.main import build_parser
 
     parser, base = build_parser(), ["router", "--worker-urls", "http://a:1"]
     assert parser.parse_args(base).policy == "cache_aware"

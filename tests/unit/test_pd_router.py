@@ -13,12 +13,12 @@ import httpx
 import pytest
 from test_http_router import EVENTS, SSE, Events  # same folder: pytest puts it on sys.path
 
+from shardserve.cli.main import build_parser, main
 from shardserve.router.http_router import HTTPRouter
 from shardserve.router.pd import PREFILL_HEADER, PDRouter, bootstrap_address, make_pd_router
 from shardserve.router.policy import Router
 from shardserve.router.request_key import KeyMaker
 from shardserve.router.standalone import build_app, build_forwarder
-from shardserve.server.cli import build_parser, main
 
 LONG = "the same long system prompt, many pages of it, " * 4  # page size 4: dozens of pages
 

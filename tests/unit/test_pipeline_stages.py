@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from shardserve.cli.main import main
 from shardserve.config import EngineConfig
 from shardserve.distributed.layout import LayoutError
 from shardserve.distributed.pipeline import Stage, split_layers
@@ -11,7 +12,6 @@ from shardserve.engine import model_runner
 from shardserve.engine.model_runner import ModelRunner
 from shardserve.loader.model_path import resolve_checkpoint
 from shardserve.loader.weights import read_model_config
-from shardserve.server.cli import main
 
 
 def test_even_split_puts_the_remainder_first():

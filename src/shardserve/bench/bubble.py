@@ -61,7 +61,7 @@ def measure(path: str, layout: dict, args: argparse.Namespace, prompts, params) 
 
 
 def run_bubble(args: argparse.Namespace) -> int:
-    from shardserve.bench.dist import random_model
+    from shardserve.bench.runs import random_model
 
     prompts, params = workload(args)
     results = {}

@@ -37,7 +37,7 @@ import time
 import torch
 
 from shardserve.attention.ring import causal_pairs
-from shardserve.bench.dist import _per_group, random_model
+from shardserve.bench.runs import per_group, random_model
 from shardserve.bench.spawn import environ
 from shardserve.core import SamplingParams
 from shardserve.kvcache.pages import PageAllocator
@@ -108,7 +108,7 @@ def run_size(path: str, size: int, args: argparse.Namespace, prompt: list[int], 
             llm.generate([prompt], first, use_tqdm=False)
             runs.append(round(time.perf_counter() - start, 3))
         limits = llm.limits
-    groups = [_per_group(a, b).get("context", {}).get("ring", {"calls": 0, "MB": 0.0}) for a, b in zip(after, before)]
+    groups = [per_group(a, b).get("context", {}).get("ring", {"calls": 0, "MB": 0.0}) for a, b in zip(after, before)]
     return {"tokens": list(tokens), "steps": steps, "ring": groups, "limits": limits, "runs": runs}
 
 

@@ -28,22 +28,6 @@ from shardserve.bench.serve import TIMEOUT, WORDS, send, stats_ms
 SECRET_ENV = "SHARDSERVE_DIST_SECRET"
 
 
-def add_disagg_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default=None, help="checkpoint (default: SmolLM2-135M-Instruct)")
-    p.add_argument("--threads", type=int, default=2, help="CPU threads in all: the colocated server's; the "
-                                                          "prefill and decode instances get half each")
-    p.add_argument("--streams", type=int, default=8, help="decode streams running from the start")
-    p.add_argument("--stream-tokens", type=int, default=192)
-    p.add_argument("--long-prompts", type=int, default=6)
-    p.add_argument("--long-words", type=int, default=600, help="words per long prompt")
-    p.add_argument("--long-every", type=float, default=1.5, help="seconds between long prompts")
-    p.add_argument("--num-pages", type=int, default=2048)
-    p.add_argument("--max-num-batched-tokens", type=int, default=2048,
-                   help="every server's prefill chunk budget (smaller chunks stall a colocated server's streams "
-                        "for less time, at some prefill speed)")
-    p.add_argument("--seed", type=int, default=0)
-
-
 def workload(args: argparse.Namespace) -> list[tuple[float, dict]]:
     """(send time, request body) pairs: the streams at 0, the long prompts spread out after."""
     rng = random.Random(args.seed)

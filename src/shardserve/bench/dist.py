@@ -22,6 +22,7 @@ import os
 import tempfile
 import time
 
+from shardserve.bench.runs import minus, per_group, random_model
 from shardserve.core import SamplingParams
 
 # The traffic modes' default model is small (the counts follow from the shapes); the bubble's is
@@ -40,46 +41,6 @@ def fill_defaults(args: argparse.Namespace) -> None:
             setattr(args, flag, value)
     if args.kv_cache_memory is None:
         args.kv_cache_memory = (512 if args.mode == "bubble" else 64) * 2**20
-
-
-def add_dist_args(p: argparse.ArgumentParser) -> None:
-    from shardserve.server.args import memory_amount, positive_int, positive_ints
-
-    p.add_argument("--model", default=None, help="checkpoint (default: a random model of the shape below)")
-    # Shape and workload: None means the mode's own default (SHAPES), shown in --help.
-    for flag in SHAPES["tensor"]:
-        base, bubble = SHAPES["tensor"][flag], SHAPES["bubble"][flag]
-        text = f"default {base}" + (f" (bubble: {bubble})" if bubble != base else "")
-        p.add_argument(f"--{flag.replace('_', '-')}", type=positive_int, default=None, help=text)
-    p.add_argument("--page-size", type=positive_int, default=16)
-    p.add_argument("--kv-cache-memory", type=memory_amount, default=None,
-                   help="bytes of KV cache per rank (default 64M; bubble: 512M)")
-    p.add_argument("--mode", choices=["tensor", "pipeline", "bubble", "expert", "context"], default="tensor",
-                   help="which layout to vary (bubble: pipeline micro-batches against one, and TP, on throughput; "
-                        "expert: EP under data-parallel attention beside TP, and redundant experts; "
-                        "context: --cp-size on one long prompt, --prompt-len default 2048, --new-tokens 4)")
-    p.add_argument("--experts", type=positive_int, default=8, help="expert mode: experts per MoE layer")
-    p.add_argument("--top-k", type=positive_int, default=2, help="expert mode: experts per token")
-    p.add_argument("--sizes", "--tp-sizes", dest="sizes", type=positive_ints, default="1,2,4",
-                   help="comma-separated sizes of the varied layout (--tp-size or --pp-size)")
-    p.add_argument("--pp-micro-batches", type=positive_int, default=None,
-                   help="pipeline micro-batches in flight (default: one per stage)")
-    p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32")
-    p.add_argument("--bubble-requests", type=positive_int, default=96, help="bubble mode: requests")
-    p.add_argument("--bubble-max-tokens", type=positive_int, default=48,
-                   help="bubble mode: the longest output (lengths vary from a third of it up)")
-
-
-def random_model(args: argparse.Namespace, path: str) -> None:
-    import torch  # here, not at the top: `shardserve serve` builds this parser and needs no torch
-    from transformers import AutoModelForCausalLM, LlamaConfig
-
-    torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=args.intermediate,
-                      num_hidden_layers=args.layers, num_attention_heads=args.heads,
-                      num_key_value_heads=args.kv_heads, max_position_embeddings=4096,
-                      bos_token_id=None, eos_token_id=None, pad_token_id=None)
-    AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).save_pretrained(path)
 
 
 def one_run(path: str, size: int, args: argparse.Namespace, prompts: list[list[int]]) -> tuple[dict, list]:
@@ -101,27 +62,14 @@ def one_run(path: str, size: int, args: argparse.Namespace, prompts: list[list[i
         pages = llm.limits.num_pages
         infos = [llm.worker_info[f"scheduler-{r}"] for r in range(size)]
     tokens = [o.token_ids for o in outs]
-    per_rank = [_per_group(after, before) for after, before in zip(ranks, warm_ranks)]
+    per_rank = [per_group(after, before) for after, before in zip(ranks, warm_ranks)]
     return {"mode": args.mode, "ranks": size, "steps": stats.steps - warm.steps, "kv_pages_per_rank": pages,
-            "seconds": round(seconds, 3), "traffic": _minus(stats.traffic, warm.traffic),
+            "seconds": round(seconds, 3), "traffic": minus(stats.traffic, warm.traffic),
             "pipeline": per_rank[0].get("pipeline", {}), "control": per_rank[0].get("control", {}),
             "traffic_per_rank": per_rank,
             "layers_per_rank": [i["layers"] for i in infos],
             "peak_load_rss_mb": [i["peak_load_rss_mb"] for i in infos],
             "anon_rss_mb_after_load": [i["anon_rss_mb"] for i in infos]}, tokens
-
-
-def _per_group(after: dict, before: dict) -> dict:
-    return {kind: _minus(ops, before["groups"].get(kind, {})) for kind, ops in after["groups"].items()}
-
-
-def _minus(after: dict, before: dict) -> dict:
-    """Counts of the timed run alone (the warm-up's subtracted)."""
-    out = {}
-    for op, rec in after.items():
-        base = before.get(op, {"calls": 0, "MB": 0.0})
-        out[op] = {"calls": rec["calls"] - base["calls"], "MB": round(rec["MB"] - base["MB"], 6)}
-    return out
 
 
 def run_dist(args: argparse.Namespace) -> int:

@@ -30,7 +30,7 @@ import tempfile
 
 import torch
 
-from shardserve.bench.dist import _per_group
+from shardserve.bench.runs import per_group
 from shardserve.core import SamplingParams
 from shardserve.distributed.expert_placement import layer_counts, save_counts
 
@@ -72,7 +72,7 @@ def run(path: str, prompts: list[list[int]], args: argparse.Namespace, **layout)
               "empty_steps": sum(a["empty_plans"] - b["empty_plans"] for a, b in zip(ranks, warm_ranks)
                                  if llm.layout.coords(a["rank"]).tp == 0),
               "kv_pages_per_rank": pages,
-              "groups": [_per_group(a, b) for a, b in zip(ranks, warm_ranks)],
+              "groups": [per_group(a, b) for a, b in zip(ranks, warm_ranks)],
               "experts": [_expert_delta(a.get("experts", {}), b.get("experts", {})) for a, b in zip(ranks, warm_ranks)]}
     # Tokens routed per layer, each once (the report's tensor rank 0 of each group).
     result["routed"] = layer_counts([{"rank": a["rank"], "experts": e} for a, e in zip(ranks, result["experts"])],

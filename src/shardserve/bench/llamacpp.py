@@ -20,7 +20,7 @@ import time
 
 import torch
 
-from shardserve.bench.offline import batch1_ours
+from shardserve.bench.batch1 import batch1_ours
 from shardserve.core import SamplingParams
 from shardserve.llm import LLM
 from shardserve.loader.model_path import resolve_checkpoint

@@ -19,12 +19,12 @@ from dataclasses import dataclass
 
 import torch
 
+from shardserve.bench.batch1 import batch1_ours
 from shardserve.config import torch_dtype
 from shardserve.core import SamplingParams
 from shardserve.llm import LLM
 from shardserve.loader.model_path import resolve_checkpoint
 from shardserve.platform import pick_device
-from shardserve.server.args import llm_kwargs
 from shardserve.structured_outputs import StructuredOutputsParams
 
 BATCH1_PROMPT = 32
@@ -129,16 +129,6 @@ def run_transformers(model: torch.nn.Module, wl: Workload, batch_size: int) -> t
     return stats, outputs
 
 
-def batch1_ours(llm: LLM, prompt: list[int], k: int, spec: StructuredOutputsParams | None = None) -> float:
-    """Decode tokens/s of one request alone, excluding its first token (the prefill)."""
-    t1 = 0.0
-    params = SamplingParams(max_tokens=k, temperature=0, ignore_eos=True, structured_outputs=spec)
-    for out in llm.stream(prompt, params):
-        if not t1 and out.new_ids:
-            t1 = time.perf_counter()
-    return (k - 1) / (time.perf_counter() - t1)
-
-
 def batch1_transformers(model: torch.nn.Module, prompt: list[int], k: int) -> float:
     """Decode tokens/s at batch 1: (time for k tokens - time for 1 token) over k - 1 tokens."""
     t0 = time.perf_counter()
@@ -193,11 +183,12 @@ def warm_up(llm: LLM, hf: torch.nn.Module | None, low: int) -> None:
         hf_generate(hf, [prompt], 2)
 
 
-def run_offline(args: argparse.Namespace) -> int:
+def run_offline(args: argparse.Namespace, engine: dict) -> int:
+    """`engine`: LLM(...)'s keyword arguments for the engine flags."""
     """Run the benchmark, print a table and one final JSON line with every number."""
     if args.batch1_tokens == 1 or args.batch1_tokens < 0:
         raise SystemExit("shardserve bench offline: --batch1-tokens must be 0 (skip) or >= 2")
-    llm = LLM(**llm_kwargs(args))
+    llm = LLM(**engine)
     vocab = llm.limits.vocab_size
     low = min(100, vocab // 2)
     wl = make_workload(args, vocab)

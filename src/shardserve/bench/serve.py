@@ -12,7 +12,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import logging
 import math
 import random
 import time
@@ -59,30 +58,6 @@ class RequestResult:
     finish_reason: str | None = None
 
 
-def add_serve_bench_args(p: argparse.ArgumentParser) -> None:
-    """Flags of `shardserve bench serve`."""
-    from shardserve.server.args import positive_float, positive_int, seed_int
-
-    p.add_argument("--url", default=None,
-                   help="base URL of an OpenAI-compatible server, e.g. http://127.0.0.1:8000 (needed unless "
-                        "--spawn or --spawn-router starts servers)")
-    p.add_argument("--num-requests", type=positive_int, default=64)
-    p.add_argument("--request-rate", type=positive_float, default=math.inf,
-                   help="requests/s with Poisson arrivals (default inf: all at once)")
-    p.add_argument("--min-prompt", type=positive_int, default=None,
-                   help=f"prompt length in words (default {DEFAULT_PROMPT[0]}, or --max-prompt if smaller)")
-    p.add_argument("--max-prompt", type=positive_int, default=DEFAULT_PROMPT[1])
-    p.add_argument("--min-output", type=positive_int, default=None,
-                   help=f"output tokens (default {DEFAULT_OUTPUT[0]}, or --max-output if smaller)")
-    p.add_argument("--max-output", type=positive_int, default=DEFAULT_OUTPUT[1])
-    p.add_argument("--seed", type=seed_int, default=0, help="seeds the prompts, output lengths and arrival times")
-    p.add_argument("--model-name", default=None, help="`model` field to send (default: first id of GET /v1/models)")
-    p.add_argument("--endpoint", choices=["completions", "chat"], default="completions")
-    from shardserve.bench.shared_prefix import add_shared_prefix_args
-
-    add_shared_prefix_args(p)
-
-
 def resolve_ranges(args: argparse.Namespace) -> None:
     """Fill unset --min-* from the defaults (capped by --max-*) and check every range."""
     if args.min_prompt is None:
@@ -93,11 +68,7 @@ def resolve_ranges(args: argparse.Namespace) -> None:
         raise SystemExit("shardserve bench serve: --min-* must not exceed --max-*")
     if not args.request_rate > 0:
         raise SystemExit("shardserve bench serve: --request-rate must be > 0")
-    if args.workload == "shared-prefix":
-        from shardserve.bench.shared_prefix import check_args
-
-        check_args(args)
-    elif args.spawn is not None or args.spawn_router is not None:
+    if args.workload != "shared-prefix" and (args.spawn is not None or args.spawn_router is not None):
         raise SystemExit("shardserve bench serve: --spawn and --spawn-router are for --workload shared-prefix")
 
 
@@ -287,12 +258,6 @@ def print_table(s: dict, args: argparse.Namespace, model: str, errors: list[str]
 
 def run_serve_bench(args: argparse.Namespace) -> int:
     """Run the load test, print a table and one final JSON line; exit 1 if every request failed."""
-    resolve_ranges(args)
-    logging.getLogger("httpx").setLevel(logging.WARNING)  # no log line per request
-    if args.workload == "shared-prefix":
-        from shardserve.bench.shared_prefix import run_shared_prefix
-
-        return run_shared_prefix(args)
     if args.url is None:
         raise SystemExit("shardserve bench serve: --url is needed")
     reqs = make_requests(args)

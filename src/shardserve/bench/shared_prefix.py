@@ -33,25 +33,6 @@ from shardserve.router.policy import POLICIES
 PROMPT_METRIC = re.compile(r'^\w+_routed_prompt_tokens\{\w+="([^"]+)"\} (\S+)$', re.M)
 
 
-def add_shared_prefix_args(p: argparse.ArgumentParser) -> None:
-    from shardserve.server.args import positive_int
-
-    w = p.add_argument_group("shared-prefix workload (bench/shared_prefix.py)")
-    w.add_argument("--workload", choices=["random", "shared-prefix"], default="random",
-                   help="random word prompts, or groups of requests sharing a long system prompt")
-    w.add_argument("--num-groups", type=positive_int, default=8, help="groups sharing one prefix each")
-    w.add_argument("--prefix-words", type=positive_int, default=300, help="words in each group's shared prefix")
-    w.add_argument("--suffix-words", type=positive_int, default=12, help="words in each request's own question")
-    w.add_argument("--spawn", default=None, metavar="SERVE_FLAGS",
-                   help='start `shardserve serve SERVE_FLAGS --load-balance-method P` for each policy, e.g. '
-                        '"--dp-size 2"')
-    w.add_argument("--spawn-router", default=None, metavar="SERVE_FLAGS",
-                   help="start --router-workers servers and `shardserve router --policy P` for each policy")
-    w.add_argument("--router-workers", type=positive_int, default=2)
-    w.add_argument("--policies", default=",".join(POLICIES),
-                   help="comma-separated policies to compare with --spawn / --spawn-router")
-
-
 def check_args(args: argparse.Namespace) -> None:
     where = [f for f, v in (("--url", args.url), ("--spawn", args.spawn), ("--spawn-router", args.spawn_router))
              if v is not None]

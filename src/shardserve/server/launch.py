@@ -24,6 +24,7 @@ import uvicorn
 
 from shardserve.ipc.sockets import Endpoints, listen_socket
 from shardserve.launch import LaunchError
+from shardserve.launch.deployment import Deployment
 from shardserve.launch.grid import LocalGrid, check_layout, endpoints, run_other_node
 from shardserve.launch.process_tree import ByName, Child
 from shardserve.launch.torchrun import run_rank_here, torchrun_env, torchrun_layout
@@ -32,10 +33,8 @@ from shardserve.loader.model_path import resolve_checkpoint
 from shardserve.router.policy import resolve_policy
 from shardserve.router.replicas import router_child
 from shardserve.server.app import ServerState, build_app
-from shardserve.server.args import engine_config, layout_from_args, node_spec_from_args
 from shardserve.server.client import EngineClient
 from shardserve.server.metrics import Metrics
-from shardserve.server.serve_args import disaggregation_config
 
 log = logging.getLogger("shardserve.launch")
 
@@ -86,9 +85,9 @@ def bind_socket(host: str, port: int) -> socket.socket:
         raise LaunchError(str(e)) from None
 
 
-def serve(args: argparse.Namespace) -> int:
-    cfg = engine_config(args, **disaggregation_config(args))
-    layout, node = layout_from_args(args), node_spec_from_args(args)
+def serve(args: argparse.Namespace, plan: Deployment) -> int:
+    """`args`: the server's own flags (host, port, limits); `plan`: what to deploy."""
+    cfg, layout, node = plan.engine, plan.layout, plan.node
     ckpt = resolve_checkpoint(cfg.model)
     env = torchrun_env()
     check_disaggregation(cfg, layout, node, env is not None)

@@ -2,12 +2,10 @@
 
 from __future__ import annotations
 
-import argparse
 import sys
 
 from shardserve.core import SamplingParams
 from shardserve.llm import LLM
-from shardserve.server.args import llm_kwargs
 from shardserve.tokenizer.detokenizer import Detokenizer
 
 HELP = "Type a message. /reset clears the conversation, /exit (or Ctrl-D) leaves."
@@ -20,20 +18,21 @@ def stream_reply(llm: LLM, conversation: list[dict], params: SamplingParams):
         yield detok.feed(out).text
 
 
-def chat(args: argparse.Namespace) -> int:
-    llm = LLM(**llm_kwargs(args))
+def chat(engine: dict, max_tokens: int, temperature: float | None) -> int:
+    """`engine`: LLM(...)'s keyword arguments; `temperature` None: the model's default, else greedy."""
+    llm = LLM(**engine)
     try:
-        return _loop(llm, args)
+        return _loop(llm, max_tokens, temperature)
     finally:
         llm.shutdown()
 
 
-def _loop(llm: LLM, args: argparse.Namespace) -> int:
+def _loop(llm: LLM, max_tokens: int, temperature: float | None) -> int:
     # Greedy unless the model ships defaults or the user asks; the user's flags win.
     chosen = {"temperature": 0.0, **llm.generation_defaults}
-    if args.temperature is not None:
-        chosen["temperature"] = args.temperature
-    params = SamplingParams(**chosen, max_tokens=args.max_tokens)
+    if temperature is not None:
+        chosen["temperature"] = temperature
+    params = SamplingParams(**chosen, max_tokens=max_tokens)
     conversation: list[dict] = []
     print(HELP, flush=True)
     while True:

@@ -204,6 +204,12 @@ def node_spec_from_args(args: argparse.Namespace):
     return NodeSpec(args.node_rank, args.dist_init_addr, deployment_secret(args.dist_secret_file, args.node_rank == 0))
 
 
+def deployment(args: argparse.Namespace, **overrides):
+    """The whole deployment the flags describe (EngineConfig fields in `overrides` win)."""
+    from shardserve.launch.deployment import Deployment
+
+    return Deployment(engine_config(args, **overrides), layout_from_args(args), node_spec_from_args(args))
+
 
 def llm_kwargs(args: argparse.Namespace) -> dict:
     """`LLM(...)` keyword arguments for the engine flags: EngineConfig's fields and the layout."""

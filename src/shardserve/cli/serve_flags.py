@@ -5,9 +5,9 @@ from __future__ import annotations
 import argparse
 import os
 
+from shardserve.cli.flags import non_negative_int, port_number, positive_float, positive_int
 from shardserve.config import DISAGGREGATION_MODES
 from shardserve.openai_errors import API_KEY_ENV
-from shardserve.server.args import non_negative_int, port_number, positive_float, positive_int
 from shardserve.server.tool_parsers import PARSERS
 
 

@@ -25,7 +25,7 @@ BUILT_IN = [
 
 
 def add_record_args(p: argparse.ArgumentParser) -> None:
-    from shardserve.server.args import add_engine_args, positive_int
+    from shardserve.cli.flags import add_engine_args, positive_int
 
     add_engine_args(p)
     p.add_argument("--output", "-o", required=True, help="where to write the counts (JSON)")
@@ -34,12 +34,12 @@ def add_record_args(p: argparse.ArgumentParser) -> None:
 
 
 def record_experts(args: argparse.Namespace) -> int:
+    from shardserve.cli.flags import llm_kwargs
     from shardserve.core import SamplingParams
     from shardserve.distributed.expert_placement import layer_counts, save_counts
     from shardserve.llm import LLM
     from shardserve.loader.model_path import resolve_checkpoint
     from shardserve.loader.weights import read_model_config
-    from shardserve.server.args import llm_kwargs
 
     experts = read_model_config(resolve_checkpoint(args.model)).num_experts
     if experts == 0:

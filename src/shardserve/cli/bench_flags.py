@@ -1,0 +1,165 @@
+"""`shardserve bench {offline,serve,dist,disagg}`: the flags of each benchmark, and dispatch.
+
+Parsing imports no torch (the `serve` command builds these parsers too); each benchmark imports
+its own machinery when it runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+
+from shardserve.cli.flags import (
+    add_engine_args,
+    llm_kwargs,
+    memory_amount,
+    non_negative_int,
+    positive_float,
+    positive_int,
+    positive_ints,
+    seed_int,
+)
+
+
+def add_bench_args(bench: argparse.ArgumentParser) -> None:
+    sub = bench.add_subparsers(dest="bench", required=True)
+    add_dist_args(sub.add_parser("dist", help="tensor-parallel runs at several sizes, with traffic counts"))
+    off = sub.add_parser("offline", help="offline throughput on a fixed random workload")
+    add_engine_args(off)
+    off.add_argument("--num-requests", type=positive_int, default=64)
+    off.add_argument("--min-prompt", type=positive_int, default=32)
+    off.add_argument("--max-prompt", type=positive_int, default=512)
+    off.add_argument("--min-output", type=positive_int, default=16)
+    off.add_argument("--max-output", type=positive_int, default=256)
+    off.add_argument("--workload-seed", type=seed_int, default=0)
+    off.add_argument("--compare", choices=["transformers", "llama.cpp"], default=None,
+                     help="transformers: also run it on the same requests and print the ratio; llama.cpp: one "
+                          "stream's prompt and decode tokens/s against llama-bench on the same GGUF")
+    off.add_argument("--llama-bench", default=None,
+                     help="the llama-bench executable for --compare llama.cpp (default: $LLAMA_BENCH, then PATH)")
+    off.add_argument("--hf-batch-size", type=positive_int, default=16,
+                     help="static batch size for the transformers peer")
+    off.add_argument("--batch1-tokens", type=non_negative_int, default=64,
+                     help="also time batch-1 decode of this many tokens (0 = skip)")
+    off.add_argument("--json-schema", action="store_true",
+                     help="run again with every output held to a JSON schema and print the decode slowdown")
+    add_serve_bench_args(sub.add_parser("serve", help="load-test an OpenAI-compatible server over HTTP"))
+    add_disagg_args(sub.add_parser("disagg", help="1 prefill + 1 decode instance vs one colocated server, mixed "
+                                                  "workload"))
+
+
+def add_serve_bench_args(p: argparse.ArgumentParser) -> None:
+    """Flags of `shardserve bench serve`."""
+    from shardserve.bench.serve import DEFAULT_OUTPUT, DEFAULT_PROMPT
+
+    p.add_argument("--url", default=None,
+                   help="base URL of an OpenAI-compatible server, e.g. http://127.0.0.1:8000 (needed unless "
+                        "--spawn or --spawn-router starts servers)")
+    p.add_argument("--num-requests", type=positive_int, default=64)
+    p.add_argument("--request-rate", type=positive_float, default=math.inf,
+                   help="requests/s with Poisson arrivals (default inf: all at once)")
+    p.add_argument("--min-prompt", type=positive_int, default=None,
+                   help=f"prompt length in words (default {DEFAULT_PROMPT[0]}, or --max-prompt if smaller)")
+    p.add_argument("--max-prompt", type=positive_int, default=DEFAULT_PROMPT[1])
+    p.add_argument("--min-output", type=positive_int, default=None,
+                   help=f"output tokens (default {DEFAULT_OUTPUT[0]}, or --max-output if smaller)")
+    p.add_argument("--max-output", type=positive_int, default=DEFAULT_OUTPUT[1])
+    p.add_argument("--seed", type=seed_int, default=0, help="seeds the prompts, output lengths and arrival times")
+    p.add_argument("--model-name", default=None, help="`model` field to send (default: first id of GET /v1/models)")
+    p.add_argument("--endpoint", choices=["completions", "chat"], default="completions")
+    add_shared_prefix_args(p)
+
+
+def add_shared_prefix_args(p: argparse.ArgumentParser) -> None:
+    from shardserve.router.policy import POLICIES
+
+    w = p.add_argument_group("shared-prefix workload (bench/shared_prefix.py)")
+    w.add_argument("--workload", choices=["random", "shared-prefix"], default="random",
+                   help="random word prompts, or groups of requests sharing a long system prompt")
+    w.add_argument("--num-groups", type=positive_int, default=8, help="groups sharing one prefix each")
+    w.add_argument("--prefix-words", type=positive_int, default=300, help="words in each group's shared prefix")
+    w.add_argument("--suffix-words", type=positive_int, default=12, help="words in each request's own question")
+    w.add_argument("--spawn", default=None, metavar="SERVE_FLAGS",
+                   help='start `shardserve serve SERVE_FLAGS --load-balance-method P` for each policy, e.g. '
+                        '"--dp-size 2"')
+    w.add_argument("--spawn-router", default=None, metavar="SERVE_FLAGS",
+                   help="start --router-workers servers and `shardserve router --policy P` for each policy")
+    w.add_argument("--router-workers", type=positive_int, default=2)
+    w.add_argument("--policies", default=",".join(POLICIES),
+                   help="comma-separated policies to compare with --spawn / --spawn-router")
+
+
+
+def add_dist_args(p: argparse.ArgumentParser) -> None:
+    from shardserve.bench.dist import SHAPES  # plain Python: the shapes, no torch
+
+    p.add_argument("--model", default=None, help="checkpoint (default: a random model of the shape below)")
+    # Shape and workload: None means the mode's own default (SHAPES), shown in --help.
+    for flag in SHAPES["tensor"]:
+        base, bubble = SHAPES["tensor"][flag], SHAPES["bubble"][flag]
+        text = f"default {base}" + (f" (bubble: {bubble})" if bubble != base else "")
+        p.add_argument(f"--{flag.replace('_', '-')}", type=positive_int, default=None, help=text)
+    p.add_argument("--page-size", type=positive_int, default=16)
+    p.add_argument("--kv-cache-memory", type=memory_amount, default=None,
+                   help="bytes of KV cache per rank (default 64M; bubble: 512M)")
+    p.add_argument("--mode", choices=["tensor", "pipeline", "bubble", "expert", "context"], default="tensor",
+                   help="which layout to vary (bubble: pipeline micro-batches against one, and TP, on throughput; "
+                        "expert: EP under data-parallel attention beside TP, and redundant experts; "
+                        "context: --cp-size on one long prompt, --prompt-len default 2048, --new-tokens 4)")
+    p.add_argument("--experts", type=positive_int, default=8, help="expert mode: experts per MoE layer")
+    p.add_argument("--top-k", type=positive_int, default=2, help="expert mode: experts per token")
+    p.add_argument("--sizes", "--tp-sizes", dest="sizes", type=positive_ints, default="1,2,4",
+                   help="comma-separated sizes of the varied layout (--tp-size or --pp-size)")
+    p.add_argument("--pp-micro-batches", type=positive_int, default=None,
+                   help="pipeline micro-batches in flight (default: one per stage)")
+    p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32")
+    p.add_argument("--bubble-requests", type=positive_int, default=96, help="bubble mode: requests")
+    p.add_argument("--bubble-max-tokens", type=positive_int, default=48,
+                   help="bubble mode: the longest output (lengths vary from a third of it up)")
+
+
+
+def add_disagg_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default=None, help="checkpoint (default: SmolLM2-135M-Instruct)")
+    p.add_argument("--threads", type=int, default=2, help="CPU threads in all: the colocated server's; the "
+                                                          "prefill and decode instances get half each")
+    p.add_argument("--streams", type=int, default=8, help="decode streams running from the start")
+    p.add_argument("--stream-tokens", type=int, default=192)
+    p.add_argument("--long-prompts", type=int, default=6)
+    p.add_argument("--long-words", type=int, default=600, help="words per long prompt")
+    p.add_argument("--long-every", type=float, default=1.5, help="seconds between long prompts")
+    p.add_argument("--num-pages", type=int, default=2048)
+    p.add_argument("--max-num-batched-tokens", type=int, default=2048,
+                   help="every server's prefill chunk budget (smaller chunks stall a colocated server's streams "
+                        "for less time, at some prefill speed)")
+    p.add_argument("--seed", type=int, default=0)
+
+
+
+def run_bench(args: argparse.Namespace) -> int:
+    if args.bench == "offline":
+        from shardserve.bench.offline import run_offline
+
+        return run_offline(args, llm_kwargs(args))
+    if args.bench == "serve":
+        import logging
+
+        from shardserve.bench.serve import resolve_ranges, run_serve_bench
+
+        resolve_ranges(args)
+        logging.getLogger("httpx").setLevel(logging.WARNING)  # no log line per request
+        if args.workload == "shared-prefix":
+            from shardserve.bench.shared_prefix import check_args, run_shared_prefix
+
+            check_args(args)
+            return run_shared_prefix(args)
+        return run_serve_bench(args)
+    if args.bench == "disagg":
+        from shardserve.bench.disagg import run_disagg
+
+        return run_disagg(args)
+    if args.bench == "dist":
+        from shardserve.bench.dist import run_dist
+
+        return run_dist(args)
+    raise SystemExit(f"unknown benchmark {args.bench!r}")
