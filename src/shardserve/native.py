@@ -39,15 +39,17 @@ class Library:
 
     name: str
     source: Path
+    provides: str
     fallback: str
 
 
 _PACKAGE = Path(__file__).parent
 LIBRARIES = (
     Library("layers", _PACKAGE / "layers" / "csrc" / "decode_loop.c",
+            "quantized GGUF products, the decode loop, fused CPU ops",
             "quantized GGUF products run dequantized in torch (several times slower, weights expanded to float32), "
             "the decode loop and the fused CPU ops (RMSNorm, rotary, SiLU) run as torch modules (slower decode)"),
-    Library("attention", _PACKAGE / "attention" / "csrc" / "paged_decode.c",
+    Library("attention", _PACKAGE / "attention" / "csrc" / "paged_decode.c", "paged decode attention",
             "paged decode attention runs as torch's gather + SDPA (slower decode, more so at long contexts)"),
 )
 
@@ -140,6 +142,8 @@ def compiler() -> list[str]:
 def library_path(source: Path) -> Path:
     """Where the cache holds (or will hold) the library of `source` for this compiler and CPU;
     raises KernelUnavailable where no compiler runs."""
+    if not source.is_file():
+        raise KernelUnavailable(f"{source} is missing (an install without the package's csrc files)")
     cc = compiler()
     if not cc[0]:
         raise KernelUnavailable("no C compiler (cc/gcc) on PATH")

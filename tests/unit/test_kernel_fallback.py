@@ -12,7 +12,8 @@ import pytest
 
 import shardserve
 
-# Touches every caller of the C libraries, twice, then checks each took its torch path.
+# Touches every caller of the C libraries, twice, checks each took its torch path, then asks
+# the env report.
 SCRIPT = """
 import logging
 logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
@@ -31,6 +32,9 @@ for _ in range(2):
         pass
     else:
         raise AssertionError("the attention kernel loaded without a compiler")
+from shardserve import env_report
+rows = env_report.kernel_report()  # `shardserve env` says why, without a second warning
+assert all(not r["loaded"] and r["error"] and r["fallback"] for r in rows), rows
 print("fell back")
 """
 
