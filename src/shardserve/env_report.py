@@ -18,7 +18,7 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-PACKAGES = ("shardserve", "torch", "transformers", "gguf", "llguidance", "numpy")
+PACKAGES = ("torch", "transformers", "gguf", "llguidance", "numpy")
 # The instruction sets the kernels' code paths (or the compiler's -march=native) can use.
 CPU_FLAGS = ("avx2", "fma", "f16c", "avx512f", "avx512_vnni", "avx_vnni", "avx512_bf16",
              "amx_tile", "amx_bf16", "amx_int8")
@@ -126,7 +126,9 @@ def collect() -> dict[str, Any]:
     import shardserve
     from shardserve import native
 
-    return {"versions": {"python": sys.version.split()[0], **{name: _version(name) for name in PACKAGES}},
+    # shardserve's own version is the imported module's: the installed metadata may be another copy's.
+    versions = {"python": sys.version.split()[0], "shardserve": shardserve.__version__}
+    return {"versions": versions | {name: _version(name) for name in PACKAGES},
             "shardserve_path": str(Path(shardserve.__file__).parent),
             "os": {"platform": platform.platform(), "libc": " ".join(platform.libc_ver()).strip() or None},
             "cpu": cpu_report(), "compiler": compiler_report(), "kernel_cache": str(native.cache_dir()),
