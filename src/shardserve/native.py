@@ -5,7 +5,8 @@ compiler on first use (a few seconds) into a cache keyed by the sources, the bui
 the compiler and the CPU (it is compiled with -march=native, so a cache copied to another CPU
 is rebuilt, not crashed). The kernels include no torch headers; they link torch's bundled
 OpenMP runtime so their threads are torch's. Where no compiler works, `load_library` raises
-KernelUnavailable saying why, and the caller keeps its torch path.
+KernelUnavailable saying why, and the caller keeps its torch path; the first such failure logs
+one warning naming every library that falls back, what runs instead, and what that costs.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import shlex
 import shutil
 import subprocess
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 
 log = logging.getLogger(__name__)
@@ -31,6 +33,27 @@ class KernelUnavailable(RuntimeError):
     """A kernel could not be built or loaded here; the message says why."""
 
 
+@dataclass(frozen=True)
+class Library:
+    """One compiled library: its C file and what the engine does without it."""
+
+    name: str
+    source: Path
+    provides: str
+    fallback: str
+
+
+_PACKAGE = Path(__file__).parent
+LIBRARIES = (
+    Library("layers", _PACKAGE / "layers" / "csrc" / "decode_loop.c",
+            "quantized GGUF products, the decode loop, fused CPU ops",
+            "quantized GGUF products run dequantized in torch (several times slower, weights expanded to float32), "
+            "the decode loop and the fused CPU ops (RMSNorm, rotary, SiLU) run as torch modules (slower decode)"),
+    Library("attention", _PACKAGE / "attention" / "csrc" / "paged_decode.c", "paged decode attention",
+            "paged decode attention runs as torch's gather + SDPA (slower decode, more so at long contexts)"),
+)
+
+
 def _cpu_signature() -> str:
     try:
         with open("/proc/cpuinfo") as f:
@@ -39,7 +62,7 @@ def _cpu_signature() -> str:
         return ""
 
 
-def _cache_dir() -> Path:
+def cache_dir() -> Path:
     root = os.environ.get("SHARDSERVE_CACHE") or os.path.join(
         os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "shardserve")
     return Path(root) / "kernels"
@@ -68,18 +91,60 @@ def compile_library(cc: list[str], source: Path, out: Path) -> None:
         for cmd in _commands(cc, source, obj, lib):
             proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
             if proc.returncode != 0:
-                raise KernelUnavailable(f"{cc[0]} failed on {source.name}: {proc.stderr.strip()[-500:]}")
+                why = proc.stderr.strip()[-500:] or f"exit status {proc.returncode}"
+                raise KernelUnavailable(f"{cc[0]} failed on {source.name}: {why}")
         os.replace(lib, out)
 
 
-@functools.cache
+def library(name: str) -> ctypes.CDLL:
+    """The library of LIBRARIES named `name`; raises KernelUnavailable (see load_library)."""
+    return load_library(next(lib.source for lib in LIBRARIES if lib.name == name))
+
+
 def load_library(source: Path) -> ctypes.CDLL:
-    """The compiled library of one C file (built on first use); raises KernelUnavailable."""
-    return load_uncached(source)
+    """The compiled library of one C file (built on first use); raises KernelUnavailable, after
+    the process's one warning about what falls back."""
+    lib = _attempt(source)
+    if isinstance(lib, KernelUnavailable):
+        warn_fallbacks()
+        raise KernelUnavailable(str(lib))  # a fresh exception: the cached one would grow tracebacks
+    return lib
 
 
-def load_uncached(source: Path) -> ctypes.CDLL:
-    cc = shlex.split(os.environ.get("CC", "")) or [shutil.which("cc") or shutil.which("gcc") or ""]
+@functools.cache
+def _attempt(source: Path) -> ctypes.CDLL | KernelUnavailable:
+    try:
+        return load_uncached(source)
+    except KernelUnavailable as e:
+        return e
+
+
+@functools.cache
+def warn_fallbacks() -> None:
+    """Logs, once per process and in one line, each library that cannot be had here with what
+    runs instead; silent where all load."""
+    failed = [(lib, str(why)) for lib in LIBRARIES if isinstance(why := _attempt(lib.source), KernelUnavailable)]
+    if not failed:
+        return
+    reasons = {why for _, why in failed}
+    if len(reasons) == 1:
+        text = f"C kernels unavailable ({reasons.pop()}): " + "; ".join(lib.fallback for lib, _ in failed)
+    else:
+        text = "C kernels unavailable: " + "; ".join(f"{lib.fallback} ({why})" for lib, why in failed)
+    log.warning("%s", " ".join(text.split()))  # one line, even for a compiler's multi-line error
+
+
+def compiler() -> list[str]:
+    """The C compiler command: $CC (may carry flags), else cc or gcc on PATH; [""] for none."""
+    return shlex.split(os.environ.get("CC", "")) or [shutil.which("cc") or shutil.which("gcc") or ""]
+
+
+def library_path(source: Path) -> Path:
+    """Where the cache holds (or will hold) the library of `source` for this compiler and CPU;
+    raises KernelUnavailable where no compiler runs."""
+    if not source.is_file():
+        raise KernelUnavailable(f"{source} is missing (an install without the package's csrc files)")
+    cc = compiler()
     if not cc[0]:
         raise KernelUnavailable("no C compiler (cc/gcc) on PATH")
     try:
@@ -90,7 +155,12 @@ def load_uncached(source: Path) -> ctypes.CDLL:
     except (OSError, subprocess.SubprocessError) as e:
         raise KernelUnavailable(f"cannot run the C compiler {cc[0]!r}: {e}") from e
     digest = hashlib.sha256(chr(0).join(parts).encode()).hexdigest()[:16]
-    path = _cache_dir() / f"{source.stem}-{digest}.so"
+    return cache_dir() / f"{source.stem}-{digest}.so"
+
+
+def load_uncached(source: Path) -> ctypes.CDLL:
+    """Builds (where the cache lacks it) and loads the library of `source`, without warning."""
+    path, cc = library_path(source), compiler()
     if not path.exists():
         log.info("building the C kernel %s into %s", source.name, path)
         try:

@@ -3,28 +3,29 @@
 Decode attention dominates a CPU decode step when done with torch ops: every layer gathers each
 sequence's pages into a padded tensor and SDPA reads that copy again. The C kernel reads K/V in
 place from the pages. Where no compiler works, `load()` says why and the engine keeps the torch
-path.
+path. attention/ sits below layers/, so this library's binding is its own, not layers.kernels'.
 """
 
 from __future__ import annotations
 
 import ctypes
 import functools
-from pathlib import Path
 
 import torch
 
-from shardserve.native import KernelUnavailable, load_library
+from shardserve import native
+from shardserve.native import KernelUnavailable
 
 __all__ = ["KernelUnavailable", "load", "paged_decode", "supports"]
 
-SOURCE = Path(__file__).with_name("csrc") / "paged_decode.c"
+SOURCE = next(lib.source for lib in native.LIBRARIES if lib.name == "attention")
 
 
 @functools.cache
 def load() -> ctypes.CDLL:
-    """The compiled kernel library; raises KernelUnavailable with the reason."""
-    lib = load_library(SOURCE)
+    """The compiled kernel library (its own, apart from the layers'); raises KernelUnavailable
+    with the reason, after shardserve.native's one warning about the fallbacks."""
+    lib = native.library("attention")
     fn = lib.paged_decode_f32
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
     fn.argtypes = [ptr, i64, ptr, ptr, ptr, i64, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, ctypes.c_float,

@@ -1,37 +1,15 @@
 """The fused small operators (csrc/cpu_ops.c): RMSNorm, rotary, gated SiLU in one call each.
 
 Each function answers None where it does not apply (not a CPU float32 tensor with unit inner
-stride, or no compiler here), and the caller runs its torch formula instead; the two agree to
-float32 rounding (tests/unit/test_quantized.py checks it).
+stride, or no compiler here: shardserve.native then warns once), and the caller runs its torch
+formula instead; the two agree to float32 rounding (tests/unit/test_quantized.py checks it).
 """
 
 from __future__ import annotations
 
-import ctypes
-import functools
-import logging
-from pathlib import Path
-
 import torch
 
-from shardserve.native import KernelUnavailable, load_library
-
-log = logging.getLogger(__name__)
-SOURCE = Path(__file__).with_name("csrc") / "decode_loop.c"  # includes cpu_ops.c
-
-
-@functools.cache
-def _lib() -> ctypes.CDLL | None:
-    try:
-        lib = load_library(SOURCE)
-    except KernelUnavailable as e:
-        log.warning("fused CPU operators unavailable, torch's run instead: %s", e)
-        return None
-    i64, ptr, c_int, c_float = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int, ctypes.c_float
-    lib.rms_norm_f32.argtypes = [ptr, i64, i64, i64, ptr, c_float, ptr, i64, c_int]
-    lib.rotary_f32.argtypes = [ptr, i64, i64, ptr, i64, i64, i64, i64, ptr, ptr, c_int]
-    lib.silu_mul_f32.argtypes = [ptr, i64, i64, i64, ptr, c_int]
-    return lib
+from shardserve.layers.kernels import load_or_none as _lib
 
 
 def _fits(*ts: torch.Tensor) -> bool:

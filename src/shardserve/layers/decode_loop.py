@@ -19,11 +19,10 @@ import torch
 
 from shardserve.attention import cpu_kernel
 from shardserve.attention.metadata import AttentionMetadata
-from shardserve.layers import quant_kernel
+from shardserve.layers import kernels
 from shardserve.layers.attention import ForwardContext, SelfAttention
 from shardserve.layers.linear import PackedLinear
 from shardserve.layers.mlp import GatedMLP
-from shardserve.native import KernelUnavailable
 
 i64, ptr = ctypes.c_int64, ctypes.c_void_p
 
@@ -84,12 +83,10 @@ class DecodeLoop:
         if not layers or not all(_fits(layer) for layer in layers):
             return None
         try:
-            lib = quant_kernel.load()
+            lib = kernels.load()
             attn_fn = ctypes.cast(cpu_kernel.load().paged_decode_f32, ctypes.c_void_p).value
-        except KernelUnavailable:
+        except kernels.KernelUnavailable:  # shardserve.native has warned; the modules run one by one
             return None
-        lib.decode_layers.argtypes = [ptr, i64, ptr, ptr, i64, ptr, ptr, ptr, ptr, i64, ptr, i64, ptr, ctypes.c_int]
-        lib.decode_layers.restype = ctypes.c_int
         return cls(layers, lib, attn_fn)
 
     def applies(self, x: torch.Tensor, ctx: ForwardContext) -> bool:

@@ -8,48 +8,21 @@ as F32 rows (`float_weight`): exact float products, and the C decode loop.
 
 from __future__ import annotations
 
-import ctypes
-import functools
-from pathlib import Path
-
 import torch
 
+from shardserve.layers.kernels import KernelUnavailable, available, load
 from shardserve.loader.quantized import QuantWeight, float_rows
-from shardserve.native import KernelUnavailable, load_library
 
 __all__ = ["KernelUnavailable", "available", "dequantize", "float_weight", "linear", "load"]
-
-# decode_loop.c includes quant_matmul.c and cpu_ops.c: one library for the layers' kernels.
-SOURCE = Path(__file__).with_name("csrc") / "decode_loop.c"
-
-
-@functools.cache
-def load() -> ctypes.CDLL:
-    """The compiled kernel library; raises KernelUnavailable with the reason."""
-    lib = load_library(SOURCE)
-    i64, ptr, c_int = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
-    lib.qmatmul.argtypes = [c_int, ptr, i64, i64, i64, ptr, i64, i64, ptr, i64, c_int]
-    lib.qdequant.argtypes = [c_int, ptr, i64, i64, ptr, i64, ptr, c_int]
-    lib.qmatmul.restype = lib.qdequant.restype = c_int
-    return lib
-
-
-def available() -> str | None:
-    """None where the kernel builds and loads here, else why not."""
-    try:
-        load()
-    except KernelUnavailable as e:
-        return str(e)
-    return None
 
 
 def float_weight(weight: torch.Tensor | None) -> QuantWeight | None:
     """A CPU float32 [out, in] weight as F32 rows for these kernels (the same memory), or None
     where they do not take it (another device or dtype, `in` not a multiple of 8, no compiler).
 
-    Measured against oneDNN's packed copy (2 threads, AVX2): one row 1.3-1.4x faster, 32 rows
-    0.8-0.9x, 512 rows 1.15-1.2x; and the decode loop then runs a float checkpoint's layers in
-    one call."""
+    Against oneDNN's packed copy these rows are faster for one activation row and for prefill,
+    about even in between, and the decode loop then runs a float checkpoint's layers in one
+    call (the README's measurements have the figures)."""
     if (weight is None or weight.device.type != "cpu" or weight.dtype != torch.float32 or weight.dim() != 2
             or weight.shape[1] % 8 or available() is not None):
         return None

@@ -6,7 +6,8 @@
  * query head that reads it (GQA); the threads of torch's OpenMP pool share the sequences.
  * Head dims of 16, 32, 64, 128 and 256 take a path written with GCC/clang vector extensions
  * as wide as the target's registers (16 floats with AVX-512, else 8: a wider vector type on an
- * AVX2 target is lowered through the stack and runs ~4x slower); others take a plain loop.
+ * AVX2 target is lowered through the stack and runs several times slower); others take a
+ * plain loop.
  *
  * Layouts (row-major): q [B, q_stride] with heads [H, D] at the start of each row;
  * k_cache, v_cache [slots, Hkv, D]; block_tables [B, max_pages]; out [B, H, D].

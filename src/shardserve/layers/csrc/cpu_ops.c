@@ -1,8 +1,8 @@
 /* The small per-layer operators of a decoder, fused for the CPU in float32.
  *
  * In a one-row decode step these are a handful of floats each, so their cost is the number of
- * operator calls, not arithmetic: torch's RMSNorm is ~9 calls, the rotate-half rotary ~10, the
- * gated SiLU 3. Here each is one call. Arithmetic follows Hugging Face's float32 formulas:
+ * operator calls, not arithmetic: torch's RMSNorm, rotate-half rotary and gated SiLU are
+ * several calls each. Here each is one call. Arithmetic follows Hugging Face's float32 formulas:
  *   rms_norm:  out = w * x / sqrt(mean(x^2) + eps)
  *   rotary:    (x1, x2) -> (x1 cos - x2 sin, x2 cos + x1 sin), halves of each head, in place
  *   silu_mul:  out = silu(gate) * up, gate and up the two halves of each input row

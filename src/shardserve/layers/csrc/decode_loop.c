@@ -3,8 +3,8 @@
  * This file is the one compiled unit: it includes the block-quantized products
  * (quant_matmul.c) and the fused small operators (cpu_ops.c), and adds `decode_layers`, which
  * runs every layer of a dense llama-family stack for a few decode rows without returning to
- * Python. In a one-row step the layers' arithmetic is a few milliseconds; from Python the same
- * step is ~15 operator calls per layer, each costing more than its arithmetic. The decode
+ * Python. In a one-row step the layers' arithmetic is small; from Python the same step is
+ * a dozen or more operator calls per layer, each costing more than its arithmetic. The decode
  * attention kernel lives in another library (attention/csrc/paged_decode.c) and is passed in as
  * a function pointer.
  *

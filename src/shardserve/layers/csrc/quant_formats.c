@@ -170,8 +170,8 @@ static inline __attribute__((always_inline)) void expand_blocks16(const int type
 }
 
 /* Row `wr` of Q4_0, Q4_1 or Q8_0 as k floats: bytes widened straight to 32 bits (no 16-bit
- * step as in block16), which expands ~25% faster; the float GEMMs spend a sixth of a
- * many-stream decode step here. */
+ * step as in block16), which expands faster; the float GEMMs of a many-stream decode step
+ * spend a good part of their time here. */
 static inline __attribute__((always_inline)) void expand_blocks32(const int type, const uint8_t *wr, int64_t k,
                                                                   float *o) {
     const int64_t bytes = type == Q4_0 ? 18 : type == Q4_1 ? 20 : 34;

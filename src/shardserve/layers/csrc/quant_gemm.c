@@ -7,14 +7,13 @@
  * - Up to STRIP_ROWS rows (decode of many streams): the activations are packed once per product
  *   into panels of 16 rows, k-major (p[e * 16 + i] = x[i0 + i][e]); the weight is expanded 6 rows
  *   at a time, row-major (float32 weights are read where they lie), and a 16 x 6 block of the
- *   output is computed per panel. The weight needs no transpose: at 32 rows, expanding and
- *   transposing it had cost more than half as much as the multiply-adds (gate_up of SmolLM2,
- *   32 rows: 1.2 -> 0.94 ms).
+ *   output is computed per panel. The weight needs no transpose: at a few dozen rows, expanding
+ *   and transposing it cost a large share of the multiply-adds' time.
  * - From STRIP_ROWS (prefill): 16 weight rows at a time are expanded and packed k-major
  *   (wp[e * 16 + j] = W[n0 + j][e]) and a 6 x 16 block of the output is computed from x's rows
  *   as they lie. Its cost per weight row is paid over many rows, and the side streamed from
- *   memory is the broadcast one (6 floats a step, not 16): SmolLM2's 32-prompt prefill in chunks
- *   of 1,024 rows took 4.0-4.5 s on strips, 5.9-6.1 s on panels. */
+ *   memory is the broadcast one (6 floats a step, not 16), so a long prefill runs faster on
+ *   strips than on panels. */
 #define STRIP_ROWS 128 /* from here weight strips, below activation panels (measured crossover) */
 #define PW 16 /* activation rows per panel */
 #define NW 6  /* weight rows per panel block */
@@ -41,7 +40,7 @@ static inline void transpose8(__m256 r[8]) {
 
 /* dst[e * PW + j] = src[j * lds + e] for j < 8, e < k (a multiple of 8): 8 rows into 8 lanes of a
  * k-major 16-wide panel or strip, by 8 x 8 register transposes (a float at a time, the stores
- * 64 bytes apart had cost ~3% of a 32-row decode step in pack_rows). */
+ * 64 bytes apart were a visible part of a many-row decode step in pack_rows). */
 static void rows8_kmajor(const float *src, int64_t lds, int64_t k, float *dst) {
 #ifdef __AVX2__
     for (int64_t e0 = 0; e0 < k; e0 += 8) {
@@ -77,7 +76,7 @@ static void pack_rows(const float *x, int64_t ldx, int64_t r0, int64_t r1, const
 /* out[j * PW + i] = panel row i . weight row j (w + j * ldw) for j < nr, i < lanes (16 or 8).
  * The accumulators are named variables, not an array: gcc kept an array's elements in
  * registers only in some of the functions it inlined this into, and elsewhere stored all twelve
- * to the stack on every step (the same product 1.5x slower depending on unrelated code). */
+ * to the stack on every step (the same product slower or not depending on unrelated code). */
 static inline __attribute__((always_inline)) void panel_micro(const int lanes, const int nr, const float *w,
                                                               int64_t ldw, const float *p, int64_t k, float *out) {
 #ifdef __AVX2__

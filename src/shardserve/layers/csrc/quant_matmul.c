@@ -11,7 +11,7 @@
  * 16-bit multiply-add; one float multiply-add per block applies the scales. Per block:
  *   sum_i (s q_i + m) x_i = s d_x (q . x_q) + m sum(x).
  * (llama.cpp rounds the activations to 8 bits instead, 256x coarser: a small model such as
- * SmolLM2-135M then drifts off its float answers. 16 bits keep them, at ~2x the speed of
+ * SmolLM2-135M then drifts off its float answers. 16 bits keep them, and still run faster than
  * widening every weight to a float.)
  *
  * From a few activation rows on (prefill, many streams; see product_path) the weight is expanded
@@ -210,10 +210,10 @@ static void f32_rows(const float *w, int64_t ldw, int64_t r0, int64_t r1, const 
 
 #include "quant_gemm.c"
 
-/* How a product of m activation rows runs, by the weight's type (measured crossovers, SmolLM2's
- * decode steps, 2 threads): the 16-bit path (ACTS16) while decoding a block costs less than
- * expanding the weight to floats (below 10 rows for 4-bit blocks: a 9-row step took 34 ms
- * against 40 on panels, 12 rows 48 against 40; below 13 for Q8_0, whose bytes widen directly);
+/* How a product of m activation rows runs, by the weight's type (crossovers measured on
+ * SmolLM2's decode steps): the 16-bit path (ACTS16) while decoding a block costs less than
+ * expanding the weight to floats (below 10 rows for 4-bit blocks, below 13 for Q8_0, whose
+ * bytes widen directly);
  * F32 rows are read as they lie below 16 rows (F32_ROWS); then the float GEMM on activation
  * panels, and from STRIP_ROWS on weight strips. Without AVX2 every block format takes the float
  * GEMMs. */
@@ -309,8 +309,9 @@ static void acts_free(Acts *a) { free(a->q); free(a->d); free(a->s); free(a->p);
  * remaining rows to the others instead of holding them all at the next barrier. Runs are guided:
  * each takes 1 / (2 nth) of the rows still unclaimed, so the first are long (for the memory
  * prefetchers of a one-row product) and the last short (the threads reach the barrier together),
- * at least 32 rows, in whole grains (claim_grain: the kernel's block of weight rows). Against fixed quarters of a share, the threads of a
- * 32-stream SmolLM2 decode step waited 3-6 ms at its barriers instead of 11-13 (both summed).
+ * at least 32 rows, in whole grains (claim_grain: the kernel's block of weight rows). Against
+ * fixed quarters of a share, the threads of a many-stream decode step wait far less at its
+ * barriers.
  * Returns the run's first row (its end in *end), or -1 when all `total` rows are claimed; *next
  * is zeroed before the threads start. */
 static inline int64_t claim_rows(int64_t *next, int64_t total, int64_t g, int nth, int64_t *end) {

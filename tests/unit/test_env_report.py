@@ -1,0 +1,59 @@
+"""`shardserve env` (run_env): reports this machine's C kernels as in use and its CPU flags as
+/proc/cpuinfo lists them, as text and as JSON."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import pytest
+
+from shardserve import env_report, native
+
+
+def run(capsys, *argv: str) -> str:
+    parser = argparse.ArgumentParser()
+    env_report.add_env_args(parser)
+    assert env_report.run_env(parser.parse_args(list(argv))) == 0
+    return capsys.readouterr().out
+
+
+def cpuinfo_flags() -> set[str]:
+    text = Path("/proc/cpuinfo").read_text()
+    return set(next(line for line in text.splitlines() if line.startswith("flags")).partition(":")[2].split())
+
+
+def test_json_reports_the_kernels_in_use(capsys):
+    report = json.loads(run(capsys, "--json"))
+    kernels = {row["name"]: row for row in report["kernels"]}
+    assert set(kernels) == {lib.name for lib in native.LIBRARIES}
+    for row in kernels.values():
+        assert row["loaded"] and row["error"] is None, row
+        assert Path(row["library"]).is_file() and Path(row["library"]).parent == native.cache_dir()
+    assert report["kernel_cache"] == str(native.cache_dir())
+    assert report["versions"]["torch"] and report["versions"]["shardserve"]
+    assert report["compiler"]["command"] == " ".join(native.compiler())
+    assert report["accelerators"]["collective_backend"] in ("gloo", "nccl")
+    assert report["threads"]["torch_threads"] >= 1
+
+
+@pytest.mark.skipif(not Path("/proc/cpuinfo").exists(), reason="reads /proc/cpuinfo")
+def test_cpu_flags_match_proc_cpuinfo(capsys):
+    flags = json.loads(run(capsys, "--json"))["cpu"]["flags"]
+    have = cpuinfo_flags()
+    assert flags == {flag: flag in have for flag in env_report.CPU_FLAGS}
+
+
+def test_text_report(capsys):
+    out = run(capsys)
+    kernel_lines = [line for line in out.splitlines() if line.startswith("C kernels (")]
+    assert len(kernel_lines) == len(native.LIBRARIES)
+    assert all(": in use, " in line for line in kernel_lines)
+    assert "paged decode attention" in out and "quantized GGUF products" in out
+    if Path("/proc/cpuinfo").exists():
+        flags_line = next(line for line in out.splitlines() if line.startswith("cpu flags: "))
+        words = flags_line.removeprefix("cpu flags: ").split()
+        have = cpuinfo_flags()
+        assert [f for f in env_report.CPU_FLAGS if f in have] == [w for w in words if w in env_report.CPU_FLAGS]
+    assert "collective backend: " in out and "default threads per rank" in out
