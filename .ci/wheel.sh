@@ -41,7 +41,7 @@ py=$work/venv/bin/python
 # wheel's own sources, and any one that is unavailable fails the check.
 cd "$work"
 export SHARDSERVE_CACHE=$work/cache
-"$py" -m shardserve.env_report > env.txt || fail "shardserve env failed"
+"$work/venv/bin/shardserve" env > env.txt || fail "shardserve env failed"
 cat env.txt
 "$py" - "$work/venv" <<'EOF' || fail "the installed wheel does not run its C kernels"
 import json
@@ -58,7 +58,7 @@ from shardserve.layers import cpu_ops, kernels, quant_kernel
 venv = Path(sys.argv[1]).resolve()
 where = Path(shardserve.__file__).resolve()
 assert venv in where.parents, f"shardserve imported from {where}, not the venv"
-report = json.loads(subprocess.run([sys.executable, "-m", "shardserve.env_report", "--json"], check=True,
+report = json.loads(subprocess.run([str(venv / "bin" / "shardserve"), "env", "--json"], check=True,
                                    capture_output=True, text=True).stdout)
 bad = [f"{k['provides']}: {k['error']}" for k in report["kernels"] if not k["loaded"]]
 assert not bad, "C kernels unavailable: " + "; ".join(bad)

@@ -174,9 +174,3 @@ def run_env(args: argparse.Namespace) -> int:
     report = collect()
     print(json.dumps(report, indent=2) if args.json else render(report))
     return 0
-
-
-if __name__ == "__main__":  # `python -m shardserve.env_report` until the CLI has `shardserve env`
-    parser = argparse.ArgumentParser(prog="shardserve env", description=__doc__.splitlines()[0])
-    add_env_args(parser)
-    sys.exit(run_env(parser.parse_args()))

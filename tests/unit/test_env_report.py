@@ -3,19 +3,18 @@
 
 from __future__ import annotations
 
-import argparse
 import json
 from pathlib import Path
 
 import pytest
 
 from shardserve import env_report, native
+from shardserve.cli.main import main
 
 
 def run(capsys, *argv: str) -> str:
-    parser = argparse.ArgumentParser()
-    env_report.add_env_args(parser)
-    assert env_report.run_env(parser.parse_args(list(argv))) == 0
+    """`shardserve env ARGV` through the command line's own dispatcher."""
+    assert main(["env", *argv]) == 0
     return capsys.readouterr().out
 
 

@@ -36,6 +36,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_record_args(sub.add_parser("record-experts", help="write a MoE model's routing counts (for "
                                                           "--ep-expert-placement)"))
+    from shardserve.env_report import add_env_args
+
+    add_env_args(sub.add_parser("env", help="versions, CPU instruction sets, C kernels, threads and devices "
+                                            "(for a bug report)"))
     return parser
 
 
@@ -73,6 +77,10 @@ def main(argv: list[str] | None = None) -> int:
             from shardserve.cli.record_experts import record_experts
 
             return record_experts(args)
+        if args.command == "env":
+            from shardserve.env_report import run_env
+
+            return run_env(args)
         if args.command == "router":
             from shardserve.router.standalone import run_router
 
