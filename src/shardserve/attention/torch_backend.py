@@ -17,7 +17,7 @@ from shardserve.attention.metadata import AttentionMetadata
 
 
 def _gather(cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
-    """cache rows at `slots` (any shape). index_select on a flat index is ~5x faster on CPU than
+    """cache rows at `slots` (any shape). index_select on a flat index is much faster on CPU than
     advanced indexing with a 2-D index."""
     return cache.index_select(0, slots.reshape(-1)).view(*slots.shape, *cache.shape[1:])
 
@@ -65,7 +65,7 @@ class TorchAttention:
             else:
                 kk, vv = _gather(k_cache, c.kv_slots).transpose(0, 1), _gather(v_cache, c.kv_slots).transpose(0, 1)
             kk, vv, gqa = self._expand(kk, vv)
-            # 4-D inputs: on the CPU, 3-D ones take SDPA's math path (~2.2x slower), 4-D its flash kernel.
+            # 4-D inputs: on the CPU, 3-D ones take SDPA's slower math path, 4-D its flash kernel.
             o = F.scaled_dot_product_attention(
                 qq[None], kk[None], vv[None], attn_mask=c.mask, is_causal=c.mask is None, scale=self.scale,
                 enable_gqa=gqa,
