@@ -75,8 +75,9 @@ class Tokenizer:
                 text = self.tok.decode(msg.token_ids, skip_special_tokens=msg.skip_special_tokens)
                 send(self.to_api, DetokenizeOut(rid=msg.rid, text=text))
         except Exception as e:  # a bad prompt must never take the worker down
-            send(self.to_api, ErrorOut(rid=msg.rid, message=plain_message(e), status=400,
-                                       param=error_param(e, msg)))
+            param = error_param(e, msg)
+            message = f"chat_template: {plain_message(e)}" if param == "chat_template" else plain_message(e)
+            send(self.to_api, ErrorOut(rid=msg.rid, message=message, status=400, param=param))
 
 
 def plain_message(e: Exception) -> str:
