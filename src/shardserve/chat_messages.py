@@ -31,14 +31,25 @@ class ToolsIgnored(ValueError):
     """Tools offered to a model whose chat template has no place for them (a 400 naming `tools`)."""
 
 
-def render_chat(tok, messages: list[dict], tools: list[dict] | None = None) -> str:
+def render_chat(tok, messages: list[dict], tools: list[dict] | None = None, options: dict | None = None) -> str:
     """The prompt text of normalized `messages` (and tool definitions, as the model's own template
     renders them), ready for the model's answer. Tools the template ignores are refused, never
-    silently dropped."""
-    if not getattr(tok, "chat_template", None):
+    silently dropped. `options` (the API's chat template fields): `chat_template` (Jinja text in
+    place of the model's), `add_generation_prompt` (default true), `continue_final_message`
+    (default false) and `chat_template_kwargs` (variables the template reads)."""
+    opts = dict(options or {})
+    kwargs = {"add_generation_prompt": opts.pop("add_generation_prompt", True),
+              "continue_final_message": opts.pop("continue_final_message", False),
+              **(opts.pop("chat_template_kwargs", None) or {})}
+    template = opts.pop("chat_template", None)
+    if opts:
+        raise ValueError(f"unknown chat template option {sorted(opts)[0]!r}")
+    if template is not None:
+        kwargs["chat_template"] = template
+    elif not getattr(tok, "chat_template", None):
         raise ValueError("this model has no chat template")
-    text = tok.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=False)
-    if tools and text == tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False):
+    text = tok.apply_chat_template(messages, tools=tools, tokenize=False, **kwargs)
+    if tools and text == tok.apply_chat_template(messages, tokenize=False, **kwargs):
         raise ToolsIgnored("this model's chat template does not render tool definitions, so the model "
                            "cannot be offered tools")
     return text

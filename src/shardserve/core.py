@@ -13,8 +13,6 @@ from shardserve.text import IncrementalText
 if TYPE_CHECKING:
     import torch
 
-    from shardserve.engine.sampler import PenaltyState
-
 _MAX_LOGPROBS = 20
 
 
@@ -32,6 +30,12 @@ class SamplingParams:
     vLLM does (+100 all but forces a token, -100 all but bans it); reported logprobs stay the
     model's own. `structured_outputs` (structured_outputs.py) holds the output to a JSON schema,
     regex, grammar or choice, token by token.
+
+    vLLM's extras: `min_tokens` (no EOS, stop token or stop string before that many output
+    tokens), `include_stop_str_in_output`, `allowed_token_ids` (every other token banned),
+    `bad_words` (each word's last token banned where the output ends in the rest of it; the
+    tokenizer's holder fills `bad_words_token_ids`, see `update_from_tokenizer`) and
+    `truncate_prompt_tokens` (keep only the prompt's last N tokens, see `truncate`).
     """
 
     n: int = 1
@@ -52,6 +56,12 @@ class SamplingParams:
     skip_special_tokens: bool = True
     logit_bias: dict[int, float] | None = None
     structured_outputs: StructuredOutputsParams | None = None  # see structured_outputs.py
+    min_tokens: int = 0
+    include_stop_str_in_output: bool = False
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
+    bad_words_token_ids: list[list[int]] | None = None  # set by update_from_tokenizer
+    truncate_prompt_tokens: int | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -83,6 +93,7 @@ class SamplingParams:
                 "prompt_logprobs",
                 f"must be None or an integer in [0, {_MAX_LOGPROBS}]",
             ),
+            *self._extra_checks(),
         ]
         for ok, name, why in checks:
             if not ok:
@@ -102,6 +113,39 @@ class SamplingParams:
         if not isinstance(self.structured_outputs, StructuredOutputsParams | None):
             raise ValueError(f"SamplingParams.structured_outputs must be a StructuredOutputsParams "
                              f"(got {type(self.structured_outputs).__name__})")
+
+    def _extra_checks(self) -> list[tuple[bool, str, str]]:
+        ids = self.allowed_token_ids
+        return [
+            (_is_int(self.min_tokens) and 0 <= self.min_tokens <= self.max_tokens, "min_tokens",
+             "must be an integer in [0, max_tokens]"),
+            (ids is None or (isinstance(ids, list) and ids and all(_is_int(t) and t >= 0 for t in ids)),
+             "allowed_token_ids", "must be None or a non-empty list of ids >= 0"),
+            (self.bad_words is None or all(isinstance(w, str) and w.strip() for w in self.bad_words),
+             "bad_words", "must be words with a non-blank character"),
+            (self.truncate_prompt_tokens is None or (_is_int(self.truncate_prompt_tokens)
+                                                     and self.truncate_prompt_tokens >= 1),
+             "truncate_prompt_tokens", "must be None or an integer >= 1"),
+        ]
+
+    def update_from_tokenizer(self, tok) -> None:
+        """`bad_words` as token sequences, as vLLM makes them: each word as the text begins with
+        it, and after a space where that is a different token sequence of the same length."""
+        if not self.bad_words:
+            return
+        seqs: list[list[int]] = []
+        for word in self.bad_words:
+            bare = tok.encode(word.lstrip(), add_special_tokens=False)
+            seqs.append(bare)
+            spaced = tok.encode(" " + word.lstrip(), add_special_tokens=False)
+            if spaced and bare and spaced[0] != bare[0] and len(spaced) == len(bare):
+                seqs.append(spaced)
+        self.bad_words_token_ids = seqs
+
+    def truncate(self, prompt_token_ids: list[int]) -> list[int]:
+        """The prompt as the engine sees it: its last `truncate_prompt_tokens` tokens."""
+        k = self.truncate_prompt_tokens
+        return list(prompt_token_ids[-k:]) if k is not None else list(prompt_token_ids)
 
     @property
     def greedy(self) -> bool:
@@ -163,9 +207,6 @@ class Request:
     seed: int = 0
     announced: bool = False
     pages_synced: int = 0
-    # The sampler's running record of this request's tokens for the penalties (seen mask, output
-    # counts, on the logits' device), made on its first penalised step; it dies with the request.
-    penalty_state: PenaltyState | None = field(default=None, repr=False, compare=False)
     # On the sampling rank, with structured outputs: the request's grammar matcher (engine/grammar.py).
     matcher: Any = field(default=None, repr=False, compare=False)
     # Disaggregation. Prefill side: where the KV goes (ipc.messages.KVTarget); the request ends

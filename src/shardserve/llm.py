@@ -118,6 +118,15 @@ class LLM:
             raise ValueError("this model has no tokenizer: pass prompts as token ids")
         return self.tokenizer.encode(prompt)
 
+    def _prepare(self, prompt: Prompt, sp: SamplingParams) -> list[int]:
+        """The prompt's tokens as the engine takes them (`truncate_prompt_tokens`), and `bad_words`
+        as token sequences (the engine has no tokenizer)."""
+        if sp.bad_words:
+            if self.tokenizer is None:
+                raise ValueError("bad_words need the model's tokenizer")
+            sp.update_from_tokenizer(self.tokenizer)
+        return sp.truncate(self._encode(prompt))
+
     def generate(self, prompts: Prompt | Sequence[Prompt],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  use_tqdm: bool = True) -> list[RequestOutput]:
@@ -127,7 +136,7 @@ class LLM:
         if sampling_params is None:
             sampling_params = self.get_default_sampling_params()
         params = _as_params_list(sampling_params, len(prompts))
-        encoded = [self._encode(p) for p in prompts]
+        encoded = [self._prepare(p, sp) for p, sp in zip(prompts, params)]
         for ids, sp in zip(encoded, params):
             backend.limits.check(ids, sp)  # refuse the batch before anything starts
         groups = [[self._sample(sp, i) for i in range(sp.n)] for sp in params]
@@ -166,7 +175,7 @@ class LLM:
         """Queue one request (n must be 1) without waiting; returns its id. Drive with `step`."""
         if params.n != 1:
             raise ValueError("add_request takes n=1; use generate for n > 1")
-        ids = self._encode(prompt)
+        ids = self._prepare(prompt, params)
         self._live().limits.check(ids, params)
         sample = self._sample(params, 0)
         self._live().add([(sample.rid, ids, sample.params)])
@@ -179,7 +188,7 @@ class LLM:
     def stream(self, prompt: Prompt, params: SamplingParams) -> Iterator[TokenOut]:
         """One request's progress step by step (new token ids, then the final item)."""
         backend = self._live()
-        ids = self._encode(prompt)
+        ids = self._prepare(prompt, params)
         backend.limits.check(ids, params)
         sample = self._sample(dataclasses.replace(params, n=1), 0)
         backend.add([(sample.rid, ids, sample.params)])

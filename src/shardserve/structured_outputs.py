@@ -49,7 +49,9 @@ class StructuredOutputsParams:
             value = getattr(self, name)
             if value is not None and not (isinstance(value, str) and value):
                 raise ValueError(f"SamplingParams.structured_outputs.{name} must be a non-empty string")
-        if self.choice is not None and not (self.choice and all(isinstance(c, str) and c for c in self.choice)):
+        choice = self.choice
+        if choice is not None and not (isinstance(choice, list) and choice and all(isinstance(c, str) and c
+                                                                                    for c in choice)):
             raise ValueError("SamplingParams.structured_outputs.choice must be a list of non-empty strings")
         grammar_of(*self.key())  # compiles (cached) or raises
 

@@ -88,8 +88,8 @@ def test_values_asking_for_nothing_and_nulls_are_accepted() -> None:
 
 @pytest.mark.parametrize(("body", "loc", "kind"), [
     ({"prompt": "hi", "temprature": 0.5}, ("temprature",), "extra_forbidden"),
-    ({"prompt": "hi", "stream_options": {"include_usage": True, "continuous_usage_stats": True}},
-     ("stream_options", "continuous_usage_stats"), "extra_forbidden"),
+    ({"prompt": "hi", "stream_options": {"include_usage": True, "usage_every_n": 2}},
+     ("stream_options", "usage_every_n"), "extra_forbidden"),
     ({"prompt": "hi", "temperature": 2.5}, ("temperature",), "less_than_equal"),
 ])
 def test_unknown_fields_and_out_of_range_values_fail_validation(body: dict, loc: tuple, kind: str) -> None:

@@ -257,9 +257,10 @@ def test_incremental_penalties_equal_from_scratch(penalty: dict[str, float]) -> 
     vocab, g = 97, torch.Generator().manual_seed(3)
     prompt = torch.randint(vocab, (40,), generator=g).tolist()
     req = Request("r", prompt, SamplingParams(temperature=1.0, **penalty))
+    states: dict = {}  # the sampler's, by request id
     for step in range(60):
         logits = torch.randn(vocab, generator=g) * 4  # positive and negative logits
-        got = apply_penalties(logits.clone(), req)
+        got = apply_penalties(logits.clone(), req, states)
         assert torch.equal(got, penalties_from_scratch(logits.clone(), req)), step
         # Mostly repeats (of the prompt, of earlier output), sometimes a fresh token.
         pool = prompt[:5] + req.output_token_ids[-3:] if step % 4 else [int(torch.randint(vocab, (1,), generator=g))]
@@ -289,16 +290,16 @@ def test_penalty_work_per_step_does_not_scale_with_context() -> None:
                   SamplingParams(repetition_penalty=1.2, presence_penalty=0.5, frequency_penalty=0.5))
     req._tokens = CountingList(req.all_token_ids)  # what all_token_ids returns, and append_token grows
     req.output_token_ids = CountingList(req.output_token_ids)
-    logits = torch.randn(vocab)
-    apply_penalties(logits.clone(), req)  # the first penalised step folds in the prompt, once
+    logits, states = torch.randn(vocab), {}
+    apply_penalties(logits.clone(), req, states)  # the first penalised step folds in the prompt, once
     assert req._tokens.read <= context
     for step in range(10):
         req.append_token(step % 3)
         req._tokens.read = req.output_token_ids.read = 0
-        apply_penalties(logits.clone(), req)
+        apply_penalties(logits.clone(), req, states)
         assert req._tokens.read <= 1, step  # only the token added since the last step
         assert req.output_token_ids.read <= 1, step
-    assert torch.equal(apply_penalties(logits.clone(), req), penalties_from_scratch(logits.clone(), req))
+    assert torch.equal(apply_penalties(logits.clone(), req, states), penalties_from_scratch(logits.clone(), req))
 
 
 # ----------------------------------------------------------------------------- logit_bias
@@ -326,7 +327,7 @@ def test_logit_bias_forces_and_bans(llm: LLM, tiny, prompts: list[list[int]]) ->
 def test_logit_bias_is_added_before_penalties() -> None:
     # vLLM's order: bias, then the repetition penalty divides the biased logit.
     req = Request("r", [0], SamplingParams(repetition_penalty=2.0, logit_bias={0: 3.0, 2: -1.0}))
-    row = apply_penalties(apply_logit_bias(torch.tensor([1.0, 1.0, 1.0]), req.params), req)
+    row = apply_penalties(apply_logit_bias(torch.tensor([1.0, 1.0, 1.0]), req.params), req, {})
     assert row.tolist() == [2.0, 1.0, 0.0]
 
 

@@ -2,9 +2,10 @@
 
 Each request samples with its own torch.Generator (seeded from `seed`, or from the engine's
 RNG when none is given), so a seeded request draws the same tokens whatever else is batched.
-Each row goes: raw logits, logit_bias, penalties, temperature, top-k/top-p/min-p, as in vLLM's
-sampler. Log-probabilities are those of the model's raw distribution, before bias, penalties or
-temperature, as vLLM reports by default.
+Each row goes: raw logits, bans (allowed_token_ids, bad_words, min_tokens), logit_bias,
+penalties, temperature, top-k/top-p/min-p, as in vLLM's sampler. Log-probabilities are those
+of the model's raw distribution, before bans, bias, penalties or temperature, as vLLM reports
+by default.
 """
 
 from __future__ import annotations
@@ -57,17 +58,18 @@ class PenaltyState:
         return self.output.update(tokens)
 
 
-def apply_penalties(logits: torch.Tensor, req: Request) -> torch.Tensor:
+def apply_penalties(logits: torch.Tensor, req: Request, states: dict[str, PenaltyState]) -> torch.Tensor:
     """Repetition penalty over prompt and output (Hugging Face rule), presence and frequency
-    penalties over the output (OpenAI rule), in place on one row of logits."""
+    penalties over the output (OpenAI rule), in place on one row of logits. `states` holds each
+    request's PenaltyState by request id (the caller forgets it when the request ends)."""
     p = req.params
     want_rep = p.repetition_penalty != 1.0
     want_out = bool(p.presence_penalty or p.frequency_penalty) and bool(req.output_token_ids)
     if not (want_rep or want_out):
         return logits
-    state = req.penalty_state
+    state = states.get(req.request_id)
     if state is None or state.vocab != logits.shape[-1] or state.device != logits.device:
-        state = req.penalty_state = PenaltyState(logits.shape[-1], logits.device)
+        state = states[req.request_id] = PenaltyState(logits.shape[-1], logits.device)
     if want_rep:
         seen = state.update_seen(req.all_token_ids)
         rp = p.repetition_penalty
@@ -76,6 +78,32 @@ def apply_penalties(logits: torch.Tensor, req: Request) -> torch.Tensor:
         counts = state.update_counts(req.output_token_ids).to(logits.dtype)
         logits -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(logits.dtype)
     return logits
+
+
+def banned_tokens(req: Request, vocab: int, device: torch.device) -> torch.Tensor | None:
+    """bool [vocab]: what the request may not sample next (vLLM's rules), or None for nothing.
+    Every token outside `allowed_token_ids`; each bad word's last token where the output ends in
+    the rest of the word (a one-token word always); before `min_tokens`, EOS and the stop tokens.
+    Ids beyond the logits are dropped (the server refuses them earlier). Were every token banned,
+    nothing is: sampling from an empty distribution would fail the whole batch."""
+    p, out = req.params, req.output_token_ids
+    ids: list[int] = []
+    for seq in p.bad_words_token_ids or ():
+        n = len(seq) - 1
+        if seq and (n == 0 or (len(out) >= n and out[-n:] == seq[:-1])):
+            ids.append(seq[-1])
+    if len(out) < p.min_tokens:
+        ids += p.stop_token_ids + ([] if p.ignore_eos else list(req.eos_token_ids))
+    ids = [t for t in ids if t < vocab]
+    if p.allowed_token_ids is None and not ids:
+        return None
+    if p.allowed_token_ids is None:
+        mask = torch.zeros(vocab, dtype=torch.bool, device=device)
+    else:
+        mask = torch.ones(vocab, dtype=torch.bool, device=device)
+        mask[[t for t in p.allowed_token_ids if t < vocab]] = False
+    mask[ids] = True
+    return None if bool(mask.all()) else mask
 
 
 def apply_logit_bias(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
@@ -126,12 +154,24 @@ def score_prompt(logits: torch.Tensor, prompt: list[int], k: int, first_pos: int
         targets = torch.tensor(prompt[pos : pos + len(lp)], device=lp.device)
         chosen = lp.gather(1, targets[:, None]).squeeze(1).tolist()
         top_v, top_i = (t.tolist() for t in lp.topk(k, dim=-1)) if k else ([[]] * len(lp), [[]] * len(lp))
-        for tok, val, ids, vals in zip(targets.tolist(), chosen, top_i, top_v):
-            entries.append({"token_id": tok, "logprob": val, "top_logprobs": [[i, v] for i, v in zip(ids, vals)]})
+        # vLLM's rank: 1 + how many tokens the model found likelier than the prompt's.
+        ranks = (lp > torch.tensor(chosen, device=lp.device)[:, None]).sum(-1).add(1).tolist()
+        for tok, val, rank, ids, vals in zip(targets.tolist(), chosen, ranks, top_i, top_v):
+            entries.append({"token_id": tok, "logprob": val, "rank": rank,
+                            "top_logprobs": [[i, v] for i, v in zip(ids, vals)]})
     return entries
 
 
 class Sampler:
+    """Samples a batch's rows; keeps each request's penalty state by request id (what the
+    penalties need from the tokens so far), which `forget` drops when the request ends."""
+
+    def __init__(self) -> None:
+        self.penalties: dict[str, PenaltyState] = {}
+
+    def forget(self, request_id: str) -> None:
+        self.penalties.pop(request_id, None)
+
     def __call__(self, logits: torch.Tensor, reqs: list[Request],
                  mask: Callable[[torch.Tensor, list[Request]], torch.Tensor] | None = None,
                  ) -> tuple[list[int], list[dict | None]]:
@@ -142,7 +182,7 @@ class Sampler:
         raw_lp = torch.log_softmax(logits, -1) if any(want_lp) else None
         if mask is not None:
             logits = mask(logits, reqs)
-        greedy_rows = [i for i, r in enumerate(reqs) if r.params.greedy and not _adjusted(r.params)]
+        greedy_rows = [i for i, r in enumerate(reqs) if r.params.greedy and not _adjusted(r)]
         greedy_set = set(greedy_rows)
         tokens = [0] * len(reqs)
         if greedy_rows:
@@ -152,7 +192,11 @@ class Sampler:
         for i, r in enumerate(reqs):
             if i in greedy_set:
                 continue
-            row = apply_penalties(apply_logit_bias(logits[i].clone(), r.params), r)
+            row = logits[i].clone()
+            ban = banned_tokens(r, row.shape[-1], row.device)
+            if ban is not None:
+                row.masked_fill_(ban, float("-inf"))
+            row = apply_penalties(apply_logit_bias(row, r.params), r, self.penalties)
             if r.params.greedy:
                 tokens[i] = int(row.argmax())
                 continue
@@ -165,7 +209,9 @@ class Sampler:
         return tokens, lps
 
 
-def _adjusted(p: SamplingParams) -> bool:
+def _adjusted(r: Request) -> bool:
     """Whether the row's logits change before the argmax (so greedy cannot take the raw one)."""
+    p = r.params
     return (p.repetition_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
-            or bool(p.logit_bias))
+            or bool(p.logit_bias) or p.allowed_token_ids is not None or bool(p.bad_words_token_ids)
+            or len(r.output_token_ids) < p.min_tokens)

@@ -93,6 +93,7 @@ class StageWorker:
         for rid in plan.done:
             self.pages.pop(rid, None)
             self.sampling.pop(rid, None)
+            self.sampler.forget(rid)
             if self.targets.pop(rid, None) is not None:
                 self.shipper.forget(rid)
             if self.split is not None:

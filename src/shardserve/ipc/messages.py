@@ -31,6 +31,7 @@ class GenerateReq(Msg):
     auto_max_tokens: bool = False  # max_tokens = whatever context the prompt leaves
     tools: list[dict] | None = None  # chat: tool definitions for the template
     prefill: str = ""  # disaggregated decode: the prefill instance's bootstrap address (tcp://host:port)
+    chat_options: dict | None = None  # chat: the template's options (chat_messages.render_chat)
 
 
 class TokenizedReq(Msg):
@@ -290,7 +291,8 @@ class PlanRequest(msgspec.Struct, array_like=True):
     prompt: list[int]
     params: SamplingParams
     seed: int  # resolved by the leader, so whichever rank samples draws the same tokens
-    # With structured outputs: the leader's EOS ids, which the grammar allows only once complete.
+    # With structured outputs or min_tokens: the leader's EOS ids (allowed only once the grammar
+    # is complete, banned before min_tokens).
     eos: list[int] = []
     # Disaggregated prefill: where this request's KV goes, layer by layer (kvcache/transfer.py).
     transfer: KVTarget | None = None

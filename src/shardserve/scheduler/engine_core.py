@@ -244,7 +244,9 @@ class EngineCore:
         for req, n in batch.entries:
             if not req.announced:
                 req.announced = True
-                eos = list(req.eos_token_ids) if req.params.structured_outputs is not None else []
+                # The sampling rank bans EOS before min_tokens and lets a grammar end on it.
+                p = req.params
+                eos = list(req.eos_token_ids) if p.structured_outputs is not None or p.min_tokens else []
                 self._new.append(PlanRequest(req.request_id, req.prompt_token_ids, req.params, req.seed, eos,
                                              req.transfer, list(req.output_token_ids), req.rng_state))
             start = req.num_computed_tokens

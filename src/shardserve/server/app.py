@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 
 from fastapi import FastAPI, Request
@@ -23,6 +24,8 @@ from shardserve.server.protocol import (
     TokenizeRequest,
     error_body,
 )
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -83,7 +86,10 @@ def build_app(state: ServerState) -> FastAPI:
 
     @app.exception_handler(Exception)
     async def _internal(_, e: Exception):
-        return JSONResponse(error_body(f"internal error: {type(e).__name__}: {e}", 500), 500)
+        # The traceback goes to the log; the client gets one plain line, no class names.
+        log.exception("internal error")
+        detail = " ".join(str(e).split())
+        return JSONResponse(error_body(f"internal error: {detail}" if detail else "internal error", 500), 500)
 
     @app.post("/v1/completions")
     async def completions(request: Request):

@@ -16,47 +16,10 @@ from shardserve.ipc.messages import DetokenizeOut, DetokenizeReq, GenerateReq, T
 from shardserve.server.client import EngineClient
 from shardserve.server.errors import APIError
 from shardserve.server.generation import Choice, collect, stream_choices, usage
+from shardserve.server.logprobs import as_token_ids, chat_logprobs, completion_logprobs, prompt_logprobs
 from shardserve.server.protocol import ChatMessage, ChatRequest, CompletionRequest, error_body
-from shardserve.server.structured import structured_outputs
+from shardserve.server.request_params import chat_options, check_scheduling, sampling_params
 from shardserve.server.tools import ToolUse, finish_reason, tool_use
-
-MODEL_DEFAULTED = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
-
-
-def sampling_params(body, defaults: dict, max_tokens: int, logprobs: int | None,
-                    prompt_logprobs: int | None = None, vocab_size: int | None = None) -> SamplingParams:
-    """The request's fields; those it leaves out come from `defaults` (the model's), else
-    SamplingParams' own."""
-    given = {k: getattr(body, k) for k in MODEL_DEFAULTED if getattr(body, k) is not None}
-    bias = logit_bias(body.logit_bias, vocab_size)
-    guided = structured_outputs(body)  # a 400 naming its field when it cannot compile
-    try:
-        return SamplingParams(
-            **{**defaults, **given}, n=1, max_tokens=max_tokens, presence_penalty=body.presence_penalty,
-            frequency_penalty=body.frequency_penalty, seed=body.seed, stop=body.stop or [],
-            stop_token_ids=body.stop_token_ids or [], ignore_eos=body.ignore_eos, logprobs=logprobs,
-            prompt_logprobs=prompt_logprobs, skip_special_tokens=body.skip_special_tokens, logit_bias=bias,
-            structured_outputs=guided,
-        )
-    except ValueError as e:
-        param = str(e).split(".", 1)[1].split(" ", 1)[0] if str(e).startswith("SamplingParams.") else None
-        raise APIError(400, str(e).removeprefix("SamplingParams."), param=param) from None
-
-
-def logit_bias(raw: dict[str, float] | None, vocab_size: int | None) -> dict[int, float] | None:
-    """JSON's string keys as token ids, each checked against the vocabulary (the engine checks
-    again); SamplingParams checks the biases."""
-    if not raw:
-        return None
-    out = {}
-    for key, value in raw.items():
-        if not (key.isascii() and key.isdigit()):
-            raise APIError(400, f"logit_bias keys must be token ids, got {key!r}", param="logit_bias")
-        if vocab_size is not None and int(key) >= vocab_size:
-            raise APIError(400, f"logit_bias token id {int(key)} is outside the vocabulary [0, {vocab_size})",
-                           param="logit_bias")
-        out[int(key)] = value
-    return out
 
 
 def chat_messages(messages: list[ChatMessage]) -> list[dict]:
@@ -68,13 +31,16 @@ def chat_messages(messages: list[ChatMessage]) -> list[dict]:
         raise APIError(400, str(e), param=e.param) from None
 
 
-def fan_out(prompts: list[dict], params: SamplingParams, n: int, **extra) -> list[GenerateReq]:
-    """prompts x n sub-requests, choice index = prompt * n + sample; sample i gets seed + i."""
+def fan_out(prompts: list[dict], params: SamplingParams, n: int, request_id: str | None = None,
+            **extra) -> list[GenerateReq]:
+    """prompts x n sub-requests, choice index = prompt * n + sample; sample i gets seed + i. A
+    client's request_id prefixes each engine id (which stays unique should the client reuse it)."""
     reqs = []
     for p in prompts:
         for i in range(n):
             one = dataclasses.replace(params, seed=params.sample_seed(i))
-            reqs.append(GenerateReq(rid=EngineClient.new_rid(), params=one, **p, **extra))
+            rid = f"{request_id}-{EngineClient.new_rid()}" if request_id else EngineClient.new_rid()
+            reqs.append(GenerateReq(rid=rid, params=one, **p, **extra))
     return reqs
 
 
@@ -113,6 +79,7 @@ class OpenAIHandlers:
                            param="stop")
         if body.stream_options is not None and not body.stream:
             raise APIError(400, "stream_options is only allowed with stream: true", param="stream_options")
+        check_scheduling(body)
         if s.client.num_active + count > s.max_queued:
             raise APIError(503, "the server is at its queue limit; retry later", headers={"Retry-After": "1"})
 
@@ -130,15 +97,21 @@ class OpenAIHandlers:
         if score_only and not body.echo:
             raise APIError(400, "max_tokens must be >= 1 (0, generating nothing, only with echo to score the prompt)",
                            param="max_tokens")
+        if body.echo and body.truncate_prompt_tokens is not None:
+            raise APIError(400, "echo repeats the prompt as given, so it cannot be truncated "
+                                "(truncate_prompt_tokens)", param="truncate_prompt_tokens")
         # echo + logprobs scores the prompt too, as OpenAI's legacy completions do.
+        scored = _most(body.logprobs if body.echo else None, body.prompt_logprobs)
         params = sampling_params(body, self.s.sampling_defaults, 1 if score_only else body.max_tokens, body.logprobs,
-                                 body.logprobs if body.echo else None, self.s.vocab_size)
-        reqs = fan_out(prompts, params, body.n, prefill=prefill)
+                                 scored, self.s.vocab_size, self.s.max_model_len)
+        reqs = fan_out(prompts, params, body.n, body.request_id, prefill=prefill,
+                       add_special_tokens=body.add_special_tokens)
         echo = [await self._prompt_text(p, body.skip_special_tokens) for p in prompts] if body.echo else None
-        meta = {"id": f"cmpl-{EngineClient.new_rid()}", "created": int(time.time()), "model": self.s.model_name}
+        meta = {"id": f"cmpl-{body.request_id or EngineClient.new_rid()}", "created": int(time.time()),
+                "model": self.s.model_name}
         if body.stream:
             return await self._sse(self._completion_chunks(reqs, meta, body, echo, score_only))
-        choices = await collect(self.s.client, self.s.metrics, reqs, self.s.request_timeout)
+        choices = await self._collect(reqs, body)
         out = []
         for i, c in enumerate(choices):
             if score_only:
@@ -146,8 +119,16 @@ class OpenAIHandlers:
             text = (echo[i // body.n] if echo else "") + c.text
             lps = (c.prompt_logprobs or []) + c.logprobs if echo else c.logprobs
             out.append({"index": i, "text": text, "finish_reason": c.finish_reason, "stop_reason": c.stop_reason,
-                        "logprobs": completion_logprobs(lps) if body.logprobs is not None else None})
+                        "logprobs": completion_logprobs(lps, k=body.logprobs) if body.logprobs is not None else None,
+                        **_prompt_lps(c.prompt_logprobs, body.prompt_logprobs)})
         return {"object": "text_completion", **meta, "choices": out, "usage": usage(choices, body.n)}
+
+    async def _collect(self, reqs: list[GenerateReq], body) -> list[Choice]:
+        choices = await collect(self.s.client, self.s.metrics, reqs, self.s.request_timeout)
+        if body.return_tokens_as_token_ids:
+            for c in choices:
+                c.logprobs, c.prompt_logprobs = as_token_ids(c.logprobs), as_token_ids(c.prompt_logprobs)
+        return choices
 
     async def _prompt_text(self, prompt: dict, skip_special_tokens: bool) -> str:
         if "text" in prompt:
@@ -160,23 +141,28 @@ class OpenAIHandlers:
         choices = [Choice() for _ in reqs]
         offset = [0] * len(reqs)  # text_offset where each choice's next chunk starts
         echoed = [False] * len(reqs)
+        every, last = _usage_options(body)
+        base = {"object": "text_completion", **meta}
         async for i, out in stream_choices(self.s.client, self.s.metrics, reqs, self.s.request_timeout):
+            out = _renamed(out, body.return_tokens_as_token_ids)
             if score_only:  # the one token sampled is not part of the answer
                 out = _nothing_generated(out)
+            plps = _prompt_lps(out.prompt_logprobs, body.prompt_logprobs)  # with a choice's first output
             if echo and not echoed[i]:  # a choice echoes once it runs (refusals stay HTTP errors)
                 echoed[i] = True
-                lp = completion_logprobs(out.prompt_logprobs) if body.logprobs is not None else None
+                lp = completion_logprobs(out.prompt_logprobs, k=body.logprobs) if body.logprobs is not None else None
                 offset[i] = sum(len(e["token"]) for e in out.prompt_logprobs or [])
-                yield {"object": "text_completion", **meta, "choices": [
-                    {"index": i, "text": echo[i // body.n], "finish_reason": None, "logprobs": lp}]}
+                yield {**base, "choices": [{"index": i, "text": echo[i // body.n], "finish_reason": None,
+                                            "logprobs": lp, **plps}], **_so_far(every, out, choices[i])}
+                plps = {}
             choices[i].add(out)
             lp = completion_logprobs(out.logprobs, offset[i]) if body.logprobs is not None else None
             offset[i] += sum(len(e["token"]) for e in out.logprobs or [])
-            yield {"object": "text_completion", **meta, "choices": [
-                {"index": i, "text": out.text, "finish_reason": out.finish_reason if out.finished else None,
-                 "logprobs": lp}]}
-        if body.stream_options and body.stream_options.include_usage:
-            yield {"object": "text_completion", **meta, "choices": [], "usage": usage(choices, body.n)}
+            yield {**base, "choices": [{"index": i, "text": out.text, "logprobs": lp, **plps,
+                                        "finish_reason": out.finish_reason if out.finished else None}],
+                   **_so_far(every, out, choices[i])}
+        if last:
+            yield {**base, "choices": [], "usage": usage(choices, body.n)}
 
     async def chat(self, body: ChatRequest, prefill: str = ""):
         self._admit(body, body.n)
@@ -188,35 +174,45 @@ class OpenAIHandlers:
             raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
         top = (body.top_logprobs or 0) if body.logprobs else None
         tools = tool_use(body, self.s.tool_call_parser)
-        params = tools.constrain(sampling_params(body, self.s.sampling_defaults, max_tokens or 1, top,
-                                                 vocab_size=self.s.vocab_size))
+        # Without max_tokens the scheduler gives whatever context the prompt leaves (min_tokens till then).
+        params = tools.constrain(sampling_params(body, self.s.sampling_defaults, max_tokens or max(1, body.min_tokens),
+                                                 top, body.prompt_logprobs, self.s.vocab_size, self.s.max_model_len))
         messages = chat_messages(body.messages)
-        reqs = fan_out([{"messages": messages, "tools": tools.tools}], params, body.n,
-                       auto_max_tokens=max_tokens is None, prefill=prefill)
-        meta = {"id": f"chatcmpl-{EngineClient.new_rid()}", "created": int(time.time()), "model": self.s.model_name}
+        reqs = fan_out([{"messages": messages, "tools": tools.tools}], params, body.n, body.request_id,
+                       auto_max_tokens=max_tokens is None, prefill=prefill,
+                       chat_options=chat_options(body, messages))
+        meta = {"id": f"chatcmpl-{body.request_id or EngineClient.new_rid()}", "created": int(time.time()),
+                "model": self.s.model_name}
         if body.stream:
             return await self._sse(self._chat_chunks(reqs, meta, body, tools))
-        choices = await collect(self.s.client, self.s.metrics, reqs, self.s.request_timeout)
+        choices = await self._collect(reqs, body)
         out = []
         for i, c in enumerate(choices):
             message, called = tools.message(c.text)
             out.append({"index": i, "message": message, "finish_reason": finish_reason(c.finish_reason, called),
                         "stop_reason": c.stop_reason, "logprobs": chat_logprobs(c.logprobs) if body.logprobs else None})
-        return {"object": "chat.completion", **meta, "choices": out, "usage": usage(choices, body.n)}
+        # vLLM answers the (one) prompt's logprobs beside the choices.
+        return {"object": "chat.completion", **meta, "choices": out, "usage": usage(choices, body.n),
+                **_prompt_lps(choices[0].prompt_logprobs, body.prompt_logprobs)}
 
     async def _chat_chunks(self, reqs, meta, body, tools: ToolUse) -> AsyncIterator[dict]:
         base = {"object": "chat.completion.chunk", **meta}
         choices = [Choice() for _ in reqs]
         streams = [tools.stream() for _ in reqs]  # text -> content or tool-call deltas
         held: list[list[dict]] = [[] for _ in reqs]  # logprobs of tokens whose text is not out yet
+        plps: list[dict] = [{} for _ in reqs]  # prompt logprobs not sent yet
+        every, last = _usage_options(body)
         started = False
         async for i, out in stream_choices(self.s.client, self.s.metrics, reqs, self.s.request_timeout):
+            out = _renamed(out, body.return_tokens_as_token_ids)
             if not started:  # role chunks only once the request is accepted (errors stay HTTP errors)
                 started = True
                 for j in range(len(reqs)):
                     yield {**base, "choices": [{"index": j, "delta": {"role": "assistant", "content": ""},
-                                                "finish_reason": None, "logprobs": None}]}
+                                                "finish_reason": None, "logprobs": None}],
+                           **_so_far(every, out, Choice())}
             choices[i].add(out)
+            plps[i] = plps[i] or _prompt_lps(out.prompt_logprobs, body.prompt_logprobs)
             deltas = streams[i].deltas(out.text, out.finished)
             if not deltas and not out.finished:
                 # No text yet (a partial character, a stop string that may be forming, a skipped
@@ -230,8 +226,10 @@ class OpenAIHandlers:
             deltas = deltas or [{}]
             for k, delta in enumerate(deltas):
                 yield {**base, "choices": [{"index": i, "delta": delta, "logprobs": lp if k == 0 else None,
-                                            "finish_reason": finish if k == len(deltas) - 1 else None}]}
-        if body.stream_options and body.stream_options.include_usage:
+                                            "finish_reason": finish if k == len(deltas) - 1 else None}],
+                       **(plps[i] if k == 0 else {}), **_so_far(every, out, choices[i])}
+            plps[i] = {}
+        if last:
             yield {**base, "choices": [], "usage": usage(choices, body.n)}
 
     @staticmethod
@@ -257,47 +255,36 @@ class OpenAIHandlers:
         return StreamingResponse(events(), media_type="text/event-stream")
 
 
-def completion_logprobs(lps: list[dict] | None, start: int = 0) -> dict:
-    """The legacy format keys top_logprobs by token text; where two tokens share a text (partial
-    UTF-8), the likelier one's value is kept. Offsets count from `start`: a stream's chunks
-    continue where the choice's text so far ends."""
-    lps = lps or []
-    offsets, pos = [], start
-    for lp in lps:
-        offsets.append(pos)
-        pos += len(lp["token"])
-    # A prompt's first token has no logprob (nothing precedes it): null, as OpenAI reports it.
-    return {"tokens": [lp["token"] for lp in lps], "token_logprobs": [lp["logprob"] for lp in lps],
-            "top_logprobs": [_top_by_text(lp) for lp in lps], "text_offset": offsets}
+def _most(a: int | None, b: int | None) -> int | None:
+    """The larger of two top-k asks (either may be None: not asked)."""
+    return b if a is None else a if b is None else max(a, b)
 
 
-def _top_by_text(lp: dict) -> dict | None:
-    """The top k, likeliest first, then the sampled (or prompt) token if it is not among them:
-    up to k + 1 entries, as OpenAI and vLLM answer (so logprobs 0 gives the token itself)."""
-    if lp["logprob"] is None:  # a prompt's first token
-        return None
-    top: dict[str, float] = {}
-    for t in lp["top_logprobs"]:
-        top.setdefault(t[2], t[1])
-    if not _in_top(lp):
-        top.setdefault(lp["token"], lp["logprob"])
-    return top
+def _prompt_lps(lps: list[dict] | None, k: int | None) -> dict:
+    """{"prompt_logprobs": ...} where the request asked for them and they came, else nothing."""
+    return {"prompt_logprobs": prompt_logprobs(lps, k)} if k is not None and lps is not None else {}
 
 
-def _in_top(lp: dict) -> bool:
-    return any(t[0] == lp["token_id"] for t in lp["top_logprobs"])
+def _usage_options(body) -> tuple[bool, bool]:
+    """(usage in every chunk: vLLM's continuous_usage_stats, a last chunk with it: include_usage)."""
+    so = body.stream_options
+    return (so is not None and so.continuous_usage_stats), (so is not None and so.include_usage)
 
 
-def chat_logprobs(lps: list[dict] | None) -> dict:
-    def entry(token: str, logprob: float) -> dict:
-        return {"token": token, "logprob": logprob, "bytes": list(token.encode())}
+def _so_far(every: bool, out: TextOut, c: Choice) -> dict:
+    """With continuous_usage_stats: this choice's prompt and its tokens so far."""
+    if not every:
+        return {}
+    done = len(c.token_ids)
+    return {"usage": {"prompt_tokens": out.prompt_tokens, "completion_tokens": done,
+                      "total_tokens": out.prompt_tokens + done}}
 
-    def top(lp: dict) -> list[dict]:
-        # top_logprobs 0 asks for none; with k > 0 the sampled token is added when not in the top k.
-        out = [entry(t[2], t[1]) for t in lp["top_logprobs"]]
-        return out + [entry(lp["token"], lp["logprob"])] if out and not _in_top(lp) else out
 
-    return {"content": [{**entry(lp["token"], lp["logprob"]), "top_logprobs": top(lp)} for lp in lps or []]}
+def _renamed(out: TextOut, as_ids: bool) -> TextOut:
+    if not as_ids:
+        return out
+    return msgspec.structs.replace(out, logprobs=as_token_ids(out.logprobs),
+                                   prompt_logprobs=as_token_ids(out.prompt_logprobs))
 
 
 def _nothing_generated(out: TextOut) -> TextOut:

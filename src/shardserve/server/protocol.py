@@ -4,16 +4,22 @@ from __future__ import annotations
 
 from typing import Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 # Re-exported (the `as` form): the server's modules import it from here.
 from shardserve.openai_errors import error_body as error_body
 
+# Strict: a boolean is not a number nor a number a boolean, and 1.5 (or "1") is no integer, as
+# JSON types say (an integer is still a fine float: temperature 1).
+STRICT = ConfigDict(extra="forbid", strict=True)
+
 
 class StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = STRICT
 
     include_usage: bool = False
+    # vLLM's: a `usage` (this choice's tokens so far) in every chunk, besides include_usage's last one.
+    continuous_usage_stats: bool = False
 
 
 # Fields of OpenAI's API that this server does not honour: name -> (the values that ask for
@@ -24,13 +30,14 @@ NOT_HONOURED: dict[str, tuple[tuple, str]] = {
     "store": ((False,), "this server stores no completions"),
     "metadata": (({},), "metadata tags stored completions, and this server stores none"),
     "service_tier": (("auto", "default"), "this server has one service tier ('auto' or 'default')"),
+    "use_beam_search": ((False,), "beam search is not supported"),
 }
 
 
 class JsonSchemaSpec(BaseModel):
     """response_format.json_schema: the schema is enforced whether or not `strict` is set."""
 
-    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+    model_config = ConfigDict(extra="forbid", strict=True, populate_by_name=True)
 
     name: str = "response"
     description: str | None = None
@@ -39,7 +46,7 @@ class JsonSchemaSpec(BaseModel):
 
 
 class ResponseFormat(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = STRICT
 
     type: Literal["text", "json_object", "json_schema"]
     json_schema: JsonSchemaSpec | None = None
@@ -55,7 +62,7 @@ class RefusedField(Exception):
 
 
 class _Sampling(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = STRICT
     not_honoured: ClassVar[dict[str, tuple[tuple, str]]] = NOT_HONOURED
 
     @model_validator(mode="before")
@@ -66,7 +73,9 @@ class _Sampling(BaseModel):
         if not isinstance(data, dict):
             return data
         for name, (fine, why) in cls.not_honoured.items():
-            if data.get(name) is not None and data[name] not in fine:
+            value = data.get(name)
+            # By type too: 0 is not false, nor 1 true.
+            if value is not None and not any(value == f and type(value) is type(f) for f in fine):
                 raise RefusedField(name, f"{name!r} is not supported: {why}")
         return {k: v for k, v in data.items() if v is not None and k not in cls.not_honoured}
 
@@ -97,6 +106,22 @@ class _Sampling(BaseModel):
     regex: str | None = None
     grammar: str | None = None
     ebnf: str | None = None
+    # vLLM's older names for the same (guided_choice: one of these strings), and its newer object.
+    guided_json: dict | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    structured_outputs: dict | None = None
+    # vLLM's sampling extras (core.SamplingParams says what each does).
+    min_tokens: int = Field(0, ge=0)
+    include_stop_str_in_output: bool = False
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
+    truncate_prompt_tokens: int | None = Field(None, ge=-1)  # -1: the model's context
+    prompt_logprobs: int | None = Field(None, ge=0, le=20)
+    return_tokens_as_token_ids: bool = False  # logprobs name tokens "token_id:N"
+    priority: int = 0  # only 0: this server schedules first come, first served
+    request_id: str | None = Field(None, min_length=1)  # the response's id and the engine's rid prefix
 
 
 class CompletionRequest(_Sampling):
@@ -109,20 +134,21 @@ class CompletionRequest(_Sampling):
     logprobs: int | None = None
     echo: bool = False
     best_of: int | None = None  # accepted only equal to n (vLLM's V1 engine has no best_of either)
+    add_special_tokens: bool = True  # a text prompt's BOS etc.
 
 
 class ChatMessage(BaseModel):
     """Checked and shaped for the chat template by chat_messages.normalize_messages; keys beyond
     these (tool_calls, tool_call_id, name, ...) are passed on for the template to read."""
 
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", strict=True)
 
     role: Literal["system", "user", "assistant", "tool", "developer"]
     content: Any = None  # a string, an array of text parts, or null beside an assistant's tool_calls
 
 
 class FunctionDefinition(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = STRICT
 
     name: str = Field(min_length=1)
     description: str | None = None
@@ -131,23 +157,30 @@ class FunctionDefinition(BaseModel):
 
 
 class ToolDefinition(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = STRICT
 
     type: Literal["function"]
     function: FunctionDefinition
 
 
 class FunctionName(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = STRICT
 
     name: str
 
 
 class NamedToolChoice(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = STRICT
 
     type: Literal["function"]
     function: FunctionName
+
+
+RESERVED_TEMPLATE_KWARGS = frozenset((
+    "conversation", "messages", "tools", "documents", "chat_template", "add_generation_prompt",
+    "continue_final_message", "tokenize", "padding", "truncation", "max_length", "return_tensors",
+    "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs", "sanitize_control_tokens",
+))
 
 
 class ChatRequest(_Sampling):
@@ -170,10 +203,27 @@ class ChatRequest(_Sampling):
     tools: list[ToolDefinition] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
+    # The chat template (vLLM's fields): a Jinja string in place of the model's, the variables it
+    # reads beyond the messages (enable_thinking, ...), and how the prompt ends: ready for a new
+    # assistant message, or continuing the last one (not both).
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template: str | None = Field(None, min_length=1)
+    chat_template_kwargs: dict[str, Any] | None = None
+
+    @field_validator("chat_template_kwargs")
+    @classmethod
+    def _template_variables_only(cls, kwargs: dict | None) -> dict | None:
+        """Variables for the template; not apply_chat_template's own options, which would change
+        what it returns (or, as fields of this request, have a field of their own)."""
+        taken = sorted(set(kwargs or ()) & RESERVED_TEMPLATE_KWARGS)
+        if taken:
+            raise ValueError(f"{taken[0]!r} is not a template variable: use the request's own field or none")
+        return kwargs
 
 
 class TokenizeRequest(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = STRICT
 
     model: str | None = None
     prompt: str | None = None
@@ -183,7 +233,7 @@ class TokenizeRequest(BaseModel):
 
 
 class DetokenizeRequest(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = STRICT
 
     model: str | None = None
     tokens: list[int]

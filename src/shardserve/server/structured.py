@@ -2,7 +2,9 @@
 
 OpenAI's `response_format` ({"type": "json_object"} or {"type": "json_schema", "json_schema":
 {"name", "schema", "strict"}}; "text" asks for nothing), SGLang's extension fields `regex` and
-`ebnf`, and `grammar` (EBNF/GBNF or Lark): at most one per request.
+`ebnf`, `grammar` (EBNF/GBNF or Lark), vLLM's older `guided_json`, `guided_regex`,
+`guided_choice` and `guided_grammar`, and its newer `structured_outputs` object (the fields of
+StructuredOutputsParams): at most one per request.
 """
 
 from __future__ import annotations
@@ -12,7 +14,9 @@ import re
 from shardserve.server.errors import APIError
 from shardserve.structured_outputs import StructuredOutputsParams
 
-FIELDS = ("response_format", "regex", "grammar", "ebnf")
+# Request field -> the StructuredOutputsParams field it sets.
+FIELDS = {"regex": "regex", "grammar": "grammar", "ebnf": "grammar", "guided_json": "json",
+          "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}
 
 
 def structured_outputs(body) -> StructuredOutputsParams | None:
@@ -25,8 +29,9 @@ def structured_outputs(body) -> StructuredOutputsParams | None:
             raise APIError(400, "response_format of type 'json_schema' needs json_schema.schema",
                            param="response_format")
         asked.append(("response_format", {"json": rf.json_schema.schema_}))
-    asked += [(name, {"grammar" if name == "ebnf" else name: getattr(body, name)}) for name in FIELDS[1:]
-              if getattr(body, name) is not None]
+    asked += [(name, {kind: getattr(body, name)}) for name, kind in FIELDS.items() if getattr(body, name) is not None]
+    if body.structured_outputs is not None:
+        asked.append(("structured_outputs", body.structured_outputs))
     if len(asked) > 1:
         raise APIError(400, f"{asked[0][0]} and {asked[1][0]} cannot be combined: one structured output "
                             f"per request", param=asked[1][0])
@@ -35,6 +40,9 @@ def structured_outputs(body) -> StructuredOutputsParams | None:
     name, spec = asked[0]
     try:
         return StructuredOutputsParams(**spec)
+    except TypeError:  # a key of `structured_outputs` that is not one of its fields
+        raise APIError(400, f"structured_outputs takes {', '.join(StructuredOutputsParams.__dataclass_fields__)}",
+                       param=name) from None
     except ValueError as e:
         why = re.sub(r"^SamplingParams\.structured_outputs[.:]\s*", "", str(e))
         raise APIError(400, f"{name}: {why}", param=name) from None

@@ -41,21 +41,31 @@ class Tokenizer:
         self.tok, self.to_scheduler, self.to_api = tokenizer, to_scheduler, to_api
 
     def encode(self, text: str | None, messages: list[dict] | None, add_special: bool,
-               tools: list[dict] | None = None) -> list[int]:
+               tools: list[dict] | None = None, chat_options: dict | None = None) -> list[int]:
         if self.tok is None:
             raise ValueError("this model has no tokenizer: send token ids")
         if messages is not None:
-            text = render_chat(self.tok, messages, tools)
+            text = render_chat(self.tok, messages, tools, chat_options)
             add_special = False  # the template already carries any BOS
         return self.tok.encode(text, add_special_tokens=add_special)
+
+    def tokenized(self, msg: GenerateReq) -> TokenizedReq:
+        """The prompt as the engine takes it (`truncate_prompt_tokens`), with `bad_words` as
+        token sequences (the engine has no tokenizer)."""
+        params = msg.params
+        if params.bad_words:
+            if self.tok is None:
+                raise ValueError("bad_words need the model's tokenizer")
+            params.update_from_tokenizer(self.tok)
+        ids = msg.token_ids if msg.token_ids is not None else self.encode(
+            msg.text, msg.messages, msg.add_special_tokens, msg.tools, msg.chat_options)
+        return TokenizedReq(rid=msg.rid, token_ids=params.truncate(ids), params=params,
+                            auto_max_tokens=msg.auto_max_tokens, prefill=msg.prefill)
 
     def handle(self, msg) -> None:
         try:
             if isinstance(msg, GenerateReq):
-                ids = msg.token_ids if msg.token_ids is not None else self.encode(
-                    msg.text, msg.messages, msg.add_special_tokens, msg.tools)
-                send(self.to_scheduler, TokenizedReq(rid=msg.rid, token_ids=ids, params=msg.params,
-                                                   auto_max_tokens=msg.auto_max_tokens, prefill=msg.prefill))
+                send(self.to_scheduler, self.tokenized(msg))
             elif isinstance(msg, TokenizeReq):
                 ids = self.encode(msg.text, msg.messages, msg.add_special_tokens, msg.tools)
                 send(self.to_api, TokenizeOut(rid=msg.rid, token_ids=ids))
@@ -65,8 +75,23 @@ class Tokenizer:
                 text = self.tok.decode(msg.token_ids, skip_special_tokens=msg.skip_special_tokens)
                 send(self.to_api, DetokenizeOut(rid=msg.rid, text=text))
         except Exception as e:  # a bad prompt must never take the worker down
-            send(self.to_api, ErrorOut(rid=msg.rid, message=f"{type(e).__name__}: {e}", status=400,
-                                       param="tools" if isinstance(e, ToolsIgnored) else None))
+            param = error_param(e, msg)
+            message = f"chat_template: {plain_message(e)}" if param == "chat_template" else plain_message(e)
+            send(self.to_api, ErrorOut(rid=msg.rid, message=message, status=400, param=param))
+
+
+def plain_message(e: Exception) -> str:
+    """One line for the client: what went wrong, not which class said so (a template's Jinja
+    error keeps its own words, a tokenizer's its own)."""
+    return " ".join(str(e).split()) or "the prompt could not be tokenized"
+
+
+def error_param(e: Exception, msg) -> str | None:
+    if isinstance(e, ToolsIgnored):
+        return "tools"
+    # Jinja's error in a template the request gave names it (the model's own names nothing).
+    own = isinstance(msg, GenerateReq) and (msg.chat_options or {}).get("chat_template") is not None
+    return "chat_template" if own and type(e).__module__.startswith("jinja2") else None
 
 
 def _serve(sockets: dict[zmq.Socket, callable]) -> None:

@@ -1,0 +1,78 @@
+"""A request body's fields as the engine's SamplingParams and the chat template's options, or a
+400 naming the field at fault."""
+
+from __future__ import annotations
+
+from shardserve.core import SamplingParams
+from shardserve.server.errors import APIError
+from shardserve.server.structured import structured_outputs
+
+MODEL_DEFAULTED = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+
+
+def sampling_params(body, defaults: dict, max_tokens: int, logprobs: int | None,
+                    prompt_logprobs: int | None = None, vocab_size: int | None = None,
+                    max_model_len: int | None = None) -> SamplingParams:
+    """The request's fields; those it leaves out come from `defaults` (the model's), else
+    SamplingParams' own."""
+    given = {k: getattr(body, k) for k in MODEL_DEFAULTED if getattr(body, k) is not None}
+    bias = logit_bias(body.logit_bias, vocab_size)
+    check_token_ids(body.allowed_token_ids, vocab_size, "allowed_token_ids")
+    guided = structured_outputs(body)  # a 400 naming its field when it cannot compile
+    # vLLM's -1: as much of the prompt as the context holds.
+    truncate = max_model_len if body.truncate_prompt_tokens == -1 else body.truncate_prompt_tokens
+    try:
+        return SamplingParams(
+            **{**defaults, **given}, n=1, max_tokens=max_tokens, presence_penalty=body.presence_penalty,
+            frequency_penalty=body.frequency_penalty, seed=body.seed, stop=body.stop or [],
+            stop_token_ids=body.stop_token_ids or [], ignore_eos=body.ignore_eos, logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs, skip_special_tokens=body.skip_special_tokens, logit_bias=bias,
+            structured_outputs=guided, min_tokens=body.min_tokens,
+            include_stop_str_in_output=body.include_stop_str_in_output,
+            allowed_token_ids=body.allowed_token_ids, bad_words=body.bad_words, truncate_prompt_tokens=truncate,
+        )
+    except ValueError as e:
+        param = str(e).split(".", 1)[1].split(" ", 1)[0] if str(e).startswith("SamplingParams.") else None
+        raise APIError(400, str(e).removeprefix("SamplingParams."), param=param) from None
+
+
+def logit_bias(raw: dict[str, float] | None, vocab_size: int | None) -> dict[int, float] | None:
+    """JSON's string keys as token ids, each checked against the vocabulary (the engine checks
+    again); SamplingParams checks the biases."""
+    if not raw:
+        return None
+    out = {}
+    for key, value in raw.items():
+        if not (key.isascii() and key.isdigit()):
+            raise APIError(400, f"logit_bias keys must be token ids, got {key!r}", param="logit_bias")
+        check_token_ids([int(key)], vocab_size, "logit_bias")
+        out[int(key)] = value
+    return out
+
+
+def check_token_ids(ids: list[int] | None, vocab_size: int | None, field: str) -> None:
+    """Ids the sampler would have to drop (beyond the logits) are a 400 here instead."""
+    bad = [t for t in ids or () if vocab_size is not None and t >= vocab_size]
+    if bad:
+        raise APIError(400, f"{field} token id {bad[0]} is outside the vocabulary [0, {vocab_size})", param=field)
+
+
+def chat_options(body, messages: list[dict]) -> dict:
+    """The chat template's options (chat_messages.render_chat) from the request's fields."""
+    if body.add_generation_prompt and body.continue_final_message:
+        raise APIError(400, "continue_final_message and add_generation_prompt cannot both be true: set "
+                            "add_generation_prompt to false to continue the last message",
+                       param="continue_final_message")
+    if body.continue_final_message and messages[-1]["role"] != "assistant":
+        raise APIError(400, "continue_final_message continues the last message, which must be the "
+                            "assistant's", param="continue_final_message")
+    options = {"add_generation_prompt": body.add_generation_prompt,
+               "continue_final_message": body.continue_final_message,
+               "chat_template": body.chat_template, "chat_template_kwargs": body.chat_template_kwargs}
+    return {k: v for k, v in options.items() if v is not None}
+
+
+def check_scheduling(body) -> None:
+    if body.priority != 0:
+        raise APIError(400, f"priority {body.priority} needs priority scheduling; this server schedules first "
+                            f"come, first served (as vLLM's default policy, which refuses it too)", param="priority")
