@@ -10,7 +10,7 @@ def tiny_server(tiny_model, tmp_path_factory):
     path, model = tiny_model("llama")
     log = str(tmp_path_factory.mktemp("logs") / "server.log")
     server = Server("--model", path, "--num-pages", "256", "--page-size", "8", "--max-queued-requests", "200",
-                    log_path=log)
+                    "--trust-request-chat-template", log_path=log)
     server.model = model
     server.model_path = path
     yield server

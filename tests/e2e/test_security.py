@@ -69,6 +69,10 @@ def test_api_key_bounds_and_router_key(tiny_model, tmp_path, monkeypatch):
         refused(400, "context", prompt="a", max_tokens=10**6)
         refused(413, "exceeds the limit of 4000", prompt="a" * 5000)
         refused(400, "n must be between", prompt="a", n=10**3)
+        # A request's own chat template runs only on a server started with --trust-request-chat-template.
+        r = httpx.post(url + "/v1/chat/completions", headers={"Authorization": f"Bearer {key}"},
+                       json={"messages": [{"role": "user", "content": "hi"}], "chat_template": "{{ 1 }}"})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "chat_template", r.text
 
         # The standalone router: its own key for clients; the workers' key passed on, never the client's.
         monkeypatch.setenv("SHARDSERVE_API_KEY", router_key)

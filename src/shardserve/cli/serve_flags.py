@@ -32,6 +32,9 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--tool-call-parser", choices=sorted(PARSERS), default=None,
                    help="how the model writes tool calls (hermes: Hermes/Qwen <tool_call> tags; llama3_json: Llama "
                         "3's JSON); chat requests with tools need one")
+    g.add_argument("--trust-request-chat-template", action="store_true",
+                   help="run a chat_template that a request sends (a template that loops stalls a tokenizer "
+                        "worker, so only trusted clients should reach a server started with this)")
     g.add_argument("--startup-timeout", type=positive_float, default=300.0,
                    help="seconds to wait for workers to be ready")
     d = p.add_argument_group("disaggregated prefill/decode")

@@ -46,6 +46,9 @@ class ServerState:
     max_stop_length: int = 256  # characters per stop string
     vocab_size: int | None = None  # logit_bias ids are checked against it (the engine checks again)
     tool_call_parser: str | None = None  # --tool-call-parser: how the model's tool calls are read back
+    # --trust-request-chat-template: a request's own Jinja template runs in a tokenizer worker, and one
+    # that loops would stall it, so (as in vLLM) only a server started with this flag runs them.
+    trust_request_chat_template: bool = False
     disaggregation_mode: str = "null"  # --disaggregation-mode
     bootstrap_port: int | None = None  # where decode instances reach a prefill instance's leader
 

@@ -155,6 +155,7 @@ def run_http(args, default_name: str, info: dict, ep: Endpoints, grid: LocalGrid
                         max_stop_strings=args.max_stop_strings, max_stop_length=args.max_stop_length,
                         vocab_size=info.get("limits", {}).get("vocab_size"),
                         tool_call_parser=args.tool_call_parser,
+                        trust_request_chat_template=args.trust_request_chat_template,
                         disaggregation_mode=args.disaggregation_mode,
                         bootstrap_port=args.disaggregation_bootstrap_port or args.port + 1)
     server = _Server(uvicorn.Config(build_app(state), log_level="info", timeout_graceful_shutdown=5), client)
