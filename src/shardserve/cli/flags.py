@@ -29,7 +29,8 @@ class Parser(argparse.ArgumentParser):
 
 
 class DefaultsFormatter(argparse.HelpFormatter):
-    """Append "(default: X)" to every flag that has a default, with or without help text."""
+    """Append "(default: X)" to every flag that has a default, with or without help text, unless
+    the help already says its default in its own words ("(default: $SHARDSERVE_API_KEY)")."""
 
     def add_argument(self, action: argparse.Action) -> None:
         if action.help is None and self._shows_default(action):
@@ -43,7 +44,7 @@ class DefaultsFormatter(argparse.HelpFormatter):
 
     def _get_help_string(self, action: argparse.Action) -> str:
         text = action.help or ""
-        if "%(default)" in text or not self._shows_default(action):
+        if "(default" in text or "%(default)" in text or not self._shows_default(action):
             return text
         return f"{text} (default: %(default)s)".strip()
 

@@ -26,7 +26,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_args(chat)
     chat.add_argument("--max-tokens", type=positive_int, default=256, help="longest reply")
     chat.add_argument("--temperature", type=non_negative_float, default=None,
-                      help="(default: the model's generation defaults, else 0 = greedy)")
+                      help="sampling temperature, 0 = greedy (default: the model's generation defaults, else 0)")
     bench = sub.add_parser("bench", help="benchmarks")
     from shardserve.cli.bench_flags import add_bench_args
 
