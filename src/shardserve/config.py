@@ -16,6 +16,7 @@ if TYPE_CHECKING:
     import torch
 
 DTYPES = ("float32", "bfloat16", "float16")  # names; `torch_dtype` maps them (torch imported only then)
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}  # sizes known without importing torch
 
 
 def torch_dtype(name: str) -> torch.dtype:

@@ -15,6 +15,7 @@ from shardserve.distributed.layout import Layout
 from shardserve.engine_backends import LocalBackend, ProcessBackend
 from shardserve.ipc.messages import TokenOut
 from shardserve.ipc.secure import deployment_secret
+from shardserve.launch.checks import check_dense
 from shardserve.launch.grid import check_layout, run_other_node
 from shardserve.launch.nodes import NodeSpec
 from shardserve.loader.generation_config import generation_defaults
@@ -64,6 +65,7 @@ class LLM:
                  generation_config: str = "auto", nnodes: int = 1, node_rank: int = 0, dist_init_addr: str = "",
                  dist_secret_file: str | None = None,
                  startup_timeout: float = 600.0, **kwargs):
+        check_dense(model, ep_size)
         self.layout = Layout.from_sizes(tp=tp_size, pp=pp_size, dp=dp_size, ep=ep_size, nnodes=nnodes,
                                         dp_attention=enable_dp_attention, cp=cp_size)
         policy = resolve_policy(load_balance_method, dp_size, enable_dp_attention)

@@ -99,3 +99,53 @@ def test_a_clone_named_shardserve_does_not_shadow_the_package(tmp_path):
                          env={**os.environ, "PYTHONPATH": ""})
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "shardserve.llm"
+
+
+def _refused(capsys, argv: list[str]) -> str:
+    """Run `shardserve serve ARGV` in this process; it must stop before any worker starts, with
+    exit code 2 and one line on stderr."""
+    capsys.readouterr()  # not the fixtures' progress bars
+    assert main(["serve", "--port", "1", *argv]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("shardserve: error: ") and "Traceback" not in err, err
+    return err.strip()
+
+
+def test_max_model_len_beyond_the_model_is_refused(capsys, tiny_model):
+    path, _ = tiny_model("llama")  # 512 positions
+    assert _refused(capsys, ["--model", path, "--max-model-len", "100000"]) == (
+        "shardserve: error: --max-model-len 100000 exceeds the model's context limit of 512 tokens "
+        "(max_position_embeddings): give at most 512, or leave it out")
+
+
+def test_kv_budget_below_one_page_says_the_page_size(capsys, tiny_model):
+    path, _ = tiny_model("llama")  # a 16-token page: 2 layers x 2 KV heads x 16 dims x K, V x 4 bytes x 16
+    assert _refused(capsys, ["--model", path, "--kv-cache-memory", "4K"]) == (
+        "shardserve: error: --kv-cache-memory 4096 bytes holds no KV page: one page of 16 tokens takes 8192 bytes "
+        "on a rank (K and V, all its layers), so give at least 8192 (8K), or a smaller --page-size")
+
+
+def test_missing_model_path_says_it_does_not_exist(capsys, tmp_path):
+    missing = str(tmp_path / "path/that/does/not/exist.gguf")
+    assert _refused(capsys, ["--model", missing]) == f"shardserve: error: --model {missing}: no such file or directory"
+
+
+def test_expert_parallel_on_a_dense_model_says_it_has_no_experts(capsys, tiny_model):
+    path, _ = tiny_model("llama")
+    assert _refused(capsys, ["--model", path, "--ep-size", "2"]) == (
+        f"shardserve: error: --ep-size 2 needs a mixture-of-experts model; {os.path.basename(path)} has no experts "
+        f"(it is dense: leave --ep-size out)")
+
+
+@pytest.mark.parametrize("device, message", [
+    ("cuda", "--device cuda: this torch ({}) is a CPU-only build; use --device cpu, or install a CUDA build of torch"),
+    ("nonsense", "--device 'nonsense' is not a torch device (e.g. cpu, cuda, cuda:1)"),
+])
+def test_unusable_device_is_refused(capsys, tiny_model, device, message):
+    import torch
+
+    if device == "cuda" and torch.version.cuda is not None:
+        pytest.skip("this torch is a CUDA build")
+    path, _ = tiny_model("llama")
+    assert _refused(capsys, ["--model", path, "--device", device]) == (
+        "shardserve: error: " + message.format(torch.__version__))

@@ -194,6 +194,9 @@ def engine_config(args: argparse.Namespace, **overrides) -> EngineConfig:
 
 def layout_from_args(args: argparse.Namespace) -> Layout:
     """The rank grid the flags describe (LayoutError names the flag when sizes cannot work)."""
+    from shardserve.launch.checks import check_dense
+
+    check_dense(args.model, args.ep_size)
     return Layout.from_sizes(tp=args.tp_size, pp=args.pp_size, dp=args.dp_size, ep=args.ep_size, nnodes=args.nnodes,
                              dp_attention=args.enable_dp_attention, cp=args.cp_size)
 

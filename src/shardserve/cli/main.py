@@ -82,7 +82,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     except LaunchError as e:
         print(f"shardserve: error: {e}", file=sys.stderr)
-        return 1
+        return e.exit_code
     except KeyboardInterrupt:
         return 130
     parser.print_help()

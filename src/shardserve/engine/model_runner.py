@@ -20,6 +20,7 @@ from shardserve.config import EngineConfig, ModelConfig
 from shardserve.distributed.expert_placement import PlacementPlan, load_counts
 from shardserve.distributed.groups import ParallelGroups, single_process_groups
 from shardserve.distributed.pipeline import Stage
+from shardserve.kvcache.budget import kv_budget_message
 from shardserve.kvcache.pool import KVPool, page_bytes
 from shardserve.layers import quant_kernel
 from shardserve.layers.attention import ForwardContext
@@ -163,7 +164,7 @@ class ModelRunner:
                               self.model_cfg.head_dim, self.dtype)
         pages = int(budget // per_page)
         if pages < 1:
-            raise ValueError(f"kv_cache_memory {self.cfg.kv_cache_memory} holds no page of {per_page} bytes")
+            raise ValueError(kv_budget_message(self.cfg.kv_cache_memory, budget, per_page, self.cfg.page_size))
         return pages
 
     @torch.inference_mode()

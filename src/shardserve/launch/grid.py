@@ -14,6 +14,7 @@ from shardserve.config import EngineConfig
 from shardserve.distributed.expert_placement import PlacementPlan, load_counts
 from shardserve.distributed.layout import Layout, LayoutError
 from shardserve.ipc.sockets import Endpoints
+from shardserve.launch.checks import check_context, check_device, check_kv_budget
 from shardserve.launch.nodes import NodeServer, NodeSpec, hello, run_worker_node
 from shardserve.launch.process_tree import Child, ProcessTree
 from shardserve.launch.ranks import scheduler_children
@@ -34,9 +35,12 @@ def check_layout(layout: Layout, node: NodeSpec, ckpt: Checkpoint, cfg: EngineCo
         raise LayoutError(f"--dp-size {layout.dp} with --nnodes {layout.nnodes} is not supported yet: run one "
                           f"multi-node server per replica and put `shardserve router` in front")
     node.check(layout)
+    check_device(cfg.device, layout)
     check_quantization(cfg, ckpt)
     mc = read_model_config(ckpt)
     layout.check_model(mc.num_layers, mc.num_heads, mc.num_experts)
+    check_context(cfg, mc)
+    check_kv_budget(cfg, layout, mc)
     if cfg.ep_num_redundant_experts or cfg.ep_expert_placement:
         check_placement(cfg, layout, mc)
     if cfg.pp_layer_partition is not None or layout.pp > 1:

@@ -54,6 +54,24 @@ class Child:
     role: str = ""  # where it sits, for reports, e.g. "pipeline stage 1 of 2"
 
 
+# A child refusing a setting raises one of these with a message that names the flag: the user
+# needs that line, not the traceback under it (which --log-level debug still shows).
+SETTING_ERRORS = ("ValueError", "LayoutError", "FileNotFoundError", "KernelUnavailable")
+
+
+def failure(name: str, error: str) -> LaunchError:
+    """A child's Failed report as a LaunchError: one line for a refused setting, else the whole
+    traceback (a fault the user cannot fix by changing a flag)."""
+    lines = error.rstrip().splitlines()
+    # The last exception's text follows the last indented line (a frame's source or its marker).
+    last = max((i for i, line in enumerate(lines) if line.startswith(" ")), default=-1)
+    kind, _, message = " ".join(lines[last + 1:]).partition(": ")
+    if kind.rsplit(".", 1)[-1] in SETTING_ERRORS and message:
+        log.debug("%s failed to start:\n%s", name, error.rstrip())
+        return LaunchError(f"{name} failed to start: {message}", exit_code=2)
+    return LaunchError(f"{name} failed to start:\n{error.rstrip()}")
+
+
 class ProcessTree:
     def __init__(self, ep: Endpoints, children: list[Child]):
         self.ep, self.specs = ep, children
@@ -93,7 +111,7 @@ class ProcessTree:
         if isinstance(msg, Ready):
             infos[msg.name] = msg.info
         elif isinstance(msg, Failed):
-            raise LaunchError(f"{msg.name} failed to start:\n{msg.error.rstrip()}")
+            raise failure(msg.name, msg.error)
 
     def dead_child(self) -> str | None:
         for name, p in self.procs.items():

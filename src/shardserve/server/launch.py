@@ -117,7 +117,7 @@ def serve(args: argparse.Namespace, plan: Deployment) -> int:
         return run_http(args, ckpt.name.removesuffix(".gguf"), infos["scheduler-0"], ep, grid, sock, defaults)
     except LaunchError as e:
         print(f"shardserve: error: {e}", file=sys.stderr)
-        return 1
+        return e.exit_code
     finally:
         if grid is not None:
             grid.stop()
