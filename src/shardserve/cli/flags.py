@@ -13,6 +13,7 @@ import sys
 
 from shardserve.config import ATTENTION_BACKENDS, DTYPES, QUANTIZATION_MODES, EngineConfig
 from shardserve.distributed.layout import Layout
+from shardserve.launch.worker import LOG_LEVELS
 from shardserve.router.policy import POLICIES
 
 
@@ -121,7 +122,13 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="KV pool size: a fraction of free memory, or bytes (e.g. 512M)")
     g.add_argument("--max-num-batched-tokens", type=positive_int, default=2048, help="token budget per step")
     g.add_argument("--max-running-requests", type=positive_int, default=256)
-    g.add_argument("--max-model-len", type=positive_int, default=None, help="context limit (default: the model's)")
+    g.add_argument("--max-model-len", type=positive_int, default=None,
+                   help="context limit, at most the model's (default: the model's)")
+    g.add_argument("--threads", type=positive_int, default=None,
+                   help="CPU threads of each scheduler rank (torch and the C kernels) (default: the machine's cores "
+                        "shared out among its ranks; one rank: torch's choice)")
+    g.add_argument("--log-level", choices=LOG_LEVELS, default="info",
+                   help="log level of every process: the API process, tokenizers and scheduler ranks")
     g.add_argument("--no-prefix-cache", action="store_true", help="disable prefix (KV page) reuse")
     g.add_argument("--seed", type=seed_int, default=0, help="seed for requests that give none")
     g.add_argument("--tp-size", "--tensor-parallel-size", dest="tp_size", type=positive_int, default=1,
@@ -187,6 +194,7 @@ def engine_config(args: argparse.Namespace, **overrides) -> EngineConfig:
         attention_backend=args.attention_backend, quantization=args.quantization,
         pp_layer_partition=args.pp_layer_partition, pp_micro_batches=args.pp_micro_batches,
         ep_num_redundant_experts=args.ep_num_redundant_experts, ep_expert_placement=args.ep_expert_placement,
+        threads=args.threads, show_progress=args.log_level in ("debug", "info"),  # a load bar is info
     )
     fields.update(overrides)
     return EngineConfig(**fields)

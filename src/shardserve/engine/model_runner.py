@@ -63,11 +63,16 @@ class ModelRunner:
         self.dtype = cfg.torch_dtype
         cls = model_class(model_cfg.architecture)
         self.placements = self._placement_plan()
+        # Progress for the steps that take seconds, from one rank (the others do the same).
+        say = log.info if groups.rank == 0 else log.debug
+        say("%s: building the %s model (%d layers here) on %s ...", groups.label, model_cfg.architecture,
+            self.stage.end - self.stage.start, self.device)
         with torch.device(self.device):
             self.model = cls(model_cfg, self.comm, self.dtype, self.device, self.stage, expert=groups.expert,
                              placements=self.placements)
         self.quantization = self._pick_quantization(ckpt)
         sources, total = checkpoint_sources(ckpt, self.quantization)
+        say("%s: loading %d tensors of %s ...", groups.label, total, ckpt.name)
         desc = f"[{groups.label}] Loading {ckpt.name}"
         load_weights(self.model, sources, total, progress=cfg.show_progress, desc=desc)
         self.model.eval()

@@ -27,6 +27,7 @@ from shardserve.launch import LaunchError
 from shardserve.launch.worker import PARENT_ENV
 
 log = logging.getLogger("shardserve.launch")
+PROGRESS_INTERVAL = 10.0  # seconds between "still waiting" lines while workers start
 
 
 @dataclass(frozen=True)
@@ -93,9 +94,14 @@ class ProcessTree:
     def wait_ready(self, timeout: float) -> dict[str, dict]:
         """Info from each child's Ready message; raises LaunchError on failure or timeout."""
         infos: dict[str, dict] = {}
-        deadline = time.monotonic() + timeout
+        start = time.monotonic()
+        deadline, note = start + timeout, start + PROGRESS_INTERVAL
         while len(infos) < len(self.procs):
             self._take(recv(self.ready_sock, timeout_ms=200), infos)
+            if time.monotonic() > note:  # a first start can take a minute: say it is not stuck
+                note += PROGRESS_INTERVAL
+                waiting = ", ".join(sorted(set(self.procs) - set(infos)))
+                log.info("waiting for %s to start (%.0f s so far) ...", waiting, time.monotonic() - start)
             dead = self.dead_child()
             if dead and dead not in infos:
                 # Its Failed message may still be in flight: it says more than an exit code.

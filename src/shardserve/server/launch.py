@@ -157,7 +157,8 @@ def run_http(args, default_name: str, info: dict, ep: Endpoints, grid: LocalGrid
                         tool_call_parser=args.tool_call_parser,
                         disaggregation_mode=args.disaggregation_mode,
                         bootstrap_port=args.disaggregation_bootstrap_port or args.port + 1)
-    server = _Server(uvicorn.Config(build_app(state), log_level="info", timeout_graceful_shutdown=5), client)
+    config = uvicorn.Config(build_app(state), log_level=args.log_level, timeout_graceful_shutdown=5)
+    server = _Server(config, client)
     failure: list[str] = []
 
     async def main() -> None:
