@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import logging
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
@@ -23,8 +24,10 @@ from shardserve.loader.generation_config import generation_defaults
 from shardserve.loader.model_path import resolve_checkpoint
 from shardserve.loader.tokenizer import load_tokenizer
 from shardserve.router.policy import resolve_policy
+from shardserve.scheduler.startup import startup_summary, use_threads
 
 Prompt = str | list[int]
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -95,11 +98,9 @@ class LLM:
             self._backend = ProcessBackend(self.config, self.layout, self.node, ckpt.name, startup_timeout, policy)
         else:
             extra_eos = (tok.eos_token_id,) if tok is not None and tok.eos_token_id is not None else ()
-            if self.config.threads is not None:  # the one rank is this process
-                import torch
-
-                torch.set_num_threads(self.config.threads)
+            use_threads(self.config.threads)
             self._backend = LocalBackend(self.config, self._decode if tok else None, extra_eos, tok)
+            log.info("%s", startup_summary(self._backend.engine))  # as a server's rank 0 says it
         self._next_id = 0
 
     @property

@@ -149,3 +149,44 @@ def test_unusable_device_is_refused(capsys, tiny_model, device, message):
     path, _ = tiny_model("llama")
     assert _refused(capsys, ["--model", path, "--device", device]) == (
         "shardserve: error: " + message.format(torch.__version__))
+
+
+@pytest.mark.parametrize("command", [["serve"], ["chat"], ["bench", "offline"], ["record-experts", "-o", "x.json"]])
+def test_threads_and_log_level_reach_the_engine_config(command):
+    from shardserve.cli.flags import engine_config
+
+    args = build_parser().parse_args([*command, "--threads", "3", "--log-level", "warning"])
+    cfg = engine_config(args)
+    assert (args.log_level, cfg.threads, cfg.show_progress) == ("warning", 3, False)  # no load bar above info
+
+
+def test_threads_set_each_ranks_omp_threads():
+    from shardserve.config import EngineConfig
+    from shardserve.distributed.layout import Layout
+    from shardserve.launch.ranks import thread_env
+
+    assert thread_env(EngineConfig(threads=3), Layout()) == {"OMP_NUM_THREADS": "3"}
+    assert thread_env(EngineConfig(threads=3), Layout(tp=2)) == {"OMP_NUM_THREADS": "3"}
+    assert thread_env(EngineConfig(), Layout()) is None  # one rank: torch's own choice, as before
+
+
+def test_llm_in_process_takes_threads_and_log_level(tiny_model, caplog, monkeypatch):
+    import logging
+
+    import torch
+
+    from shardserve.launch.worker import LOG_LEVEL_ENV
+    from shardserve.llm import LLM
+
+    monkeypatch.setenv(LOG_LEVEL_ENV, "info")  # restored after the test, as are the threads and level below
+    before, shardserve_log = torch.get_num_threads(), logging.getLogger("shardserve")
+    try:
+        with caplog.at_level(logging.INFO):
+            LLM(tiny_model("llama")[0], threads=1, num_pages=8, log_level="info").shutdown()
+        assert torch.get_num_threads() == 1
+        assert "rank 0 of 1: device cpu, dtype float32" in caplog.text and "1 thread per rank" in caplog.text
+        LLM(tiny_model("llama")[0], num_pages=8, log_level="error").shutdown()
+        assert os.environ[LOG_LEVEL_ENV] == "error" and shardserve_log.level == logging.ERROR  # and its workers
+    finally:
+        torch.set_num_threads(before)
+        shardserve_log.setLevel(logging.NOTSET)

@@ -256,7 +256,7 @@ def rank_server(cfg: EngineConfig, ep: Endpoints, spec: RankSpec) -> SchedulerSe
         return Follower(cfg, ep, groups)
     log.info("%s of %d: loading the tokenizer and the model ...", groups.label, spec.layout.world)
     server = SchedulerServer(cfg, ep, groups)
-    log.info("%s", startup_summary(server.engine, groups))  # the settings in force, once per replica
+    log.info("%s", startup_summary(server.engine))  # the settings in force, once per replica
     return server
 
 

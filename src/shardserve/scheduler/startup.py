@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import torch
 
-from shardserve.distributed.groups import ParallelGroups
 from shardserve.scheduler.engine_core import EngineCore
 
 
@@ -30,11 +29,11 @@ def mib(n: int) -> str:
     return f"{n / 2**20:.1f} MiB"
 
 
-def startup_summary(engine: EngineCore, groups: ParallelGroups) -> str:
+def startup_summary(engine: EngineCore) -> str:
     """E.g. 'rank 0 of 1: device cpu, dtype float32, quantization none (float32 weights), 1 thread
     per rank, decode attention cpu; KV cache 256 pages x 8 tokens (2048 tokens), 1.0 MiB on this
     rank (4096 bytes a page); context length 512 tokens (the model's limit)'."""
-    r, cfg = engine.runner, engine.cfg
+    r, cfg, groups = engine.runner, engine.cfg, engine.runner.groups
     kv_bytes = r.pool.k.nbytes + r.pool.v.nbytes
     limit = engine.model_cfg.max_position_embeddings
     context = "the model's limit" if engine.max_model_len == limit else f"--max-model-len; the model's is {limit}"
@@ -46,3 +45,10 @@ def startup_summary(engine: EngineCore, groups: ParallelGroups) -> str:
             f"KV cache {pages} pages x {cfg.page_size} tokens ({pages * cfg.page_size} tokens{spread}), "
             f"{mib(kv_bytes)} on this rank ({kv_bytes // max(1, r.num_pages)} bytes a page); "
             f"context length {engine.max_model_len} tokens ({context})")
+
+
+def use_threads(threads: int | None) -> None:
+    """--threads for an engine in this very process (LLM with one rank): a launcher sets its
+    ranks' OMP_NUM_THREADS, which reaches only the processes it starts."""
+    if threads is not None:
+        torch.set_num_threads(threads)
