@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import torch
 
+from shardserve.distributed.groups import ParallelGroups
 from shardserve.scheduler.engine_core import EngineCore
 
 
@@ -19,6 +20,11 @@ def weights_text(quantization: str, dtype: str, is_gguf: bool) -> str:
     if quantization == "int8":
         return "quantization int8 (Q8_0 blocks, made at load)"
     return f"quantization none ({dtype} weights)"
+
+
+def rank_text(groups: ParallelGroups) -> str:
+    """'rank 0 of 2 (tp 0)': the rank that speaks and how many there are."""
+    return groups.label.replace(f"rank {groups.rank}", f"rank {groups.rank} of {groups.layout.world}", 1)
 
 
 def plural(n: int, what: str) -> str:
@@ -40,7 +46,7 @@ def startup_summary(engine: EngineCore) -> str:
     pages = engine.allocator.num_pages
     spread = f" over {groups.context.size} context ranks" if groups.context.size > 1 else ""
     weights = weights_text(r.quantization, cfg.dtype, engine.ckpt.is_gguf)
-    return (f"{groups.label} of {groups.layout.world}: device {r.device}, dtype {cfg.dtype}, {weights}, "
+    return (f"{rank_text(groups)}: device {r.device}, dtype {cfg.dtype}, {weights}, "
             f"{plural(torch.get_num_threads(), 'thread')} per rank, decode attention {r.decode_attention}; "
             f"KV cache {pages} pages x {cfg.page_size} tokens ({pages * cfg.page_size} tokens{spread}), "
             f"{mib(kv_bytes)} on this rank ({kv_bytes // max(1, r.num_pages)} bytes a page); "
