@@ -190,3 +190,24 @@ def test_llm_in_process_takes_threads_and_log_level(tiny_model, caplog, monkeypa
     finally:
         torch.set_num_threads(before)
         shardserve_log.setLevel(logging.NOTSET)
+
+
+def _traceback_of(error: BaseException) -> str:
+    import traceback
+
+    try:
+        raise error
+    except BaseException:
+        return traceback.format_exc()
+
+
+def test_a_worker_refusing_a_setting_is_one_line_a_fault_keeps_its_traceback():
+    from shardserve.distributed.layout import LayoutError
+    from shardserve.launch.process_tree import failure
+
+    refused = failure("scheduler-1", _traceback_of(LayoutError("--tp-size 3 exceeds the model's 2 heads")))
+    assert str(refused) == "scheduler-1 failed to start: --tp-size 3 exceeds the model's 2 heads"
+    assert refused.exit_code == 2  # as a bad flag is
+    fault = failure("scheduler-0", _traceback_of(KeyError("layers.0")))
+    assert str(fault).startswith("scheduler-0 failed to start:\nTraceback") and "KeyError: 'layers.0'" in str(fault)
+    assert fault.exit_code == 1
