@@ -16,6 +16,7 @@ if TYPE_CHECKING:
     import torch
 
 DTYPES = ("float32", "bfloat16", "float16")  # names; `torch_dtype` maps them (torch imported only then)
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}  # sizes known without importing torch
 
 
 def torch_dtype(name: str) -> torch.dtype:
@@ -162,6 +163,9 @@ class EngineConfig:
     enable_prefix_cache: bool = True
     seed: int = 0
     show_progress: bool = True
+    # CPU threads of each scheduler rank (torch and the C kernels' OpenMP); None: this machine's
+    # cores shared out among its ranks, or torch's own choice for a single rank.
+    threads: int | None = None
     dist_timeout: float = 60.0  # seconds before a collective that never completes is an error
     attention_backend: str = "auto"  # see ATTENTION_BACKENDS
     quantization: str = "auto"  # see QUANTIZATION_MODES
@@ -186,6 +190,7 @@ class EngineConfig:
             (self.dtype in DTYPES, "dtype", f"must be one of {sorted(DTYPES)}"),
             (self.page_size >= 1, "page_size", "must be >= 1"),
             (self.num_pages is None or self.num_pages >= 1, "num_pages", "must be >= 1"),
+            (self.threads is None or self.threads >= 1, "threads", "must be >= 1"),
             (self.kv_cache_memory > 0, "kv_cache_memory", "must be > 0"),
             (self.max_num_batched_tokens >= 1, "max_num_batched_tokens", "must be >= 1"),
             (self.max_running_requests >= 1, "max_running_requests", "must be >= 1"),

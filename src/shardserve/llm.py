@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import logging
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
@@ -15,14 +16,18 @@ from shardserve.distributed.layout import Layout
 from shardserve.engine_backends import LocalBackend, ProcessBackend
 from shardserve.ipc.messages import TokenOut
 from shardserve.ipc.secure import deployment_secret
+from shardserve.launch.checks import check_dense
 from shardserve.launch.grid import check_layout, run_other_node
 from shardserve.launch.nodes import NodeSpec
+from shardserve.launch.worker import use_log_level
 from shardserve.loader.generation_config import generation_defaults
 from shardserve.loader.model_path import resolve_checkpoint
 from shardserve.loader.tokenizer import load_tokenizer
 from shardserve.router.policy import resolve_policy
+from shardserve.scheduler.startup import startup_summary, use_threads
 
 Prompt = str | list[int]
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -56,14 +61,19 @@ class LLM:
     ranks and the MoE layers expert-parallel over all tp_size ranks (SGLang's meaning); `isolated=True`
     uses a scheduler process even for one rank (as the server does). `generation_config` says
     where `generate(prompts)` without SamplingParams takes its defaults: 'auto' (the model's),
-    'none', or a directory with a generation_config.json."""
+    'none', or a directory with a generation_config.json. `threads`: CPU threads per rank;
+    `log_level`: debug, info, warning or error, for this process and the workers it starts."""
 
     def __init__(self, model: str | None = None, tp_size: int = 1, pp_size: int = 1, dp_size: int = 1,
                  ep_size: int = 1, cp_size: int = 1, enable_dp_attention: bool = False,
                  load_balance_method: str | None = None, isolated: bool = False,
                  generation_config: str = "auto", nnodes: int = 1, node_rank: int = 0, dist_init_addr: str = "",
-                 dist_secret_file: str | None = None,
+                 dist_secret_file: str | None = None, log_level: str | None = None,
                  startup_timeout: float = 600.0, **kwargs):
+        if log_level is not None:  # this process's and its workers'; no load bar above info
+            use_log_level(log_level)
+            kwargs.setdefault("show_progress", log_level in ("debug", "info"))
+        check_dense(model, ep_size)
         self.layout = Layout.from_sizes(tp=tp_size, pp=pp_size, dp=dp_size, ep=ep_size, nnodes=nnodes,
                                         dp_attention=enable_dp_attention, cp=cp_size)
         policy = resolve_policy(load_balance_method, dp_size, enable_dp_attention)
@@ -88,7 +98,9 @@ class LLM:
             self._backend = ProcessBackend(self.config, self.layout, self.node, ckpt.name, startup_timeout, policy)
         else:
             extra_eos = (tok.eos_token_id,) if tok is not None and tok.eos_token_id is not None else ()
+            use_threads(self.config.threads)
             self._backend = LocalBackend(self.config, self._decode if tok else None, extra_eos, tok)
+            log.info("%s", startup_summary(self._backend.engine))  # as a server's rank 0 says it
         self._next_id = 0
 
     @property

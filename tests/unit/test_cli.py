@@ -45,16 +45,41 @@ def _subparsers(parser: argparse.ArgumentParser):
                 yield from _subparsers(sub)
 
 
+def _help_of(sub: argparse.ArgumentParser, action: argparse.Action) -> str:
+    """One flag's help as --help prints it, defaults filled in, on one line."""
+    return " ".join(sub._get_formatter()._expand_help(action).split()) if action.help is not None else ""
+
+
 def test_help_shows_every_default():
     checked = 0
     for name, sub in _subparsers(build_parser()):
         text = " ".join(sub.format_help().split())
         for action in sub._actions:
+            if "(default" in (action.help or ""):
+                continue  # says its default in its own words (an environment variable, say)
             if action.option_strings and action.default not in (None, False, argparse.SUPPRESS):
                 shown = f"(default: {action.default})"
                 assert shown in text, f"{name} {action.option_strings[0]}: {shown} missing from --help"
                 checked += 1
     assert checked > 40
+
+
+def test_help_states_no_default_twice():
+    checked = 0
+    for name, sub in _subparsers(build_parser()):
+        sub.format_help()  # help text is filled in as the formatter meets each flag
+        for action in sub._actions:
+            if action.option_strings:
+                text = _help_of(sub, action)
+                assert text.count("(default") <= 1, f"{name} {action.option_strings[0]}: {text}"
+                checked += 1
+    assert checked > 60
+
+
+def test_every_chat_flag_has_help():
+    chat = dict(_subparsers(build_parser()))["chat"]
+    temperature = next(a for a in chat._actions if "--temperature" in a.option_strings)
+    assert _help_of(chat, temperature).startswith("sampling temperature, 0 = greedy (default: ")
 
 
 def test_parsing_imports_no_server_or_model_machinery(tmp_path):
@@ -74,3 +99,115 @@ def test_a_clone_named_shardserve_does_not_shadow_the_package(tmp_path):
                          env={**os.environ, "PYTHONPATH": ""})
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "shardserve.llm"
+
+
+def _refused(capsys, argv: list[str]) -> str:
+    """Run `shardserve serve ARGV` in this process; it must stop before any worker starts, with
+    exit code 2 and one line on stderr."""
+    capsys.readouterr()  # not the fixtures' progress bars
+    assert main(["serve", "--port", "1", *argv]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("shardserve: error: ") and "Traceback" not in err, err
+    return err.strip()
+
+
+def test_max_model_len_beyond_the_model_is_refused(capsys, tiny_model):
+    path, _ = tiny_model("llama")  # 512 positions
+    assert _refused(capsys, ["--model", path, "--max-model-len", "100000"]) == (
+        "shardserve: error: --max-model-len 100000 exceeds the model's context limit of 512 tokens "
+        "(max_position_embeddings): give at most 512, or leave it out")
+
+
+def test_kv_budget_below_one_page_says_the_page_size(capsys, tiny_model):
+    path, _ = tiny_model("llama")  # a 16-token page: 2 layers x 2 KV heads x 16 dims x K, V x 4 bytes x 16
+    assert _refused(capsys, ["--model", path, "--kv-cache-memory", "4K"]) == (
+        "shardserve: error: --kv-cache-memory 4096 bytes holds no KV page: one page of 16 tokens takes 8192 bytes "
+        "on a rank (K and V, all its layers), so give at least 8192 (8K), or a smaller --page-size")
+
+
+def test_missing_model_path_says_it_does_not_exist(capsys, tmp_path):
+    missing = str(tmp_path / "path/that/does/not/exist.gguf")
+    assert _refused(capsys, ["--model", missing]) == f"shardserve: error: --model {missing}: no such file or directory"
+
+
+def test_expert_parallel_on_a_dense_model_says_it_has_no_experts(capsys, tiny_model):
+    path, _ = tiny_model("llama")
+    assert _refused(capsys, ["--model", path, "--ep-size", "2"]) == (
+        f"shardserve: error: --ep-size 2 needs a mixture-of-experts model; {os.path.basename(path)} has no experts "
+        f"(it is dense: leave --ep-size out)")
+
+
+@pytest.mark.parametrize("device, message", [
+    ("cuda", "--device cuda: this torch ({}) is a CPU-only build; use --device cpu, or install a CUDA build of torch"),
+    ("nonsense", "--device 'nonsense' is not a torch device (e.g. cpu, cuda, cuda:1)"),
+])
+def test_unusable_device_is_refused(capsys, tiny_model, device, message):
+    import torch
+
+    if device == "cuda" and torch.version.cuda is not None:
+        pytest.skip("this torch is a CUDA build")
+    path, _ = tiny_model("llama")
+    assert _refused(capsys, ["--model", path, "--device", device]) == (
+        "shardserve: error: " + message.format(torch.__version__))
+
+
+@pytest.mark.parametrize("command", [["serve"], ["chat"], ["bench", "offline"], ["record-experts", "-o", "x.json"]])
+def test_threads_and_log_level_reach_the_engine_config(command):
+    from shardserve.cli.flags import engine_config
+
+    args = build_parser().parse_args([*command, "--threads", "3", "--log-level", "warning"])
+    cfg = engine_config(args)
+    assert (args.log_level, cfg.threads, cfg.show_progress) == ("warning", 3, False)  # no load bar above info
+
+
+def test_threads_set_each_ranks_omp_threads():
+    from shardserve.config import EngineConfig
+    from shardserve.distributed.layout import Layout
+    from shardserve.launch.ranks import thread_env
+
+    assert thread_env(EngineConfig(threads=3), Layout()) == {"OMP_NUM_THREADS": "3"}
+    assert thread_env(EngineConfig(threads=3), Layout(tp=2)) == {"OMP_NUM_THREADS": "3"}
+    assert thread_env(EngineConfig(), Layout()) is None  # one rank: torch's own choice, as before
+
+
+def test_llm_in_process_takes_threads_and_log_level(tiny_model, caplog, monkeypatch):
+    import logging
+
+    import torch
+
+    from shardserve.launch.worker import LOG_LEVEL_ENV
+    from shardserve.llm import LLM
+
+    monkeypatch.setenv(LOG_LEVEL_ENV, "info")  # restored after the test, as are the threads and level below
+    before, shardserve_log = torch.get_num_threads(), logging.getLogger("shardserve")
+    try:
+        with caplog.at_level(logging.INFO):
+            LLM(tiny_model("llama")[0], threads=1, num_pages=8, log_level="info").shutdown()
+        assert torch.get_num_threads() == 1
+        assert "rank 0 of 1: device cpu, dtype float32" in caplog.text and "1 thread per rank" in caplog.text
+        LLM(tiny_model("llama")[0], num_pages=8, log_level="error").shutdown()
+        assert os.environ[LOG_LEVEL_ENV] == "error" and shardserve_log.level == logging.ERROR  # and its workers
+    finally:
+        torch.set_num_threads(before)
+        shardserve_log.setLevel(logging.NOTSET)
+
+
+def _traceback_of(error: BaseException) -> str:
+    import traceback
+
+    try:
+        raise error
+    except BaseException:
+        return traceback.format_exc()
+
+
+def test_a_worker_refusing_a_setting_is_one_line_a_fault_keeps_its_traceback():
+    from shardserve.distributed.layout import LayoutError
+    from shardserve.launch.process_tree import failure
+
+    refused = failure("scheduler-1", _traceback_of(LayoutError("--tp-size 3 exceeds the model's 2 heads")))
+    assert str(refused) == "scheduler-1 failed to start: --tp-size 3 exceeds the model's 2 heads"
+    assert refused.exit_code == 2  # as a bad flag is
+    fault = failure("scheduler-0", _traceback_of(KeyError("layers.0")))
+    assert str(fault).startswith("scheduler-0 failed to start:\nTraceback") and "KeyError: 'layers.0'" in str(fault)
+    assert fault.exit_code == 1

@@ -13,6 +13,7 @@ import sys
 
 from shardserve.config import ATTENTION_BACKENDS, DTYPES, QUANTIZATION_MODES, EngineConfig
 from shardserve.distributed.layout import Layout
+from shardserve.launch.worker import LOG_LEVELS
 from shardserve.router.policy import POLICIES
 
 
@@ -29,7 +30,8 @@ class Parser(argparse.ArgumentParser):
 
 
 class DefaultsFormatter(argparse.HelpFormatter):
-    """Append "(default: X)" to every flag that has a default, with or without help text."""
+    """Append "(default: X)" to every flag that has a default, with or without help text, unless
+    the help already says its default in its own words ("(default: $SHARDSERVE_API_KEY)")."""
 
     def add_argument(self, action: argparse.Action) -> None:
         if action.help is None and self._shows_default(action):
@@ -43,7 +45,7 @@ class DefaultsFormatter(argparse.HelpFormatter):
 
     def _get_help_string(self, action: argparse.Action) -> str:
         text = action.help or ""
-        if "%(default)" in text or not self._shows_default(action):
+        if "(default" in text or "%(default)" in text or not self._shows_default(action):
             return text
         return f"{text} (default: %(default)s)".strip()
 
@@ -120,7 +122,13 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="KV pool size: a fraction of free memory, or bytes (e.g. 512M)")
     g.add_argument("--max-num-batched-tokens", type=positive_int, default=2048, help="token budget per step")
     g.add_argument("--max-running-requests", type=positive_int, default=256)
-    g.add_argument("--max-model-len", type=positive_int, default=None, help="context limit (default: the model's)")
+    g.add_argument("--max-model-len", type=positive_int, default=None,
+                   help="context limit, at most the model's (default: the model's)")
+    g.add_argument("--threads", type=positive_int, default=None,
+                   help="CPU threads of each scheduler rank (torch and the C kernels) (default: the machine's cores "
+                        "shared out among its ranks; one rank: torch's choice)")
+    g.add_argument("--log-level", choices=LOG_LEVELS, default="info",
+                   help="log level of every process: the API process, tokenizers and scheduler ranks")
     g.add_argument("--no-prefix-cache", action="store_true", help="disable prefix (KV page) reuse")
     g.add_argument("--seed", type=seed_int, default=0, help="seed for requests that give none")
     g.add_argument("--tp-size", "--tensor-parallel-size", dest="tp_size", type=positive_int, default=1,
@@ -186,6 +194,7 @@ def engine_config(args: argparse.Namespace, **overrides) -> EngineConfig:
         attention_backend=args.attention_backend, quantization=args.quantization,
         pp_layer_partition=args.pp_layer_partition, pp_micro_batches=args.pp_micro_batches,
         ep_num_redundant_experts=args.ep_num_redundant_experts, ep_expert_placement=args.ep_expert_placement,
+        threads=args.threads, show_progress=args.log_level in ("debug", "info"),  # a load bar is info
     )
     fields.update(overrides)
     return EngineConfig(**fields)
@@ -193,6 +202,9 @@ def engine_config(args: argparse.Namespace, **overrides) -> EngineConfig:
 
 def layout_from_args(args: argparse.Namespace) -> Layout:
     """The rank grid the flags describe (LayoutError names the flag when sizes cannot work)."""
+    from shardserve.launch.checks import check_dense
+
+    check_dense(args.model, args.ep_size)
     return Layout.from_sizes(tp=args.tp_size, pp=args.pp_size, dp=args.dp_size, ep=args.ep_size, nnodes=args.nnodes,
                              dp_attention=args.enable_dp_attention, cp=args.cp_size)
 

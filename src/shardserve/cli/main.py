@@ -12,6 +12,7 @@ import sys
 from shardserve.cli.flags import Parser, add_engine_args, non_negative_float, positive_int
 from shardserve.cli.router_flags import add_router_args
 from shardserve.launch import LaunchError
+from shardserve.launch.worker import use_log_level
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -26,7 +27,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_args(chat)
     chat.add_argument("--max-tokens", type=positive_int, default=256, help="longest reply")
     chat.add_argument("--temperature", type=non_negative_float, default=None,
-                      help="(default: the model's generation defaults, else 0 = greedy)")
+                      help="sampling temperature, 0 = greedy (default: the model's generation defaults, else 0)")
     bench = sub.add_parser("bench", help="benchmarks")
     from shardserve.cli.bench_flags import add_bench_args
 
@@ -43,13 +44,19 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def set_log_level(level: str) -> None:
+    """--log-level for this process (its libraries too: uvicorn, httpx) and every child's."""
+    use_log_level(level)
+    logging.basicConfig(level=level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     parser = build_parser()
     if not argv or argv[0].startswith("-") and argv[0] not in ("-h", "--help"):
         argv = ["serve", *argv]
     args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    set_log_level(getattr(args, "log_level", "info"))
     try:
         if args.command in ("chat", "bench", "record-experts") and getattr(args, "node_rank", 0) > 0:
             from shardserve.cli.flags import llm_kwargs
@@ -90,7 +97,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     except LaunchError as e:
         print(f"shardserve: error: {e}", file=sys.stderr)
-        return 1
+        return e.exit_code
     except KeyboardInterrupt:
         return 130
     parser.print_help()

@@ -20,6 +20,7 @@ from shardserve.config import EngineConfig, ModelConfig
 from shardserve.distributed.expert_placement import PlacementPlan, load_counts
 from shardserve.distributed.groups import ParallelGroups, single_process_groups
 from shardserve.distributed.pipeline import Stage
+from shardserve.kvcache.budget import kv_budget_message
 from shardserve.kvcache.pool import KVPool, page_bytes
 from shardserve.layers import quant_kernel
 from shardserve.layers.attention import ForwardContext
@@ -62,11 +63,16 @@ class ModelRunner:
         self.dtype = cfg.torch_dtype
         cls = model_class(model_cfg.architecture)
         self.placements = self._placement_plan()
+        # Progress for the steps that take seconds, from one rank (the others do the same).
+        say = log.info if groups.rank == 0 else log.debug
+        say("%s: building the %s model (%d layers here) on %s ...", groups.label, model_cfg.architecture,
+            self.stage.end - self.stage.start, self.device)
         with torch.device(self.device):
             self.model = cls(model_cfg, self.comm, self.dtype, self.device, self.stage, expert=groups.expert,
                              placements=self.placements)
         self.quantization = self._pick_quantization(ckpt)
         sources, total = checkpoint_sources(ckpt, self.quantization)
+        say("%s: loading %d tensors of %s ...", groups.label, total, ckpt.name)
         desc = f"[{groups.label}] Loading {ckpt.name}"
         load_weights(self.model, sources, total, progress=cfg.show_progress, desc=desc)
         self.model.eval()
@@ -163,7 +169,7 @@ class ModelRunner:
                               self.model_cfg.head_dim, self.dtype)
         pages = int(budget // per_page)
         if pages < 1:
-            raise ValueError(f"kv_cache_memory {self.cfg.kv_cache_memory} holds no page of {per_page} bytes")
+            raise ValueError(kv_budget_message(self.cfg.kv_cache_memory, budget, per_page, self.cfg.page_size))
         return pages
 
     @torch.inference_mode()

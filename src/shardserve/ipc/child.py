@@ -14,10 +14,12 @@ import zmq
 
 from shardserve.ipc.messages import Failed, Ready
 from shardserve.ipc.sockets import die_with_parent, push, send
+from shardserve.launch.worker import LOG_LEVEL_ENV
 
 
 def setup_logging(name: str) -> None:
-    logging.basicConfig(level=logging.INFO, force=True,
+    level = os.environ.get(LOG_LEVEL_ENV, "info").upper()  # the launcher's --log-level
+    logging.basicConfig(level=level, force=True,
                         format=f"%(asctime)s %(levelname)s [{name}] %(name)s: %(message)s")
 
 

@@ -7,6 +7,7 @@ watches both: a dead local child or a lost node is reported once, naming what wa
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections.abc import Callable
 
@@ -14,11 +15,14 @@ from shardserve.config import EngineConfig
 from shardserve.distributed.expert_placement import PlacementPlan, load_counts
 from shardserve.distributed.layout import Layout, LayoutError
 from shardserve.ipc.sockets import Endpoints
+from shardserve.launch.checks import check_context, check_device, check_kv_budget
 from shardserve.launch.nodes import NodeServer, NodeSpec, hello, run_worker_node
 from shardserve.launch.process_tree import Child, ProcessTree
 from shardserve.launch.ranks import scheduler_children
 from shardserve.loader.model_path import Checkpoint
 from shardserve.loader.weights import read_model_config
+
+log = logging.getLogger("shardserve.launch")
 
 
 def check_layout(layout: Layout, node: NodeSpec, ckpt: Checkpoint, cfg: EngineConfig) -> None:
@@ -34,9 +38,12 @@ def check_layout(layout: Layout, node: NodeSpec, ckpt: Checkpoint, cfg: EngineCo
         raise LayoutError(f"--dp-size {layout.dp} with --nnodes {layout.nnodes} is not supported yet: run one "
                           f"multi-node server per replica and put `shardserve router` in front")
     node.check(layout)
+    check_device(cfg.device, layout)
     check_quantization(cfg, ckpt)
     mc = read_model_config(ckpt)
     layout.check_model(mc.num_layers, mc.num_heads, mc.num_experts)
+    check_context(cfg, mc)
+    check_kv_budget(cfg, layout, mc)
     if cfg.ep_num_redundant_experts or cfg.ep_expert_placement:
         check_placement(cfg, layout, mc)
     if cfg.pp_layer_partition is not None or layout.pp > 1:
@@ -100,6 +107,7 @@ class LocalGrid:
             master = node.rendezvous if layout.nnodes > 1 else ""
             ranks = scheduler_children(cfg, ep, layout, master, node.node_rank)
         self.tree = ProcessTree(ep, ranks + list(others))
+        self.layout = layout
         self.nodes = (NodeServer(node, hello(layout, 0, model_name), layout, heartbeat_timeout(cfg))
                       if layout.nnodes > 1 and not torchrun else None)
         self._lock = threading.Lock()
@@ -109,6 +117,7 @@ class LocalGrid:
         """Admit the other nodes, start this node's workers, wait for them; their Ready infos."""
         if self.nodes is not None:
             self.nodes.admit(timeout)
+        log.info("%s", starting_text(self.tree.specs, self.layout))
         self.tree.start()
         return self.tree.wait_ready(timeout)
 
@@ -143,6 +152,19 @@ class LocalGrid:
         if self.nodes is not None:
             self.nodes.stop()
         self.tree.stop()
+
+
+def starting_text(children: list[Child], layout: Layout) -> str:
+    """What is about to start and why it takes a while, e.g. 'starting 2 scheduler ranks (tp 2 x
+    pp 1 x dp 1 x cp 1) and 2 other workers (detokenizer, tokenizer-0): ...'."""
+    ranks = sum(c.name.startswith("scheduler-") for c in children)
+    others = [c.name for c in children if not c.name.startswith("scheduler-")]
+    text = (f"starting {ranks} scheduler rank{'s' if ranks != 1 else ''}"
+            + (f" (of {layout.world} on {layout.nnodes} nodes; " if layout.nnodes > 1 else " (")
+            + f"tp {layout.tp} x pp {layout.pp} x dp {layout.dp} x cp {layout.cp})")
+    if others:
+        text += f" and {len(others)} other worker{'s' if len(others) > 1 else ''} ({', '.join(others)})"
+    return text + ": each rank imports torch, loads the model and on a first start builds C kernels ..."
 
 
 def run_other_node(cfg: EngineConfig, layout: Layout, node: NodeSpec, model_name: str,

@@ -27,6 +27,7 @@ from shardserve.launch import LaunchError
 from shardserve.launch.worker import PARENT_ENV
 
 log = logging.getLogger("shardserve.launch")
+PROGRESS_INTERVAL = 10.0  # seconds between "still waiting" lines while workers start
 
 
 @dataclass(frozen=True)
@@ -54,6 +55,24 @@ class Child:
     role: str = ""  # where it sits, for reports, e.g. "pipeline stage 1 of 2"
 
 
+# A child refusing a setting raises one of these with a message that names the flag: the user
+# needs that line, not the traceback under it (which --log-level debug still shows).
+SETTING_ERRORS = ("ValueError", "LayoutError", "FileNotFoundError", "KernelUnavailable")
+
+
+def failure(name: str, error: str) -> LaunchError:
+    """A child's Failed report as a LaunchError: one line for a refused setting, else the whole
+    traceback (a fault the user cannot fix by changing a flag)."""
+    lines = error.rstrip().splitlines()
+    # The last exception's text follows the last indented line (a frame's source or its marker).
+    last = max((i for i, line in enumerate(lines) if line.startswith(" ")), default=-1)
+    kind, _, message = " ".join(lines[last + 1:]).partition(": ")
+    if kind.rsplit(".", 1)[-1] in SETTING_ERRORS and message:
+        log.debug("%s failed to start:\n%s", name, error.rstrip())
+        return LaunchError(f"{name} failed to start: {message}", exit_code=2)
+    return LaunchError(f"{name} failed to start:\n{error.rstrip()}")
+
+
 class ProcessTree:
     def __init__(self, ep: Endpoints, children: list[Child]):
         self.ep, self.specs = ep, children
@@ -75,9 +94,14 @@ class ProcessTree:
     def wait_ready(self, timeout: float) -> dict[str, dict]:
         """Info from each child's Ready message; raises LaunchError on failure or timeout."""
         infos: dict[str, dict] = {}
-        deadline = time.monotonic() + timeout
+        start = time.monotonic()
+        deadline, note = start + timeout, start + PROGRESS_INTERVAL
         while len(infos) < len(self.procs):
             self._take(recv(self.ready_sock, timeout_ms=200), infos)
+            if time.monotonic() > note:  # a first start can take a minute: say it is not stuck
+                note += PROGRESS_INTERVAL
+                waiting = ", ".join(sorted(set(self.procs) - set(infos)))
+                log.info("waiting for %s to start (%.0f s so far) ...", waiting, time.monotonic() - start)
             dead = self.dead_child()
             if dead and dead not in infos:
                 # Its Failed message may still be in flight: it says more than an exit code.
@@ -93,7 +117,7 @@ class ProcessTree:
         if isinstance(msg, Ready):
             infos[msg.name] = msg.info
         elif isinstance(msg, Failed):
-            raise LaunchError(f"{msg.name} failed to start:\n{msg.error.rstrip()}")
+            raise failure(msg.name, msg.error)
 
     def dead_child(self) -> str | None:
         for name, p in self.procs.items():

@@ -17,14 +17,24 @@ SCHEDULER_MAIN = ByName("shardserve.scheduler.process", "scheduler_main")
 def scheduler_children(cfg: EngineConfig, ep: Endpoints, layout: Layout, master: str = "",
                        node: int = 0, only: range | None = None) -> list[Child]:
     """One scheduler process per rank on `node` (or just the ranks in `only`). `master` is
-    host:port of the rendezvous (a free local port when empty). CPU threads are shared out among
-    this node's ranks only."""
+    host:port of the rendezvous (a free local port when empty)."""
     if layout.world > 1 and not master:
         master = f"127.0.0.1:{free_port()}"
-    threads = str(max(1, (os.cpu_count() or 1) // layout.ranks_per_node))
-    return [Child(f"scheduler-{r}", SCHEDULER_MAIN, (cfg, ep, RankSpec(r, layout, master)),
-                  env={"OMP_NUM_THREADS": threads} if layout.ranks_per_node > 1 else None, role=role(layout, r))
+    env = thread_env(cfg, layout)
+    return [Child(f"scheduler-{r}", SCHEDULER_MAIN, (cfg, ep, RankSpec(r, layout, master)), env=env,
+                  role=role(layout, r))
             for r in (only if only is not None else layout.node_ranks(node))]
+
+
+def thread_env(cfg: EngineConfig, layout: Layout) -> dict[str, str] | None:
+    """Each rank's CPU threads (--threads), set before it starts so torch and the C kernels'
+    OpenMP (torch's own runtime) both take it. Without the flag, ranks sharing a machine share
+    out its cores (each would otherwise take them all); a lone rank keeps torch's choice."""
+    if cfg.threads is not None:
+        return {"OMP_NUM_THREADS": str(cfg.threads)}
+    if layout.ranks_per_node > 1:
+        return {"OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // layout.ranks_per_node))}
+    return None
 
 
 def role(layout: Layout, rank: int) -> str:

