@@ -19,7 +19,6 @@ import asyncio
 import time
 import uuid
 from collections.abc import Mapping
-from dataclasses import dataclass
 
 import httpx
 from fastapi.responses import JSONResponse, Response
@@ -27,7 +26,7 @@ from fastapi.responses import JSONResponse, Response
 from shardserve.kvcache.pages import page_hashes
 from shardserve.openai_errors import error_body
 from shardserve.router.policy import NoReplica, Router
-from shardserve.router.relay import Relay, RelayResponse, sse_error
+from shardserve.router.relay import Fault, Relay, RelayResponse, sse_error
 from shardserve.router.request_key import BadRequest, KeyMaker, RouteKey, parse_json_object
 from shardserve.router.workers import WorkerPool, describe, is_down
 
@@ -45,15 +44,6 @@ __all__ = ["HTTPRouter", "error_response", "sse_error"]  # sse_error: callers kn
 
 def error_response(status: int, message: str, param: str | None = None) -> JSONResponse:
     return JSONResponse(error_body(message, status, param), status)
-
-
-@dataclass(frozen=True)
-class Fault:
-    """What a failed exchange with a worker means for its request."""
-
-    down: bool  # the worker is gone (taken out): a request nothing of which was relayed may go elsewhere
-    status: int  # else the client's answer (on a stream, the error event's code)
-    message: str
 
 
 class GiveUp(Exception):
