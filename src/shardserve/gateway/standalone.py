@@ -4,12 +4,12 @@ engine's).
     client --HTTP--> router (FastAPI + uvicorn, one shared httpx client) --HTTP--> worker URLs
 
 POST /v1/completions and /v1/chat/completions are routed by the policy (router/policy.py) on the
-prompt's page digests and forwarded (router/http_router.py); /v1/models is the first healthy
+prompt's page digests and forwarded (gateway/http_router.py); /v1/models is the first healthy
 worker's; /health and /metrics are the router's own. There are no cache events from foreign
 workers, so a request's pages are credited to its worker once it answers 2xx (or streams its first
 event), and an LRU bound per worker (--max-tree-pages) stands in for the worker's eviction.
 With --prefill and --decode instead of --worker-urls it fronts disaggregated prefill and decode
-instances (router/pd.py).
+instances (gateway/pd.py).
 """
 
 from __future__ import annotations
@@ -30,13 +30,13 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from shardserve.gateway.http_router import HTTPRouter, error_response
+from shardserve.gateway.pd import DECODE_POLICY, make_pd_router
+from shardserve.gateway.request_key import KeyMaker
+from shardserve.gateway.workers import WorkerPool, describe
 from shardserve.ipc.sockets import listen_socket
 from shardserve.openai_errors import bearer_ok, unauthorized_body
-from shardserve.router.http_router import HTTPRouter, error_response
-from shardserve.router.pd import DECODE_POLICY, make_pd_router
 from shardserve.router.policy import Router, Thresholds
-from shardserve.router.request_key import KeyMaker
-from shardserve.router.workers import WorkerPool, describe
 
 log = logging.getLogger("shardserve.router")
 

@@ -7,7 +7,7 @@ out until a health check passes), or when it answers 5xx (a live worker: its hea
 checks). A worker that times out once it has the request is slow, not gone: the client gets a 504
 naming it, and the worker stays in (`HTTPRouter.fault`). A 4xx is the client's answer, passed
 through. A stream is committed to its worker at its first event, then relayed event by event,
-bytes unchanged (router/relay.py); if the worker breaks or stalls after that the client gets an SSE
+bytes unchanged (gateway/relay.py); if the worker breaks or stalls after that the client gets an SSE
 error event and `[DONE]`. A prompt's pages are pending at its worker while the request runs, and
 stored there only once the worker answers 2xx (or streams an event): a refusal leaves no credit
 behind.
@@ -23,12 +23,12 @@ from collections.abc import Mapping
 import httpx
 from fastapi.responses import JSONResponse, Response
 
+from shardserve.gateway.relay import Fault, Relay, RelayResponse, sse_error
+from shardserve.gateway.request_key import BadRequest, KeyMaker, RouteKey, parse_json_object
+from shardserve.gateway.workers import WorkerPool, describe, is_down
 from shardserve.kvcache.pages import page_hashes
 from shardserve.openai_errors import error_body
 from shardserve.router.policy import NoReplica, Router
-from shardserve.router.relay import Fault, Relay, RelayResponse, sse_error
-from shardserve.router.request_key import BadRequest, KeyMaker, RouteKey, parse_json_object
-from shardserve.router.workers import WorkerPool, describe, is_down
 
 # Not forwarded: they describe this hop's connection, not the request. The client's
 # accept-encoding is replaced by identity (TO_WORKER), not just dropped: httpx would then ask for
@@ -71,7 +71,7 @@ def route_excluding(router: Router, excluded: set[int], rid: str, pages: list[by
 
 class HTTPRouter:
     """Forwards each request to one worker of `pool`. The hooks `prepare`, `_pick`, `credit` and
-    `release` are where PD mode (router/pd.py) differs: it picks a prefill instance as well."""
+    `release` are where PD mode (gateway/pd.py) differs: it picks a prefill instance as well."""
 
     no_worker = "no healthy worker to send the request to"  # the 503 when every worker is down or tried
 

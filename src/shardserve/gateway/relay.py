@@ -1,4 +1,4 @@
-"""A worker's SSE stream on its way to the client (router/http_router.py forwards; this relays):
+"""A worker's SSE stream on its way to the client (gateway/http_router.py forwards; this relays):
 whole events at a time, ending with an error event and `[DONE]` when the worker breaks or stalls,
 or the router cuts it off. The forwarder is known here only as a `RelayOwner`, so this module
 sits below http_router.py and imports nothing of it."""
@@ -18,7 +18,7 @@ from fastapi.responses import StreamingResponse
 from shardserve.openai_errors import error_body
 
 if TYPE_CHECKING:
-    from shardserve.router.workers import WorkerPool
+    from shardserve.gateway.workers import WorkerPool
 
 
 def sse_error(message: str, status: int = 503) -> bytes:
@@ -41,7 +41,7 @@ class Fault:
 
 
 class RelayOwner(Protocol):
-    """What a relay needs of the forwarder that opened it (router/http_router.py's HTTPRouter)."""
+    """What a relay needs of the forwarder that opened it (gateway/http_router.py's HTTPRouter)."""
 
     pool: WorkerPool
     relays: set[Relay]  # the streams being relayed; a relay leaves it when it closes
