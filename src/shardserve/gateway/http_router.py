@@ -21,13 +21,13 @@ import uuid
 from collections.abc import Mapping
 
 import httpx
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import Response
 
 from shardserve.gateway.relay import Fault, Relay, RelayResponse, sse_error
 from shardserve.gateway.request_key import BadRequest, KeyMaker, RouteKey, parse_json_object
 from shardserve.gateway.workers import WorkerPool, describe, is_down
+from shardserve.http_common import error_response
 from shardserve.kvcache.pages import page_hashes
-from shardserve.openai_errors import error_body
 from shardserve.router.policy import NoReplica, Router
 
 # Not forwarded: they describe this hop's connection, not the request. The client's
@@ -39,11 +39,7 @@ HOP_HEADERS = {"connection", "keep-alive", "proxy-authenticate", "proxy-authoriz
                "transfer-encoding", "upgrade", "host", "content-length", "accept-encoding", "authorization"}
 TO_WORKER = {"accept-encoding": "identity"}
 
-__all__ = ["HTTPRouter", "error_response", "sse_error"]  # sse_error: callers know it from here
-
-
-def error_response(status: int, message: str, param: str | None = None) -> JSONResponse:
-    return JSONResponse(error_body(message, status, param), status)
+__all__ = ["HTTPRouter", "sse_error"]  # sse_error: callers know it from here
 
 
 class GiveUp(Exception):

@@ -22,9 +22,10 @@ import urllib.parse
 import httpx
 from fastapi.responses import Response
 
-from shardserve.gateway.http_router import HTTPRouter, error_response, route_excluding
+from shardserve.gateway.http_router import HTTPRouter, route_excluding
 from shardserve.gateway.request_key import KeyMaker, RouteKey
 from shardserve.gateway.workers import WorkerMetrics, WorkerPool, describe
+from shardserve.http_common import error_response
 from shardserve.router.policy import NoReplica, Router
 
 PREFILL_HEADER = "X-Shardserve-Prefill"
