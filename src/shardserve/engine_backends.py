@@ -38,8 +38,8 @@ log = logging.getLogger(__name__)
 
 
 class LocalBackend:
-    def __init__(self, cfg: EngineConfig, decode, extra_eos: tuple[int, ...], tokenizer=None):
-        self.engine = EngineCore(cfg, decode=decode, extra_eos=extra_eos, tokenizer=tokenizer)
+    def __init__(self, cfg: EngineConfig, decode, tokenizer=None):
+        self.engine = EngineCore(cfg, decode=decode, tokenizer=tokenizer)
         self.limits = self.engine.limits
         self.infos = {"scheduler-0": self.engine.worker.info()}
 

@@ -87,8 +87,7 @@ class LLM:
         if self.layout.world > 1 or isolated:
             self._backend = ProcessBackend(self.config, self.layout, self.node, ckpt.name, startup_timeout, policy)
         else:
-            extra_eos = (tok.eos_token_id,) if tok is not None and tok.eos_token_id is not None else ()
-            self._backend = LocalBackend(self.config, self._decode if tok else None, extra_eos, tok)
+            self._backend = LocalBackend(self.config, self._decode if tok else None, tok)
         self._next_id = 0
 
     @property

@@ -6,8 +6,6 @@ message I/O. It owns no tokenizer, only a `decode` function used to match stop s
 
 from __future__ import annotations
 
-import json
-import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -21,6 +19,7 @@ from shardserve.distributed.groups import ParallelGroups, single_process_groups
 from shardserve.engine.stage_worker import StageWorker
 from shardserve.ipc.messages import StageTraffic, Stats, StepPlan, StepResult
 from shardserve.kvcache.pages import PageAllocator
+from shardserve.loader.generation_config import eos_ids
 from shardserve.loader.model_path import Checkpoint, resolve_checkpoint
 from shardserve.loader.weights import read_model_config
 from shardserve.scheduler.finish import finish_reason
@@ -59,10 +58,11 @@ class EngineCore:
     """
 
     def __init__(self, cfg: EngineConfig, decode: Callable[[list[int], bool], str] | None = None,
-                 groups: ParallelGroups | None = None, extra_eos: tuple[int, ...] = (),
+                 groups: ParallelGroups | None = None,
                  publish: Callable[[StepPlan], None] | None = None,
                  results: Callable[[int], list] | None = None, tokenizer=None, secret: bytes = b""):
-        """`secret` keys a prefill instance's KV channels (disaggregation)."""
+        """`tokenizer`: its EOS id ends generations too, and structured outputs may use it;
+        `secret` keys a prefill instance's KV channels (disaggregation)."""
         self.cfg = cfg
         groups = groups or single_process_groups()
         self.ckpt: Checkpoint = resolve_checkpoint(cfg.model)
@@ -80,7 +80,7 @@ class EngineCore:
         self.allocator = PageAllocator(self.runner.num_pages * cp, cfg.page_size, cfg.enable_prefix_cache, parts=cp)
         self.scheduler = Scheduler(self.allocator, cfg.max_num_batched_tokens, cfg.max_running_requests)
         self.decode = decode
-        self.eos_ids = tuple(sorted(set(self.model_cfg.eos_token_ids) | set(extra_eos) | self._generation_eos()))
+        self.eos_ids = eos_ids(self.ckpt, self.model_cfg, tokenizer)
         self.requests: dict[str, Request] = {}
         self.num_steps = self.num_finished = 0
         self.next_mb = 0  # plan number: steps and (data-parallel attention) empty steps alike
@@ -97,14 +97,6 @@ class EngineCore:
         self.stage_traffic: dict[str, dict] = {}
         self.max_in_flight = 0  # the most micro-batches ever in flight at once
         self.stage_reports = 0  # StageTraffic messages received (a change worth a Stats message)
-
-    def _generation_eos(self) -> set[int]:
-        path = os.path.join(self.ckpt.path, "generation_config.json")
-        if self.ckpt.is_gguf or not os.path.exists(path):
-            return set()
-        with open(path) as f:
-            eos = json.load(f).get("eos_token_id")
-        return set(eos if isinstance(eos, list) else [] if eos is None else [eos])
 
     @property
     def vocab_size(self) -> int:

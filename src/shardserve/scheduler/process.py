@@ -58,8 +58,7 @@ class SchedulerServer:
     def __init__(self, cfg: EngineConfig, ep: Endpoints, groups: ParallelGroups):
         tok = load_tokenizer(resolve_checkpoint(cfg.model))
         decode = (lambda ids, skip: tok.decode(ids, skip_special_tokens=skip)) if tok else None
-        eos = (tok.eos_token_id,) if tok is not None and tok.eos_token_id is not None else ()
-        self.engine = EngineCore(cfg, decode=decode, groups=groups, extra_eos=eos, tokenizer=tok, secret=ep.secret)
+        self.engine = EngineCore(cfg, decode=decode, groups=groups, tokenizer=tok, secret=ep.secret)
         ctx = zmq.Context.instance()
         self.replica = groups.coords.dp
         # After the engine: both sides meet in the same control-group collectives in the same order.
