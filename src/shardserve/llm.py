@@ -13,7 +13,7 @@ from shardserve.config import EngineConfig
 from shardserve.core import CompletionOutput, RequestOutput, SamplingParams
 from shardserve.distributed.layout import Layout
 from shardserve.engine_backends import LocalBackend, ProcessBackend
-from shardserve.ipc.messages import TokenOut
+from shardserve.ipc.messages.api import TokenOut
 from shardserve.ipc.secure import deployment_secret
 from shardserve.launch.grid import check_layout, run_other_node
 from shardserve.launch.nodes import NodeSpec

@@ -17,7 +17,8 @@ from shardserve.core import Batch, Request, SamplingParams, Status
 from shardserve.distributed.communicator import CollectiveError
 from shardserve.distributed.groups import ParallelGroups, single_process_groups
 from shardserve.engine.stage_worker import StageWorker
-from shardserve.ipc.messages import StageTraffic, Stats, StepPlan, StepResult
+from shardserve.ipc.messages.plan import StageTraffic, StepPlan, StepResult
+from shardserve.ipc.messages.reports import Stats
 from shardserve.kvcache.pages import PageAllocator
 from shardserve.loader.generation_config import eos_ids
 from shardserve.loader.model_path import Checkpoint, resolve_checkpoint

@@ -4,7 +4,7 @@ ranks must learn before they run it."""
 from __future__ import annotations
 
 from shardserve.core import Batch, Request
-from shardserve.ipc.messages import PlanEntry, PlanRequest, StepPlan
+from shardserve.ipc.messages.plan import PlanEntry, PlanRequest, StepPlan
 
 # A request the plan's result answers: (request, samples a token, scores prompt tokens).
 Wait = tuple[Request, bool, bool]

@@ -20,19 +20,11 @@ from shardserve.config import EngineConfig
 from shardserve.distributed.groups import ParallelGroups, init_distributed, single_process_groups
 from shardserve.distributed.layout import RankSpec
 from shardserve.ipc.child import run_child
-from shardserve.ipc.messages import (
-    AbortReq,
-    AddRequests,
-    ErrorOut,
-    KVArrived,
-    RankReports,
-    ReportReq,
-    Shutdown,
-    TokenBatch,
-    TokenizedReq,
-    TokenOut,
-    Wake,
-)
+from shardserve.ipc.messages.api import AbortReq, AddRequests, ErrorOut, TokenBatch, TokenizedReq, TokenOut
+from shardserve.ipc.messages.disagg import KVArrived
+from shardserve.ipc.messages.lifecycle import Shutdown
+from shardserve.ipc.messages.plan import Wake
+from shardserve.ipc.messages.reports import RankReports, ReportReq
 from shardserve.ipc.secure import SECRET_ENV, new_secret
 from shardserve.ipc.sockets import Endpoints, push, send
 from shardserve.loader.model_path import resolve_checkpoint

@@ -9,7 +9,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 
 from shardserve.http_common import answer_errors, cancel_on_disconnect, require_api_key
-from shardserve.ipc.messages import DetokenizeReq, ErrorOut, TokenizeReq
+from shardserve.ipc.messages.api import DetokenizeReq, ErrorOut, TokenizeReq
 from shardserve.server.client import EngineClient
 from shardserve.server.errors import APIError, parse_body
 from shardserve.server.metrics import Metrics
