@@ -13,8 +13,6 @@ from shardserve.text import IncrementalText
 if TYPE_CHECKING:
     import torch
 
-    from shardserve.engine.sampler import PenaltyState
-
 _MAX_LOGPROBS = 20
 
 
@@ -165,10 +163,11 @@ class Request:
     pages_synced: int = 0
     # The sampler's running record of this request's tokens for the penalties (seen mask, output
     # counts, on the logits' device), made on its first penalised step; it dies with the request.
-    penalty_state: PenaltyState | None = field(default=None, repr=False, compare=False)
+    # An engine/sampler.py PenaltyState or None, typed Any: core sits below engine/ and imports none of it.
+    penalty_state: Any = field(default=None, repr=False, compare=False)
     # On the sampling rank, with structured outputs: the request's grammar matcher (engine/grammar.py).
     matcher: Any = field(default=None, repr=False, compare=False)
-    # Disaggregation. Prefill side: where the KV goes (ipc.messages.KVTarget); the request ends
+    # Disaggregation. Prefill side: where the KV goes (ipc.messages.disagg.KVTarget); the request ends
     # after its first token. Decode side: the prefill sampler's random state after that token.
     transfer: Any = field(default=None, repr=False, compare=False)
     rng_state: bytes = field(default=b"", repr=False, compare=False)
