@@ -25,6 +25,12 @@ def torch_dtype(name: str) -> torch.dtype:
     return getattr(torch, name)
 
 
+def eos_token_ids(value: Any) -> tuple[int, ...]:
+    """An `eos_token_id` field (config.json's or generation_config.json's: one id, a list of
+    them, or absent) as a tuple of ids."""
+    return tuple(value) if isinstance(value, list) else (() if value is None else (int(value),))
+
+
 @dataclass(frozen=True)
 class RopeScaling:
     """llama3-style frequency scaling; `None` on ModelConfig means plain RoPE."""
@@ -75,8 +81,6 @@ class ModelConfig:
         hidden = int(d["hidden_size"])
         rope = d.get("rope_parameters") or d.get("rope_scaling") or {}
         theta = d.get("rope_theta", rope.get("rope_theta", 10000.0))
-        eos = d.get("eos_token_id")
-        eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
         model_type = d.get("model_type", "")
         return cls(
             architecture=archs[0],
@@ -93,7 +97,7 @@ class ModelConfig:
             tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
             attention_bias=bool(d.get("attention_bias", model_type.startswith("qwen2"))),
             rope_scaling=_rope_scaling(rope, d),
-            eos_token_ids=eos_ids,
+            eos_token_ids=eos_token_ids(d.get("eos_token_id")),
             bos_token_id=d.get("bos_token_id"),
             num_experts=int(d.get("num_experts") or d.get("num_local_experts") or 0),
             num_experts_per_tok=int(d.get("num_experts_per_tok") or 0),

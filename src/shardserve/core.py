@@ -209,7 +209,7 @@ class Request:
     pages_synced: int = 0
     # On the sampling rank, with structured outputs: the request's grammar matcher (engine/grammar.py).
     matcher: Any = field(default=None, repr=False, compare=False)
-    # Disaggregation. Prefill side: where the KV goes (ipc.messages.KVTarget); the request ends
+    # Disaggregation. Prefill side: where the KV goes (ipc.messages.disagg.KVTarget); the request ends
     # after its first token. Decode side: the prefill sampler's random state after that token.
     transfer: Any = field(default=None, repr=False, compare=False)
     rng_state: bytes = field(default=b"", repr=False, compare=False)

@@ -15,18 +15,8 @@ import zmq
 from shardserve.config import EngineConfig
 from shardserve.core import SamplingParams
 from shardserve.distributed.layout import Layout
-from shardserve.ipc.messages import (
-    AbortReq,
-    AddRequests,
-    ErrorOut,
-    RankReports,
-    ReportReq,
-    Stats,
-    TokenBatch,
-    TokenizedReq,
-    TokenOut,
-    merge_stats,
-)
+from shardserve.ipc.messages.api import AbortReq, AddRequests, ErrorOut, TokenBatch, TokenizedReq, TokenOut
+from shardserve.ipc.messages.reports import RankReports, ReportReq, Stats, merge_stats
 from shardserve.ipc.sockets import push, recv, send
 from shardserve.launch.grid import LocalGrid, endpoints
 from shardserve.launch.nodes import NodeSpec
@@ -38,8 +28,8 @@ log = logging.getLogger(__name__)
 
 
 class LocalBackend:
-    def __init__(self, cfg: EngineConfig, decode, extra_eos: tuple[int, ...], tokenizer=None):
-        self.engine = EngineCore(cfg, decode=decode, extra_eos=extra_eos, tokenizer=tokenizer)
+    def __init__(self, cfg: EngineConfig, decode, tokenizer=None):
+        self.engine = EngineCore(cfg, decode=decode, tokenizer=tokenizer)
         self.limits = self.engine.limits
         self.infos = {"scheduler-0": self.engine.worker.info()}
 

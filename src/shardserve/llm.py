@@ -14,7 +14,7 @@ from shardserve.config import EngineConfig
 from shardserve.core import CompletionOutput, RequestOutput, SamplingParams
 from shardserve.distributed.layout import Layout
 from shardserve.engine_backends import LocalBackend, ProcessBackend
-from shardserve.ipc.messages import TokenOut
+from shardserve.ipc.messages.api import TokenOut
 from shardserve.ipc.secure import deployment_secret
 from shardserve.launch.checks import check_dense
 from shardserve.launch.grid import check_layout, run_other_node
@@ -97,9 +97,8 @@ class LLM:
         if self.layout.world > 1 or isolated:
             self._backend = ProcessBackend(self.config, self.layout, self.node, ckpt.name, startup_timeout, policy)
         else:
-            extra_eos = (tok.eos_token_id,) if tok is not None and tok.eos_token_id is not None else ()
             use_threads(self.config.threads)
-            self._backend = LocalBackend(self.config, self._decode if tok else None, extra_eos, tok)
+            self._backend = LocalBackend(self.config, self._decode if tok else None, tok)
             log.info("%s", startup_summary(self._backend.engine))  # as a server's rank 0 says it
         self._next_id = 0
 

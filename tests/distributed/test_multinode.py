@@ -158,7 +158,8 @@ def test_server_across_two_nodes_matches_one_process(tiny_model, tmp_path, two_h
 def forge(host: str, port: int) -> list[bytes]:
     """Send node 0's channel (PORT + 1) a NodeFailed and listen on its plan feed (PORT + 2) for a
     second, as a process without the secret; what the listener heard."""
-    from shardserve.ipc.messages import NodeFailed, encode
+    from shardserve.ipc.messages import encode
+    from shardserve.ipc.messages.nodes import NodeFailed
 
     ctx = zmq.Context()
     dealer, sub = ctx.socket(zmq.DEALER), ctx.socket(zmq.SUB)

@@ -9,7 +9,7 @@ import pytest
 from pydantic import ValidationError
 
 from shardserve.chat_messages import ChatMessageError, normalize_messages
-from shardserve.router.request_key import KeyMaker
+from shardserve.gateway.request_key import KeyMaker
 from shardserve.server.protocol import ChatRequest, CompletionRequest, RefusedField
 
 TOOL_CONVERSATION = [

@@ -96,3 +96,16 @@ def test_offline_generate_uses_the_models_defaults(tiny_model, tmp_path):
         assert by_default == greedy
     with LLM(str(path), num_pages=64, generation_config="none") as llm:
         assert llm.get_default_sampling_params() == SamplingParams()
+
+
+def test_eos_ids_join_config_generation_config_and_tokenizer(tmp_path):
+    from types import SimpleNamespace
+
+    from shardserve.config import eos_token_ids
+    from shardserve.loader.generation_config import eos_ids
+
+    assert [eos_token_ids(v) for v in (None, 7, [7, 9])] == [(), (7,), (7, 9)]
+    cfg, tok = SimpleNamespace(eos_token_ids=(2,)), SimpleNamespace(eos_token_id=5)
+    assert eos_ids(hf_dir(tmp_path, {"eos_token_id": [9, 2]}), cfg, tok) == (2, 5, 9)
+    assert eos_ids(Checkpoint(str(tmp_path / "model"), True), cfg) == (2,)  # a GGUF: config ids only
+    assert eos_ids(Checkpoint(str(tmp_path / "none"), False), cfg, SimpleNamespace(eos_token_id=None)) == (2,)

@@ -1,4 +1,4 @@
-"""The standalone router's forwarding (router/http_router.py), in process: its app driven over
+"""The standalone router's forwarding (gateway/http_router.py), in process: its app driven over
 ASGI against scripted workers (httpx.MockTransport). Retries, timeouts, pass-through, streams that
 break, what each worker is credited with, and the `router` command's flags. The real thing, with
 real workers, is tests/e2e/test_router.py."""
@@ -13,13 +13,13 @@ import json
 import httpx
 import pytest
 
+from shardserve.gateway import http_router
+from shardserve.gateway.http_router import HTTPRouter
+from shardserve.gateway.request_key import KeyMaker, RouteKey
+from shardserve.gateway.standalone import build_app
+from shardserve.gateway.workers import WorkerPool
 from shardserve.kvcache.pages import page_hashes
-from shardserve.router import http_router
-from shardserve.router.http_router import HTTPRouter
 from shardserve.router.policy import POLICIES, Router
-from shardserve.router.request_key import KeyMaker, RouteKey
-from shardserve.router.standalone import build_app
-from shardserve.router.workers import WorkerPool
 
 SSE = {"content-type": "text/event-stream"}
 EVENTS = [b'data: {"choices": [{"text": "a"}]}\n\n', b'data: {"choices": [{"text": "b"}]}\n\n', b"data: [DONE]\n\n"]

@@ -11,7 +11,9 @@ import torch
 import zmq
 
 from shardserve.engine.kv_shipper import KVShipper
-from shardserve.ipc.messages import KVArrived, KVTarget, PlanEntry, decode
+from shardserve.ipc.messages import decode
+from shardserve.ipc.messages.disagg import KVArrived, KVTarget
+from shardserve.ipc.messages.plan import PlanEntry
 from shardserve.kvcache.transfer import KVReceiver, KVSender, sender_heads
 from shardserve.layers.sharding import head_shard
 

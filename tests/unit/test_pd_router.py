@@ -1,4 +1,4 @@
-"""The standalone router's prefill/decode mode (router/pd.py), in process as test_http_router.py
+"""The standalone router's prefill/decode mode (gateway/pd.py), in process as test_http_router.py
 does it: the app driven over ASGI against scripted prefill and decode instances
 (httpx.MockTransport). Which prefill instance each decode instance is told of, how both are
 chosen, health by role, and the `router` command's mode flags."""
@@ -14,11 +14,11 @@ import pytest
 from test_http_router import EVENTS, SSE, Events  # same folder: pytest puts it on sys.path
 
 from shardserve.cli.main import build_parser, main
-from shardserve.router.http_router import HTTPRouter
-from shardserve.router.pd import PREFILL_HEADER, PDRouter, bootstrap_address, make_pd_router
+from shardserve.gateway.http_router import HTTPRouter
+from shardserve.gateway.pd import PREFILL_HEADER, PDRouter, bootstrap_address, make_pd_router
+from shardserve.gateway.request_key import KeyMaker
+from shardserve.gateway.standalone import build_app, build_forwarder
 from shardserve.router.policy import Router
-from shardserve.router.request_key import KeyMaker
-from shardserve.router.standalone import build_app, build_forwarder
 
 LONG = "the same long system prompt, many pages of it, " * 4  # page size 4: dozens of pages
 

@@ -9,7 +9,8 @@ import pytest
 import zmq
 
 from shardserve.core import SamplingParams
-from shardserve.ipc.messages import AbortReq, AddRequests, CacheEvents, ReportReq, TokenizedReq
+from shardserve.ipc.messages.api import AbortReq, AddRequests, TokenizedReq
+from shardserve.ipc.messages.reports import CacheEvents, ReportReq
 from shardserve.ipc.sockets import Endpoints, pull, recv, send
 from shardserve.kvcache.pages import page_hashes
 from shardserve.router.replicas import ReplicaRouter

@@ -11,7 +11,8 @@ import time
 import pytest
 import zmq
 
-from shardserve.ipc.messages import Tick, decode_or_none, encode
+from shardserve.ipc.messages import decode_or_none, encode
+from shardserve.ipc.messages.plan import Tick
 from shardserve.ipc.secure import SecretError, deployment_secret
 from shardserve.ipc.sockets import Endpoints, recv_all
 from shardserve.scheduler.inbox import _bound, connected

@@ -89,7 +89,7 @@ def main(argv: list[str] | None = None) -> int:
 
             return run_env(args)
         if args.command == "router":
-            from shardserve.router.standalone import run_router
+            from shardserve.gateway.standalone import run_router
 
             return run_router(args)
     except (FileNotFoundError, ValueError) as e:

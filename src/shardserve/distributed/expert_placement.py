@@ -19,7 +19,7 @@ import os
 from dataclasses import dataclass
 from functools import cached_property
 
-from shardserve.ipc.messages import sum_counts
+from shardserve.ipc.messages.reports import sum_counts
 
 
 @dataclass(frozen=True)

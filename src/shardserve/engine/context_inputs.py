@@ -23,7 +23,7 @@ import torch
 
 from shardserve.attention.context import ContextChunk, ContextMetadata
 from shardserve.distributed.communicator import Communicator
-from shardserve.ipc.messages import PlanEntry
+from shardserve.ipc.messages.plan import PlanEntry
 
 
 @dataclass

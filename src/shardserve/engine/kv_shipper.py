@@ -14,7 +14,8 @@ from dataclasses import dataclass
 
 import torch
 
-from shardserve.ipc.messages import KVTarget, PlanEntry
+from shardserve.ipc.messages.disagg import KVTarget
+from shardserve.ipc.messages.plan import PlanEntry
 from shardserve.kvcache.transfer import KVSender, frame_header, sender_heads, slots, target_pages
 from shardserve.layers.sharding import head_shard
 

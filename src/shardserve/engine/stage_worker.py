@@ -28,7 +28,8 @@ from shardserve.engine.grammar import Guide
 from shardserve.engine.kv_shipper import KVShipper
 from shardserve.engine.model_runner import ModelRunner, StepInputs
 from shardserve.engine.sampler import Sampler, score_prompt
-from shardserve.ipc.messages import KVTarget, PlanRequest, StepPlan, StepResult
+from shardserve.ipc.messages.disagg import KVTarget
+from shardserve.ipc.messages.plan import PlanRequest, StepPlan, StepResult
 from shardserve.kvcache.transfer import KVSender
 from shardserve.loader.model_path import Checkpoint
 from shardserve.platform import anon_rss_mb, peak_rss_mb

@@ -12,7 +12,7 @@ from collections.abc import Callable
 
 import zmq
 
-from shardserve.ipc.messages import Failed, Ready
+from shardserve.ipc.messages.lifecycle import Failed, Ready
 from shardserve.ipc.sockets import die_with_parent, push, send
 from shardserve.launch.worker import LOG_LEVEL_ENV
 

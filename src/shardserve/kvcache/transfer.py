@@ -33,7 +33,8 @@ import msgspec
 import torch
 import zmq
 
-from shardserve.ipc.messages import KVArrived, KVTarget, encode
+from shardserve.ipc.messages import encode
+from shardserve.ipc.messages.disagg import KVArrived, KVTarget
 from shardserve.ipc.secure import Gate, connect_secure, serve_secure
 
 log = logging.getLogger("shardserve.transfer")

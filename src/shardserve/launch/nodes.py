@@ -30,16 +30,8 @@ from dataclasses import dataclass, field
 import zmq
 
 from shardserve.distributed.layout import Layout, LayoutError
-from shardserve.ipc.messages import (
-    NodeBeat,
-    NodeFailed,
-    NodeHello,
-    NodeRefused,
-    NodeStop,
-    NodeWelcome,
-    decode_or_none,
-    encode,
-)
+from shardserve.ipc.messages import decode_or_none, encode
+from shardserve.ipc.messages.nodes import NodeBeat, NodeFailed, NodeHello, NodeRefused, NodeStop, NodeWelcome
 from shardserve.ipc.secure import SECRET_ENV, Gate, connect_secure, serve_secure
 from shardserve.ipc.sockets import bind_address
 from shardserve.launch import LaunchError

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import zmq
 
-from shardserve.ipc.messages import Failed, Ready
+from shardserve.ipc.messages.lifecycle import Failed, Ready
 from shardserve.ipc.sockets import Endpoints, pull, recv
 from shardserve.launch import LaunchError
 from shardserve.launch.worker import PARENT_ENV

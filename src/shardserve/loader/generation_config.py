@@ -1,4 +1,5 @@
-"""The model's own sampling defaults, as vLLM's `--generation-config auto` reads them.
+"""The model's own sampling defaults, as vLLM's `--generation-config auto` reads them, and the
+ids that end its generations.
 
 A Hugging Face checkpoint may ship generation_config.json; a GGUF may carry llama.cpp's
 `general.sampling.*` keys. Only fields a request can also set are taken, under SamplingParams'
@@ -11,6 +12,7 @@ import json
 import os
 from typing import Any
 
+from shardserve.config import ModelConfig, eos_token_ids
 from shardserve.loader.model_path import Checkpoint
 
 # generation_config.json name -> SamplingParams name
@@ -57,6 +59,24 @@ def _typed(values: dict[str, Any]) -> dict[str, Any]:
     if out.get("top_k") == 0:
         out["top_k"] = -1
     return out
+
+
+def eos_ids(ckpt: Checkpoint, model_cfg: ModelConfig, tokenizer=None) -> tuple[int, ...]:
+    """Every id that ends a generation, sorted: config.json's, a Hugging Face checkpoint's
+    generation_config.json's (an instruct model's end-of-turn token is often only there) and the
+    tokenizer's own."""
+    ids = set(model_cfg.eos_token_ids) | set(_generation_eos(ckpt))
+    if tokenizer is not None and tokenizer.eos_token_id is not None:
+        ids.add(tokenizer.eos_token_id)
+    return tuple(sorted(ids))
+
+
+def _generation_eos(ckpt: Checkpoint) -> tuple[int, ...]:
+    path = os.path.join(ckpt.path, "generation_config.json")
+    if ckpt.is_gguf or not os.path.exists(path):
+        return ()
+    with open(path) as f:
+        return eos_token_ids(json.load(f).get("eos_token_id"))
 
 
 def describe(defaults: dict[str, Any], origin: str) -> str:

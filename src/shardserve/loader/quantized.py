@@ -16,8 +16,6 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from shardserve.loader.source import TensorSource
-
 # GGML type id -> (name, weights per block, bytes per block). The formats with a kernel.
 FORMATS: dict[int, tuple[str, int, int]] = {
     2: ("Q4_0", 32, 18),
@@ -109,22 +107,3 @@ def quantize_q8_0(weight: torch.Tensor) -> QuantWeight | None:
     blocks = torch.cat([d.view(torch.uint8).reshape(rows, cols // 32, 2), q.view(torch.uint8)], dim=-1)
     return QuantWeight(Q8_0, blocks.reshape(rows, -1).contiguous(), cols)
 
-
-class Int8Source(TensorSource):
-    """A float checkpoint tensor that a layer may also read as Q8_0 blocks (`--quantization
-    int8`): only the slice the layer asks for is read and quantized."""
-
-    def __init__(self, src: TensorSource):
-        self.src, self.name = src, src.name
-
-    @property
-    def shape(self) -> tuple[int, ...]:
-        return self.src.shape
-
-    def read(self, dim: int | None = None, start: int = 0, end: int | None = None) -> torch.Tensor:
-        return self.src.read(dim, start, end)
-
-    def read_quantized(self, dim: int | None = None, start: int = 0, end: int | None = None) -> QuantWeight | None:
-        if len(self.src.shape) != 2 or (dim == 1 and (start % 32 or (end or self.shape[1]) % 32)):
-            return None
-        return quantize_q8_0(self.src.read(dim, start, end))

@@ -2,6 +2,7 @@
 
 Layers' loader hooks call `read(dim, start, end)` for just the rows or columns they own, so a
 safetensors file is sliced on read and no rank holds a full copy of a tensor it shards.
+`Int8Source` (`--quantization int8`) quantizes just that slice to Q8_0 blocks.
 """
 
 from __future__ import annotations
@@ -12,6 +13,8 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     import torch
 
+    # Sources sit above the block formats (they hand out QuantWeights); the formats know
+    # nothing of sources.
     from shardserve.loader.quantized import QuantWeight
 
 
@@ -83,3 +86,26 @@ class LazySource(TensorSource):
                 self._quantized = None
                 return None
         return self._q.narrow(dim, start, end)
+
+
+class Int8Source(TensorSource):
+    """A float checkpoint tensor that a layer may also read as Q8_0 blocks (`--quantization
+    int8`): only the slice the layer asks for is read and quantized."""
+
+    def __init__(self, src: TensorSource):
+        self.src, self.name = src, src.name
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return self.src.shape
+
+    def read(self, dim: int | None = None, start: int = 0, end: int | None = None) -> torch.Tensor:
+        return self.src.read(dim, start, end)
+
+    def read_quantized(self, dim: int | None = None, start: int = 0, end: int | None = None) -> QuantWeight | None:
+        if len(self.src.shape) != 2 or (dim == 1 and (start % 32 or (end or self.shape[1]) % 32)):
+            return None
+        # Imported here: this module stays free of torch for the API server, which reads configs only.
+        from shardserve.loader.quantized import quantize_q8_0
+
+        return quantize_q8_0(self.src.read(dim, start, end))

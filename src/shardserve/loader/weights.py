@@ -9,7 +9,7 @@ from tqdm import tqdm
 
 from shardserve.config import ModelConfig
 from shardserve.loader.model_path import Checkpoint
-from shardserve.loader.source import TensorSource
+from shardserve.loader.source import Int8Source, TensorSource
 
 if TYPE_CHECKING:
     from torch import nn
@@ -36,8 +36,6 @@ def checkpoint_sources(ckpt: Checkpoint, quantization: str = "none") -> tuple[It
 
     sources = iter_safetensors(ckpt.path)
     if quantization == "int8":
-        from shardserve.loader.quantized import Int8Source
-
         sources = (Int8Source(src) for src in sources)
     return sources, count_tensors(ckpt.path)
 

@@ -1,2 +1,2 @@
-"""Routing requests over replicas: the policy (shared), the in-server router process for
-`--dp-size`, and the standalone HTTP router (`shardserve router`)."""
+"""Placing requests on replicas: the policy (prefix indexes of page digests, load), shared with
+the standalone HTTP router (gateway/), and the in-server router process for `--dp-size`."""

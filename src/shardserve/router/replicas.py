@@ -21,17 +21,10 @@ from collections import OrderedDict
 import zmq
 
 from shardserve.ipc.child import run_child
-from shardserve.ipc.messages import (
-    AbortReq,
-    AddRequests,
-    CacheEvents,
-    ErrorOut,
-    ReportReq,
-    RouterStats,
-    Shutdown,
-    TokenizedReq,
-    Wake,
-)
+from shardserve.ipc.messages.api import AbortReq, AddRequests, ErrorOut, TokenizedReq
+from shardserve.ipc.messages.lifecycle import Shutdown
+from shardserve.ipc.messages.plan import Wake
+from shardserve.ipc.messages.reports import CacheEvents, ReportReq, RouterStats
 from shardserve.ipc.sockets import Endpoints, pull, push, recv_all, send
 from shardserve.kvcache.pages import page_hashes
 from shardserve.launch.process_tree import Child

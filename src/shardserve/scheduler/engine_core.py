@@ -6,8 +6,6 @@ message I/O. It owns no tokenizer, only a `decode` function used to match stop s
 
 from __future__ import annotations
 
-import json
-import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -19,13 +17,15 @@ from shardserve.core import Batch, Request, SamplingParams, Status
 from shardserve.distributed.communicator import CollectiveError
 from shardserve.distributed.groups import ParallelGroups, single_process_groups
 from shardserve.engine.stage_worker import StageWorker
-from shardserve.ipc.messages import PlanEntry, PlanRequest, StageTraffic, Stats, StepPlan, StepResult
+from shardserve.ipc.messages.plan import StageTraffic, StepPlan, StepResult
+from shardserve.ipc.messages.reports import Stats
 from shardserve.kvcache.pages import PageAllocator
+from shardserve.loader.generation_config import eos_ids
 from shardserve.loader.model_path import Checkpoint, resolve_checkpoint
 from shardserve.loader.weights import read_model_config
-from shardserve.scheduler.engine_stats import engine_stats, running_status
 from shardserve.scheduler.finish import finish_reason
 from shardserve.scheduler.limits import RequestLimits
+from shardserve.scheduler.plan_feed import PlanFeed, Wait
 from shardserve.scheduler.scheduler import Scheduler
 
 
@@ -45,7 +45,7 @@ class InFlight:
     samples a token, scores prompt tokens), in plan order."""
 
     sent: float
-    waits: list[tuple[Request, bool, bool]]
+    waits: list[Wait]
 
 
 class EngineCore:
@@ -59,10 +59,11 @@ class EngineCore:
     """
 
     def __init__(self, cfg: EngineConfig, decode: Callable[[list[int], bool], str] | None = None,
-                 groups: ParallelGroups | None = None, extra_eos: tuple[int, ...] = (),
+                 groups: ParallelGroups | None = None,
                  publish: Callable[[StepPlan], None] | None = None,
                  results: Callable[[int], list] | None = None, tokenizer=None, secret: bytes = b""):
-        """`secret` keys a prefill instance's KV channels (disaggregation)."""
+        """`tokenizer`: its EOS id ends generations too, and structured outputs may use it;
+        `secret` keys a prefill instance's KV channels (disaggregation)."""
         self.cfg = cfg
         groups = groups or single_process_groups()
         self.ckpt: Checkpoint = resolve_checkpoint(cfg.model)
@@ -80,7 +81,7 @@ class EngineCore:
         self.allocator = PageAllocator(self.runner.num_pages * cp, cfg.page_size, cfg.enable_prefix_cache, parts=cp)
         self.scheduler = Scheduler(self.allocator, cfg.max_num_batched_tokens, cfg.max_running_requests)
         self.decode = decode
-        self.eos_ids = tuple(sorted(set(self.model_cfg.eos_token_ids) | set(extra_eos) | self._generation_eos()))
+        self.eos_ids = eos_ids(self.ckpt, self.model_cfg, tokenizer)
         self.requests: dict[str, Request] = {}
         self.num_steps = self.num_finished = 0
         self.next_mb = 0  # plan number: steps and (data-parallel attention) empty steps alike
@@ -93,20 +94,10 @@ class EngineCore:
         self.inflight: dict[int, InFlight] = {}  # by micro-batch number, oldest first
         self.busy: set[str] = set()  # requests waiting for a result
         self.starved = False  # nothing was schedulable while plans were in flight
-        self._new: list[PlanRequest] = []
-        self._done: list[str] = []
-        self._dropped: list[str] = []  # disaggregated decode: transfer rooms given up since the last plan
+        self.feed = PlanFeed()  # what the next plan carries besides its entries
         self.stage_traffic: dict[str, dict] = {}
         self.max_in_flight = 0  # the most micro-batches ever in flight at once
         self.stage_reports = 0  # StageTraffic messages received (a change worth a Stats message)
-
-    def _generation_eos(self) -> set[int]:
-        path = os.path.join(self.ckpt.path, "generation_config.json")
-        if self.ckpt.is_gguf or not os.path.exists(path):
-            return set()
-        with open(path) as f:
-            eos = json.load(f).get("eos_token_id")
-        return set(eos if isinstance(eos, list) else [] if eos is None else [eos])
 
     @property
     def vocab_size(self) -> int:
@@ -157,7 +148,7 @@ class EngineCore:
     def drop_room(self, room: str) -> None:
         """Disaggregated decode: every rank stops writing KV frames of `room` before the next plan
         runs (its pages may be handed out again by then)."""
-        self._dropped.append(room)
+        self.feed.dropped.append(room)
 
     def abort(self, request_id: str) -> bool:
         req = self.requests.pop(request_id, None)
@@ -172,7 +163,7 @@ class EngineCore:
         self.scheduler.finish(req, reason)
         self.requests.pop(req.request_id, None)
         if req.announced:
-            self._done.append(req.request_id)
+            self.feed.done.append(req.request_id)
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_work() or bool(self.inflight)
@@ -197,8 +188,7 @@ class EngineCore:
         return outputs
 
     def _run_empty(self) -> None:
-        plan = StepPlan(mb=self.next_mb, entries=[], new=self._new, done=self._done, dropped=self._dropped)
-        self._new, self._done, self._dropped = [], [], []
+        plan = self.feed.plan(self.next_mb, [])
         self.next_mb += 1
         self.empty_steps += 1
         if self.publish is not None:
@@ -224,7 +214,7 @@ class EngineCore:
         return max(1, -(-active // self.micro_batches))
 
     def _run(self, batch: Batch) -> list[StepOutput]:
-        plan, waits = self._plan(batch)
+        plan, waits = self.feed.batch_plan(self.next_mb, batch)
         # Tokens count as computed as soon as they are planned: every stage runs plans in order,
         # so a later micro-batch never reads a page before this one has written it.
         self.scheduler.advance(batch)
@@ -237,30 +227,6 @@ class EngineCore:
             self.publish(plan)
         result = self.worker.execute(plan)
         return self._apply(result) if result is not None else []
-
-    def _plan(self, batch: Batch) -> tuple[StepPlan, list[tuple[Request, bool, bool]]]:
-        scoring = {id(req): (pos, count) for req, _, pos, count in batch.prompt_scoring()}
-        entries, waits = [], []
-        for req, n in batch.entries:
-            if not req.announced:
-                req.announced = True
-                # The sampling rank bans EOS before min_tokens and lets a grammar end on it.
-                p = req.params
-                eos = list(req.eos_token_ids) if p.structured_outputs is not None or p.min_tokens else []
-                self._new.append(PlanRequest(req.request_id, req.prompt_token_ids, req.params, req.seed, eos,
-                                             req.transfer, list(req.output_token_ids), req.rng_state))
-            start = req.num_computed_tokens
-            sample = start + n == req.num_tokens
-            first, count = scoring.get(id(req), (-1, 0))
-            base = req.pages_synced
-            req.pages_synced = len(req.pages)
-            entries.append(PlanEntry(req.request_id, start, req.all_token_ids[start : start + n], base,
-                                     req.pages[base:], sample, first, count))
-            if sample or count:
-                waits.append((req, sample, count > 0))
-        plan = StepPlan(mb=self.next_mb, entries=entries, new=self._new, done=self._done, dropped=self._dropped)
-        self._new, self._done, self._dropped = [], [], []
-        return plan, waits
 
     def _collect(self, timeout_ms: int) -> list[StepOutput]:
         if self.results is None:
@@ -318,14 +284,38 @@ class EngineCore:
         return StepOutput(req, [tok], reason is not None, grammar_done)
 
     def stats(self) -> Stats:
-        return engine_stats(self)
+        """What /metrics shows of this engine."""
+        s, alloc, runner = self.running_status(), self.allocator, self.runner
+        return Stats(running=s["running"], waiting=s["waiting"], pages_used=s["pages_used"],
+                     pages_total=s["pages_total"], prefix_hit_rate=alloc.hit_rate, prefix_hit_tokens=alloc.hits,
+                     prefix_query_tokens=alloc.queries, steps=self.num_steps, finished=self.num_finished,
+                     traffic=runner.comm.traffic_report(), control=self.control.traffic_report(),
+                     stages=self._stage_traffic(), max_in_flight=self.max_in_flight,
+                     preemptions=self.scheduler.num_preemptions, empty_steps=self.empty_steps,
+                     expert_routed={str(k): v for k, v in runner.expert_counts().get("routed", {}).items()})
+
+    def _stage_traffic(self) -> dict:
+        """Each pipeline stage's tensor rank 0's counts by group (this stage's own, the others' reports)."""
+        if self.runner.stage.count == 1:
+            return {}
+        return {"0": self.runner.groups.traffic_by_group()["groups"], **self.stage_traffic}
 
     def traffic_by_group(self) -> dict:
         """This rank's rank report: traffic by group (and routing counts for a MoE model)."""
         return self.worker.rank_report()
 
     def running_status(self) -> dict[str, int]:
-        return running_status(self)
+        """The counts whose change is worth a Stats message."""
+        return {
+            "steps": self.num_steps,
+            "finished": self.num_finished,
+            "running": len(self.scheduler.running),
+            "waiting": len(self.scheduler.waiting),
+            "pages_used": self.allocator.num_used,
+            "pages_total": self.allocator.num_pages,
+            "stage_reports": self.stage_reports,
+            "empty_steps": self.empty_steps,
+        }
 
 
 __all__ = ["Batch", "EngineCore", "RequestLimits", "Status", "StepOutput"]

@@ -18,7 +18,10 @@ from shardserve.config import EngineConfig
 from shardserve.distributed.communicator import CollectiveError
 from shardserve.distributed.groups import ParallelGroups
 from shardserve.engine.stage_worker import StageWorker
-from shardserve.ipc.messages import Msg, ReportReq, Shutdown, StageTraffic, StepPlan, Tick, encode
+from shardserve.ipc.messages import Msg, encode
+from shardserve.ipc.messages.lifecycle import Shutdown
+from shardserve.ipc.messages.plan import StageTraffic, StepPlan, Tick
+from shardserve.ipc.messages.reports import ReportReq
 from shardserve.ipc.sockets import Endpoints
 from shardserve.loader.model_path import resolve_checkpoint
 from shardserve.loader.weights import read_model_config

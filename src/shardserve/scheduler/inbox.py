@@ -20,7 +20,8 @@ import torch
 import zmq
 
 from shardserve.distributed.communicator import CollectiveError, Communicator
-from shardserve.ipc.messages import Msg, Tick, decode_or_none, encode
+from shardserve.ipc.messages import Msg, decode_or_none, encode
+from shardserve.ipc.messages.plan import Tick
 from shardserve.ipc.secure import Gate, connect_secure, serve_secure
 from shardserve.ipc.sockets import bind_address, recv_all
 

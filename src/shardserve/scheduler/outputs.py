@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import zmq
 
-from shardserve.ipc.messages import CacheEvents, TokenOut
+from shardserve.ipc.messages.api import TokenOut
+from shardserve.ipc.messages.reports import CacheEvents
 from shardserve.ipc.sockets import send
 from shardserve.scheduler.engine_core import StepOutput
 

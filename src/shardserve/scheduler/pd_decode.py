@@ -33,18 +33,9 @@ import zmq
 
 from shardserve.config import EngineConfig
 from shardserve.core import SamplingParams
-from shardserve.ipc.messages import (
-    AbortPrefill,
-    ErrorOut,
-    KVTarget,
-    PeerAlive,
-    PrefillDone,
-    PrefillFailed,
-    PrefillReq,
-    TokenizedReq,
-    decode_or_none,
-    encode,
-)
+from shardserve.ipc.messages import decode_or_none, encode
+from shardserve.ipc.messages.api import ErrorOut, TokenizedReq
+from shardserve.ipc.messages.disagg import AbortPrefill, KVTarget, PeerAlive, PrefillDone, PrefillFailed, PrefillReq
 from shardserve.ipc.secure import connect_secure
 from shardserve.layers.sharding import head_shard
 from shardserve.scheduler.engine_core import EngineCore, StepOutput

@@ -23,16 +23,8 @@ import msgspec
 import zmq
 
 from shardserve.config import EngineConfig
-from shardserve.ipc.messages import (
-    AbortPrefill,
-    ModelShape,
-    PeerAlive,
-    PrefillDone,
-    PrefillFailed,
-    PrefillReq,
-    decode_or_none,
-    encode,
-)
+from shardserve.ipc.messages import decode_or_none, encode
+from shardserve.ipc.messages.disagg import AbortPrefill, ModelShape, PeerAlive, PrefillDone, PrefillFailed, PrefillReq
 from shardserve.ipc.secure import Gate, serve_secure
 from shardserve.scheduler.engine_core import EngineCore, StepOutput
 

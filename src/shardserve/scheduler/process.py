@@ -20,19 +20,11 @@ from shardserve.config import EngineConfig
 from shardserve.distributed.groups import ParallelGroups, init_distributed, single_process_groups
 from shardserve.distributed.layout import RankSpec
 from shardserve.ipc.child import run_child
-from shardserve.ipc.messages import (
-    AbortReq,
-    AddRequests,
-    ErrorOut,
-    KVArrived,
-    RankReports,
-    ReportReq,
-    Shutdown,
-    TokenBatch,
-    TokenizedReq,
-    TokenOut,
-    Wake,
-)
+from shardserve.ipc.messages.api import AbortReq, AddRequests, ErrorOut, TokenBatch, TokenizedReq, TokenOut
+from shardserve.ipc.messages.disagg import KVArrived
+from shardserve.ipc.messages.lifecycle import Shutdown
+from shardserve.ipc.messages.plan import Wake
+from shardserve.ipc.messages.reports import RankReports, ReportReq
 from shardserve.ipc.secure import SECRET_ENV, new_secret
 from shardserve.ipc.sockets import Endpoints, push, send
 from shardserve.loader.model_path import resolve_checkpoint
@@ -59,8 +51,7 @@ class SchedulerServer:
     def __init__(self, cfg: EngineConfig, ep: Endpoints, groups: ParallelGroups):
         tok = load_tokenizer(resolve_checkpoint(cfg.model))
         decode = (lambda ids, skip: tok.decode(ids, skip_special_tokens=skip)) if tok else None
-        eos = (tok.eos_token_id,) if tok is not None and tok.eos_token_id is not None else ()
-        self.engine = EngineCore(cfg, decode=decode, groups=groups, extra_eos=eos, tokenizer=tok, secret=ep.secret)
+        self.engine = EngineCore(cfg, decode=decode, groups=groups, tokenizer=tok, secret=ep.secret)
         ctx = zmq.Context.instance()
         self.replica = groups.coords.dp
         # After the engine: both sides meet in the same control-group collectives in the same order.

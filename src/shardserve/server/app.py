@@ -8,12 +8,10 @@ from dataclasses import dataclass, field
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
-from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from shardserve.ipc.messages import DetokenizeReq, ErrorOut, TokenizeReq
-from shardserve.openai_errors import bearer_ok, unauthorized_body
+from shardserve.http_common import answer_errors, cancel_on_disconnect, require_api_key
+from shardserve.ipc.messages.api import DetokenizeReq, ErrorOut, TokenizeReq
 from shardserve.server.client import EngineClient
-from shardserve.server.disconnect import cancel_on_disconnect
 from shardserve.server.errors import APIError, parse_body
 from shardserve.server.metrics import Metrics
 from shardserve.server.openai_api import OpenAIHandlers, chat_messages
@@ -52,14 +50,6 @@ class ServerState:
     disaggregation_mode: str = "null"  # --disaggregation-mode
     bootstrap_port: int | None = None  # where decode instances reach a prefill instance's leader
 
-    def needs_key(self, path: str) -> bool:
-        if not self.api_key:
-            return False
-        return self.metrics_require_key or path not in OPEN_PATHS
-
-
-OPEN_PATHS = ("/health", "/metrics")  # Prometheus and load balancers probe these without a key
-
 
 def build_app(state: ServerState) -> FastAPI:
     app = FastAPI(title="shardserve", docs_url=None, redoc_url=None)
@@ -69,11 +59,7 @@ def build_app(state: ServerState) -> FastAPI:
     async def _start() -> None:
         state.client.start()
 
-    @app.middleware("http")
-    async def _auth(request: Request, call_next):
-        if state.needs_key(request.url.path) and not bearer_ok(request.headers.get("authorization"), state.api_key):
-            return JSONResponse(unauthorized_body(), 401, headers={"WWW-Authenticate": "Bearer"})
-        return await call_next(request)
+    require_api_key(app, state.api_key, state.metrics_require_key)
 
     @app.exception_handler(APIError)
     async def _api_error(_, e: APIError):
@@ -83,16 +69,7 @@ def build_app(state: ServerState) -> FastAPI:
     async def _validation(_, e: RequestValidationError):
         return JSONResponse(error_body(str(e), 400), 400)
 
-    @app.exception_handler(StarletteHTTPException)
-    async def _http(_, e: StarletteHTTPException):
-        return JSONResponse(error_body(str(e.detail), e.status_code), e.status_code)
-
-    @app.exception_handler(Exception)
-    async def _internal(_, e: Exception):
-        # The traceback goes to the log; the client gets one plain line, no class names.
-        log.exception("internal error")
-        detail = " ".join(str(e).split())
-        return JSONResponse(error_body(f"internal error: {detail}" if detail else "internal error", 500), 500)
+    answer_errors(app)
 
     @app.post("/v1/completions")
     async def completions(request: Request):

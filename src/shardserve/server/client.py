@@ -10,19 +10,9 @@ import uuid
 import zmq
 import zmq.asyncio
 
-from shardserve.ipc.messages import (
-    AbortReq,
-    DetokenizeOut,
-    ErrorOut,
-    GenerateReq,
-    Msg,
-    RouterStats,
-    Stats,
-    TextBatch,
-    TokenizeOut,
-    decode,
-    encode,
-)
+from shardserve.ipc.messages import Msg, decode, encode
+from shardserve.ipc.messages.api import AbortReq, DetokenizeOut, ErrorOut, GenerateReq, TextBatch, TokenizeOut
+from shardserve.ipc.messages.reports import RouterStats, Stats
 from shardserve.ipc.sockets import Endpoints
 from shardserve.server.errors import APIError
 

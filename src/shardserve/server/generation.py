@@ -12,7 +12,7 @@ import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
-from shardserve.ipc.messages import ErrorOut, GenerateReq, TextOut
+from shardserve.ipc.messages.api import ErrorOut, GenerateReq, TextOut
 from shardserve.server.client import EngineClient
 from shardserve.server.errors import APIError
 from shardserve.server.metrics import Metrics

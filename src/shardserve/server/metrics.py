@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-from shardserve.ipc.messages import RouterStats, Stats, merge_stats
+from shardserve.ipc.messages.reports import RouterStats, Stats, merge_stats
 
 _LATENCY = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 

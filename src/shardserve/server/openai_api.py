@@ -12,7 +12,7 @@ from fastapi.responses import StreamingResponse
 
 from shardserve.chat_messages import ChatMessageError, normalize_messages
 from shardserve.core import SamplingParams
-from shardserve.ipc.messages import DetokenizeOut, DetokenizeReq, GenerateReq, TextOut
+from shardserve.ipc.messages.api import DetokenizeOut, DetokenizeReq, GenerateReq, TextOut
 from shardserve.server.client import EngineClient
 from shardserve.server.errors import APIError
 from shardserve.server.generation import Choice, collect, stream_choices, usage

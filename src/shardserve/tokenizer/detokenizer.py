@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from shardserve.ipc.messages import TextOut, TokenOut
+from shardserve.ipc.messages.api import TextOut, TokenOut
 from shardserve.text import IncrementalText
 
 

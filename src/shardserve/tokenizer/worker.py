@@ -14,18 +14,18 @@ import zmq
 
 from shardserve.chat_messages import ToolsIgnored, render_chat
 from shardserve.ipc.child import run_child
-from shardserve.ipc.messages import (
+from shardserve.ipc.messages.api import (
     DetokenizeOut,
     DetokenizeReq,
     ErrorOut,
     GenerateReq,
-    Shutdown,
     TextBatch,
     TokenBatch,
     TokenizedReq,
     TokenizeOut,
     TokenizeReq,
 )
+from shardserve.ipc.messages.lifecycle import Shutdown
 from shardserve.ipc.sockets import Endpoints, pull, push, recv, send
 from shardserve.loader.model_path import resolve_checkpoint
 from shardserve.loader.tokenizer import load_tokenizer

@@ -4,12 +4,12 @@ engine's).
     client --HTTP--> router (FastAPI + uvicorn, one shared httpx client) --HTTP--> worker URLs
 
 POST /v1/completions and /v1/chat/completions are routed by the policy (router/policy.py) on the
-prompt's page digests and forwarded (router/http_router.py); /v1/models is the first healthy
+prompt's page digests and forwarded (gateway/http_router.py); /v1/models is the first healthy
 worker's; /health and /metrics are the router's own. There are no cache events from foreign
 workers, so a request's pages are credited to its worker once it answers 2xx (or streams its first
 event), and an LRU bound per worker (--max-tree-pages) stands in for the worker's eviction.
 With --prefill and --decode instead of --worker-urls it fronts disaggregated prefill and decode
-instances (router/pd.py).
+instances (gateway/pd.py).
 """
 
 from __future__ import annotations
@@ -28,54 +28,31 @@ import httpx
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
-from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from shardserve.gateway.http_router import HTTPRouter
+from shardserve.gateway.pd import DECODE_POLICY, make_pd_router
+from shardserve.gateway.request_key import KeyMaker
+from shardserve.gateway.workers import WorkerPool, describe
+from shardserve.http_common import answer_errors, cancel_on_disconnect, error_response, require_api_key
 from shardserve.ipc.sockets import listen_socket
-from shardserve.openai_errors import bearer_ok, unauthorized_body
-from shardserve.router.http_router import HTTPRouter, error_response
-from shardserve.router.pd import DECODE_POLICY, make_pd_router
 from shardserve.router.policy import Router, Thresholds
-from shardserve.router.request_key import KeyMaker
-from shardserve.router.workers import WorkerPool, describe
 
 log = logging.getLogger("shardserve.router")
 
 CHARS_PER_TOKEN = 4.0  # without a tokenizer: English text's usual ratio
 SHUTDOWN_GRACE_S = 5  # in-flight requests may finish this long after a stop signal, then are cut off
 SHUTTING_DOWN = "the router is shutting down"
-CLIENT_CLOSED = 499  # nginx's "client closed request": nobody reads it, but logs show it
 
 
-async def _disconnected(request: Request) -> None:
-    # The body has been read, so the next ASGI message can only be the disconnect.
-    while (await request.receive())["type"] != "http.disconnect":
-        pass
-
-
-async def cancel_on_disconnect(request: Request, work: Awaitable[Any], fwd: HTTPRouter) -> Any:
-    """The result of `work`, or a 499 if the client went away first: cancelling the work closes
-    its worker connection, so the worker aborts the request too. Until answered the work is in
-    `fwd.tasks`, where a shutdown that waited long enough cancels it (a 503 then)."""
-    task = asyncio.ensure_future(work)
-    watcher = asyncio.ensure_future(_disconnected(request))
-    fwd.tasks.add(task)
+async def _unless_cut(work: Awaitable[Any], fwd: HTTPRouter) -> Any:
+    """`work`'s answer, or a 503 if a shutdown cut it off (`HTTPRouter.cut_all` cancels every
+    request in `fwd.tasks`, where `cancel_on_disconnect` keeps it until it is answered)."""
     try:
-        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        return await work
     except asyncio.CancelledError:
-        task.cancel()
-        watcher.cancel()
-        raise
-    finally:
-        fwd.tasks.discard(task)
-    watcher.cancel()
-    if task.done():
-        if task.cancelled() and fwd.stopping:
+        if fwd.stopping:
             return error_response(503, SHUTTING_DOWN)
-        return task.result()
-    task.cancel()
-    with contextlib.suppress(asyncio.CancelledError):
-        await task
-    return Response(status_code=CLIENT_CLOSED)
+        raise
 
 
 class _Server(uvicorn.Server):
@@ -124,26 +101,15 @@ def build_app(fwd: HTTPRouter, health_interval: float, api_key: str = "", metric
 
     app = FastAPI(title="shardserve router", docs_url=None, redoc_url=None, openapi_url=None, lifespan=lifespan)
 
-    @app.middleware("http")
-    async def _auth(request: Request, call_next):
-        guarded = metrics_require_key or request.url.path not in ("/health", "/metrics")
-        if api_key and guarded and not bearer_ok(request.headers.get("authorization"), api_key):
-            return JSONResponse(unauthorized_body(), 401, headers={"WWW-Authenticate": "Bearer"})
-        return await call_next(request)
-
-    @app.exception_handler(StarletteHTTPException)
-    async def _http(_, e: StarletteHTTPException):
-        return error_response(e.status_code, str(e.detail))
-
-    @app.exception_handler(Exception)
-    async def _internal(_, e: Exception):
-        return error_response(500, f"internal error: {type(e).__name__}: {e}")
+    require_api_key(app, api_key, metrics_require_key)
+    answer_errors(app)
 
     async def proxy(request: Request, path: str, kind: str) -> Response:
         raw = await request.body()  # before watching for the disconnect, which reads the same channel
         if fwd.stopping:
             return error_response(503, SHUTTING_DOWN)
-        return await cancel_on_disconnect(request, fwd.forward(raw, request.headers, path, kind), fwd)
+        return await cancel_on_disconnect(request, _unless_cut(fwd.forward(raw, request.headers, path, kind), fwd),
+                                          fwd.tasks)
 
     @app.post("/v1/completions")
     async def completions(request: Request):

@@ -7,7 +7,7 @@ out until a health check passes), or when it answers 5xx (a live worker: its hea
 checks). A worker that times out once it has the request is slow, not gone: the client gets a 504
 naming it, and the worker stays in (`HTTPRouter.fault`). A 4xx is the client's answer, passed
 through. A stream is committed to its worker at its first event, then relayed event by event,
-bytes unchanged (router/relay.py); if the worker breaks or stalls after that the client gets an SSE
+bytes unchanged (gateway/relay.py); if the worker breaks or stalls after that the client gets an SSE
 error event and `[DONE]`. A prompt's pages are pending at its worker while the request runs, and
 stored there only once the worker answers 2xx (or streams an event): a refusal leaves no credit
 behind.
@@ -19,17 +19,16 @@ import asyncio
 import time
 import uuid
 from collections.abc import Mapping
-from dataclasses import dataclass
 
 import httpx
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import Response
 
+from shardserve.gateway.relay import Fault, Relay, RelayResponse, sse_error
+from shardserve.gateway.request_key import BadRequest, KeyMaker, RouteKey, parse_json_object
+from shardserve.gateway.workers import WorkerPool, describe, is_down
+from shardserve.http_common import error_response
 from shardserve.kvcache.pages import page_hashes
-from shardserve.openai_errors import error_body
 from shardserve.router.policy import NoReplica, Router
-from shardserve.router.relay import Relay, RelayResponse, sse_error
-from shardserve.router.request_key import BadRequest, KeyMaker, RouteKey, parse_json_object
-from shardserve.router.workers import WorkerPool, describe, is_down
 
 # Not forwarded: they describe this hop's connection, not the request. The client's
 # accept-encoding is replaced by identity (TO_WORKER), not just dropped: httpx would then ask for
@@ -40,20 +39,7 @@ HOP_HEADERS = {"connection", "keep-alive", "proxy-authenticate", "proxy-authoriz
                "transfer-encoding", "upgrade", "host", "content-length", "accept-encoding", "authorization"}
 TO_WORKER = {"accept-encoding": "identity"}
 
-__all__ = ["HTTPRouter", "error_response", "sse_error"]  # sse_error: callers know it from here
-
-
-def error_response(status: int, message: str, param: str | None = None) -> JSONResponse:
-    return JSONResponse(error_body(message, status, param), status)
-
-
-@dataclass(frozen=True)
-class Fault:
-    """What a failed exchange with a worker means for its request."""
-
-    down: bool  # the worker is gone (taken out): a request nothing of which was relayed may go elsewhere
-    status: int  # else the client's answer (on a stream, the error event's code)
-    message: str
+__all__ = ["HTTPRouter", "sse_error"]  # sse_error: callers know it from here
 
 
 class GiveUp(Exception):
@@ -81,7 +67,7 @@ def route_excluding(router: Router, excluded: set[int], rid: str, pages: list[by
 
 class HTTPRouter:
     """Forwards each request to one worker of `pool`. The hooks `prepare`, `_pick`, `credit` and
-    `release` are where PD mode (router/pd.py) differs: it picks a prefill instance as well."""
+    `release` are where PD mode (gateway/pd.py) differs: it picks a prefill instance as well."""
 
     no_worker = "no healthy worker to send the request to"  # the 503 when every worker is down or tried
 

@@ -1,6 +1,7 @@
-"""A worker's SSE stream on its way to the client (router/http_router.py forwards; this relays):
+"""A worker's SSE stream on its way to the client (gateway/http_router.py forwards; this relays):
 whole events at a time, ending with an error event and `[DONE]` when the worker breaks or stalls,
-or the router cuts it off."""
+or the router cuts it off. The forwarder is known here only as a `RelayOwner`, so this module
+sits below http_router.py and imports nothing of it."""
 
 from __future__ import annotations
 
@@ -8,7 +9,8 @@ import asyncio
 import json
 import time
 from collections.abc import AsyncIterator
-from typing import TYPE_CHECKING
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Protocol
 
 import httpx
 from fastapi.responses import StreamingResponse
@@ -16,7 +18,7 @@ from fastapi.responses import StreamingResponse
 from shardserve.openai_errors import error_body
 
 if TYPE_CHECKING:
-    from shardserve.router.http_router import HTTPRouter
+    from shardserve.gateway.workers import WorkerPool
 
 
 def sse_error(message: str, status: int = 503) -> bytes:
@@ -29,11 +31,31 @@ def events_end(buf: bytes) -> int:
     return max(lf + 2 if lf >= 0 else 0, crlf + 4 if crlf >= 0 else 0)
 
 
+@dataclass(frozen=True)
+class Fault:
+    """What a failed exchange with a worker means for its request."""
+
+    down: bool  # the worker is gone (taken out): a request nothing of which was relayed may go elsewhere
+    status: int  # else the client's answer (on a stream, the error event's code)
+    message: str
+
+
+class RelayOwner(Protocol):
+    """What a relay needs of the forwarder that opened it (gateway/http_router.py's HTTPRouter)."""
+
+    pool: WorkerPool
+    relays: set[Relay]  # the streams being relayed; a relay leaves it when it closes
+
+    def fault(self, i: int, e: httpx.HTTPError, when: str = "") -> Fault: ...
+
+    def release(self, rid: str) -> None: ...
+
+
 class Relay:
     """One worker's SSE response on its way to the client, whole events at a time (so a worker
     that breaks mid-event never leaves half an event before the error event)."""
 
-    def __init__(self, owner: HTTPRouter, rid: str, worker: int, resp: httpx.Response, started: float):
+    def __init__(self, owner: RelayOwner, rid: str, worker: int, resp: httpx.Response, started: float):
         self.owner, self.rid, self.worker, self.resp, self.started = owner, rid, worker, resp, started
         # Decoded bytes: the worker's own, unchanged, as we ask for identity; a worker that
         # compresses anyway is decoded here rather than relayed without its content-encoding.

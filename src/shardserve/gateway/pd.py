@@ -22,10 +22,11 @@ import urllib.parse
 import httpx
 from fastapi.responses import Response
 
-from shardserve.router.http_router import HTTPRouter, error_response, route_excluding
+from shardserve.gateway.http_router import HTTPRouter, route_excluding
+from shardserve.gateway.request_key import KeyMaker, RouteKey
+from shardserve.gateway.workers import WorkerMetrics, WorkerPool, describe
+from shardserve.http_common import error_response
 from shardserve.router.policy import NoReplica, Router
-from shardserve.router.request_key import KeyMaker, RouteKey
-from shardserve.router.workers import WorkerMetrics, WorkerPool, describe
 
 PREFILL_HEADER = "X-Shardserve-Prefill"
 DECODE_POLICY = "least_load"  # a decode instance's work is its outstanding tokens; it holds no prefix to aim for

@@ -1,0 +1,103 @@
+"""What the server's app (server/app.py) and the standalone router's (gateway/standalone.py)
+share: the API-key check, OpenAI error bodies for errors no route handled, and cancelling a
+request's work when its client goes away.
+
+It sits below both (it imports only openai_errors.py), so neither imports the other for these.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Awaitable
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from shardserve.openai_errors import bearer_ok, error_body, unauthorized_body
+
+log = logging.getLogger(__name__)
+
+CLIENT_CLOSED = 499  # nginx's "client closed request": nobody reads it, but logs show it
+OPEN_PATHS = ("/health", "/metrics")  # Prometheus and load balancers probe these without a key
+
+
+def error_response(status: int, message: str, param: str | None = None) -> JSONResponse:
+    return JSONResponse(error_body(message, status, param), status)
+
+
+def require_api_key(app: FastAPI, api_key: str, metrics_require_key: bool = False) -> None:
+    """Answer 401 to requests without `Authorization: Bearer <api_key>` ("" = open to all);
+    OPEN_PATHS stay open unless `metrics_require_key`."""
+
+    @app.middleware("http")
+    async def _auth(request: Request, call_next):
+        guarded = metrics_require_key or request.url.path not in OPEN_PATHS
+        if api_key and guarded and not bearer_ok(request.headers.get("authorization"), api_key):
+            return JSONResponse(unauthorized_body(), 401, headers={"WWW-Authenticate": "Bearer"})
+        return await call_next(request)
+
+
+def answer_errors(app: FastAPI) -> None:
+    """OpenAI error bodies for Starlette's own HTTP errors (404, 405, ...) and, as a 500, for any
+    exception a route let through."""
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(_, e: StarletteHTTPException):
+        return error_response(e.status_code, str(e.detail))
+
+    @app.exception_handler(Exception)
+    async def _internal(_, e: Exception):
+        # The traceback goes to the log; the client gets one plain line, no class names.
+        log.exception("internal error")
+        detail = " ".join(str(e).split())
+        return error_response(500, f"internal error: {detail}" if detail else "internal error")
+
+
+async def _disconnected(request: Request) -> None:
+    # The body has been read, so the next ASGI message can only be the disconnect.
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def cancel_on_disconnect(request: Request, work: Awaitable[Any], tasks: set[asyncio.Task] | None = None) -> Any:
+    """The result of `work`, or a 499 response if the client disconnected first.
+
+    A streaming response notices a gone client when a write fails; a non-streaming handler
+    writes nothing until it is done, so without this it would work to the end for nobody.
+    Cancelling the work aborts it downstream: in the server, the `finally` of `stream_choices`
+    aborts every sub-request; in the router, closing the worker connection makes the worker abort.
+    `tasks` (the standalone router's) holds the work's task until it is answered, so that a
+    shutdown can cancel it."""
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(_disconnected(request))
+    if tasks is not None:
+        tasks.add(task)
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    except asyncio.CancelledError:  # this handler itself was cancelled: take the work down with it
+        task.cancel()
+        watcher.cancel()
+        raise
+    finally:
+        if tasks is not None:
+            tasks.discard(task)
+    watcher.cancel()
+    if task.done():
+        return task.result()
+    await _cancel(task)
+    log.info("client disconnected from %s; its request was aborted", request.url.path)
+    return Response(status_code=CLIENT_CLOSED)
+
+
+async def _cancel(task: asyncio.Task) -> None:
+    # One cancel can be lost: before Python 3.12, asyncio.wait_for (how the server's work waits
+    # for the engine's output) returns an item that arrived in the same tick instead of raising,
+    # and the work then runs to the end. So cancel until it has stopped.
+    while not task.done():
+        task.cancel()
+        await asyncio.wait({task}, timeout=0.1)
+    if not task.cancelled():
+        task.exception()  # retrieved (it ended on its own meanwhile): nobody is there to read it

@@ -1,0 +1,80 @@
+"""The leader's step plans, fanned out to every other rank of the replica (engine/stage_worker.py),
+and what comes back: the sampling rank's results and the later stages' traffic counts."""
+
+from __future__ import annotations
+
+import msgspec
+
+from shardserve.core import SamplingParams
+from shardserve.ipc.messages.base import Msg
+from shardserve.ipc.messages.disagg import KVTarget
+
+
+class PlanRequest(msgspec.Struct, array_like=True):
+    """A request the other ranks hear of the first time it is scheduled."""
+
+    rid: str
+    prompt: list[int]
+    params: SamplingParams
+    seed: int  # resolved by the leader, so whichever rank samples draws the same tokens
+    # With structured outputs or min_tokens: the leader's EOS ids (allowed only once the grammar
+    # is complete, banned before min_tokens).
+    eos: list[int] = []
+    # Disaggregated prefill: where this request's KV goes, layer by layer (kvcache/transfer.py).
+    transfer: KVTarget | None = None
+    # Disaggregated decode: the tokens the prefill instance sampled, and its sampler's random
+    # state after them, so this instance continues exactly as one engine would.
+    output: list[int] = []
+    rng_state: bytes = b""
+
+
+class PlanEntry(msgspec.Struct, array_like=True):
+    """One request's share of a micro-batch: tokens [start, start + n) of its sequence."""
+
+    rid: str
+    start: int
+    token_ids: list[int]  # the n tokens (only the first stage embeds them)
+    page_base: int  # the request's page list becomes pages[:page_base] + new_pages
+    new_pages: list[int]
+    sample: bool  # this chunk reaches the end of the known tokens: sample the next one
+    score_first: int = -1  # prompt logprobs: first position scored in this chunk (-1: none)
+    score_count: int = 0
+
+
+class StepPlan(Msg):
+    """One micro-batch: every rank of the replica runs exactly these, in `mb` order."""
+
+    mb: int
+    entries: list[PlanEntry]
+    new: list[PlanRequest] = []
+    done: list[str] = []  # requests finished or aborted since the last plan: forget them
+    dropped: list[str] = []  # disaggregated decode: transfer rooms given up: write no more of their KV
+
+
+class Tick(Msg):
+    """The leader is alive but idle (the other ranks' wait for plans stays bounded)."""
+
+
+class Wake(Msg):
+    """Data-parallel attention: the router sent some replica work; every leader, idle or not,
+    must join the next step (numbered, so a leader can tell a wake it has already acted on)."""
+
+    seq: int
+
+
+class StepResult(Msg):
+    """What the sampling rank (last stage, tensor rank 0) returns for micro-batch `mb`."""
+
+    mb: int
+    tokens: list[int]  # one per sampled entry, in plan order
+    logprobs: list[dict | None] = []
+    prompt_logprobs: list[list[dict]] = []  # one list per scoring entry, in plan order
+    ended: list[int] = []  # structured outputs: sampled entries (by position) whose output is complete
+
+
+class StageTraffic(Msg):
+    """A later stage's counts, for /metrics: {kind: {op: {calls, MB}}}."""
+
+    stage: int
+    rank: int
+    groups: dict
