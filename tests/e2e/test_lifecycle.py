@@ -16,7 +16,7 @@ import time
 
 import httpx
 import pytest
-from server_util import Server, free_port
+from server_util import Server, free_port, unfinished
 
 
 def metric(url: str, name: str) -> float:
@@ -165,14 +165,6 @@ def deep_server(tiny_model, tmp_path_factory):
     yield server
     code, left = server.stop()
     assert code == 0 and left == [], server.read_log()[-3000:]
-
-
-def unfinished(events: list[str]) -> bool:
-    """Whether a stream's events so far carry tokens and no finish: the request is still running."""
-    chunks = [json.loads(e[len("data: "):]) for e in events if e.startswith("data: {")]
-    texts = [c for c in chunks if c.get("choices")]
-    return bool(texts) and "data: [DONE]" not in events and all(
-        ch.get("finish_reason") is None for c in texts for ch in c["choices"])
 
 
 def wait_running(url: str, n: int, timeout: float = 10) -> None:
