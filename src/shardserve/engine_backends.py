@@ -25,6 +25,7 @@ from shardserve.scheduler.engine_core import EngineCore, RequestLimits
 from shardserve.scheduler.outputs import token_out
 
 log = logging.getLogger(__name__)
+INBOX = "the offline engine's inbox (scheduler-0's outputs)"
 
 
 class LocalBackend:
@@ -95,7 +96,7 @@ class ProcessBackend:
         deadline = time.monotonic() + self.timeout_s
         reports: list[list[dict]] = []
         while time.monotonic() < deadline:
-            msg = recv(self.inbox, timeout_ms=100)
+            msg = recv(self.inbox, timeout_ms=100, where=INBOX)
             if isinstance(msg, RankReports) and msg.rid == rid:
                 reports.append(msg.reports)
                 if len(reports) == self.replicas:
@@ -107,7 +108,7 @@ class ProcessBackend:
 
     def poll(self) -> list[TokenOut]:
         deadline = time.monotonic() + self.timeout_s
-        while (msg := recv(self.inbox, timeout_ms=500)) is None:
+        while (msg := recv(self.inbox, timeout_ms=500, where=INBOX)) is None:
             broken = self.grid.failure()  # a dead rank or a lost node: say which, now
             if broken:
                 raise RuntimeError(broken)
@@ -128,12 +129,12 @@ class ProcessBackend:
         finish (the report sent on falling idle can trail the last tokens, so wait for it)."""
         deadline = time.monotonic() + wait_s
         while sum(s.finished for s in self.last_stats.values()) < self.finished or not self.last_stats:
-            msg = recv(self.inbox, timeout_ms=50)
+            msg = recv(self.inbox, timeout_ms=50, where=INBOX)
             if isinstance(msg, Stats):
                 self.last_stats[msg.replica] = msg
             if time.monotonic() > deadline:
                 break
-        while isinstance(msg := recv(self.inbox, timeout_ms=0), Stats):  # and any newer ones already here
+        while isinstance(msg := recv(self.inbox, timeout_ms=0, where=INBOX), Stats):  # and any newer ones already here
             self.last_stats[msg.replica] = msg
         return merge_stats(list(self.last_stats.values())) if self.last_stats else None
 

@@ -118,8 +118,15 @@ def test_dp_attention_server_matches_transformers_and_dies_whole(tiny_model, tmp
             texts = list(pool.map(one, range(12)))
         assert texts == [expected[i % len(batch)] for i in range(12)]
         # /metrics: both replicas' routing counts, per layer and expert (each layer saw every token).
-        time.sleep(0.5)  # the leaders' reports as they fell idle
-        metrics = httpx.get(server.url + "/metrics").text
+        # Wait for the leaders' reports as they fell idle: both replicas' counts cover all 12 requests.
+        deadline = time.monotonic() + 30
+        while True:
+            metrics = httpx.get(server.url + "/metrics").text
+            done = float(re.search(r"^shardserve_engine_requests_finished (\S+)$", metrics, re.M).group(1))
+            if done >= 12:
+                break
+            assert time.monotonic() < deadline, f"the leaders reported {done} of 12 requests finished"
+            time.sleep(0.1)
         routed: dict[str, float] = {}
         for m in re.finditer(r'shardserve_expert_routed_tokens\{expert="\d+",layer="(\d+)"\} (\S+)', metrics):
             routed[m.group(1)] = routed.get(m.group(1), 0.0) + float(m.group(2))

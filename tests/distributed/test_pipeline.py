@@ -22,7 +22,7 @@ from shardserve import LLM, SamplingParams
 from shardserve.distributed.layout import LayoutError
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "e2e"))
-from server_util import Server  # noqa: E402
+from server_util import Server, descendants  # noqa: E402
 
 LAYERS, NEW, TOP = 5, 12, 3
 # A 16-token step budget cuts the 30-token prompt into chunks on every layout.
@@ -141,9 +141,21 @@ def test_micro_batches_in_flight_against_one(reference):
     assert seen[None][0] == seen[1][0] == [t for t, _ in hf] * 2
 
 
-def test_bad_pipeline_sizes_are_refused_before_any_process_starts(reference):
+def test_bad_pipeline_sizes_are_refused_before_any_process_starts(reference, monkeypatch):
+    import multiprocessing.process
+    import subprocess
+
     path = reference("llama")[0]
-    start = time.monotonic()
+    started: list = []
+
+    def no_process(*args, **kwargs):
+        started.append(args)
+        raise AssertionError(f"a process was started before the layout was checked: {args}")
+
+    # Every way the launchers start a process (ProcessTree: subprocess.Popen) is a spy that refuses.
+    monkeypatch.setattr(subprocess, "Popen", no_process)
+    monkeypatch.setattr(multiprocessing.process.BaseProcess, "start", no_process)
+    children = descendants(os.getpid())
     with pytest.raises(LayoutError, match="--pp-size 6 exceeds the model's 5 layers"):
         LLM(path, pp_size=6, show_progress=False)
     with pytest.raises(LayoutError, match="--pp-layer-partition 2,2 must be 2 counts"):
@@ -152,7 +164,8 @@ def test_bad_pipeline_sizes_are_refused_before_any_process_starts(reference):
         LLM(path, pp_size=2, pp_layer_partition=(1, 1, 3), show_progress=False)
     with pytest.raises(LayoutError, match="--pp-micro-batches 2 needs --pp-size > 1"):
         LLM(path, pp_micro_batches=2, show_progress=False)
-    assert time.monotonic() - start < 5
+    assert started == []
+    assert descendants(os.getpid()) == children  # and none by another route
 
 
 def test_dead_stage_ends_the_server_naming_it(reference, tmp_path):

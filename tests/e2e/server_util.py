@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -12,6 +13,14 @@ import threading
 import time
 
 import httpx
+
+
+def unfinished(events: list[str]) -> bool:
+    """Whether a stream's events so far carry tokens and no finish: the request is still running."""
+    chunks = [json.loads(e[len("data: "):]) for e in events if e.startswith("data: {")]
+    texts = [c for c in chunks if c.get("choices")]
+    return bool(texts) and "data: [DONE]" not in events and all(
+        ch.get("finish_reason") is None for c in texts for ch in c["choices"])
 
 
 def free_port() -> int:
@@ -84,24 +93,37 @@ class Server:
         return int(m.group(1))
 
     def kill_mid_request(self, child: str, timeout: float = 30) -> float:
-        """Start a long completion, SIGKILL `child` while it runs, and wait for the server to
-        exit; returns how long that took (the request's own failure is expected)."""
+        """Start a long streamed completion, SIGKILL `child` once its tokens flow (checked: the
+        request is then running, not finished), and wait for the server to exit; returns how long
+        that took. The request must have failed, not finished."""
+        result: dict = {"events": []}
+        flowing = threading.Event()
 
         def long_request() -> None:
+            body = {"prompt": [5, 6], "max_tokens": 400, "ignore_eos": True, "stream": True}
             try:
-                httpx.post(self.url + "/v1/completions", timeout=60,
-                           json={"prompt": [5, 6], "max_tokens": 400, "ignore_eos": True})
-            except httpx.HTTPError:
-                pass
+                with httpx.stream("POST", self.url + "/v1/completions", json=body, timeout=60) as r:
+                    for line in r.iter_lines():
+                        if line:
+                            result["events"].append(line)
+                            flowing.set()
+            except httpx.HTTPError as e:
+                result["error"] = repr(e)
+            flowing.set()
 
         t = threading.Thread(target=long_request)
         t.start()
-        time.sleep(0.5)
+        assert flowing.wait(60), "the long request never streamed"
+        assert unfinished(list(result["events"])), result  # killed while it runs
         os.kill(self.child_pid(child), signal.SIGKILL)
         start = time.monotonic()
         self.proc.wait(timeout)
         waited = time.monotonic() - start
         t.join(timeout)
+        assert not t.is_alive(), "the request was still open after the server exited"
+        events = result["events"]
+        assert "error" in result or any('"error"' in e for e in events), result
+        assert '"finish_reason":"length"' not in "".join(events).replace(" ", ""), events[-3:]
         return waited
 
     def stop(self, sig: int = signal.SIGTERM, timeout: float = 15) -> tuple[int, list[int]]:

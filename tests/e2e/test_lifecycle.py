@@ -16,29 +16,12 @@ import time
 
 import httpx
 import pytest
-from server_util import Server, free_port
+from server_util import Server, free_port, unfinished
 
 
 def metric(url: str, name: str) -> float:
     text = httpx.get(url + "/metrics").text
     return float(re.search(rf"^{name} (\S+)$", text, re.M).group(1))
-
-
-def test_disconnect_mid_stream_frees_the_request(tiny_server):
-    body = {"prompt": [5, 6, 7], "max_tokens": 480, "ignore_eos": True, "stream": True}
-    with httpx.stream("POST", tiny_server.url + "/v1/completions", json=body, timeout=30) as r:
-        lines = r.iter_lines()
-        got = [next(lines) for _ in range(6)]
-    assert any(line.startswith("data: ") for line in got)
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline:
-        if metric(tiny_server.url, "shardserve_num_requests_running") == 0:
-            break
-        time.sleep(0.1)
-    assert metric(tiny_server.url, "shardserve_num_requests_running") == 0
-    assert metric(tiny_server.url, "shardserve_kv_pages_used") == 0
-    # Fewer tokens than asked for were generated: the request was aborted, not finished.
-    assert metric(tiny_server.url, "shardserve_generation_tokens_total") < 480 + 1000
 
 
 def test_queue_limit_answers_503(tiny_model, tmp_path):
@@ -73,9 +56,15 @@ def test_tokenizer_worker_layouts(tiny_model, tmp_path, num_tokenizers):
     assert code == 0 and left == []
 
 
+# The tiny Llama at 24 layers in bfloat16 (see deep_server): a generation of hundreds of tokens
+# takes long enough to still be running when a test acts on it; at 2 layers in float32 it can end
+# in under a second.
+DEEP = ("--dtype", "bfloat16", "--page-size", "8")
+
+
 def test_killed_scheduler_fails_requests_and_exits_nonzero(tiny_model, tmp_path):
-    path, _ = tiny_model("llama")
-    server = Server("--model", path, "--num-pages", "64", log_path=str(tmp_path / "log"))
+    path, _ = tiny_model("llama", 24)
+    server = Server("--model", path, *DEEP, "--num-pages", "256", log_path=str(tmp_path / "log"))
     result: dict = {"events": []}
     streaming = threading.Event()
 
@@ -96,6 +85,8 @@ def test_killed_scheduler_fails_requests_and_exits_nonzero(tiny_model, tmp_path)
     # Killed once tokens flow, not after a fixed sleep: the tiny model can decode all 505 tokens
     # (its context limit) in well under a second, and a finished request has nothing to fail.
     assert streaming.wait(30)
+    wait_running(server.url, 1)
+    assert unfinished(list(result["events"])), result  # killed while the request runs
     os.kill(server.child_pid("scheduler-0"), signal.SIGKILL)
     saw_503 = False
     deadline = time.monotonic() + 10
@@ -112,6 +103,7 @@ def test_killed_scheduler_fails_requests_and_exits_nonzero(tiny_model, tmp_path)
     assert "scheduler-0 was killed by signal 9" in server.read_log()
     events = result.get("events", [])
     assert "error" in result or any('"error"' in e for e in events), result
+    assert '"finish_reason":"length"' not in "".join(events).replace(" ", ""), events[-3:]
 
 
 def test_child_that_fails_to_start_is_reported(tmp_path):
@@ -120,12 +112,12 @@ def test_child_that_fails_to_start_is_reported(tmp_path):
     cfg = {"architectures": ["NoSuchForCausalLM"], "vocab_size": 10, "hidden_size": 8, "num_hidden_layers": 1,
            "num_attention_heads": 2}
     (bad / "config.json").write_text(json.dumps(cfg))
-    start = time.monotonic()
     proc = subprocess.run([sys.executable, "-m", "shardserve", "serve", "--model", str(bad),
                            "--port", str(free_port())], capture_output=True, text=True, timeout=120)
     assert proc.returncode != 0
+    # Reported from the child's own Failed message, not noticed by waiting out the start-up timeout.
     assert "scheduler-0 failed to start" in proc.stderr and "NoSuchForCausalLM" in proc.stderr
-    assert time.monotonic() - start < 60
+    assert "timed out" not in proc.stderr
 
 
 def test_busy_port_fails_fast(tiny_model, tmp_path):
@@ -175,6 +167,29 @@ def deep_server(tiny_model, tmp_path_factory):
     assert code == 0 and left == [], server.read_log()[-3000:]
 
 
+def wait_running(url: str, n: int, timeout: float = 10) -> None:
+    deadline = time.monotonic() + timeout
+    while engine(url)["num_requests_running"] < n:
+        assert time.monotonic() < deadline, f"fewer than {n} requests ever ran: {engine(url)}"
+        time.sleep(0.005)
+
+
+def test_disconnect_mid_stream_aborts_the_request(deep_server):
+    url = deep_server.url
+    before = wait_idle(url)
+    body = {"prompt": [5, 6, 7], "max_tokens": 480, "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", url + "/v1/completions", json=body, timeout=30) as r:
+        lines = r.iter_lines()
+        events = [next(lines) for _ in range(6)]
+        # The state the test is about: tokens have streamed and the request is still generating.
+        assert unfinished(events), events
+        wait_running(url, 1)
+    after = wait_idle(url)  # every page back
+    # Aborted, not finished: the whole generation would have taken a step per token.
+    assert after["engine_steps"] - before["engine_steps"] < body["max_tokens"] / 2, (before, after)
+    assert after["engine_requests_finished"] - before["engine_requests_finished"] == 1
+
+
 @pytest.mark.parametrize("endpoint, body", [
     ("/v1/completions", {"prompt": [5, 6, 7], "max_tokens": 480}),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "n": 2, "max_tokens": 480}),
@@ -183,29 +198,35 @@ def test_disconnect_of_a_non_streaming_request_aborts_it(deep_server, endpoint, 
     tiny_server = deep_server
     url = tiny_server.url
     before = wait_idle(url)
+    aborted = tiny_server.read_log().count("its request was aborted")
     payload = json.dumps({**body, "ignore_eos": True}).encode()
     with socket.create_connection(("127.0.0.1", tiny_server.port)) as conn:
         conn.sendall(f"POST {endpoint} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
                      f"Content-Length: {len(payload)}\r\n\r\n".encode() + payload)
-        deadline = time.monotonic() + 10
-        while engine(url)["num_requests_running"] < body.get("n", 1):  # generating: now leave
-            assert time.monotonic() < deadline, "the request never started"
-            time.sleep(0.005)
+        wait_running(url, body.get("n", 1))  # generating: now leave
     after = wait_idle(url)
     # Aborted, not finished: far fewer steps than the generation needed, and every page back.
     assert after["engine_steps"] - before["engine_steps"] < body["max_tokens"] / 2, (before, after)
     assert after["engine_requests_finished"] - before["engine_requests_finished"] == body.get("n", 1)
-    assert "its request was aborted" in tiny_server.read_log()
+    # This request's own abort, not an earlier test's on the same server.
+    wait_for_log(tiny_server, "its request was aborted", aborted + 1)
+
+
+def wait_for_log(server: Server, text: str, count: int, timeout: float = 10) -> None:
+    deadline = time.monotonic() + timeout
+    while server.read_log().count(text) < count:
+        assert time.monotonic() < deadline, f"{text!r} logged {server.read_log().count(text)} times, not {count}"
+        time.sleep(0.05)
 
 
 def test_model_defaults_then_sigint_with_requests_in_flight(tiny_model, tmp_path):
     """One server for two checks (each start costs seconds): a model shipping generation defaults
     has them applied to requests that leave fields out; then Ctrl-C with requests running."""
-    src, _ = tiny_model("llama")
+    src, _ = tiny_model("llama", 24)  # slow enough for the long requests to be running at the Ctrl-C
     path = tmp_path / "model"
     shutil.copytree(src, path)
     (path / "generation_config.json").write_text(json.dumps({"temperature": 0.0, "top_k": 0}))
-    server = Server("--model", str(path), "--num-pages", "128", log_path=str(tmp_path / "log"))
+    server = Server("--model", str(path), *DEEP, "--num-pages", "512", log_path=str(tmp_path / "log"))
     assert "sampling defaults: temperature=0 top_p=1 top_k=-1 min_p=0 repetition_penalty=1 (from " \
            "generation_config.json)" in server.read_log()
     texts = {httpx.post(server.url + "/v1/completions", timeout=30, json={
@@ -225,16 +246,12 @@ def test_model_defaults_then_sigint_with_requests_in_flight(tiny_model, tmp_path
     threads = [threading.Thread(target=streamed), threading.Thread(target=whole)]
     for t in threads:
         t.start()
-    deadline = time.monotonic() + 10
-    while metric(server.url, "shardserve_num_requests_running") < 3 and time.monotonic() < deadline:
-        time.sleep(0.02)
-    start = time.monotonic()
+    wait_running(server.url, 3)  # all three generating: the state the Ctrl-C must cut off
     code, left = server.stop(signal.SIGINT)
-    took = time.monotonic() - start
     for t in threads:
         t.join(10)
     log = server.read_log()
-    assert code == 0 and left == [] and took < 5, (code, left, took)
+    assert code == 0 and left == [], (code, left)
     assert "shutting down: 2 requests in flight cut off" in log
     assert "Traceback" not in log and "CancelledError" not in log, log[-3000:]
     assert results["whole"].status_code == 503

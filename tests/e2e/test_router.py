@@ -196,11 +196,10 @@ def test_worker_killed_mid_stream_then_taken_back(cluster, tmp_path):
     survivor = 1 - victim
     port = cluster.workers[victim].port
     kill_hard(cluster.workers[victim])
-    killed = time.monotonic()
+    # "failed": the broken connection was noticed as such, not waited out ("sent nothing", a 504).
     with pytest.raises(openai.APIError, match="failed mid-stream"):
         for _ in events:
             pass
-    assert time.monotonic() - killed < 5
     before = cluster.requests_by_worker()
     for i in range(3):
         r = c.completions.create(model=None, prompt=f"The capital {i}", max_tokens=3, temperature=0)
@@ -211,9 +210,7 @@ def test_worker_killed_mid_stream_then_taken_back(cluster, tmp_path):
     assert "down" in router.read_log()
 
     cluster.workers[victim] = start_worker(cluster.path, str(tmp_path / "restarted.log"), port)
-    restarted = time.monotonic()
     router.wait_health({u: "healthy" for u in urls}, timeout=5)  # a few 0.5 s health intervals
-    assert time.monotonic() - restarted < 5
     # Two overlapping streams: the second goes to the other worker, so both take traffic again.
     before = cluster.requests_by_worker()
     streams = []

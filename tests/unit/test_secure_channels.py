@@ -10,10 +10,11 @@ import time
 
 import pytest
 import zmq
+from zmq.utils.monitor import recv_monitor_message
 
 from shardserve.ipc.messages import decode_or_none, encode
-from shardserve.ipc.messages.plan import Tick
-from shardserve.ipc.secure import SecretError, deployment_secret
+from shardserve.ipc.messages.api import AbortReq
+from shardserve.ipc.secure import SecretError, connect_secure, deployment_secret
 from shardserve.ipc.sockets import Endpoints, recv_all
 from shardserve.scheduler.inbox import _bound, connected
 
@@ -24,40 +25,76 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+HANDSHAKE_FAILED = (zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+                    | zmq.EVENT_HANDSHAKE_FAILED_AUTH)
+
+
+def wait_for(cond, timeout: float = 10.0, what: str = "") -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, f"timed out waiting for {what or cond}"
+        time.sleep(0.02)
+
+
 def test_only_the_deployment_secret_gets_a_message_through(caplog):
+    """No forged frame gets through, shown by events rather than by waiting: each forger's own
+    socket reports its handshake failed (a PUSH socket sends nothing before its handshake
+    succeeds, and none of theirs ever does), and a genuine frame sent only after all of them were
+    refused, on the same channel, is the only message there."""
     from shardserve.ipc.secure import Gate, _keys
 
     ctx = zmq.Context()
     addr = f"tcp://127.0.0.1:{free_port()}"
     gate = Gate(ctx, b"the-right-secret-0123456789")
     inbox = _bound(ctx, zmq.PULL, addr, b"the-right-secret-0123456789", gate, "the test channel")
+    forgers: dict[str, zmq.Socket] = {}
+    monitors: dict[str, zmq.Socket] = {}
+    right = None
     try:
-        plain = ctx.socket(zmq.PUSH)  # no CURVE at all
-        plain.connect(addr)
-        wrong = connected(ctx, zmq.PUSH, addr, b"another-secret-0123456789")
+        forgers["plain"] = ctx.socket(zmq.PUSH)  # no CURVE at all
+        forgers["wrong"] = ctx.socket(zmq.PUSH)
+        connect_secure(forgers["wrong"], b"another-secret-0123456789")
         # Knows the server's public key (say it leaked) but holds its own key pair: the Gate refuses it.
-        leaked = ctx.socket(zmq.PUSH)
+        leaked = forgers["leaked"] = ctx.socket(zmq.PUSH)
         leaked.curve_serverkey = _keys(b"the-right-secret-0123456789")[0]
         leaked.curve_publickey, leaked.curve_secretkey = zmq.curve_keypair()
-        leaked.connect(addr)
-        right = connected(ctx, zmq.PUSH, addr, b"the-right-secret-0123456789")
-        for sock in (plain, wrong, leaked, right):
+        for name, sock in forgers.items():
             sock.setsockopt(zmq.LINGER, 0)
-            sock.send(encode(Tick()), zmq.NOBLOCK)
+            monitors[name] = sock.get_monitor_socket(HANDSHAKE_FAILED | zmq.EVENT_HANDSHAKE_SUCCEEDED)
+            sock.connect(addr)
+            sock.send(encode(AbortReq(rid=f"forged by {name}")), zmq.NOBLOCK)  # queued until a handshake succeeds
+        events: dict[str, list[int]] = {name: [] for name in forgers}
+
+        def all_refused() -> bool:
+            for name, mon in monitors.items():
+                while mon.poll(0):
+                    events[name].append(recv_monitor_message(mon)["event"])
+            return all(any(e & HANDSHAKE_FAILED for e in ev) for ev in events.values())
+
+        wait_for(all_refused, what="every forger's handshake to fail")
+        right = connected(ctx, zmq.PUSH, addr, b"the-right-secret-0123456789")
+        right.setsockopt(zmq.LINGER, 0)
+        right.send(encode(AbortReq(rid="genuine")), zmq.NOBLOCK)
         got = []
-        deadline = time.monotonic() + 5
-        while not got and time.monotonic() < deadline:
-            inbox.poll(200)
-            got += recv_all(inbox, "test")
-        time.sleep(0.5)  # a forged frame, had it passed, would have arrived by now too
-        got += recv_all(inbox, "test")
-        assert got == [Tick()]
+
+        def arrived() -> bool:
+            if inbox.poll(50):
+                got.extend(recv_all(inbox, "test"))
+            return bool(got)
+
+        wait_for(arrived, what="the genuine frame")
+        got += recv_all(inbox, "test")  # a forged frame let in would have been queued before the genuine one
+        assert got == [AbortReq(rid="genuine")]
+        all_refused()
+        assert not any(zmq.EVENT_HANDSHAKE_SUCCEEDED in ev for ev in events.values()), events
         assert len(gate.refused) == 1  # the leaked-server-key peer, refused by the Gate (and logged once)
-        assert gate.failed_handshakes >= 2  # the plain socket and the wrong secret, at the handshake
+        # The plain socket and the wrong secret, at the handshake (the Gate's monitor thread counts them).
+        wait_for(lambda: gate.failed_handshakes >= 2, what="the Gate to count the failed handshakes")
+        wait_for(lambda: "refused a peer on the test channel" in caplog.text, what="the refusal's log line")
         assert caplog.text.count("refused a peer on the test channel") == 1
-        for sock in (plain, wrong, leaked, right):
-            sock.close()
     finally:
+        for sock in (*monitors.values(), *forgers.values(), *([right] if right is not None else [])):
+            sock.close(0)
         inbox.close(0)
         gate.stop()
         ctx.term()

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 import zmq
 
-from shardserve.ipc.messages import Msg, decode, decode_or_none, encode
+from shardserve.ipc.messages import Msg, decode_or_none, encode
 
 
 @dataclass(frozen=True)
@@ -119,23 +119,36 @@ def send(sock: zmq.Socket, msg: Msg) -> None:
     sock.send(encode(msg), copy=False)
 
 
-def recv(sock: zmq.Socket, timeout_ms: int | None = None) -> Msg | None:
-    """One message, or None if none arrived within `timeout_ms` (None blocks)."""
-    if timeout_ms is not None and not sock.poll(timeout_ms):
-        return None
-    return decode(sock.recv())
+def _name(sock: zmq.Socket) -> str:
+    """The socket's address, to name it in a log line."""
+    try:
+        return sock.getsockopt_string(zmq.LAST_ENDPOINT) or "a socket"
+    except zmq.ZMQError:
+        return "a socket"
+
+
+def recv(sock: zmq.Socket, timeout_ms: int | None = None, where: str = "") -> Msg | None:
+    """One message, or None if none arrived within `timeout_ms` (None blocks until a valid one).
+    A malformed message is logged (naming `where`, else the socket's address) and dropped: with a
+    timeout it reads as None, so callers that poll go on polling."""
+    while True:
+        if timeout_ms is not None and not sock.poll(timeout_ms):
+            return None
+        msg = decode_or_none(sock.recv(), where or _name(sock))
+        if msg is not None or timeout_ms is not None:
+            return msg
 
 
 def recv_all(sock: zmq.Socket, where: str = "") -> list[Msg]:
-    """Every message waiting. With `where` (a channel from other machines' processes), malformed
-    ones are logged and dropped instead of raising."""
+    """Every message waiting. Malformed ones are logged (naming `where`, else the socket's
+    address) and dropped instead of raising."""
     out = []
     while True:
         try:
             data = sock.recv(zmq.NOBLOCK)
         except zmq.Again:
             return out
-        msg = decode_or_none(data, where) if where else decode(data)
+        msg = decode_or_none(data, where or _name(sock))
         if msg is not None:
             out.append(msg)
 

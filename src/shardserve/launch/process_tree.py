@@ -97,7 +97,7 @@ class ProcessTree:
         start = time.monotonic()
         deadline, note = start + timeout, start + PROGRESS_INTERVAL
         while len(infos) < len(self.procs):
-            self._take(recv(self.ready_sock, timeout_ms=200), infos)
+            self._take(recv(self.ready_sock, timeout_ms=200, where="the ready channel"), infos)
             if time.monotonic() > note:  # a first start can take a minute: say it is not stuck
                 note += PROGRESS_INTERVAL
                 waiting = ", ".join(sorted(set(self.procs) - set(infos)))
@@ -105,7 +105,7 @@ class ProcessTree:
             dead = self.dead_child()
             if dead and dead not in infos:
                 # Its Failed message may still be in flight: it says more than an exit code.
-                self._take(recv(self.ready_sock, timeout_ms=1000), infos)
+                self._take(recv(self.ready_sock, timeout_ms=1000, where="the ready channel"), infos)
                 raise LaunchError(f"{dead} exited with code {self.procs[dead].returncode} while starting")
             if time.monotonic() > deadline:
                 missing = sorted(set(self.procs) - set(infos))

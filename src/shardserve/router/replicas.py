@@ -66,10 +66,10 @@ class ReplicaRouter:
             ready = dict(poller.poll(100))
             # Events first: a request's end must be known before a later request is placed.
             if self.events in ready:
-                for msg in recv_all(self.events):
+                for msg in recv_all(self.events, "the router's cache-event feed"):
                     self.on_events(msg)
             if self.inbox in ready:
-                for msg in recv_all(self.inbox):
+                for msg in recv_all(self.inbox, "the router's inbox"):
                     if isinstance(msg, Shutdown):
                         self.broadcast(msg)
                         return

@@ -66,7 +66,7 @@ class Inbox:
             for sock in also:
                 poller.register(sock, zmq.POLLIN)
             poller.poll(wait_ms)
-        return recv_all(self.pull)
+        return recv_all(self.pull, "the scheduler's inbox")
 
     def publish(self, msg: Msg) -> None:
         """Send `msg` to every other rank of the replica, counted on the control group."""

@@ -10,7 +10,7 @@ import uuid
 import zmq
 import zmq.asyncio
 
-from shardserve.ipc.messages import Msg, decode, encode
+from shardserve.ipc.messages import Msg, decode_or_none, encode
 from shardserve.ipc.messages.api import AbortReq, DetokenizeOut, ErrorOut, GenerateReq, TextBatch, TokenizeOut
 from shardserve.ipc.messages.reports import RouterStats, Stats
 from shardserve.ipc.sockets import Endpoints
@@ -26,6 +26,7 @@ class EngineClient:
         self.ctx = zmq.asyncio.Context()
         self.inbox = self.ctx.socket(zmq.PULL)
         self.inbox.bind(ep.api)
+        self._inbox_name = f"the API process's inbox ({ep.api})"
         self.tokenizers = []
         for i in range(num_tokenizer_sockets):
             s = self.ctx.socket(zmq.PUSH)
@@ -42,19 +43,39 @@ class EngineClient:
 
     def start(self) -> None:
         self._task = asyncio.get_running_loop().create_task(self._route())
+        self._task.add_done_callback(self._route_ended)
 
     async def _route(self) -> None:
         while True:
-            msg = decode(await self.inbox.recv())
-            if isinstance(msg, TextBatch):
-                for item in msg.items:
-                    self._deliver(item.rid, item)
-            elif isinstance(msg, ErrorOut | TokenizeOut | DetokenizeOut):
-                self._deliver(msg.rid, msg)
-            elif isinstance(msg, Stats):
-                self.stats[msg.replica] = msg
-            elif isinstance(msg, RouterStats):
-                self.router_stats = msg
+            data = await self.inbox.recv()
+            msg = decode_or_none(data, self._inbox_name)  # malformed: logged and dropped
+            if msg is None:
+                continue
+            try:
+                self._dispatch(msg)
+            except Exception:  # one bad message must not end the routing of every later one
+                log.exception("dropped a %s on %s that could not be routed", type(msg).__name__, self._inbox_name)
+
+    def _dispatch(self, msg: Msg) -> None:
+        if isinstance(msg, TextBatch):
+            for item in msg.items:
+                self._deliver(item.rid, item)
+        elif isinstance(msg, ErrorOut | TokenizeOut | DetokenizeOut):
+            self._deliver(msg.rid, msg)
+        elif isinstance(msg, Stats):
+            self.stats[msg.replica] = msg
+        elif isinstance(msg, RouterStats):
+            self.router_stats = msg
+
+    def _route_ended(self, task: asyncio.Task) -> None:
+        """Nothing awaits the routing task: if it ever ends other than by cancellation (the
+        socket closed, a bug), say so and fail every waiter now instead of letting each one
+        wait out its timeout."""
+        if task.cancelled():
+            return
+        err = task.exception()
+        log.error("the API process stopped reading %s: %r", self._inbox_name, err, exc_info=err)
+        self.fail_all(f"the API process stopped reading engine replies: {err!r}", status=500)
 
     def _deliver(self, rid: str, item: Msg) -> None:
         q = self.queues.get(rid)

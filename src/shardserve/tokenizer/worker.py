@@ -100,7 +100,9 @@ def _serve(sockets: dict[zmq.Socket, callable]) -> None:
         poller.register(s, zmq.POLLIN)
     while True:
         for sock, _ in poller.poll(1000):
-            msg = recv(sock)
+            msg = recv(sock, timeout_ms=0)  # None: a malformed message, logged and dropped
+            if msg is None:
+                continue
             if isinstance(msg, Shutdown):
                 return
             sockets[sock](msg)
