@@ -19,10 +19,10 @@ from shardserve.ipc.secure import deployment_secret
 from shardserve.launch.checks import check_dense
 from shardserve.launch.grid import check_layout, run_other_node
 from shardserve.launch.nodes import NodeSpec
-from shardserve.launch.worker import use_log_level
 from shardserve.loader.generation_config import generation_defaults
 from shardserve.loader.model_path import resolve_checkpoint
 from shardserve.loader.tokenizer import load_tokenizer
+from shardserve.logs import use_log_level
 from shardserve.router.policy import resolve_policy
 from shardserve.scheduler.startup import startup_summary, use_threads
 

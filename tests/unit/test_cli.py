@@ -175,8 +175,8 @@ def test_llm_in_process_takes_threads_and_log_level(tiny_model, caplog, monkeypa
 
     import torch
 
-    from shardserve.launch.worker import LOG_LEVEL_ENV
     from shardserve.llm import LLM
+    from shardserve.logs import LOG_LEVEL_ENV
 
     monkeypatch.setenv(LOG_LEVEL_ENV, "info")  # restored after the test, as are the threads and level below
     before, shardserve_log = torch.get_num_threads(), logging.getLogger("shardserve")

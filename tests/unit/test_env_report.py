@@ -8,7 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from shardserve import env_report, native
+from shardserve import native
+from shardserve.cli import env as env_report
 from shardserve.cli.main import main
 
 

@@ -38,7 +38,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("distributed",),
     ("ipc",),
     ("core", "http_common"),  # they import only the modules below
-    ("config", "platform", "native", "text", "structured_outputs", "chat_messages", "openai_errors"),
+    ("config", "platform", "native", "text", "structured_outputs", "chat_messages", "openai_errors", "logs"),
 ]
 RANK = {name: i for i, names in enumerate(LAYERS) for name in names}
 

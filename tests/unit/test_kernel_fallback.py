@@ -32,7 +32,7 @@ for _ in range(2):
         pass
     else:
         raise AssertionError("the attention kernel loaded without a compiler")
-from shardserve import env_report
+from shardserve.cli import env as env_report
 rows = env_report.kernel_report()  # `shardserve env` says why, without a second warning
 assert all(not r["loaded"] and r["error"] and r["fallback"] for r in rows), rows
 print("fell back")

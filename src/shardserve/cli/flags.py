@@ -13,7 +13,7 @@ import sys
 
 from shardserve.config import ATTENTION_BACKENDS, DTYPES, QUANTIZATION_MODES, EngineConfig
 from shardserve.distributed.layout import Layout
-from shardserve.launch.worker import LOG_LEVELS
+from shardserve.logs import LOG_LEVELS
 from shardserve.router.policy import POLICIES
 
 

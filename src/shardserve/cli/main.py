@@ -12,7 +12,7 @@ import sys
 from shardserve.cli.flags import Parser, add_engine_args, non_negative_float, positive_int
 from shardserve.cli.router_flags import add_router_args
 from shardserve.launch import LaunchError
-from shardserve.launch.worker import use_log_level
+from shardserve.logs import use_log_level
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -37,7 +37,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_record_args(sub.add_parser("record-experts", help="write a MoE model's routing counts (for "
                                                           "--ep-expert-placement)"))
-    from shardserve.env_report import add_env_args
+    from shardserve.cli.env import add_env_args
 
     add_env_args(sub.add_parser("env", help="versions, CPU instruction sets, C kernels, threads and devices "
                                             "(for a bug report)"))
@@ -85,7 +85,7 @@ def main(argv: list[str] | None = None) -> int:
 
             return record_experts(args)
         if args.command == "env":
-            from shardserve.env_report import run_env
+            from shardserve.cli.env import run_env
 
             return run_env(args)
         if args.command == "router":

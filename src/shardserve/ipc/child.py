@@ -14,7 +14,7 @@ import zmq
 
 from shardserve.ipc.messages.lifecycle import Failed, Ready
 from shardserve.ipc.sockets import die_with_parent, push, send
-from shardserve.launch.worker import LOG_LEVEL_ENV
+from shardserve.logs import LOG_LEVEL_ENV
 
 
 def setup_logging(name: str) -> None:

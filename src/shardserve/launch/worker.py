@@ -13,20 +13,6 @@ import pickle
 import sys
 
 PARENT_ENV = "SHARDSERVE_PARENT_PID"
-# --log-level of the launcher, inherited by every child it starts (ipc/child.py reads it).
-LOG_LEVEL_ENV = "SHARDSERVE_LOG_LEVEL"
-LOG_LEVELS = ("debug", "info", "warning", "error")
-
-
-def use_log_level(level: str) -> None:
-    """`level` for this process's shardserve loggers and, through the environment, for every
-    child it starts from now on (tokenizers, scheduler ranks)."""
-    import logging
-
-    if level not in LOG_LEVELS:
-        raise ValueError(f"log level must be one of {list(LOG_LEVELS)}, got {level!r}")
-    os.environ[LOG_LEVEL_ENV] = level
-    logging.getLogger("shardserve").setLevel(level.upper())
 
 
 def main() -> None:
