@@ -8,6 +8,7 @@ It sits below both (it imports only openai_errors.py), so neither imports the ot
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 from collections.abc import Awaitable
 from typing import Any
@@ -22,6 +23,43 @@ log = logging.getLogger(__name__)
 
 CLIENT_CLOSED = 499  # nginx's "client closed request": nobody reads it, but logs show it
 OPEN_PATHS = ("/health", "/metrics")  # Prometheus and load balancers probe these without a key
+
+
+# Deeper bodies are refused: what the parser accepts (~1,000 levels) some later step (a schema's
+# compilation, a chat template, a message's encoding) could still fail on, as an internal error.
+MAX_DEPTH = 128
+
+
+class BodyError(ValueError):
+    """A request body that is not a JSON object this server reads (answered with a 400)."""
+
+
+def json_object(raw: bytes) -> dict:
+    """The body as a JSON object, or BodyError saying why not (malformed, not an object, too deep)."""
+    deep = f"the request body nests arrays or objects more than {MAX_DEPTH} deep"
+    try:
+        data = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise BodyError(f"malformed JSON body: {e}") from None
+    except RecursionError:  # the parser recurses once per level of nesting
+        raise BodyError(deep) from None
+    if not isinstance(data, dict):
+        raise BodyError("the request body must be a JSON object")
+    if _too_deep(data):
+        raise BodyError(deep)
+    return data
+
+
+def _too_deep(data: object) -> bool:
+    """Whether `data` nests lists or dicts more than MAX_DEPTH deep (walked without recursion)."""
+    todo = [(data, 1)]
+    while todo:
+        item, depth = todo.pop()
+        if depth > MAX_DEPTH:
+            return True
+        children = item.values() if isinstance(item, dict) else item if isinstance(item, list) else ()
+        todo.extend((c, depth + 1) for c in children if isinstance(c, dict | list))
+    return False
 
 
 def error_response(status: int, message: str, param: str | None = None) -> JSONResponse:

@@ -87,6 +87,8 @@ def sse(i: int, _req) -> httpx.Response:
 @pytest.mark.parametrize("path, body, status, param", [
     ("/v1/completions", b"{not json", 400, None),
     ("/v1/completions", b"[1, 2]", 400, None),
+    ("/v1/completions", b'{"prompt": ' + b"[" * 200_000 + b"]" * 200_000 + b"}", 400, None),  # the parser recurses
+    ("/v1/completions", b'{"prompt": "x", "stop": ' + b"[" * 200 + b"]" * 200 + b"}", 400, None),  # parses, too deep
     ("/v1/completions", {"max_tokens": 3}, 400, "prompt"),
     ("/v1/chat/completions", {"messages": []}, 400, "messages"),
     ("/v1/nothing", {"prompt": "x"}, 404, None),

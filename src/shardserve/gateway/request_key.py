@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from shardserve.chat_messages import normalize_messages, render_chat
+from shardserve.http_common import BodyError, json_object
 
 
 class BadRequest(Exception):
@@ -35,12 +36,9 @@ class RouteKey:
 
 def parse_json_object(raw: bytes) -> dict:
     try:
-        data = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise BadRequest(f"malformed JSON body: {e}") from None
-    if not isinstance(data, dict):
-        raise BadRequest("the request body must be a JSON object")
-    return data
+        return json_object(raw)
+    except BodyError as e:
+        raise BadRequest(str(e)) from None
 
 
 def _max_tokens(body: dict) -> int | None:
