@@ -159,14 +159,20 @@ class LLM:
 
     def chat(self, messages: list[dict] | list[list[dict]],
              sampling_params: SamplingParams | None = None, use_tqdm: bool = True,
-             tools: list[dict] | None = None):
+             tools: list[dict] | None = None, chat_template: str | None = None,
+             chat_template_kwargs: dict | None = None, add_generation_prompt: bool = True,
+             continue_final_message: bool = False):
         """One conversation returns one RequestOutput; a list of conversations returns a list.
         `tools` (OpenAI's function definitions) are rendered by the model's chat template, as
         vLLM's LLM.chat does; the output is the model's text (parse it with
-        server.tool_parsers, or serve with --tool-call-parser)."""
+        server.tool_parsers, or serve with --tool-call-parser). The template options are vLLM's:
+        a Jinja `chat_template` in place of the model's, variables it reads, and whether the
+        prompt opens the answer or continues the conversation's last (assistant) message."""
         single = bool(messages) and isinstance(messages[0], dict)
         convs = [messages] if single else messages
-        prompts = [self.render_chat(c, tools) for c in convs]
+        options = {"add_generation_prompt": add_generation_prompt, "continue_final_message": continue_final_message,
+                   "chat_template": chat_template, "chat_template_kwargs": chat_template_kwargs}
+        prompts = [self.render_chat(c, tools, options) for c in convs]
         outs = self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
         return outs[0] if single else outs
 
@@ -174,12 +180,17 @@ class LLM:
         """SamplingParams with the model's generation defaults (temperature, top_p, ...) applied."""
         return SamplingParams(**self.generation_defaults)
 
-    def render_chat(self, conversation: list[dict], tools: list[dict] | None = None) -> list[int]:
+    def render_chat(self, conversation: list[dict], tools: list[dict] | None = None,
+                    options: dict | None = None) -> list[int]:
         """The conversation's prompt tokens: messages in OpenAI's shapes (text parts, tool calls,
-        tool results) normalized and rendered as the server does (chat_messages.py)."""
+        tool results) normalized and rendered as the server does (chat_messages.py; `options`:
+        its chat template options, None values left out)."""
         if self.tokenizer is None:
             raise ValueError("this model has no chat template")
-        text = render_chat(self.tokenizer, normalize_messages(conversation), tools)
+        if options and options.get("add_generation_prompt") and options.get("continue_final_message"):
+            raise ValueError("continue_final_message and add_generation_prompt cannot both be true")
+        options = {k: v for k, v in (options or {}).items() if v is not None}
+        text = render_chat(self.tokenizer, normalize_messages(conversation), tools, options)
         return self.tokenizer.encode(text, add_special_tokens=False)
 
     def add_request(self, prompt: Prompt, params: SamplingParams) -> str:

@@ -96,34 +96,13 @@ class Server:
         """Start a long streamed completion, SIGKILL `child` once its tokens flow (checked: the
         request is then running, not finished), and wait for the server to exit; returns how long
         that took. The request must have failed, not finished."""
-        result: dict = {"events": []}
-        flowing = threading.Event()
-
-        def long_request() -> None:
-            body = {"prompt": [5, 6], "max_tokens": 400, "ignore_eos": True, "stream": True}
-            try:
-                with httpx.stream("POST", self.url + "/v1/completions", json=body, timeout=60) as r:
-                    for line in r.iter_lines():
-                        if line:
-                            result["events"].append(line)
-                            flowing.set()
-            except httpx.HTTPError as e:
-                result["error"] = repr(e)
-            flowing.set()
-
-        t = threading.Thread(target=long_request)
-        t.start()
-        assert flowing.wait(60), "the long request never streamed"
-        assert unfinished(list(result["events"])), result  # killed while it runs
+        stream = LongStream(self.url, max_tokens=400)
+        stream.wait_running()
         os.kill(self.child_pid(child), signal.SIGKILL)
         start = time.monotonic()
         self.proc.wait(timeout)
         waited = time.monotonic() - start
-        t.join(timeout)
-        assert not t.is_alive(), "the request was still open after the server exited"
-        events = result["events"]
-        assert "error" in result or any('"error"' in e for e in events), result
-        assert '"finish_reason":"length"' not in "".join(events).replace(" ", ""), events[-3:]
+        stream.assert_failed(timeout)
         return waited
 
     def stop(self, sig: int = signal.SIGTERM, timeout: float = 15) -> tuple[int, list[int]]:
@@ -144,3 +123,39 @@ class Server:
             os.kill(p, signal.SIGKILL)
         self.log.close()
         return code, left
+
+
+class LongStream:
+    """A long streamed completion (ignore_eos) on a thread, its events kept as they come: a test
+    acts on a request it has seen running, and checks how it ended."""
+
+    def __init__(self, url: str, max_tokens: int, timeout: float = 60):
+        self.events: list[str] = []
+        self.error: str | None = None
+        self._flowing = threading.Event()
+        body = {"prompt": [5, 6], "max_tokens": max_tokens, "ignore_eos": True, "stream": True}
+        self._thread = threading.Thread(target=self._run, args=(url, body, timeout), daemon=True)
+        self._thread.start()
+
+    def _run(self, url: str, body: dict, timeout: float) -> None:
+        try:
+            with httpx.stream("POST", url + "/v1/completions", json=body, timeout=timeout) as r:
+                for line in r.iter_lines():
+                    if line:
+                        self.events.append(line)
+                        self._flowing.set()
+        except httpx.HTTPError as e:
+            self.error = repr(e)
+        self._flowing.set()
+
+    def wait_running(self, timeout: float = 60) -> None:
+        """Until tokens flow; then the request must be running, not finished."""
+        assert self._flowing.wait(timeout), "the long request never streamed"
+        assert unfinished(list(self.events)), (self.error, self.events[-3:])
+
+    def assert_failed(self, timeout: float = 30) -> None:
+        """The stream ended (within `timeout`) in an error, not by finishing its tokens."""
+        self._thread.join(timeout)
+        assert not self._thread.is_alive(), "the request was still open after the server exited"
+        assert self.error is not None or any('"error"' in e for e in self.events), self.events[-3:]
+        assert '"finish_reason":"length"' not in "".join(self.events).replace(" ", ""), self.events[-3:]

@@ -53,6 +53,20 @@ def test_chat_list_returns_list(llm: LLM) -> None:
     assert "Paris" in outs[0].text and "Berlin" in outs[1].text
 
 
+def test_chat_template_options_render_as_transformers_does(llm: LLM) -> None:
+    tok = llm.tokenizer
+    convo = FRANCE + [{"role": "assistant", "content": "The capital"}]
+    one = SamplingParams(max_tokens=1, temperature=0)
+    cont = llm.chat(convo, one, use_tqdm=False, add_generation_prompt=False, continue_final_message=True)
+    want = tok.apply_chat_template(convo, add_generation_prompt=False, continue_final_message=True, tokenize=False)
+    assert cont.prompt_token_ids == tok.encode(want, add_special_tokens=False) and want.endswith("The capital")
+    own = "{% for m in messages %}{{ m.content }}{% endfor %}{% if loud %}!{% endif %}"
+    out = llm.chat(FRANCE, one, use_tqdm=False, chat_template=own, chat_template_kwargs={"loud": True})
+    assert out.prompt_token_ids == tok.encode(FRANCE[0]["content"] + "!", add_special_tokens=False)
+    with pytest.raises(ValueError, match="cannot both be true"):
+        llm.chat(convo, one, use_tqdm=False, continue_final_message=True)
+
+
 def test_chat_matches_transformers_on_the_gguf(llm: LLM, hf_model: torch.nn.Module) -> None:
     ids = llm.render_chat(FRANCE)
     assert ids == llm.tokenizer.apply_chat_template(FRANCE, add_generation_prompt=True, tokenize=True,
