@@ -16,8 +16,9 @@ from shardserve.distributed.layout import Layout
 from shardserve.engine_backends import LocalBackend, ProcessBackend
 from shardserve.ipc.messages.api import TokenOut
 from shardserve.ipc.secure import deployment_secret
-from shardserve.launch.checks import check_dense
-from shardserve.launch.grid import check_layout, run_other_node
+from shardserve.launch.checks import check_dense, check_deployment
+from shardserve.launch.deployment import Deployment
+from shardserve.launch.grid import run_other_node
 from shardserve.launch.nodes import NodeSpec
 from shardserve.loader.generation_config import generation_defaults
 from shardserve.loader.model_path import resolve_checkpoint
@@ -85,7 +86,7 @@ class LLM:
                              "behind `shardserve router --prefill .. --decode ..`), not the offline LLM")
         self.config = EngineConfig(model=model, **kwargs)
         ckpt = resolve_checkpoint(model)
-        check_layout(self.layout, self.node, ckpt, self.config)
+        check_deployment(Deployment(self.config, self.layout, self.node), ckpt)  # as the server checks it
         self._backend = None
         if node_rank > 0:
             # Another machine's share of the grid: serve its ranks until node 0 shuts down.

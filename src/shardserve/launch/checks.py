@@ -9,13 +9,113 @@ never needs it otherwise.
 from __future__ import annotations
 
 import math
+import socket
 
 from shardserve.config import DTYPE_BYTES, EngineConfig, ModelConfig
+from shardserve.distributed.expert_placement import PlacementPlan, load_counts
 from shardserve.distributed.layout import Layout, LayoutError
+from shardserve.ipc.sockets import listen_socket
 from shardserve.kvcache.budget import kv_budget_message
+from shardserve.launch import LaunchError
+from shardserve.launch.deployment import Deployment
+from shardserve.launch.nodes import NodeSpec
 from shardserve.layers.sharding import head_shard  # plain Python
-from shardserve.loader.model_path import resolve_checkpoint
+from shardserve.loader.model_path import Checkpoint, resolve_checkpoint
 from shardserve.loader.weights import read_model_config
+
+
+def check_deployment(plan: Deployment, ckpt: Checkpoint, torchrun: bool = False) -> None:
+    """Every check of a deployment, in one pass before any process starts (the server's and the
+    offline API's alike): what the flags, this machine or the model cannot take, one line each."""
+    cfg, layout, node = plan.engine, plan.layout, plan.node
+    check_disaggregation(cfg, layout, node, torchrun)
+    if layout.ep > 1 and layout.dp > 1 and not layout.dp_attention:
+        raise LayoutError(f"--ep-size {layout.ep} with --dp-size {layout.dp} needs --enable-dp-attention (independent "
+                          f"replicas cannot share an expert all-to-all)")
+    if layout.ep > 1 and layout.ep != layout.moe_span:
+        raise LayoutError(f"--ep-size {layout.ep} must equal --tp-size ({layout.moe_span}) for now (experts split "
+                          f"whole over every rank of the MoE layers; experts also split within a rank group are "
+                          f"not built yet)")
+    if layout.dp > 1 and layout.nnodes > 1:
+        raise LayoutError(f"--dp-size {layout.dp} with --nnodes {layout.nnodes} is not supported yet: run one "
+                          f"multi-node server per replica and put `shardserve router` in front")
+    node.check(layout)
+    check_device(cfg.device, layout)
+    check_quantization(cfg, ckpt)
+    mc = read_model_config(ckpt)
+    layout.check_model(mc.num_layers, mc.num_heads, mc.num_experts)
+    check_context(cfg, mc)
+    check_kv_budget(cfg, layout, mc)
+    if cfg.ep_num_redundant_experts or cfg.ep_expert_placement:
+        check_placement(cfg, layout, mc)
+    if cfg.pp_layer_partition is not None or layout.pp > 1:
+        from shardserve.distributed.pipeline import split_layers  # torch: imported only when checked
+
+        split_layers(mc.num_layers, layout.pp, cfg.pp_layer_partition)
+    if (cfg.pp_micro_batches or 1) > 1 and layout.pp == 1:
+        raise LayoutError(f"--pp-micro-batches {cfg.pp_micro_batches} needs --pp-size > 1 (one stage runs one "
+                          f"micro-batch at a time)")
+
+
+def check_quantization(cfg: EngineConfig, ckpt: Checkpoint) -> None:
+    """--quantization int8 where it cannot run (each rank would fail the same way after start)."""
+    if cfg.quantization != "int8":
+        return
+    if ckpt.is_gguf:
+        raise LayoutError("--quantization int8 quantizes a safetensors checkpoint at load; a GGUF keeps its own "
+                          "formats (--quantization auto) or is expanded (none)")
+    if cfg.dtype != "float32" or (cfg.device or "cpu").startswith("cuda"):
+        raise LayoutError(f"--quantization int8 runs on the CPU in float32, not --dtype {cfg.dtype} on "
+                          f"{cfg.device or 'the default device'}")
+
+
+def check_placement(cfg: EngineConfig, layout: Layout, mc) -> None:
+    """Hot-expert replicas: refuse what would fail on every rank after model load."""
+    if layout.ep == 1:
+        raise LayoutError("--ep-num-redundant-experts and --ep-expert-placement need --ep-size > 1 (or "
+                          "--enable-dp-attention)")
+    if not cfg.ep_num_redundant_experts:
+        raise LayoutError("--ep-expert-placement needs --ep-num-redundant-experts > 0 (without extra slots the "
+                          "placement is the contiguous split and the file would go unused)")
+    counts = load_counts(cfg.ep_expert_placement, mc.num_experts).layers if cfg.ep_expert_placement else None
+    plan = PlacementPlan(layout.ep, cfg.ep_num_redundant_experts, counts)
+    for layer in range(mc.num_layers):
+        if mc.is_moe_layer(layer):
+            plan.for_layer(layer, mc.num_experts)
+
+
+def check_disaggregation(cfg: EngineConfig, layout: Layout, node: NodeSpec, torchrun: bool) -> None:
+    """What disaggregated prefill/decode runs on today, refused up front with the flag to change."""
+    if cfg.disaggregation_mode == "null":
+        return
+    flag = f"--disaggregation-mode {cfg.disaggregation_mode}"
+    for size, name in ((layout.pp, "--pp-size"), (layout.cp, "--cp-size"), (layout.dp, "--dp-size"),
+                       (layout.nnodes, "--nnodes")):
+        if size > 1:
+            raise ValueError(f"{flag} runs with {name} 1 for now (got {size}): start one instance per replica "
+                             f"behind the router")
+    if torchrun:
+        raise ValueError(f"{flag} does not run under torchrun yet")
+    if not node.secret:
+        raise ValueError(f"{flag} needs the deployment secret that keys the KV channels between the instances: "
+                         f"set SHARDSERVE_DIST_SECRET (the same on both), or --dist-secret-file PATH")
+    # The KV channels' ports (a prefill leader's one; a decode rank's port + tensor rank), tried now:
+    # a busy one fails in a second with its flag named, not after model load in a scheduler.
+    ports = range(cfg.disaggregation_port, cfg.disaggregation_port + (layout.tp if cfg.disaggregation_mode == "decode"
+                                                                      else 1))
+    for port in ports:
+        try:
+            bind_socket(cfg.disaggregation_host, port).close()
+        except LaunchError as e:
+            raise ValueError(f"--disaggregation-bootstrap-port: {e}") from None
+
+
+def bind_socket(host: str, port: int) -> socket.socket:
+    """Bind before starting workers, so a busy port fails in a second, not after model load."""
+    try:
+        return listen_socket(host, port)
+    except OSError as e:
+        raise LaunchError(str(e)) from None
 
 
 def check_dense(model: str | None, ep: int) -> None:

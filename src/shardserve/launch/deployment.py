@@ -13,8 +13,9 @@ from shardserve.launch.nodes import NodeSpec
 class Deployment:
     """The engine's settings, the rank grid and this machine's place in it.
 
-    The command line builds it (cli/flags.py) and the launcher checks it against the checkpoint
-    before any process starts; nothing below re-reads the flags.
+    The command line builds it from the flags (cli/flags.py), `LLM(...)` from its arguments, and
+    both check it against the checkpoint in one pass (launch/checks.check_deployment) before any
+    process starts; nothing below re-reads the flags.
     """
 
     engine: EngineConfig

@@ -12,74 +12,13 @@ import threading
 from collections.abc import Callable
 
 from shardserve.config import EngineConfig
-from shardserve.distributed.expert_placement import PlacementPlan, load_counts
-from shardserve.distributed.layout import Layout, LayoutError
+from shardserve.distributed.layout import Layout
 from shardserve.ipc.sockets import Endpoints
-from shardserve.launch.checks import check_context, check_device, check_kv_budget
 from shardserve.launch.nodes import NodeServer, NodeSpec, hello, run_worker_node
 from shardserve.launch.process_tree import Child, ProcessTree
 from shardserve.launch.ranks import scheduler_children
-from shardserve.loader.model_path import Checkpoint
-from shardserve.loader.weights import read_model_config
 
 log = logging.getLogger("shardserve.launch")
-
-
-def check_layout(layout: Layout, node: NodeSpec, ckpt: Checkpoint, cfg: EngineConfig) -> None:
-    """Refuse, before any process starts, a grid this machine's flags or the model cannot take."""
-    if layout.ep > 1 and layout.dp > 1 and not layout.dp_attention:
-        raise LayoutError(f"--ep-size {layout.ep} with --dp-size {layout.dp} needs --enable-dp-attention (independent "
-                          f"replicas cannot share an expert all-to-all)")
-    if layout.ep > 1 and layout.ep != layout.moe_span:
-        raise LayoutError(f"--ep-size {layout.ep} must equal --tp-size ({layout.moe_span}) for now (experts split "
-                          f"whole over every rank of the MoE layers; experts also split within a rank group are "
-                          f"not built yet)")
-    if layout.dp > 1 and layout.nnodes > 1:
-        raise LayoutError(f"--dp-size {layout.dp} with --nnodes {layout.nnodes} is not supported yet: run one "
-                          f"multi-node server per replica and put `shardserve router` in front")
-    node.check(layout)
-    check_device(cfg.device, layout)
-    check_quantization(cfg, ckpt)
-    mc = read_model_config(ckpt)
-    layout.check_model(mc.num_layers, mc.num_heads, mc.num_experts)
-    check_context(cfg, mc)
-    check_kv_budget(cfg, layout, mc)
-    if cfg.ep_num_redundant_experts or cfg.ep_expert_placement:
-        check_placement(cfg, layout, mc)
-    if cfg.pp_layer_partition is not None or layout.pp > 1:
-        from shardserve.distributed.pipeline import split_layers  # torch: imported only when checked
-
-        split_layers(mc.num_layers, layout.pp, cfg.pp_layer_partition)
-    if (cfg.pp_micro_batches or 1) > 1 and layout.pp == 1:
-        raise LayoutError(f"--pp-micro-batches {cfg.pp_micro_batches} needs --pp-size > 1 (one stage runs one "
-                          f"micro-batch at a time)")
-
-
-def check_quantization(cfg: EngineConfig, ckpt: Checkpoint) -> None:
-    """--quantization int8 where it cannot run (each rank would fail the same way after start)."""
-    if cfg.quantization != "int8":
-        return
-    if ckpt.is_gguf:
-        raise LayoutError("--quantization int8 quantizes a safetensors checkpoint at load; a GGUF keeps its own "
-                          "formats (--quantization auto) or is expanded (none)")
-    if cfg.dtype != "float32" or (cfg.device or "cpu").startswith("cuda"):
-        raise LayoutError(f"--quantization int8 runs on the CPU in float32, not --dtype {cfg.dtype} on "
-                          f"{cfg.device or 'the default device'}")
-
-
-def check_placement(cfg: EngineConfig, layout: Layout, mc) -> None:
-    """Hot-expert replicas: refuse what would fail on every rank after model load."""
-    if layout.ep == 1:
-        raise LayoutError("--ep-num-redundant-experts and --ep-expert-placement need --ep-size > 1 (or "
-                          "--enable-dp-attention)")
-    if not cfg.ep_num_redundant_experts:
-        raise LayoutError("--ep-expert-placement needs --ep-num-redundant-experts > 0 (without extra slots the "
-                          "placement is the contiguous split and the file would go unused)")
-    counts = load_counts(cfg.ep_expert_placement, mc.num_experts).layers if cfg.ep_expert_placement else None
-    plan = PlacementPlan(layout.ep, cfg.ep_num_redundant_experts, counts)
-    for layer in range(mc.num_layers):
-        if mc.is_moe_layer(layer):
-            plan.for_layer(layer, mc.num_experts)
 
 
 def heartbeat_timeout(cfg: EngineConfig) -> float:

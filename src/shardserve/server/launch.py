@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import logging
 import signal
 import socket
@@ -22,10 +23,11 @@ import sys
 
 import uvicorn
 
-from shardserve.ipc.sockets import Endpoints, listen_socket
+from shardserve.ipc.sockets import Endpoints
 from shardserve.launch import LaunchError
+from shardserve.launch.checks import bind_socket, check_deployment
 from shardserve.launch.deployment import Deployment
-from shardserve.launch.grid import LocalGrid, check_layout, endpoints, run_other_node
+from shardserve.launch.grid import LocalGrid, endpoints, run_other_node
 from shardserve.launch.process_tree import ByName, Child
 from shardserve.launch.torchrun import run_rank_here, torchrun_env, torchrun_layout
 from shardserve.loader.generation_config import describe, generation_defaults
@@ -51,49 +53,14 @@ def tokenizer_children(model: str | None, ep: Endpoints, num_tokenizers: int) ->
         Child(f"tokenizer-{i}", tokenizer_main, (model, ep, i, False)) for i in range(num_tokenizers)]
 
 
-def check_disaggregation(cfg, layout, node, torchrun: bool) -> None:
-    """What disaggregated prefill/decode runs on today, refused up front with the flag to change."""
-    if cfg.disaggregation_mode == "null":
-        return
-    flag = f"--disaggregation-mode {cfg.disaggregation_mode}"
-    for size, name in ((layout.pp, "--pp-size"), (layout.cp, "--cp-size"), (layout.dp, "--dp-size"),
-                       (layout.nnodes, "--nnodes")):
-        if size > 1:
-            raise ValueError(f"{flag} runs with {name} 1 for now (got {size}): start one instance per replica "
-                             f"behind the router")
-    if torchrun:
-        raise ValueError(f"{flag} does not run under torchrun yet")
-    if not node.secret:
-        raise ValueError(f"{flag} needs the deployment secret that keys the KV channels between the instances: "
-                         f"set SHARDSERVE_DIST_SECRET (the same on both), or --dist-secret-file PATH")
-    # The KV channels' ports (a prefill leader's one; a decode rank's port + tensor rank), tried now:
-    # a busy one fails in a second with its flag named, not after model load in a scheduler.
-    ports = range(cfg.disaggregation_port, cfg.disaggregation_port + (layout.tp if cfg.disaggregation_mode == "decode"
-                                                                      else 1))
-    for port in ports:
-        try:
-            bind_socket(cfg.disaggregation_host, port).close()
-        except LaunchError as e:
-            raise ValueError(f"--disaggregation-bootstrap-port: {e}") from None
-
-
-def bind_socket(host: str, port: int) -> socket.socket:
-    """Bind before starting workers, so a busy port fails in a second, not after model load."""
-    try:
-        return listen_socket(host, port)
-    except OSError as e:
-        raise LaunchError(str(e)) from None
-
-
 def serve(args: argparse.Namespace, plan: Deployment) -> int:
     """`args`: the server's own flags (host, port, limits); `plan`: what to deploy."""
-    cfg, layout, node = plan.engine, plan.layout, plan.node
-    ckpt = resolve_checkpoint(cfg.model)
+    ckpt = resolve_checkpoint(plan.engine.model)
     env = torchrun_env()
-    check_disaggregation(cfg, layout, node, env is not None)
     if env is not None:  # torchrun started this process as one rank: it decides rank and nodes
-        layout, node = torchrun_layout(layout, env), env.node(node.secret)
-    check_layout(layout, node, ckpt, cfg)
+        plan = dataclasses.replace(plan, layout=torchrun_layout(plan.layout, env), node=env.node(plan.node.secret))
+    check_deployment(plan, ckpt, torchrun=env is not None)
+    cfg, layout, node = plan.engine, plan.layout, plan.node
     policy = resolve_policy(args.load_balance_method, layout.dp, layout.dp_attention)
     if env is not None and env.rank > 0:
         return run_rank_here(cfg, layout, env, node.secret)
