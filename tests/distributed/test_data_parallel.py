@@ -114,7 +114,7 @@ def test_dp2_server_same_text_and_prefix_affinity(tiny_model, tmp_path):
         assert hit > 0
 
         # A rank of replica 1 dies: the server ends with an error naming it, nothing left behind.
-        assert server.kill_mid_request("scheduler-1") < 30
+        assert server.kill_mid_request("scheduler-1", streams=2) < 30
         assert "scheduler-1 (dp 1) was killed by signal 9" in server.read_log()
     finally:
         code, left = server.stop()

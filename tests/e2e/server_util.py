@@ -92,17 +92,24 @@ class Server:
         assert m, f"no pid logged for {name}"
         return int(m.group(1))
 
-    def kill_mid_request(self, child: str, timeout: float = 30) -> float:
-        """Start a long streamed completion, SIGKILL `child` once its tokens flow (checked: the
-        request is then running, not finished), and wait for the server to exit; returns how long
-        that took. The request must have failed, not finished."""
-        stream = LongStream(self.url, max_tokens=400)
-        stream.wait_running()
+    def kill_mid_request(self, child: str, timeout: float = 30, streams: int = 1) -> float:
+        """Start `streams` long streamed completions one after another, SIGKILL `child` once all
+        their tokens flow (checked: each is then running, not finished), and wait for the server
+        to exit; returns how long that took. Every stream must have ended; with one, it failed.
+        With independent replicas (--dp-size) give one stream per replica: the router places each
+        on the least loaded one, so one runs on the replica `child` belongs to and must fail,
+        while another replica's may finish before the server notices the death."""
+        running = []
+        for i in range(streams):
+            running.append(LongStream(self.url, max_tokens=400, prompt=[5 + i, 6]))
+            running[-1].wait_running()
         os.kill(self.child_pid(child), signal.SIGKILL)
         start = time.monotonic()
         self.proc.wait(timeout)
         waited = time.monotonic() - start
-        stream.assert_failed(timeout)
+        failed = [s.ended_in_error(timeout) for s in running]
+        assert any(failed), [s.events[-2:] for s in running]
+        assert streams > 1 or all(failed)
         return waited
 
     def stop(self, sig: int = signal.SIGTERM, timeout: float = 15) -> tuple[int, list[int]]:
@@ -129,11 +136,11 @@ class LongStream:
     """A long streamed completion (ignore_eos) on a thread, its events kept as they come: a test
     acts on a request it has seen running, and checks how it ended."""
 
-    def __init__(self, url: str, max_tokens: int, timeout: float = 60):
+    def __init__(self, url: str, max_tokens: int, timeout: float = 60, prompt: list[int] | None = None):
         self.events: list[str] = []
         self.error: str | None = None
         self._flowing = threading.Event()
-        body = {"prompt": [5, 6], "max_tokens": max_tokens, "ignore_eos": True, "stream": True}
+        body = {"prompt": prompt or [5, 6], "max_tokens": max_tokens, "ignore_eos": True, "stream": True}
         self._thread = threading.Thread(target=self._run, args=(url, body, timeout), daemon=True)
         self._thread.start()
 
@@ -153,9 +160,16 @@ class LongStream:
         assert self._flowing.wait(timeout), "the long request never streamed"
         assert unfinished(list(self.events)), (self.error, self.events[-3:])
 
-    def assert_failed(self, timeout: float = 30) -> None:
-        """The stream ended (within `timeout`) in an error, not by finishing its tokens."""
+    def ended_in_error(self, timeout: float = 30) -> bool:
+        """Once the stream has ended (within `timeout`, else an assertion fails): whether in an
+        error, as opposed to finishing its tokens (one of the two, never both nor neither)."""
         self._thread.join(timeout)
         assert not self._thread.is_alive(), "the request was still open after the server exited"
-        assert self.error is not None or any('"error"' in e for e in self.events), self.events[-3:]
-        assert '"finish_reason":"length"' not in "".join(self.events).replace(" ", ""), self.events[-3:]
+        errored = self.error is not None or any('"error"' in e for e in self.events)
+        finished = '"finish_reason":"length"' in "".join(self.events).replace(" ", "")
+        assert errored != finished, self.events[-3:]
+        return errored
+
+    def assert_failed(self, timeout: float = 30) -> None:
+        """The stream ended (within `timeout`) in an error, not by finishing its tokens."""
+        assert self.ended_in_error(timeout), self.events[-3:]

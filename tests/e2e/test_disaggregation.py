@@ -103,12 +103,12 @@ def pd(tiny_model, tmp_path_factory):
         p, d = [servers["p1"], servers["p2"]], [servers["d1"], servers["d2"]]
         router = RouterProc("--prefill", p[0].url, p[1].url, "--decode", d[0].url, d[1].url, "--model", path,
                             "--page-size", "8", "--health-interval", "0.5", log_path=str(logs / "router.log"))
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline:
+        def healthy() -> bool:
             with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(router.url + "/health", timeout=2).status_code == 200:
-                    break
-            time.sleep(0.2)
+                return httpx.get(router.url + "/health", timeout=2).status_code == 200
+            return False
+
+        wait_for(healthy, 60, "the router's /health to answer 200 (every instance healthy)")
         yield PD(path, model, servers["ref"], p, d, router)
     finally:
         if router is not None:

@@ -19,6 +19,7 @@ from shardserve.cli.flags import (
     positive_ints,
     seed_int,
 )
+from shardserve.logs import LOG_LEVELS
 
 
 def add_bench_args(bench: argparse.ArgumentParser) -> None:
@@ -67,6 +68,7 @@ def add_serve_bench_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=seed_int, default=0, help="seeds the prompts, output lengths and arrival times")
     p.add_argument("--model-name", default=None, help="`model` field to send (default: first id of GET /v1/models)")
     p.add_argument("--endpoint", choices=["completions", "chat"], default="completions")
+    p.add_argument("--log-level", choices=LOG_LEVELS, default="info", help="this process's log level")
     add_shared_prefix_args(p)
 
 

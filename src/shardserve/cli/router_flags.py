@@ -6,6 +6,7 @@ import argparse
 import os
 
 from shardserve.cli.flags import non_negative_float, non_negative_int, port_number, positive_float, positive_int
+from shardserve.logs import LOG_LEVELS
 from shardserve.openai_errors import API_KEY_ENV
 
 WORKER_KEY_ENV = "SHARDSERVE_WORKER_API_KEY"
@@ -69,6 +70,7 @@ def add_router_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--worker-api-key", default=os.environ.get(WORKER_KEY_ENV, ""),
                    help=f"key sent to the workers (their --api-key; default: ${WORKER_KEY_ENV})")
     p.add_argument("--metrics-require-key", action="store_true", help="require the key on /health and /metrics too")
+    p.add_argument("--log-level", choices=LOG_LEVELS, default="info", help="this process's log level (uvicorn's too)")
     # Which mode the flags name is known only once all are parsed; it is checked then, as a one-line
     # error of this subcommand (argparse hands a subcommand's arguments to its parse_known_args).
     parse_known_args = p.parse_known_args

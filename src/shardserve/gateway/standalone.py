@@ -214,7 +214,7 @@ def run_router(args: argparse.Namespace) -> int:
     fwd, described = build_forwarder(args, tokenizer)
     # uvicorn's own limit comes later: by then every request has had its clean error.
     config = uvicorn.Config(build_app(fwd, args.health_interval, args.api_key, args.metrics_require_key),
-                            log_level="info",
+                            log_level=args.log_level,
                             timeout_graceful_shutdown=SHUTDOWN_GRACE_S + 3)
     server = _Server(config, fwd)
     logging.getLogger("httpx").setLevel(logging.WARNING)  # not a line per health check and forwarded request
