@@ -195,6 +195,14 @@ def test_chat_template_fields(tiny_server, tok):
     thinking = chat(tiny_server, chat_template=own, chat_template_kwargs={"enable_thinking": True})
     assert plain["usage"]["prompt_tokens"] == len(tok.encode("Hi", add_special_tokens=False))
     assert thinking["usage"]["prompt_tokens"] == len(tok.encode("Hi and think", add_special_tokens=False))
+    # /tokenize renders with the same fields.
+    counted = post(tiny_server, "/tokenize", {"messages": convo, "add_generation_prompt": False,
+                                              "continue_final_message": True}).json()
+    assert counted["tokens"] == tok.encode(text, add_special_tokens=False)
+    own_tokens = post(tiny_server, "/tokenize", {"messages": CHAT, "chat_template": own,
+                                                 "chat_template_kwargs": {"enable_thinking": True}}).json()
+    assert own_tokens["tokens"] == tok.encode("Hi and think", add_special_tokens=False)
+    refused(post(tiny_server, "/tokenize", {"prompt": "Hi", "chat_template": own}), "chat_template")
 
 
 # ------------------------------------------------------------------------------- ids, priority, guided_*

@@ -73,6 +73,9 @@ def test_api_key_bounds_and_router_key(tiny_model, tmp_path, monkeypatch):
         r = httpx.post(url + "/v1/chat/completions", headers={"Authorization": f"Bearer {key}"},
                        json={"messages": [{"role": "user", "content": "hi"}], "chat_template": "{{ 1 }}"})
         assert r.status_code == 400 and r.json()["error"]["param"] == "chat_template", r.text
+        r = httpx.post(url + "/tokenize", headers={"Authorization": f"Bearer {key}"},
+                       json={"messages": [{"role": "user", "content": "hi"}], "chat_template": "{{ 1 }}"})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "chat_template", r.text
 
         # The standalone router: its own key for clients; the workers' key passed on, never the client's.
         monkeypatch.setenv("SHARDSERVE_API_KEY", router_key)

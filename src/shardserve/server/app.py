@@ -22,6 +22,7 @@ from shardserve.server.protocol import (
     TokenizeRequest,
     error_body,
 )
+from shardserve.server.request_params import chat_options, template_fields_given
 
 log = logging.getLogger(__name__)
 
@@ -114,8 +115,12 @@ def build_app(state: ServerState) -> FastAPI:
         if body.tools and msgs is None:
             raise APIError(400, "tools are rendered with chat messages: give 'messages'", param="tools")
         tools = [t.model_dump(exclude_none=True) for t in body.tools] if body.tools else None
+        options = chat_options(body, msgs, state.trust_request_chat_template) if msgs is not None else None
+        if msgs is None and (given := template_fields_given(body)):
+            raise APIError(400, f"{given} shapes how chat messages are rendered: give 'messages'", param=given)
         reply = await state.client.call(TokenizeReq(rid=EngineClient.new_rid(), text=body.prompt, messages=msgs,
-                                                    add_special_tokens=body.add_special_tokens, tools=tools))
+                                                    add_special_tokens=body.add_special_tokens, tools=tools,
+                                                    chat_options=options))
         _raise_if_error(reply)
         return {"tokens": reply.token_ids, "count": len(reply.token_ids), "max_model_len": state.max_model_len}
 

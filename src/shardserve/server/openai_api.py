@@ -173,9 +173,6 @@ class OpenAIHandlers:
         if body.top_logprobs is not None and not body.logprobs:
             raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
         top = (body.top_logprobs or 0) if body.logprobs else None
-        if body.chat_template is not None and not self.s.trust_request_chat_template:
-            raise APIError(400, "this server runs only its model's chat template; start it with "
-                                "--trust-request-chat-template to run the one a request sends", param="chat_template")
         tools = tool_use(body, self.s.tool_call_parser)
         # Without max_tokens the scheduler gives whatever context the prompt leaves (min_tokens till then).
         params = tools.constrain(sampling_params(body, self.s.sampling_defaults, max_tokens or max(1, body.min_tokens),
@@ -183,7 +180,7 @@ class OpenAIHandlers:
         messages = chat_messages(body.messages)
         reqs = fan_out([{"messages": messages, "tools": tools.tools}], params, body.n, body.request_id,
                        auto_max_tokens=max_tokens is None, prefill=prefill,
-                       chat_options=chat_options(body, messages))
+                       chat_options=chat_options(body, messages, self.s.trust_request_chat_template))
         meta = {"id": f"chatcmpl-{body.request_id or EngineClient.new_rid()}", "created": int(time.time()),
                 "model": self.s.model_name}
         if body.stream:

@@ -183,26 +183,11 @@ RESERVED_TEMPLATE_KWARGS = frozenset((
 ))
 
 
-class ChatRequest(_Sampling):
-    not_honoured: ClassVar[dict[str, tuple[tuple, str]]] = {
-        **NOT_HONOURED,
-        "modalities": ((["text"],), "this model produces text only"),
-        "audio": ((), "this model produces text only"),
-        "prediction": ((), "predicted outputs are not supported"),
-        "web_search_options": ((), "this server cannot search the web"),
-        "functions": ((), "the deprecated functions API is not supported; use tools"),
-        "function_call": ((), "the deprecated functions API is not supported; use tool_choice"),
-    }
+class ChatTemplateFields(BaseModel):
+    """What a chat's prompt is rendered with (chat completions and /tokenize alike)."""
 
-    messages: list[ChatMessage] = Field(min_length=1)
-    max_tokens: int | None = None
-    max_completion_tokens: int | None = None
-    logprobs: bool = False
-    top_logprobs: int | None = Field(None, ge=0, le=20)
-    # Tool calling (server/tools.py): definitions for the chat template, read back with --tool-call-parser.
-    tools: list[ToolDefinition] | None = None
-    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
-    parallel_tool_calls: bool | None = None
+    model_config = STRICT
+
     # The chat template (vLLM's fields): a Jinja string in place of the model's, the variables it
     # reads beyond the messages (enable_thinking, ...), and how the prompt ends: ready for a new
     # assistant message, or continuing the last one (not both).
@@ -222,7 +207,29 @@ class ChatRequest(_Sampling):
         return kwargs
 
 
-class TokenizeRequest(BaseModel):
+class ChatRequest(_Sampling, ChatTemplateFields):
+    not_honoured: ClassVar[dict[str, tuple[tuple, str]]] = {
+        **NOT_HONOURED,
+        "modalities": ((["text"],), "this model produces text only"),
+        "audio": ((), "this model produces text only"),
+        "prediction": ((), "predicted outputs are not supported"),
+        "web_search_options": ((), "this server cannot search the web"),
+        "functions": ((), "the deprecated functions API is not supported; use tools"),
+        "function_call": ((), "the deprecated functions API is not supported; use tool_choice"),
+    }
+
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=20)
+    # Tool calling (server/tools.py): definitions for the chat template, read back with --tool-call-parser.
+    tools: list[ToolDefinition] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
+
+
+class TokenizeRequest(ChatTemplateFields):
     model_config = STRICT
 
     model: str | None = None

@@ -57,8 +57,12 @@ def check_token_ids(ids: list[int] | None, vocab_size: int | None, field: str) -
         raise APIError(400, f"{field} token id {bad[0]} is outside the vocabulary [0, {vocab_size})", param=field)
 
 
-def chat_options(body, messages: list[dict]) -> dict:
-    """The chat template's options (chat_messages.render_chat) from the request's fields."""
+def chat_options(body, messages: list[dict], trust_template: bool) -> dict:
+    """The chat template's options (chat_messages.render_chat) from the request's fields; a
+    request's own template only where the server trusts them (--trust-request-chat-template)."""
+    if body.chat_template is not None and not trust_template:
+        raise APIError(400, "this server runs only its model's chat template; start it with "
+                            "--trust-request-chat-template to run the one a request sends", param="chat_template")
     if body.add_generation_prompt and body.continue_final_message:
         raise APIError(400, "continue_final_message and add_generation_prompt cannot both be true: set "
                             "add_generation_prompt to false to continue the last message",
@@ -70,6 +74,13 @@ def chat_options(body, messages: list[dict]) -> dict:
                "continue_final_message": body.continue_final_message,
                "chat_template": body.chat_template, "chat_template_kwargs": body.chat_template_kwargs}
     return {k: v for k, v in options.items() if v is not None}
+
+
+def template_fields_given(body) -> str | None:
+    """The first chat template field a request sets to other than its default, if any."""
+    defaults = {"add_generation_prompt": True, "continue_final_message": False, "chat_template": None,
+                "chat_template_kwargs": None}
+    return next((name for name, d in defaults.items() if getattr(body, name) != d), None)
 
 
 def check_scheduling(body) -> None:

@@ -67,7 +67,7 @@ class Tokenizer:
             if isinstance(msg, GenerateReq):
                 send(self.to_scheduler, self.tokenized(msg))
             elif isinstance(msg, TokenizeReq):
-                ids = self.encode(msg.text, msg.messages, msg.add_special_tokens, msg.tools)
+                ids = self.encode(msg.text, msg.messages, msg.add_special_tokens, msg.tools, msg.chat_options)
                 send(self.to_api, TokenizeOut(rid=msg.rid, token_ids=ids))
             elif isinstance(msg, DetokenizeReq):
                 if self.tok is None:

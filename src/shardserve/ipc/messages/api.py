@@ -96,6 +96,7 @@ class TokenizeReq(Msg):
     messages: list[dict] | None = None
     add_special_tokens: bool = True
     tools: list[dict] | None = None
+    chat_options: dict | None = None  # messages: the template's options (chat_messages.render_chat)
 
 
 class TokenizeOut(Msg):
