@@ -63,6 +63,17 @@ class ChatMessageError(ValueError):
         self.param = param
 
 
+def check_template_options(messages: list[dict], options: dict) -> None:
+    """How the prompt ends: a new assistant message or the last one continued, never both, and
+    only an assistant's message continued (the server's and LLM.chat's one rule)."""
+    if options.get("continue_final_message") and options.get("add_generation_prompt", True):
+        raise ChatMessageError("continue_final_message", "continue_final_message and add_generation_prompt "
+                               "cannot both be true: set add_generation_prompt to false to continue the last message")
+    if options.get("continue_final_message") and (not messages or messages[-1]["role"] != "assistant"):
+        raise ChatMessageError("continue_final_message", "continue_final_message continues the last message, "
+                               "which must be the assistant's")
+
+
 def normalize_messages(messages: Any) -> list[dict]:
     """The conversation as chat templates read it (a new list; the input is left as it was)."""
     if not isinstance(messages, list) or not messages:

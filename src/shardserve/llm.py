@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 
 from tqdm import tqdm
 
-from shardserve.chat_messages import normalize_messages, render_chat
+from shardserve.chat_messages import check_template_options, normalize_messages, render_chat
 from shardserve.config import EngineConfig
 from shardserve.core import CompletionOutput, RequestOutput, SamplingParams
 from shardserve.distributed.layout import Layout
@@ -188,10 +188,10 @@ class LLM:
         its chat template options, None values left out)."""
         if self.tokenizer is None:
             raise ValueError("this model has no chat template")
-        if options and options.get("add_generation_prompt") and options.get("continue_final_message"):
-            raise ValueError("continue_final_message and add_generation_prompt cannot both be true")
         options = {k: v for k, v in (options or {}).items() if v is not None}
-        text = render_chat(self.tokenizer, normalize_messages(conversation), tools, options)
+        messages = normalize_messages(conversation)
+        check_template_options(messages, options)
+        text = render_chat(self.tokenizer, messages, tools, options)
         return self.tokenizer.encode(text, add_special_tokens=False)
 
     def add_request(self, prompt: Prompt, params: SamplingParams) -> str:

@@ -75,7 +75,8 @@ class EngineClient:
             return
         err = task.exception()
         log.error("the API process stopped reading %s: %r", self._inbox_name, err, exc_info=err)
-        self.fail_all(f"the API process stopped reading engine replies: {err!r}", status=500)
+        # The client's one line names no class (the log above has the traceback).
+        self.fail_all(f"the API process stopped reading engine replies: {err or 'the reader ended'}", status=500)
 
     def _deliver(self, rid: str, item: Msg) -> None:
         q = self.queues.get(rid)

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+from shardserve.chat_messages import ChatMessageError, check_template_options
 from shardserve.core import SamplingParams
 from shardserve.server.errors import APIError
 from shardserve.server.structured import structured_outputs
@@ -63,17 +64,15 @@ def chat_options(body, messages: list[dict], trust_template: bool) -> dict:
     if body.chat_template is not None and not trust_template:
         raise APIError(400, "this server runs only its model's chat template; start it with "
                             "--trust-request-chat-template to run the one a request sends", param="chat_template")
-    if body.add_generation_prompt and body.continue_final_message:
-        raise APIError(400, "continue_final_message and add_generation_prompt cannot both be true: set "
-                            "add_generation_prompt to false to continue the last message",
-                       param="continue_final_message")
-    if body.continue_final_message and messages[-1]["role"] != "assistant":
-        raise APIError(400, "continue_final_message continues the last message, which must be the "
-                            "assistant's", param="continue_final_message")
     options = {"add_generation_prompt": body.add_generation_prompt,
                "continue_final_message": body.continue_final_message,
                "chat_template": body.chat_template, "chat_template_kwargs": body.chat_template_kwargs}
-    return {k: v for k, v in options.items() if v is not None}
+    options = {k: v for k, v in options.items() if v is not None}
+    try:
+        check_template_options(messages, options)
+    except ChatMessageError as e:
+        raise APIError(400, str(e), param=e.param) from None
+    return options
 
 
 def template_fields_given(body) -> str | None:
