@@ -211,7 +211,8 @@ def test_gguf_weights_stay_in_their_blocks(tiny_gguf):
     linears = [m for m in model.modules() if isinstance(m, PackedLinear)]
     assert linears and all(m.quant is not None and m.weight is None and m.packed is None for m in linears)
     assert [len(m.quant) for m in linears[:4]] == [3, 1, 2, 1]  # q/k/v and gate/up keep their formats apart
-    assert model.embed_tokens.quant.name == "Q8_0" and model.embed_tokens.weight is None
+    # Q4_0/Q4_1/Q8_0 are held in the kernels' x16 layout: the file's bytes, regrouped
+    assert model.embed_tokens.quant.name == "Q8_0x16" and model.embed_tokens.weight is None
     held = sum(q.nbytes for m in linears for _, q in m.quant) + model.embed_tokens.quant.nbytes \
         + model.lm_head.quant.nbytes
     in_file = sum(int(t.n_bytes) for t in GGUFReader(tiny_gguf).tensors if t.tensor_type != T.F32)
@@ -249,7 +250,7 @@ def test_int8_at_load(tiny_model, arch, monkeypatch):
     path, _ = tiny_model(arch)
     tokens, logits, core = run(path, PROMPTS, quantization="int8")
     linears = [m for m in core.runner.model.modules() if isinstance(m, PackedLinear)]
-    assert linears and all(m.quant is not None and m.quant[0][1].name == "Q8_0" for m in linears)
+    assert linears and all(m.quant is not None and m.quant[0][1].name == "Q8_0x16" for m in linears)
     want_tokens, want_logits, _ = run(path, PROMPTS, quantization="none")
     for got, want in zip(logits, want_logits):  # one int8 step per 32 weights: ~0.4% of each weight
         assert float((got - want).abs().max()) <= 0.03 * float(want.abs().max())
@@ -293,7 +294,7 @@ def test_row_parallel_shards_keep_blocks_only_on_block_boundaries():
         src = LazySource("w", w.dequantize, lambda: w)
         layer.weight.weight_loader(layer.weight, src, None)
         layer.process_after_loading()
-        assert [q.name for _, q in layer.quant] == (["Q4_1"] if kept else ["F32"])
+        assert [q.name for _, q in layer.quant] == (["Q4_1x16"] if kept else ["F32"])
         lo, hi = in_range
         want = x[:, lo:hi] @ ref[:, lo:hi].T
         got = layer.matmul(x[:, lo:hi].contiguous())

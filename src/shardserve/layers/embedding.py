@@ -42,6 +42,7 @@ class VocabParallelEmbedding(nn.Module):
 
     def process_after_loading(self) -> None:
         if self.quant is not None:
+            self.quant = quant_kernel.kernel_layout(self.quant)  # a tied LM head multiplies it too
             self.weight = None
 
     def _rows(self, local: torch.Tensor) -> torch.Tensor:
@@ -73,8 +74,13 @@ class ParallelLMHead(VocabParallelEmbedding):
         self.packed: torch.Tensor | None = None
 
     def process_after_loading(self) -> None:
-        if self._tied_to:
-            self.quant = self._tied_to[0].quant
+        if self._tied_to:  # one copy for both, in the kernels' layout whichever is processed first
+            emb = self._tied_to[0]
+            if emb.quant is not None:
+                emb.quant = quant_kernel.kernel_layout(emb.quant)
+            self.quant = emb.quant
+        elif self.quant is not None:
+            self.quant = quant_kernel.kernel_layout(self.quant)
         if self.quant is None:  # float32 on the CPU: F32 rows, the same memory as the weight
             self.quant = quant_kernel.float_weight(self.weight)
         if self.quant is not None:

@@ -76,7 +76,8 @@ def apply_linear(x: torch.Tensor, weight: torch.Tensor | None, packed: torch.Ten
 
 
 def merge_segments(pieces: dict[int, QuantWeight]) -> tuple[tuple[int, QuantWeight], ...]:
-    """Row pieces (offset -> weight) in order, neighbours of one format joined into one."""
+    """Row pieces (offset -> weight) in order, neighbours of one format joined into one, each in
+    the layout the kernels multiply (quant_kernel.kernel_layout)."""
     out: list[tuple[int, QuantWeight]] = []
     for offset, q in sorted(pieces.items()):
         if out and out[-1][1].qtype == q.qtype and out[-1][0] + out[-1][1].rows == offset:
@@ -84,7 +85,7 @@ def merge_segments(pieces: dict[int, QuantWeight]) -> tuple[tuple[int, QuantWeig
             out[-1] = (out[-1][0], QuantWeight(q.qtype, torch.cat([prev.data, q.data]), q.cols))
         else:
             out.append((offset, q))
-    return tuple(out)
+    return tuple((offset, quant_kernel.kernel_layout(q)) for offset, q in out)
 
 
 class PackedLinear(nn.Module):

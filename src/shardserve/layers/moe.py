@@ -116,7 +116,7 @@ class SparseMoE(nn.Module):
         n, inter = self.w13.shape[0], self.w13.shape[1] // 2
         if pieces and len(pieces) == 3 * n:
             self.quant = [(merge_segments({0: pieces[i, "gate_proj"], inter: pieces[i, "up_proj"]}),
-                           ((0, pieces[i, "down_proj"]),)) for i in range(n)]
+                           merge_segments({0: pieces[i, "down_proj"]})) for i in range(n)]
             self.w13 = self.w2 = None
             return
         for (i, proj), q in pieces.items():

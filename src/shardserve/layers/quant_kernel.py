@@ -1,8 +1,8 @@
 """Products against block-quantized weights (csrc/quant_matmul.c), for the CPU.
 
-Every product runs in C: below 16 activation rows (decode) against the weight's blocks with
-16-bit activations, from 16 rows on (prefill, many streams) as a float GEMM on weight rows
-expanded 16 at a time (see the C file's header for both). Float32 weights take the same paths
+Every product runs in C with 16-bit activations against the weight's blocks: Q4_0, Q4_1 and
+Q8_0 in the x16 layout at every number of rows (`kernel_layout`); the K-quants below 10 rows,
+and from there as a float GEMM on expanded weight rows (see the C files' headers). Float32 weights take the same paths
 as F32 rows (`float_weight`): exact float products, and the C decode loop.
 """
 
@@ -11,9 +11,19 @@ from __future__ import annotations
 import torch
 
 from shardserve.layers.kernels import KernelUnavailable, available, load
-from shardserve.loader.quantized import QuantWeight, float_rows
+from shardserve.loader.quantized import X16_FORMATS, QuantWeight, float_rows, interleave16
 
-__all__ = ["KernelUnavailable", "available", "dequantize", "float_weight", "linear", "load"]
+__all__ = ["KernelUnavailable", "available", "dequantize", "float_weight", "kernel_layout", "linear", "load"]
+
+
+def kernel_layout(w: QuantWeight) -> QuantWeight:
+    """The weight as the kernels multiply it: Q4_0, Q4_1 and Q8_0 rows interleaved 16 at a time
+    (the x16 layout: faster at every batch size, and one arithmetic whatever the batch, so a
+    request's tokens do not depend on what shares its step; see csrc/quant_x16.c). Other
+    formats, and any weight where the kernels are unavailable, stay as they are."""
+    if w.qtype in X16_FORMATS and available() is None:
+        return interleave16(w)
+    return w
 
 
 def float_weight(weight: torch.Tensor | None) -> QuantWeight | None:
@@ -44,7 +54,7 @@ def dequantize(w: QuantWeight, rows: torch.Tensor | None = None, out: torch.Tens
     assert out.is_contiguous() and out.shape == (count, w.cols)
     if rows is not None:
         rows = rows.to(torch.int64).contiguous()
-    rc = load().qdequant(w.qtype, w.data.data_ptr(), w.data.stride(0), w.cols,
+    rc = load().qdequant(w.qtype, w.data.data_ptr(), w.data.stride(0), w.rows, w.cols,
                          None if rows is None else rows.data_ptr(), count, out.data_ptr(), torch.get_num_threads())
     _check(rc, "dequantize", w)
     return out

@@ -26,8 +26,14 @@ FORMATS: dict[int, tuple[str, int, int]] = {
 }
 Q8_0 = 8
 F32 = 0
-# Every layout a QuantWeight holds: the block formats and plain float32 rows.
-LAYOUTS: dict[int, tuple[str, int, int]] = {**FORMATS, F32: ("F32", 1, 4)}
+# A flag on Q4_0, Q4_1 and Q8_0: the same bytes with each group of 16 rows interleaved, the
+# layout the C kernels multiply at every batch size (layers/csrc/quant_x16.c; `interleave16`).
+X16 = 0x100
+X16_FORMATS = (2, 3, 8)
+# Every layout a QuantWeight holds: the block formats, their x16 layouts, plain float32 rows.
+LAYOUTS: dict[int, tuple[str, int, int]] = {
+    **FORMATS, **{X16 | t: (FORMATS[t][0] + "x16", *FORMATS[t][1:]) for t in X16_FORMATS}, F32: ("F32", 1, 4)}
+GROUP = 16
 
 
 @dataclass(frozen=True)
@@ -66,6 +72,8 @@ class QuantWeight:
         """Rows [start, end) (dim 0) or columns (dim 1); None if a column cut splits a block."""
         if dim is None:
             return self
+        if self.qtype & X16:
+            raise ValueError(f"{self.name}: an interleaved weight is not cut; cut it before interleave16")
         end = self.shape[dim] if end is None else end
         if dim == 0:
             return QuantWeight(self.qtype, self.data[start:end], self.cols)
@@ -82,6 +90,8 @@ class QuantWeight:
         """Float32 [rows, cols] by gguf's own (numpy) decoder: the reference the kernels match."""
         if self.qtype == F32:
             return self.data.view(torch.float32).clone()
+        if self.qtype & X16:
+            return deinterleave16(self).dequantize()
         from gguf import GGMLQuantizationType
         from gguf.quants import dequantize
 
@@ -107,3 +117,68 @@ def quantize_q8_0(weight: torch.Tensor) -> QuantWeight | None:
     blocks = torch.cat([d.view(torch.uint8).reshape(rows, cols // 32, 2), q.view(torch.uint8)], dim=-1)
     return QuantWeight(Q8_0, blocks.reshape(rows, -1).contiguous(), cols)
 
+
+
+# ---------------------------------------------------------------- the x16 layout
+
+def _to_x16(qtype: int, blocks: np.ndarray) -> np.ndarray:
+    """[G, L, nb, bytes] blocks of groups of L rows -> [G, nb, L * bytes]: per block the rows'
+    scales, minimums (Q4_1), then chunks of two columns (8-bit) or four (4-bit) for all L rows."""
+    heads = [blocks[..., 0:2], *([blocks[..., 2:4]] if qtype == 3 else [])]
+    qs = blocks[..., 2 * len(heads):]
+    if qtype == 8:  # chunk p, byte 2j + s: row j's column 2p + s
+        q = qs.reshape(*qs.shape[:-1], 16, 2)
+    else:  # chunk c, byte 2j + s: column 4c + s in the low nibble, 4c + 2 + s in the high
+        vals = np.concatenate([qs & 0xF, qs >> 4], axis=-1).reshape(*qs.shape[:-1], 8, 2, 2)
+        q = vals[..., 0, :] | (vals[..., 1, :] << 4)
+    g, lanes, nb = blocks.shape[:3]
+    parts = [np.moveaxis(h, 1, 2).reshape(g, nb, -1) for h in heads]  # [G, nb, L, 2]
+    parts.append(np.moveaxis(q, 1, 3).reshape(g, nb, -1))  # [G, nb, chunks, L, 2]
+    return np.concatenate(parts, axis=-1)
+
+
+def _from_x16(qtype: int, grouped: np.ndarray, lanes: int) -> np.ndarray:
+    """The inverse of _to_x16: [G, nb, L * bytes] -> [G, L, nb, bytes]."""
+    g, nb, _ = grouped.shape
+    nheads = 2 if qtype == 3 else 1
+    heads = [np.moveaxis(grouped[..., 2 * lanes * i: 2 * lanes * (i + 1)].reshape(g, nb, lanes, 2), 2, 1)
+             for i in range(nheads)]
+    chunks = grouped[..., 2 * lanes * nheads:].reshape(g, nb, -1, lanes, 2)
+    q = np.moveaxis(chunks, 3, 1)  # [G, L, nb, chunks, 2]
+    if qtype == 8:
+        qs = q.reshape(g, lanes, nb, 32)
+    else:
+        vals = np.stack([q & 0xF, q >> 4], axis=-2).reshape(g, lanes, nb, 32)
+        qs = vals[..., :16] | (vals[..., 16:] << 4)
+    return np.concatenate([*heads, qs], axis=-1)
+
+
+def _regroup(q: QuantWeight, qtype: int, forward: bool) -> np.ndarray:
+    """q's bytes with every group of 16 rows (the last: rows % 16) converted to or from x16."""
+    _, _, bb = FORMATS[qtype]
+    rows, nb = q.rows, q.cols // 32
+    src = q.data.cpu().numpy().reshape(rows, nb * bb)
+    out = np.empty_like(src)
+    full = rows // GROUP * GROUP
+    for g0, g1, lanes in ((0, full, GROUP), (full, rows, rows - full)):
+        if g1 > g0:
+            if forward:
+                res = _to_x16(qtype, src[g0:g1].reshape(-1, lanes, nb, bb))
+            else:
+                res = _from_x16(qtype, src[g0:g1].reshape(-1, nb, lanes * bb), lanes)
+            out[g0:g1] = res.reshape(g1 - g0, nb * bb)
+    return out
+
+
+def interleave16(q: QuantWeight) -> QuantWeight:
+    """Q4_0, Q4_1 or Q8_0 rows in the x16 layout (quant_x16.c states it): the same bytes, each
+    group of 16 rows stored block by block so that one vector load holds a column of 16 rows."""
+    if q.qtype not in X16_FORMATS:
+        raise ValueError(f"{q.name}: no x16 layout")
+    return QuantWeight(X16 | q.qtype, torch.from_numpy(_regroup(q, q.qtype, True)).to(q.data.device), q.cols)
+
+
+def deinterleave16(q: QuantWeight) -> QuantWeight:
+    """The rows back in their base format (references and tests; the kernels read x16 in place)."""
+    base = q.qtype & ~X16
+    return QuantWeight(base, torch.from_numpy(_regroup(q, base, False)).to(q.data.device), q.cols)

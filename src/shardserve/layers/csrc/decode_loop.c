@@ -55,7 +55,8 @@ static void mat_rows(const Mat *w, const Acts *a, const float *x, int64_t m, flo
         for (int64_t s = 0, off = 0; s < w->nseg && off < r1; off += w->seg[s++].rows) { /* its segments */
             const Seg *g = &w->seg[s];
             int64_t lo = r0 > off ? r0 - off : 0, hi = r1 - off < g->rows ? r1 - off : g->rows;
-            if (lo < hi) qmatmul_rows((int)g->type, g->data, g->row_bytes, lo, hi, a, x, a->k, m, y + off, ldy, wp);
+            if (lo < hi)
+                qmatmul_rows((int)g->type, g->data, g->row_bytes, g->rows, lo, hi, a, x, a->k, m, y + off, ldy, wp);
         }
     }
 }

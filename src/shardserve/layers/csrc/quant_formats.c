@@ -4,6 +4,9 @@
  * products and `expand_row` use). F32 (GGML's type 0) is plain float rows. */
 
 enum { F32 = 0, Q4_0 = 2, Q4_1 = 3, Q8_0 = 8, Q4_K = 12, Q6_K = 14 };
+#define X16 0x100 /* type flag: Q4_0, Q4_1 or Q8_0 rows interleaved 16 at a time (quant_x16.c) */
+static inline int x16_base(int type) { return type & 0xFF; }
+static inline int is_x16(int type) { return (type & X16) != 0; }
 #define QK 32   /* activation block */
 #define QKK 256 /* K-quant super-block */
 
@@ -146,6 +149,7 @@ static inline __attribute__((always_inline)) Block block16(const int type, const
 #endif
 
 static int known(int type) {
+    if (is_x16(type)) return type == (X16 | Q4_0) || type == (X16 | Q4_1) || type == (X16 | Q8_0);
     return type == F32 || type == Q4_0 || type == Q4_1 || type == Q8_0 || type == Q4_K || type == Q6_K;
 }
 

@@ -14,9 +14,12 @@
  * SmolLM2-135M then drifts off its float answers. 16 bits keep them, and still run faster than
  * widening every weight to a float.)
  *
- * From a few activation rows on (prefill, many streams; see product_path) the weight is expanded
- * to floats instead and multiplied by a register-blocked float GEMM (exact to float rounding;
- * quant_gemm.c).
+ * A layer's Q4_0, Q4_1 and Q8_0 weights are held interleaved 16 rows at a time (quant_x16.c) and
+ * take that 16-bit path at every number of rows: one arithmetic whatever the batch (batch-
+ * invariant results), and faster than the paths below at every size measured. For the other
+ * formats (and the native layouts), from a few activation rows on (prefill, many streams; see
+ * product_path) the weight is expanded to floats instead and multiplied by a register-blocked
+ * float GEMM (exact to float rounding; quant_gemm.c).
  *
  * Plain float32 rows (type F32) take the same entry points: exact float products (f32_rows
  * below 16 rows, the float GEMM from there), so float checkpoints share the decode loop.
@@ -68,6 +71,8 @@ static void quantize_rows(const float *x, int64_t ldx, int64_t r0, int64_t r1, c
     for (int64_t i = r0; i < r1; i++)
         quantize16(x + i * ldx, k, a->q + i * k, a->d + i * (k / QK), a->s + i * (k / QK));
 }
+
+#include "quant_x16.c"
 
 /* ------------------------------------------------------------------ one weight row . up to 8 rows */
 
@@ -210,16 +215,18 @@ static void f32_rows(const float *w, int64_t ldw, int64_t r0, int64_t r1, const 
 
 #include "quant_gemm.c"
 
-/* How a product of m activation rows runs, by the weight's type (crossovers measured on
+/* How a product of m activation rows runs, by the weight's type: x16 layouts always on their
+ * groups (X16_GROUPS); otherwise (crossovers measured on
  * SmolLM2's decode steps): the 16-bit path (ACTS16) while decoding a block costs less than
  * expanding the weight to floats (below 10 rows for 4-bit blocks, below 13 for Q8_0, whose
  * bytes widen directly);
  * F32 rows are read as they lie below 16 rows (F32_ROWS); then the float GEMM on activation
  * panels, and from STRIP_ROWS on weight strips. Without AVX2 every block format takes the float
  * GEMMs. */
-enum { ACTS16, F32_ROWS, PANELS, STRIPS };
+enum { ACTS16, F32_ROWS, PANELS, STRIPS, X16_GROUPS };
 
 static int product_path(int type, int64_t m) {
+    if (is_x16(type)) return X16_GROUPS; /* every m: see quant_x16.c */
     if (m >= STRIP_ROWS) return STRIPS;
     if (type == F32) return m < 16 ? F32_ROWS : PANELS;
 #ifdef __AVX2__
@@ -231,7 +238,8 @@ static int product_path(int type, int64_t m) {
 /* Rows of W a thread claims at a time in whole blocks of its kernel: 6 (panels) or 16. */
 static int64_t claim_grain(int type, int64_t m) { return product_path(type, m) == PANELS ? NW : 16; }
 
-/* Scratch floats one thread's float GEMM needs for rows of k weights. */
+/* Scratch bytes one thread's float GEMM needs for rows of k weights; also >= the 16 rows of
+ * x16_rows' padded last group (at most 34 bytes per 32 weights). */
 static size_t gemm_scratch(int64_t k) { return sizeof(float) * (size_t)((NR + 8) * k); } /* >= NW * k */
 
 /* Rows [r0, r1) of x into the same rows of `a`: quantized or packed, whichever `a` holds. */
@@ -243,9 +251,10 @@ static void acts_rows(const float *x, int64_t ldx, int64_t r0, int64_t r1, const
 /* y[i * ldy + r] = x_i . W[r] for i < m and r0 <= r < r1, by product_path: the 16-bit path on
  * `a` (x quantized), F32 rows against x, or a float GEMM with `wp` (gemm_scratch(k) bytes) on a's
  * panels or on x itself (strips). No threads of its own. */
-static void qmatmul_rows(int type, const uint8_t *w, int64_t row_bytes, int64_t r0, int64_t r1, const Acts *a,
-                         const float *x, int64_t ldx, int64_t m, float *y, int64_t ldy, float *wp) {
+static void qmatmul_rows(int type, const uint8_t *w, int64_t row_bytes, int64_t n, int64_t r0, int64_t r1,
+                         const Acts *a, const float *x, int64_t ldx, int64_t m, float *y, int64_t ldy, float *wp) {
     switch (product_path(type, m)) {
+    case X16_GROUPS: x16_rows(type, w, row_bytes, n, r0, r1, a, y, ldy, (uint8_t *)wp); return;
     case F32_ROWS:
         f32_rows((const float *)w, row_bytes / (int64_t)sizeof(float), r0, r1, x, ldx, m, a->k, y, ldy);
         return;
@@ -282,7 +291,7 @@ static void qmatmul_rows(int type, const uint8_t *w, int64_t row_bytes, int64_t 
 #endif
 }
 
-/* Buffers for m rows of up to k, for the paths in `paths` (bits 1 << ACTS16 and 1 << PANELS;
+/* Buffers for m rows of up to k, for the paths in `paths` (bits 1 << ACTS16 or X16_GROUPS, 1 << PANELS;
  * the others read x itself). Returns 0 when out of memory. */
 static int acts_alloc(Acts *a, int64_t m, int64_t k, int paths) {
     *a = (Acts){NULL, NULL, NULL, NULL, k, m};
@@ -290,15 +299,15 @@ static int acts_alloc(Acts *a, int64_t m, int64_t k, int paths) {
         a->p = malloc(sizeof(float) * (size_t)((m + PW - 1) / PW * PW * k));
         if (!a->p) return 0;
     }
-    if (!(paths & (1 << ACTS16))) return 1;
+    if (!(paths & ((1 << ACTS16) | (1 << X16_GROUPS)))) return 1;
     a->q = malloc(sizeof(int16_t) * (size_t)(m * k));
     a->d = malloc(sizeof(float) * (size_t)(m * (k / QK)));
     a->s = malloc(sizeof(float) * (size_t)(m * (k / QK)));
     return a->q && a->d && a->s;
 }
 
-/* Whether products on these paths run a float GEMM (and so need gemm_scratch). */
-static int needs_scratch(int paths) { return (paths & ((1 << PANELS) | (1 << STRIPS))) != 0; }
+/* Whether products on these paths need gemm_scratch (a float GEMM's, or x16's padded group). */
+static int needs_scratch(int paths) { return (paths & ((1 << PANELS) | (1 << STRIPS) | (1 << X16_GROUPS))) != 0; }
 
 static void acts_free(Acts *a) { free(a->q); free(a->d); free(a->s); free(a->p); }
 
@@ -352,7 +361,7 @@ int qmatmul(int type, const uint8_t *w, int64_t row_bytes, int64_t n, int64_t k,
             err = 2;
         } else {
             for (int64_t r0, r1; (r0 = claim_rows(&next, n, claim_grain(type, m), nth, &r1)) >= 0;)
-                qmatmul_rows(type, w, row_bytes, r0, r1, &a, x, ldx, m, y, ldy, wp);
+                qmatmul_rows(type, w, row_bytes, n, r0, r1, &a, x, ldx, m, y, ldy, wp);
         }
         free(wp);
     }
@@ -360,11 +369,27 @@ int qmatmul(int type, const uint8_t *w, int64_t row_bytes, int64_t n, int64_t k,
     return err;
 }
 
-/* out[j] (k floats) = row rows[j] of W (or row j when rows is NULL) for j < count. */
-int qdequant(int type, const uint8_t *w, int64_t row_bytes, int64_t k, const int64_t *rows, int64_t count,
-             float *out, int nthreads) {
+/* out[j] (k floats) = row rows[j] of W (or row j when rows is NULL) for j < count; W has n rows. */
+int qdequant(int type, const uint8_t *w, int64_t row_bytes, int64_t n, int64_t k, const int64_t *rows,
+             int64_t count, float *out, int nthreads) {
     if (!fits(type, k)) return 1;
+    if (!is_x16(type)) {
 #pragma omp parallel for num_threads(nthreads) schedule(static) if (count > 64)
-    for (int64_t j = 0; j < count; j++) expand_row(type, w + (rows ? rows[j] : j) * row_bytes, k, out + j * k);
-    return 0;
+        for (int64_t j = 0; j < count; j++) expand_row(type, w + (rows ? rows[j] : j) * row_bytes, k, out + j * k);
+        return 0;
+    }
+    int failed = 0;
+#pragma omp parallel num_threads(nthreads) if (count > 64) reduction(| : failed)
+    {
+        uint8_t *row = malloc((size_t)row_bytes); /* the row back in its base format */
+        failed = !row;
+#pragma omp for schedule(static)
+        for (int64_t j = 0; j < count; j++) {
+            if (!row) continue;
+            x16_row(type, w, row_bytes, n, rows ? rows[j] : j, row);
+            expand_row(x16_base(type), row, k, out + j * k);
+        }
+        free(row);
+    }
+    return failed ? 2 : 0;
 }
