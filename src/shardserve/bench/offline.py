@@ -5,7 +5,8 @@ token can be timestamped. With `--compare transformers` the same requests also g
 transformers' batched `generate` (static batches, left padding), which streams nothing: its
 "TTFT" is the time until the request's batch completes. With `--json-schema` the workload and the
 batch-1 decode run again with every output held to a JSON schema (structured outputs), and the
-ratio of tokens/s on to off is the cost of the per-step grammar mask.
+ratio of tokens/s on to off is the cost of the per-step grammar mask. With `--compare vllm` the
+workload also runs through vLLM's CPU backend in its own virtual environment (bench/vllm_peer.py).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from shardserve.bench.batch1 import batch1_ours
+from shardserve.bench.vllm_peer import check_vllm_compare, run_vllm_compare
 from shardserve.config import torch_dtype
 from shardserve.core import SamplingParams
 from shardserve.llm import LLM
@@ -28,7 +30,12 @@ from shardserve.platform import pick_device
 from shardserve.structured_outputs import StructuredOutputsParams
 
 BATCH1_PROMPT = 32
-NUM_CHECKED = 4  # requests whose greedy tokens are compared with transformers'
+NUM_CHECKED = 4  # requests whose greedy tokens are compared with the peer's (transformers or vLLM)
+# The table's footnote on each peer's TTFT and wall time.
+PEER_NOTES = {"transformers": "; transformers streams nothing, so its TTFT is the time until the request's batch "
+                              "completes",
+              "vLLM": "; vLLM: generate() returns every request at once, so no TTFT (-), and its wall time is "
+                      "generate() alone, after its start-up and a warm-up, as ours is"}
 # --json-schema: an array of small typed objects, too long to be complete before max_tokens; runs
 # JSON_ROUNDS pairs without and with it.
 JSON_ROUNDS = 3
@@ -145,18 +152,17 @@ def greedy_match(ours: list[list[int]], theirs: list[list[int]]) -> dict[str, in
     return {"equal": sum(a == b for a, b in pairs), "compared": len(pairs)}
 
 
-def print_table(ours: dict, theirs: dict | None) -> None:
-    """Print both engines' numbers side by side."""
+def print_table(ours: dict, theirs: dict | None, peer: str = "transformers") -> None:
+    """Print both engines' numbers side by side ('-' where the peer has none)."""
     rows = [("output tokens/s", "output_tps"), ("total tokens/s", "total_tps"), ("TTFT mean (s)*", "ttft_mean_s"),
             ("TTFT p50 (s)*", "ttft_p50_s"), ("TTFT p90 (s)*", "ttft_p90_s"), ("wall time (s)", "wall_s"),
             ("output tokens", "output_tokens"), ("prompt tokens", "prompt_tokens")]
-    print(f"{'':<18}{'shardserve':>14}" + (f"{'transformers':>14}" if theirs else ""))
+    print(f"{'':<18}{'shardserve':>14}" + (f"{peer:>14}" if theirs else ""))
     for label, key in rows:
         fmt = "{:>14d}" if key.endswith("tokens") else "{:>14.3f}"
-        print(f"{label:<18}" + fmt.format(ours[key]) + (fmt.format(theirs[key]) if theirs else ""))
-    print("* TTFT: time from the start of the run to the request's first token"
-          + ("; transformers streams nothing, so its TTFT is the time until the request's batch completes"
-             if theirs else ""))
+        peer_cell = (fmt.format(theirs[key]) if key in theirs else f"{'-':>14}") if theirs else ""
+        print(f"{label:<18}" + fmt.format(ours[key]) + peer_cell)
+    print("* TTFT: time from the start of the run to the request's first token" + (PEER_NOTES[peer] if theirs else ""))
 
 
 def run_batch1(args: argparse.Namespace, llm: LLM, hf: torch.nn.Module | None, low: int) -> dict:
@@ -184,10 +190,11 @@ def warm_up(llm: LLM, hf: torch.nn.Module | None, low: int) -> None:
 
 
 def run_offline(args: argparse.Namespace, engine: dict) -> int:
-    """`engine`: LLM(...)'s keyword arguments for the engine flags."""
-    """Run the benchmark, print a table and one final JSON line with every number."""
+    """Run the benchmark, print a table and one final JSON line with every number. `engine`:
+    LLM(...)'s keyword arguments for the engine flags."""
     if args.batch1_tokens == 1 or args.batch1_tokens < 0:
         raise SystemExit("shardserve bench offline: --batch1-tokens must be 0 (skip) or >= 2")
+    vllm_python = check_vllm_compare(args) if args.compare == "vllm" else None  # before anything loads
     llm = LLM(**engine)
     vocab = llm.limits.vocab_size
     low = min(100, vocab // 2)
@@ -198,18 +205,25 @@ def run_offline(args: argparse.Namespace, engine: dict) -> int:
                     "torch_threads": torch.get_num_threads(),
                     "decode_attention": llm.worker_info["scheduler-0"]["decode_attention"]}
     result["ours"], ours_tokens = run_ours(llm, wl)
+    peer = {"transformers": "transformers", "vllm": "vLLM"}.get(args.compare)
     if hf is not None:
-        result["transformers"], hf_tokens = run_transformers(hf, wl, args.hf_batch_size)
-        result["ratio_output_tps"] = result["ours"]["output_tps"] / result["transformers"]["output_tps"]
-        result["greedy_match"] = greedy_match(ours_tokens, hf_tokens)
+        result["transformers"], peer_tokens = run_transformers(hf, wl, args.hf_batch_size)
+    if vllm_python is not None:
+        result["vllm"], peer_tokens = run_vllm_compare(args, vllm_python, wl.prompts, wl.output_lens,
+                                                       result["torch_threads"])
+    theirs = result.get(args.compare) if peer else None
+    if theirs:
+        result["ratio_output_tps"] = result["ours"]["output_tps"] / theirs["output_tps"]
+        result["greedy_match"] = greedy_match(ours_tokens, peer_tokens)
     print(f"workload: {len(wl.prompts)} requests, prompts {args.min_prompt}-{args.max_prompt} tokens, "
           f"outputs {args.min_output}-{args.max_output} tokens, ignore_eos, greedy, dtype {args.dtype}, "
           f"{result['torch_threads']} torch threads, decode attention {result['decode_attention']}")
-    print_table(result["ours"], result["transformers"])
-    if hf is not None:
+    print_table(result["ours"], theirs, peer or "transformers")
+    if theirs:
         m = result["greedy_match"]
-        print(f"output tokens/s ratio ours/transformers: {result['ratio_output_tps']:.2f}x")
-        print(f"greedy tokens equal to transformers' (first {NUM_CHECKED} requests): {m['equal']}/{m['compared']}")
+        print(f"output tokens/s ratio ours/{peer}: {result['ratio_output_tps']:.2f}x")
+        whose = peer + ("'" if peer.endswith("s") else "'s")
+        print(f"greedy tokens equal to {whose} (first {NUM_CHECKED} requests): {m['equal']}/{m['compared']}")
     if args.batch1_tokens:
         result["batch1"] = run_batch1(args, llm, hf, low)
     if args.compare == "llama.cpp":

@@ -33,11 +33,17 @@ def add_bench_args(bench: argparse.ArgumentParser) -> None:
     off.add_argument("--min-output", type=positive_int, default=16)
     off.add_argument("--max-output", type=positive_int, default=256)
     off.add_argument("--workload-seed", type=seed_int, default=0)
-    off.add_argument("--compare", choices=["transformers", "llama.cpp"], default=None,
+    off.add_argument("--compare", choices=["transformers", "llama.cpp", "vllm"], default=None,
                      help="transformers: also run it on the same requests and print the ratio; llama.cpp: one "
-                          "stream's prompt and decode tokens/s against llama-bench on the same GGUF")
+                          "stream's prompt and decode tokens/s against llama-bench on the same GGUF; vllm: the same "
+                          "requests through vLLM's CPU backend in its own venv (needs an HF directory --model)")
     off.add_argument("--llama-bench", default=None,
                      help="the llama-bench executable for --compare llama.cpp (default: $LLAMA_BENCH, then PATH)")
+    off.add_argument("--vllm-python", default=None,
+                     help="python of vLLM's virtual environment for --compare vllm (default: $VLLM_PYTHON, then "
+                          "/tmp/peers/vllm/bin/python)")
+    off.add_argument("--vllm-kv-cache-space", type=positive_int, default=4,
+                     help="GiB of KV cache for vLLM (VLLM_CPU_KVCACHE_SPACE)")
     off.add_argument("--hf-batch-size", type=positive_int, default=16,
                      help="static batch size for the transformers peer")
     off.add_argument("--batch1-tokens", type=non_negative_int, default=64,
