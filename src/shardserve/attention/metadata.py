@@ -7,7 +7,11 @@ chunks laid end to end. Decodes are described one of two ways, chosen by the eng
 - `decode_groups`: decodes grouped by context length, each group with padded cache slots for a
   page gather + one SDPA call (so a 30-token context is not padded to 500).
 A prefill chunk with no earlier context attends to its own fresh K/V; one with context (a later
-chunk, or a prefix-cache hit) lists the cache slots of its whole context.
+chunk, or a prefix-cache hit) lists the cache slots of its whole context. Where decodes are
+`paged`, prefill tokens are too (`paged_prefill`): each attends, by the same kernel as a decode,
+to the cache up to its own position, so a token's attention is the same arithmetic whether it is
+decoded, prefilled in one chunk or several, or follows a prefix that came from the cache (the
+batch invariance the engine's greedy outputs rest on).
 """
 
 from __future__ import annotations
@@ -54,6 +58,7 @@ class AttentionMetadata:
     prefills: list[PrefillChunk]
     page_size: int = 0
     paged: PagedDecode | None = None
+    paged_prefill: PagedDecode | None = None  # rows num_decode.. : each prefill token as a decode
 
 
 # A decode joins the current group while its context is at least this fraction of the group's
@@ -135,7 +140,7 @@ def build_metadata(
     for pages, q_len, kv_len in prefills:
         ctx = _slots(torch.tensor(pages, dtype=torch.long), kv_len, page_size)
         slot_parts.append(ctx[kv_len - q_len :])
-        if kv_len == q_len:
+        if kv_len == q_len or paged_decode:  # paged: no slots or mask, see _paged_prefill
             chunks.append(PrefillChunk(start, q_len, kv_len, None, None))
         else:
             pos = torch.arange(kv_len - q_len, kv_len)
@@ -145,4 +150,13 @@ def build_metadata(
     # An empty step (data-parallel attention: a replica with no work joins its peers' MoE
     # collectives with zero tokens) writes no slot.
     slots = torch.cat(slot_parts).to(device) if slot_parts else torch.zeros(0, dtype=torch.long, device=device)
-    return AttentionMetadata(slots, len(decodes), groups, chunks, page_size, paged)
+    paged_prefill = _paged_prefill(prefills, page_size, device) if prefills and paged_decode else None
+    return AttentionMetadata(slots, len(decodes), groups, chunks, page_size, paged, paged_prefill)
+
+
+def _paged_prefill(prefills: list[tuple[list[int], int, int]], page_size: int, device: torch.device) -> PagedDecode:
+    """Every prefill token as a decode row: its chunk's block table, context through itself."""
+    table = _block_table([(pages, kv_len) for pages, _, kv_len in prefills], page_size)
+    q_lens = torch.tensor([q_len for _, q_len, _ in prefills])
+    lens = torch.cat([torch.arange(kv_len - q_len + 1, kv_len + 1) for _, q_len, kv_len in prefills])
+    return PagedDecode(table.repeat_interleave(q_lens, dim=0).to(device), lens.to(device))

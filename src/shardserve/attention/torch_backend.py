@@ -57,7 +57,11 @@ class TorchAttention:
                 q.index_select(0, g.rows).unsqueeze(2), kk, vv, attn_mask=g.mask, scale=self.scale, enable_gqa=gqa
             )
             out.index_copy_(0, g.rows, o.squeeze(2))
-        for c in meta.prefills:
+        if meta.paged_prefill is not None:  # prefill tokens as decodes (see attention/metadata.py)
+            p, n = meta.paged_prefill, meta.num_decode
+            cpu_kernel.paged_decode(q[n:], k_cache, v_cache, p.block_tables, p.context_lens, self.kv_index,
+                                    meta.page_size, self.scale, out=out[n:])
+        for c in meta.prefills if meta.paged_prefill is None else ():
             qq = q[c.start : c.start + c.q_len].transpose(0, 1)
             if c.kv_slots is None:
                 kk = k[c.start : c.start + c.q_len].transpose(0, 1)

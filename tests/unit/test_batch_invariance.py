@@ -1,0 +1,77 @@
+"""A request's greedy result does not depend on what shares its steps, on how its prompt was
+chunked, or on whether its prefix came from the cache: the same tokens and the same logprobs,
+bit for bit, on the default model (SmolLM2-135M-Instruct, Q4_1 GGUF).
+
+It rests on the products (every Q4_1/Q8_0 product runs one arithmetic whatever its number of rows:
+layers/csrc/quant_x16.c) and on attention (a prefill token attends by the decode kernel, to the
+cache up to its own position: attention/metadata.py). Before them, 16-bit activations below 10
+rows and float panels above gave a request other logits beside other requests, and a cached
+prefix took another attention path than the uncached one.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from shardserve.core import SamplingParams
+from shardserve.llm import LLM
+
+GREEDY = SamplingParams(max_tokens=24, temperature=0, logprobs=2)
+
+
+def prompts(n: int, seed: int, lo: int = 5, hi: int = 300) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    lens = torch.randint(lo, hi, (n,), generator=g).tolist()
+    return [torch.randint(100, 40000, (k,), generator=g).tolist() for k in lens]
+
+
+TARGET = prompts(1, seed=7, lo=40, hi=41)[0]
+
+
+def result(llm: LLM, batch: list[list[int]], index: int) -> tuple[list[int], list[dict]]:
+    outs = llm.generate(batch, GREEDY, use_tqdm=False)
+    return outs[index].token_ids, outs[index].logprobs
+
+
+@pytest.fixture(scope="module")
+def uncached(smollm2_path: str) -> LLM:
+    return LLM(model=smollm2_path, show_progress=False, enable_prefix_cache=False)
+
+
+@pytest.fixture(scope="module")
+def alone(uncached: LLM) -> tuple[list[int], list[dict]]:
+    return result(uncached, [TARGET], 0)
+
+
+@pytest.mark.parametrize("size", [5, 13, 32])
+def test_alone_equals_in_a_batch(uncached: LLM, alone, size: int) -> None:
+    others = prompts(size - 1, seed=size)
+    batch = others[: size // 2] + [TARGET] + others[size // 2:]  # prefills and decodes around it
+    tokens, logprobs = result(uncached, batch, size // 2)
+    assert tokens == alone[0]
+    assert logprobs == alone[1]  # every logprob exactly, not within a tolerance
+
+
+def test_chunked_prefill_equals_one_chunk(smollm2_path: str) -> None:
+    long = prompts(1, seed=11, lo=300, hi=301)[0]
+    whole = LLM(model=smollm2_path, show_progress=False, enable_prefix_cache=False)
+    want = result(whole, [long], 0)
+    whole.shutdown()
+    chunked = LLM(model=smollm2_path, show_progress=False, enable_prefix_cache=False,
+                  max_num_batched_tokens=64)  # the prompt in five chunks
+    assert result(chunked, [long], 0) == want
+    chunked.shutdown()
+
+
+def test_cached_prefix_equals_uncached(smollm2_path: str, uncached: LLM) -> None:
+    shared = prompts(1, seed=12, lo=256, hi=257)[0]
+    first, second = shared + [501, 502, 503], shared + [601, 602]
+    want = [result(uncached, [p], 0) for p in (first, second)]
+    llm = LLM(model=smollm2_path, show_progress=False)
+    cold = llm.generate([first], GREEDY, use_tqdm=False)[0]
+    warm = llm.generate([first, second], GREEDY, use_tqdm=False)
+    assert cold.num_cached_tokens == 0 and min(o.num_cached_tokens for o in warm) >= 256
+    assert (cold.token_ids, cold.logprobs) == want[0]
+    assert [(o.token_ids, o.logprobs) for o in warm] == want
+    llm.shutdown()
