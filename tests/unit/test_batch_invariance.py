@@ -5,8 +5,8 @@ bit for bit, on the default model (SmolLM2-135M-Instruct, Q4_1 GGUF).
 It rests on the products (every Q4_1/Q8_0 product runs one arithmetic whatever its number of rows:
 layers/csrc/quant_x16.c) and on attention (a prefill token attends by the decode kernel, to the
 cache up to its own position: attention/metadata.py). Before them, 16-bit activations below 10
-rows and float panels above gave a request other logits beside other requests, and a cached
-prefix took another attention path than the uncached one.
+rows and float panels above gave a request other logits beside other requests or after a cached
+prefix, and a token prefilled (by SDPA) got other logits than the same token decoded.
 """
 
 from __future__ import annotations
@@ -75,3 +75,14 @@ def test_cached_prefix_equals_uncached(smollm2_path: str, uncached: LLM) -> None
     assert (cold.token_ids, cold.logprobs) == want[0]
     assert [(o.token_ids, o.logprobs) for o in warm] == want
     llm.shutdown()
+
+
+def test_prefilled_output_equals_its_decode(uncached: LLM, alone) -> None:
+    """The tokens a request generated, given back as prompt (a preempted request recomputing its
+    output, the next turn of a chat), lead to the same continuation with the same logprobs: a
+    prefill token and a decoded one are computed alike."""
+    tokens, logprobs = alone
+    again = uncached.generate([TARGET + tokens[:12]], SamplingParams(max_tokens=12, temperature=0, logprobs=2),
+                              use_tqdm=False)[0]
+    assert again.token_ids == tokens[12:]
+    assert again.logprobs == logprobs[12:]
