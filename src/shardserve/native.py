@@ -114,9 +114,19 @@ def load_library(source: Path) -> ctypes.CDLL:
 @functools.cache
 def _attempt(source: Path) -> ctypes.CDLL | KernelUnavailable:
     try:
-        return load_uncached(source)
+        lib = load_uncached(source)
     except KernelUnavailable as e:
         return e
+    log.info("C kernels from %s: %s", source.name, kernel_paths(lib))
+    return lib
+
+
+def kernel_paths(lib: ctypes.CDLL) -> str:
+    """What the library says its build runs on (its `kernel_paths()`): chosen once, when it was
+    compiled for this CPU."""
+    fn = lib.kernel_paths
+    fn.argtypes, fn.restype = [], ctypes.c_char_p
+    return fn().decode()
 
 
 @functools.cache

@@ -57,3 +57,18 @@ def test_text_report(capsys):
         have = cpuinfo_flags()
         assert [f for f in env_report.CPU_FLAGS if f in have] == [w for w in words if w in env_report.CPU_FLAGS]
     assert "collective backend: " in out and "default threads per rank" in out
+
+
+def test_kernel_paths_follow_this_cpus_flags(capsys):
+    """The kernels are compiled for the host, so the instructions they report are the CPU's own:
+    AVX-512 with VNNI where it has them, AVX-VNNI or plain AVX2 otherwise."""
+    kernels = {row["name"]: row for row in json.loads(run(capsys, "--json"))["kernels"]}
+    flags, layers = cpuinfo_flags(), kernels["layers"]["paths"]
+    if {"avx512f", "avx512bw"} <= flags:
+        want = "avx512 vnni (vpdpwssd zmm)" if "avx512_vnni" in flags else "avx512 (vpmaddwd zmm)"
+    elif {"avx2", "f16c"} <= flags:
+        want = "avx2 avx-vnni (vpdpwssd ymm)" if "avx_vnni" in flags else "avx2 (vpmaddwd ymm)"
+    else:
+        want = "scalar"
+    assert f"x16 groups on {want};" in layers
+    assert kernels["attention"]["paths"] == ("16 float lanes (avx512)" if "avx512f" in flags else "8 float lanes")

@@ -81,11 +81,12 @@ def kernel_report() -> list[dict[str, Any]]:
     rows = []
     for lib in native.LIBRARIES:
         row: dict[str, Any] = {"name": lib.name, "provides": lib.provides, "source": str(lib.source),
-                               "library": None, "was_cached": False, "loaded": False, "error": None, "fallback": None}
+                               "library": None, "was_cached": False, "loaded": False, "error": None, "fallback": None,
+                               "paths": None}
         try:
             path = native.library_path(lib.source)
             row["library"], row["was_cached"] = str(path), path.exists()
-            native.library(lib.name)
+            row["paths"] = native.kernel_paths(native.library(lib.name))
             row["loaded"] = True
         except native.KernelUnavailable as e:
             row["error"], row["fallback"] = str(e), lib.fallback
@@ -101,6 +102,7 @@ def threads_report() -> dict[str, Any]:
     per_rank = {"1": torch.get_num_threads(), **{str(n): max(1, cpus // n) for n in (2, 4, 8)}}
     return {"torch_threads": torch.get_num_threads(), "torch_interop_threads": torch.get_num_interop_threads(),
             "openmp": torch.backends.openmp.is_available(), "mkldnn": torch.backends.mkldnn.is_available(),
+            "torch_cpu_capability": torch.backends.cpu.get_cpu_capability(),
             "env": {var: os.environ.get(var) for var in THREAD_VARS}, "default_threads_per_rank": per_rank}
 
 
@@ -139,7 +141,8 @@ def collect() -> dict[str, Any]:
 def _kernel_line(row: dict[str, Any]) -> str:
     if row["loaded"]:
         how = "cached" if row["was_cached"] else "built now"
-        return f"C kernels ({row['provides']}): in use, {row['library']} ({how}; from {Path(row['source']).name})"
+        return (f"C kernels ({row['provides']}): in use, {row['library']} ({how}; from {Path(row['source']).name}); "
+                f"runs on {row['paths']}")
     return f"C kernels ({row['provides']}): NOT AVAILABLE ({row['error']}); instead {row['fallback']}"
 
 
@@ -158,7 +161,8 @@ def render(report: dict[str, Any]) -> str:
     env = ", ".join(f"{k}={val}" for k, val in th["env"].items() if val is not None) or "none set"
     per_rank = ", ".join(f"{n} ranks: {t}" for n, t in th["default_threads_per_rank"].items())
     lines += [f"threads: torch {th['torch_threads']} (interop {th['torch_interop_threads']}), "
-              f"OpenMP {th['openmp']}, oneDNN {th['mkldnn']}; thread variables: {env}",
+              f"OpenMP {th['openmp']}, oneDNN {th['mkldnn']}, torch's CPU kernels {th['torch_cpu_capability']}; "
+              f"thread variables: {env}",
               f"default threads per rank, by ranks on a node: {per_rank}"]
     devices = "; ".join(f"cuda:{d['index']} {d['name']} {d['memory_gib']} GiB sm {d['capability']}"
                         for d in acc["devices"]) or "none"

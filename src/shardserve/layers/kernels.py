@@ -23,7 +23,6 @@ i64, ptr, c_int, c_float = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int, ctypes
 SIGNATURES: dict[str, tuple[list[type], type | None]] = {
     "qmatmul": ([c_int, ptr, i64, i64, i64, ptr, i64, i64, ptr, i64, c_int], c_int),
     "qdequant": ([c_int, ptr, i64, i64, i64, ptr, i64, ptr, c_int], c_int),
-    "x16_path": ([], ctypes.c_char_p),
     "rms_norm_f32": ([ptr, i64, i64, i64, ptr, c_float, ptr, i64, c_int], None),
     "rotary_f32": ([ptr, i64, i64, ptr, i64, i64, i64, i64, ptr, ptr, c_int], None),
     "silu_mul_f32": ([ptr, i64, i64, i64, ptr, c_int], None),

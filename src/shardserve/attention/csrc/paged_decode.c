@@ -29,6 +29,10 @@
 typedef float vf __attribute__((vector_size(VW * 4)));
 #define MAX_D 256
 
+/* The vector width chosen for this build (compiled for the host CPU): logged when the library
+ * loads, shown by `shardserve env`. */
+const char *kernel_paths(void) { return VW == 16 ? "16 float lanes (avx512)" : "8 float lanes"; }
+
 static inline vf loadv(const float *p) { vf x; memcpy(&x, p, sizeof x); return x; }
 static inline void storev(float *p, vf x) { memcpy(p, &x, sizeof x); }
 

@@ -18,6 +18,18 @@
 #include "quant_matmul.c"
 #include "cpu_ops.c"
 
+#ifdef __AVX2__
+#define GEMM_PATH "avx2 fma, 8 lanes"
+#else
+#define GEMM_PATH "plain C"
+#endif
+
+/* The instructions this build's products run on (it is compiled for the host CPU, so what the
+ * CPU offers decides them once): logged when the library loads, shown by `shardserve env`. */
+const char *kernel_paths(void) {
+    return "Q4_0/Q4_1/Q8_0 products: x16 groups on " X16_PATH "; Q4_K/Q6_K and float32: " GEMM_PATH;
+}
+
 typedef struct {
     int64_t type, rows, row_bytes;
     const uint8_t *data;

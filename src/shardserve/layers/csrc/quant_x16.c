@@ -304,6 +304,3 @@ static void x16_rows(int type, const uint8_t *w, int64_t row_bytes, int64_t n, i
 #ifndef X16_PATH
 #define X16_PATH "scalar"
 #endif
-
-/* Which instructions the x16 products run on this machine (the build is for the host CPU). */
-const char *x16_path(void) { return X16_PATH; }

@@ -1,0 +1,94 @@
+"""The x16 layout and its products (layers/csrc/quant_x16.c): the bytes regroup and come back,
+the products match the reference to the 16-bit activations, every row of a batch is bit for bit
+the row computed alone, and builds for other CPUs (AVX2 with and without AVX-VNNI, AVX-512 without VNNI) give
+the same bits as this machine's."""
+
+from __future__ import annotations
+
+import ctypes
+from pathlib import Path
+
+import pytest
+import torch
+from gguf import GGMLQuantizationType as T
+from gguf.quants import quantize
+
+from shardserve import native
+from shardserve.layers import kernels, quant_kernel
+from shardserve.loader.quantized import QuantWeight, deinterleave16, interleave16
+
+FORMATS = [2, 3, 8]  # Q4_0, Q4_1, Q8_0
+
+
+def weight(qtype: int, rows: int, cols: int, seed: int = 0) -> QuantWeight:
+    w = torch.randn(rows, cols, generator=torch.Generator().manual_seed(seed))
+    return QuantWeight(qtype, torch.from_numpy(quantize(w.numpy(), T(qtype)).reshape(rows, -1)), cols)
+
+
+@pytest.mark.parametrize("qtype", FORMATS)
+@pytest.mark.parametrize("rows", [5, 16, 37])
+def test_layout_round_trip(qtype: int, rows: int) -> None:
+    q = weight(qtype, rows, 96)
+    x = interleave16(q)
+    assert x.name == q.name + "x16" and x.nbytes == q.nbytes
+    assert not torch.equal(x.data, q.data) or rows == 1
+    assert torch.equal(deinterleave16(x).data, q.data)
+    assert torch.equal(x.dequantize(), q.dequantize())
+    with pytest.raises(ValueError, match="interleaved weight is not cut"):
+        x.narrow(0, 0, 1)
+
+
+@pytest.mark.parametrize("qtype", FORMATS)
+@pytest.mark.parametrize("rows", [37, 160])  # a part-filled last group; whole groups
+def test_every_row_alone_equals_it_in_the_batch(qtype: int, rows: int) -> None:
+    q = weight(qtype, rows, 128)
+    x16 = quant_kernel.kernel_layout(q)
+    assert x16.name == q.name + "x16"
+    xs = torch.randn(40, 128, generator=torch.Generator().manual_seed(1))
+    batch = quant_kernel.linear(xs, ((0, x16),), rows)
+    want = xs @ q.dequantize().T
+    assert float((batch - want).abs().max()) <= 2e-4 * float(want.abs().max())  # 16-bit activations
+    for m in (1, 2, 3, 8, 9, 13, 17):
+        for i in (0, 40 - m):
+            assert torch.equal(quant_kernel.linear(xs[i: i + m], ((0, x16),), rows), batch[i: i + m]), (m, i)
+
+
+@pytest.mark.parametrize("qtype", FORMATS)
+def test_embedding_rows_are_the_native_rows(qtype: int) -> None:
+    q = weight(qtype, 37, 64)
+    ids = torch.tensor([0, 15, 16, 31, 32, 36, 5])
+    assert torch.equal(quant_kernel.dequantize(interleave16(q), ids), quant_kernel.dequantize(q, ids))
+
+
+def build_for(tmp_path: Path, flags: list[str]) -> ctypes.CDLL:
+    """The layers' library compiled as for a CPU without the ISA extensions `flags` turn off."""
+    out = tmp_path / f"layers{'_'.join(flags)}.so"
+    source = next(lib.source for lib in native.LIBRARIES if lib.name == "layers")
+    native.compile_library([*native.compiler(), *flags], source, out)
+    lib = ctypes.CDLL(str(out))
+    lib.qmatmul.argtypes, lib.qmatmul.restype = kernels.SIGNATURES["qmatmul"]
+    return lib
+
+
+def product(lib: ctypes.CDLL, w: QuantWeight, x: torch.Tensor) -> torch.Tensor:
+    y = torch.empty(x.shape[0], w.rows)
+    rc = lib.qmatmul(w.qtype, w.data.data_ptr(), w.data.stride(0), w.rows, w.cols, x.data_ptr(), x.shape[0],
+                     x.stride(0), y.data_ptr(), y.stride(0), 2)
+    assert rc == 0
+    return y
+
+
+@pytest.mark.parametrize("flags, path", [
+    (["-mno-avx512f"], "avx2"),  # with AVX-VNNI where this CPU has it
+    (["-mno-avx512f", "-mno-avxvnni"], "avx2 (vpmaddwd ymm)"),
+    (["-mno-avx512vnni"], "(vpmaddwd"),  # AVX-512 without VNNI (or AVX2 on an AVX2-only host)
+])
+def test_other_cpus_builds_give_the_same_bits(tmp_path: Path, flags: list[str], path: str) -> None:
+    here, other = kernels.load(), build_for(tmp_path, flags)
+    assert path in native.kernel_paths(other)
+    for rows in (11, 40):
+        xs = torch.randn(rows, 192, generator=torch.Generator().manual_seed(2))
+        for qtype in FORMATS:
+            w = interleave16(weight(qtype, 45, 192, seed=qtype))
+            assert torch.equal(product(other, w, xs), product(here, w, xs)), (qtype, rows)
+
