@@ -86,3 +86,15 @@ def test_prefilled_output_equals_its_decode(uncached: LLM, alone) -> None:
                               use_tqdm=False)[0]
     assert again.token_ids == tokens[12:]
     assert again.logprobs == logprobs[12:]
+
+
+def test_float_checkpoint_alone_equals_in_a_batch(tiny_model) -> None:
+    """The same holds for a float32 checkpoint: its weights are F32 rows in the x16 layout, one
+    order of multiply-adds per output at every batch size."""
+    path, _ = tiny_model("llama")
+    llm = LLM(model=path, show_progress=False, enable_prefix_cache=False)
+    target = [5, 9, 2, 77, 3, 40, 41]
+    alone = result(llm, [target], 0)
+    others = [[(7 * i + j) % 250 + 3 for j in range(3 + 5 * i)] for i in range(12)]
+    assert result(llm, others[:6] + [target] + others[6:], 6) == alone
+    llm.shutdown()

@@ -175,19 +175,19 @@ def test_backend_choice(tiny_model):
 
 
 def test_cpu_float32_weights_are_held_once(tiny_model):
-    """Float32 linear layers and the LM head become F32 rows for the C kernels, viewing the
-    loaded weight's own memory; the MoE experts swap theirs for oneDNN's packed copy (memory does
-    not double either way); half precision keeps the dense weights."""
+    """Float32 linear layers and the LM head become F32 rows in the C kernels' x16 layout, the
+    loaded weight dropped; a tied embedding then looks its rows up in the LM head's copy; the MoE
+    experts swap theirs for oneDNN's packed copy (memory does not double either way); half
+    precision keeps the dense weights."""
     path, _ = tiny_model("qwen3_moe")
     model = EngineCore(EngineConfig(model=path, show_progress=False, num_pages=64)).runner.model
     linears = [m for m in model.modules() if isinstance(m, PackedLinear)]
-    assert linears and all(m.weight is None and m.packed is None and [q.name for _, q in m.quant] == ["F32"]
+    assert linears and all(m.weight is None and m.packed is None and [q.name for _, q in m.quant] == ["F32x16"]
                            for m in linears)
     moes = [m for m in model.modules() if isinstance(m, SparseMoE)]
     assert moes and all(m.packed and m.w13 is None for m in moes)
-    assert model.lm_head.quant.name == "F32" and model.lm_head.weight is None
-    # The tied or untied LM head reads the embedding's (or its own) floats in place.
-    emb = model.embed_tokens.weight if model.cfg.tie_word_embeddings else None
-    assert emb is None or model.lm_head.quant.data.data_ptr() == emb.data_ptr()
+    assert model.lm_head.quant.name == "F32x16" and model.lm_head.weight is None
+    if model.cfg.tie_word_embeddings:  # one copy for both
+        assert model.embed_tokens.quant is model.lm_head.quant and model.embed_tokens.weight is None
     half = EngineCore(EngineConfig(model=path, show_progress=False, num_pages=64, dtype="bfloat16")).runner.model
     assert all(m.packed is None and m.weight is not None for m in half.modules() if isinstance(m, PackedLinear))

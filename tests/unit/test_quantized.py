@@ -80,11 +80,11 @@ def test_float_gemms_and_their_tails(qtype, cols):
 
 
 def test_float32_rows_take_the_same_paths_exactly():
-    """A float32 weight as F32 rows (what float checkpoints now hold on the CPU): the one-row,
-    few-row and GEMM paths equal torch's product to float rounding, over the weight's own memory."""
+    """A float32 weight as F32 rows in the x16 layout (what float checkpoints now hold on the
+    CPU): every batch size equals torch's product to float rounding, in as many bytes."""
     w = torch.randn(70, 200)
     q = quant_kernel.float_weight(w)
-    assert q.name == "F32" and q.data.data_ptr() == w.data_ptr() and q.nbytes == w.numel() * 4
+    assert q.name == "F32x16" and q.nbytes == w.numel() * 4
     torch.testing.assert_close(q.dequantize(), w)
     torch.testing.assert_close(quant_kernel.dequantize(q, torch.tensor([3, 69])), w[[3, 69]])
     for m in (1, 3, 6, 21):
@@ -294,7 +294,7 @@ def test_row_parallel_shards_keep_blocks_only_on_block_boundaries():
         src = LazySource("w", w.dequantize, lambda: w)
         layer.weight.weight_loader(layer.weight, src, None)
         layer.process_after_loading()
-        assert [q.name for _, q in layer.quant] == (["Q4_1x16"] if kept else ["F32"])
+        assert [q.name for _, q in layer.quant] == (["Q4_1x16"] if kept else ["F32x16"])
         lo, hi = in_range
         want = x[:, lo:hi] @ ref[:, lo:hi].T
         got = layer.matmul(x[:, lo:hi].contiguous())

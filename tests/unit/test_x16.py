@@ -1,4 +1,5 @@
-"""The x16 layout and its products (layers/csrc/quant_x16.c): the bytes regroup and come back,
+"""The x16 layout and its products (layers/csrc/quant_x16.c), for Q4_0, Q4_1, Q8_0 and float32
+rows: the bytes regroup and come back,
 the products match the reference to the 16-bit activations, every row of a batch is bit for bit
 the row computed alone, and builds for other CPUs (AVX2 with and without AVX-VNNI, AVX-512 without VNNI) give
 the same bits as this machine's."""
@@ -15,13 +16,15 @@ from gguf.quants import quantize
 
 from shardserve import native
 from shardserve.layers import kernels, quant_kernel
-from shardserve.loader.quantized import QuantWeight, deinterleave16, interleave16
+from shardserve.loader.quantized import QuantWeight, deinterleave16, float_rows, interleave16
 
-FORMATS = [2, 3, 8]  # Q4_0, Q4_1, Q8_0
+FORMATS = [2, 3, 8, 0]  # Q4_0, Q4_1, Q8_0, F32
 
 
 def weight(qtype: int, rows: int, cols: int, seed: int = 0) -> QuantWeight:
     w = torch.randn(rows, cols, generator=torch.Generator().manual_seed(seed))
+    if qtype == 0:
+        return float_rows(w)
     return QuantWeight(qtype, torch.from_numpy(quantize(w.numpy(), T(qtype)).reshape(rows, -1)), cols)
 
 
@@ -47,7 +50,8 @@ def test_every_row_alone_equals_it_in_the_batch(qtype: int, rows: int) -> None:
     xs = torch.randn(40, 128, generator=torch.Generator().manual_seed(1))
     batch = quant_kernel.linear(xs, ((0, x16),), rows)
     want = xs @ q.dequantize().T
-    assert float((batch - want).abs().max()) <= 2e-4 * float(want.abs().max())  # 16-bit activations
+    tol = 1e-5 if qtype == 0 else 2e-4  # float products; or the blocks' 16-bit activations
+    assert float((batch - want).abs().max()) <= tol * float(want.abs().max())
     for m in (1, 2, 3, 8, 9, 13, 17):
         for i in (0, 40 - m):
             assert torch.equal(quant_kernel.linear(xs[i: i + m], ((0, x16),), rows), batch[i: i + m]), (m, i)

@@ -81,8 +81,10 @@ class ParallelLMHead(VocabParallelEmbedding):
             self.quant = emb.quant
         elif self.quant is not None:
             self.quant = quant_kernel.kernel_layout(self.quant)
-        if self.quant is None:  # float32 on the CPU: F32 rows, the same memory as the weight
+        if self.quant is None:  # float32 on the CPU: F32 rows in the kernels' layout
             self.quant = quant_kernel.float_weight(self.weight)
+            if self.quant is not None and self._tied_to:  # the embedding looks its rows up there: one copy
+                self._tied_to[0].quant, self._tied_to[0].weight = self.quant, None
         if self.quant is not None:
             self.weight = None
             return

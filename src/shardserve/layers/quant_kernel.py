@@ -2,8 +2,9 @@
 
 Every product runs in C with 16-bit activations against the weight's blocks: Q4_0, Q4_1 and
 Q8_0 in the x16 layout at every number of rows (`kernel_layout`); the K-quants below 10 rows,
-and from there as a float GEMM on expanded weight rows (see the C files' headers). Float32 weights take the same paths
-as F32 rows (`float_weight`): exact float products, and the C decode loop.
+and from there as a float GEMM on expanded weight rows (see the C files' headers). Float32
+weights are F32 rows in the x16 layout (`float_weight`): exact float products, one order at
+every number of rows, and the C decode loop.
 """
 
 from __future__ import annotations
@@ -17,9 +18,9 @@ __all__ = ["KernelUnavailable", "available", "dequantize", "float_weight", "kern
 
 
 def kernel_layout(w: QuantWeight) -> QuantWeight:
-    """The weight as the kernels multiply it: Q4_0, Q4_1 and Q8_0 rows interleaved 16 at a time
-    (the x16 layout: faster at every batch size, and one arithmetic whatever the batch, so a
-    request's tokens do not depend on what shares its step; see csrc/quant_x16.c). Other
+    """The weight as the kernels multiply it: Q4_0, Q4_1, Q8_0 and F32 rows interleaved 16 at a
+    time (the x16 layout: faster at every batch size, and one arithmetic whatever the batch, so
+    a request's tokens do not depend on what shares its step; see csrc/quant_x16.c). Other
     formats, and any weight where the kernels are unavailable, stay as they are."""
     if w.qtype in X16_FORMATS and available() is None:
         return interleave16(w)
@@ -27,16 +28,17 @@ def kernel_layout(w: QuantWeight) -> QuantWeight:
 
 
 def float_weight(weight: torch.Tensor | None) -> QuantWeight | None:
-    """A CPU float32 [out, in] weight as F32 rows for these kernels (the same memory), or None
-    where they do not take it (another device or dtype, `in` not a multiple of 8, no compiler).
+    """A CPU float32 [out, in] weight as F32 rows in the x16 layout for these kernels (a copy:
+    the caller drops the weight), or None where they do not take it (another device or dtype,
+    `in` not a multiple of 8, no compiler).
 
-    Against oneDNN's packed copy these rows are faster for one activation row and for prefill,
-    about even in between, and the decode loop then runs a float checkpoint's layers in one
-    call (the README's measurements have the figures)."""
+    One order of multiply-adds per output at every batch size (batch-invariant, as the block
+    formats), 16 lanes wide where the CPU has AVX-512; the decode loop then runs a float
+    checkpoint's layers in one call (the README's measurements have the figures)."""
     if (weight is None or weight.device.type != "cpu" or weight.dtype != torch.float32 or weight.dim() != 2
             or weight.shape[1] % 8 or available() is not None):
         return None
-    return float_rows(weight)
+    return kernel_layout(float_rows(weight))
 
 
 def _check(rc: int, what: str, w: QuantWeight) -> None:

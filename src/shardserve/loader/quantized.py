@@ -29,10 +29,11 @@ F32 = 0
 # A flag on Q4_0, Q4_1 and Q8_0: the same bytes with each group of 16 rows interleaved, the
 # layout the C kernels multiply at every batch size (layers/csrc/quant_x16.c; `interleave16`).
 X16 = 0x100
-X16_FORMATS = (2, 3, 8)
-# Every layout a QuantWeight holds: the block formats, their x16 layouts, plain float32 rows.
+X16_FORMATS = (2, 3, 8, 0)
+# Every layout a QuantWeight holds: the block formats, plain float32 rows, and their x16 layouts.
+_BASE: dict[int, tuple[str, int, int]] = {**FORMATS, F32: ("F32", 1, 4)}
 LAYOUTS: dict[int, tuple[str, int, int]] = {
-    **FORMATS, **{X16 | t: (FORMATS[t][0] + "x16", *FORMATS[t][1:]) for t in X16_FORMATS}, F32: ("F32", 1, 4)}
+    **_BASE, **{X16 | t: (_BASE[t][0] + "x16", *_BASE[t][1:]) for t in X16_FORMATS}}
 GROUP = 16
 
 
@@ -155,14 +156,17 @@ def _from_x16(qtype: int, grouped: np.ndarray, lanes: int) -> np.ndarray:
 
 def _regroup(q: QuantWeight, qtype: int, forward: bool) -> np.ndarray:
     """q's bytes with every group of 16 rows (the last: rows % 16) converted to or from x16."""
-    _, _, bb = FORMATS[qtype]
-    rows, nb = q.rows, q.cols // 32
+    _, block, bb = _BASE[qtype]
+    rows, nb = q.rows, q.cols // block
     src = q.data.cpu().numpy().reshape(rows, nb * bb)
     out = np.empty_like(src)
     full = rows // GROUP * GROUP
     for g0, g1, lanes in ((0, full, GROUP), (full, rows, rows - full)):
         if g1 > g0:
-            if forward:
+            if qtype == F32:  # a group column by column: [cols][L] floats, either way round
+                shape = (-1, lanes, q.cols, 4) if forward else (-1, q.cols, lanes, 4)
+                res = np.swapaxes(src[g0:g1].reshape(shape), 1, 2)
+            elif forward:
                 res = _to_x16(qtype, src[g0:g1].reshape(-1, lanes, nb, bb))
             else:
                 res = _from_x16(qtype, src[g0:g1].reshape(-1, nb, lanes * bb), lanes)
@@ -171,8 +175,9 @@ def _regroup(q: QuantWeight, qtype: int, forward: bool) -> np.ndarray:
 
 
 def interleave16(q: QuantWeight) -> QuantWeight:
-    """Q4_0, Q4_1 or Q8_0 rows in the x16 layout (quant_x16.c states it): the same bytes, each
-    group of 16 rows stored block by block so that one vector load holds a column of 16 rows."""
+    """Q4_0, Q4_1, Q8_0 or F32 rows in the x16 layout (quant_x16.c states it): the same bytes,
+    each group of 16 rows stored block by block (F32: column by column) so that one vector load
+    holds a column of 16 rows."""
     if q.qtype not in X16_FORMATS:
         raise ValueError(f"{q.name}: no x16 layout")
     return QuantWeight(X16 | q.qtype, torch.from_numpy(_regroup(q, q.qtype, True)).to(q.data.device), q.cols)

@@ -149,12 +149,14 @@ static inline __attribute__((always_inline)) Block block16(const int type, const
 #endif
 
 static int known(int type) {
-    if (is_x16(type)) return type == (X16 | Q4_0) || type == (X16 | Q4_1) || type == (X16 | Q8_0);
+    if (is_x16(type))
+        return type == (X16 | Q4_0) || type == (X16 | Q4_1) || type == (X16 | Q8_0) || type == (X16 | F32);
     return type == F32 || type == Q4_0 || type == Q4_1 || type == Q8_0 || type == Q4_K || type == Q6_K;
 }
 
 static int fits(int type, int64_t k) {
-    return known(type) && k % (type == F32 ? 8 : (type == Q4_K || type == Q6_K) ? QKK : QK) == 0;
+    int base = x16_base(type);
+    return known(type) && k % (base == F32 ? 8 : (base == Q4_K || base == Q6_K) ? QKK : QK) == 0;
 }
 
 #ifdef __AVX2__

@@ -266,10 +266,11 @@ static void f32_rows(const float *w, int64_t ldw, int64_t r0, int64_t r1, const 
  * F32 rows are read as they lie below 16 rows (F32_ROWS); then the float GEMM on activation
  * panels, and from STRIP_ROWS on weight strips. Without AVX2 every block format takes the float
  * GEMMs. */
-enum { ACTS16, F32_ROWS, PANELS, STRIPS, X16_GROUPS };
+enum { ACTS16, F32_ROWS, PANELS, STRIPS, X16_GROUPS, F32_X16 };
 
 static int product_path(int type, int64_t m) {
-    if (is_x16(type)) return X16_GROUPS; /* every m: see quant_x16.c */
+    if (type == (X16 | F32)) return F32_X16; /* every m: see quant_x16.c */
+    if (is_x16(type)) return X16_GROUPS;
     if (m >= STRIP_ROWS) return STRIPS;
     if (type == F32) return m < 16 ? F32_ROWS : PANELS;
 #ifdef __AVX2__
@@ -279,10 +280,13 @@ static int product_path(int type, int64_t m) {
 }
 
 /* Rows of W a thread claims at a time in whole blocks of its kernel: 6 (panels) or 16. */
-static int64_t claim_grain(int type, int64_t m) { return product_path(type, m) == PANELS ? NW : 16; }
+static int64_t claim_grain(int type, int64_t m) {
+    int path = product_path(type, m);
+    return path == PANELS ? NW : path == F32_X16 ? 64 : 16; /* F32_X16: 4 groups, 4 chains a row */
+}
 
-/* Scratch bytes one thread's float GEMM needs for rows of k weights; also >= the 16 rows of
- * x16_rows' padded last group (at most 34 bytes per 32 weights). */
+/* Scratch bytes one thread's float GEMM needs for rows of k weights; also >= the 16 rows of an
+ * x16 weight's padded last group (at most 4 bytes a weight). */
 static size_t gemm_scratch(int64_t k) { return sizeof(float) * (size_t)((NR + 8) * k); } /* >= NW * k */
 
 /* Rows [r0, r1) of x into the same rows of `a`: quantized or packed, whichever `a` holds. */
@@ -298,6 +302,7 @@ static void qmatmul_rows(int type, const uint8_t *w, int64_t row_bytes, int64_t 
                          const Acts *a, const float *x, int64_t ldx, int64_t m, float *y, int64_t ldy, float *wp) {
     switch (product_path(type, m)) {
     case X16_GROUPS: x16_rows(type, w, row_bytes, n, r0, r1, a, y, ldy, (uint8_t *)wp); return;
+    case F32_X16: f32x16_rows(w, n, r0, r1, x, ldx, m, a->k, y, ldy, wp); return;
     case F32_ROWS:
         f32_rows((const float *)w, row_bytes / (int64_t)sizeof(float), r0, r1, x, ldx, m, a->k, y, ldy);
         return;
@@ -350,7 +355,9 @@ static int acts_alloc(Acts *a, int64_t m, int64_t k, int paths) {
 }
 
 /* Whether products on these paths need gemm_scratch (a float GEMM's, or x16's padded group). */
-static int needs_scratch(int paths) { return (paths & ((1 << PANELS) | (1 << STRIPS) | (1 << X16_GROUPS))) != 0; }
+static int needs_scratch(int paths) {
+    return (paths & ((1 << PANELS) | (1 << STRIPS) | (1 << X16_GROUPS) | (1 << F32_X16))) != 0;
+}
 
 static void acts_free(Acts *a) { free(a->q); free(a->d); free(a->s); free(a->p); }
 
