@@ -172,6 +172,12 @@ class EngineConfig:
     threads: int | None = None
     dist_timeout: float = 60.0  # seconds before a collective that never completes is an error
     attention_backend: str = "auto"  # see ATTENTION_BACKENDS
+    # Prefill tokens attend by the CPU decode kernel, so a token's attention is the same whether it
+    # is prefilled (whole, chunked, after a cached prefix) or decoded: with the products' one
+    # arithmetic at every batch size, greedy results do not depend on the batch or the cache.
+    # None: wherever that kernel runs; True: required (refused where it cannot run); False: prefill
+    # by SDPA (faster for long prompts; the README has the cost).
+    batch_invariant: bool | None = None
     quantization: str = "auto"  # see QUANTIZATION_MODES
     # Pipeline parallelism (the stage count is the layout's pp): layers per stage (None: even
     # split) and how many micro-batches may be in flight (None: one per stage).

@@ -98,3 +98,18 @@ def test_float_checkpoint_alone_equals_in_a_batch(tiny_model) -> None:
     others = [[(7 * i + j) % 250 + 3 for j in range(3 + 5 * i)] for i in range(12)]
     assert result(llm, others[:6] + [target] + others[6:], 6) == alone
     llm.shutdown()
+
+
+def test_the_setting_is_honoured_or_refused(tiny_model) -> None:
+    """batch_invariant: on by default where the CPU decode kernel runs (prefill tokens attend by
+    it), off on request (SDPA), and refused in one line where that kernel cannot run."""
+    from shardserve.config import EngineConfig
+    from shardserve.scheduler.engine_core import EngineCore
+
+    path, _ = tiny_model("llama")
+    on = EngineCore(EngineConfig(model=path, show_progress=False, num_pages=32)).runner
+    off = EngineCore(EngineConfig(model=path, show_progress=False, num_pages=32, batch_invariant=False)).runner
+    assert on.paged_prefill and not off.paged_prefill and on.decode_attention == off.decode_attention == "cpu"
+    with pytest.raises(ValueError, match="batch_invariant needs the CPU attention kernel .* torch"):
+        EngineCore(EngineConfig(model=path, show_progress=False, num_pages=32, attention_backend="torch",
+                                batch_invariant=True))

@@ -11,7 +11,7 @@ chunk, or a prefix-cache hit) lists the cache slots of its whole context. Where 
 `paged`, prefill tokens are too (`paged_prefill`): each attends, by the same kernel as a decode,
 to the cache up to its own position, so a token's attention is the same arithmetic whether it is
 decoded, prefilled in one chunk or several, or follows a prefix that came from the cache (the
-batch invariance the engine's greedy outputs rest on).
+batch invariance the engine's greedy outputs rest on; EngineConfig.batch_invariant).
 """
 
 from __future__ import annotations
@@ -123,10 +123,13 @@ def build_metadata(
     prefills: list[tuple[list[int], int, int]],
     device: torch.device,
     paged_decode: bool = False,
+    paged_prefill: bool = False,
 ) -> AttentionMetadata:
     """decodes: (pages, context length including the new token), in batch order;
     prefills: (pages, chunk length, context length through the chunk's last token).
-    `paged_decode` describes decodes by block table instead of by padded groups."""
+    `paged_decode` describes decodes by block table instead of by padded groups, `paged_prefill`
+    (with it) prefill tokens too."""
+    paged_prefill = paged_prefill and paged_decode
     slot_parts: list[torch.Tensor] = []
     groups: list[DecodeGroup] = []
     paged = None
@@ -140,7 +143,7 @@ def build_metadata(
     for pages, q_len, kv_len in prefills:
         ctx = _slots(torch.tensor(pages, dtype=torch.long), kv_len, page_size)
         slot_parts.append(ctx[kv_len - q_len :])
-        if kv_len == q_len or paged_decode:  # paged: no slots or mask, see _paged_prefill
+        if kv_len == q_len or paged_prefill:  # paged: no slots or mask, see _paged_prefill
             chunks.append(PrefillChunk(start, q_len, kv_len, None, None))
         else:
             pos = torch.arange(kv_len - q_len, kv_len)
@@ -150,8 +153,8 @@ def build_metadata(
     # An empty step (data-parallel attention: a replica with no work joins its peers' MoE
     # collectives with zero tokens) writes no slot.
     slots = torch.cat(slot_parts).to(device) if slot_parts else torch.zeros(0, dtype=torch.long, device=device)
-    paged_prefill = _paged_prefill(prefills, page_size, device) if prefills and paged_decode else None
-    return AttentionMetadata(slots, len(decodes), groups, chunks, page_size, paged, paged_prefill)
+    pp = _paged_prefill(prefills, page_size, device) if prefills and paged_prefill else None
+    return AttentionMetadata(slots, len(decodes), groups, chunks, page_size, paged, pp)
 
 
 def _paged_prefill(prefills: list[tuple[list[int], int, int]], page_size: int, device: torch.device) -> PagedDecode:

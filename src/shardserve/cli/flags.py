@@ -175,6 +175,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--attention-backend", choices=ATTENTION_BACKENDS, default="auto",
                    help="decode attention: cpu = C kernel over the pages (CPU float32), torch = gather + SDPA, "
                         "auto = cpu where it applies")
+    g.add_argument("--batch-invariant", action=argparse.BooleanOptionalAction, default=None,
+                   help="greedy results independent of the batch and the prefix cache: prefill tokens attend by the "
+                        "CPU decode kernel (default: wherever it runs; --batch-invariant requires it, "
+                        "--no-batch-invariant prefills by SDPA, faster for prompts of 1,000 tokens and more)")
     g.add_argument("--quantization", "-q", choices=QUANTIZATION_MODES, default="auto",
                    help="weights: auto = a GGUF keeps its block formats (CPU float32 kernels; floats elsewhere), "
                         "none = expand to --dtype, int8 = quantize a safetensors checkpoint's linear weights at load")
@@ -191,7 +195,8 @@ def engine_config(args: argparse.Namespace, **overrides) -> EngineConfig:
         max_num_batched_tokens=args.max_num_batched_tokens, max_running_requests=args.max_running_requests,
         max_model_len=args.max_model_len, enable_prefix_cache=not args.no_prefix_cache, seed=args.seed,
         dist_timeout=args.dist_timeout,
-        attention_backend=args.attention_backend, quantization=args.quantization,
+        attention_backend=args.attention_backend, batch_invariant=args.batch_invariant,
+        quantization=args.quantization,
         pp_layer_partition=args.pp_layer_partition, pp_micro_batches=args.pp_micro_batches,
         ep_num_redundant_experts=args.ep_num_redundant_experts, ep_expert_placement=args.ep_expert_placement,
         threads=args.threads, show_progress=args.log_level in ("debug", "info"),  # a load bar is info

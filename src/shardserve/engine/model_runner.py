@@ -86,6 +86,10 @@ class ModelRunner:
         # Indexed by global layer number; other stages' layers have no cache here.
         self.kv_views = [None] * st.start + self.pool.layer_views() + [None] * (model_cfg.num_layers - st.end)
         self.paged_decode = self._pick_attention(cfg.attention_backend)
+        if cfg.batch_invariant and not self.paged_decode:
+            raise ValueError(f"batch_invariant needs the CPU attention kernel (a CPU device, float32, "
+                             f"attention_backend auto or cpu), got {self.device}, {cfg.dtype}, {cfg.attention_backend}")
+        self.paged_prefill = self.paged_decode and cfg.batch_invariant is not False
 
     def _placement_plan(self) -> PlacementPlan | None:
         """Where MoE experts live over the expert group: None without expert parallelism (tensor
@@ -119,7 +123,8 @@ class ModelRunner:
 
     @property
     def decode_attention(self) -> str:
-        """Which decode attention runs: 'cpu' (the C kernel) or 'torch' (gather + SDPA)."""
+        """Which decode attention runs: 'cpu' (the C kernel) or 'torch' (gather + SDPA). Prefill
+        tokens attend by the C kernel too where `paged_prefill` (batch-invariant)."""
         return "cpu" if self.paged_decode else "torch"
 
     def _pick_quantization(self, ckpt: Checkpoint) -> str:
@@ -180,7 +185,7 @@ class ModelRunner:
         `after_layer(i)` runs once layer i has (disaggregated prefill: its KV leaves then)."""
         cp = step.context
         meta = cp.meta if cp else build_metadata(self.cfg.page_size, step.decodes, step.prefills, self.device,
-                                                 self.paged_decode)
+                                                 self.paged_decode, self.paged_prefill)
         ctx = ForwardContext(self.kv_views, meta, after_layer=after_layer)
         pos = torch.tensor(step.positions, dtype=torch.long, device=self.device)
         ids = torch.tensor(step.token_ids, dtype=torch.long, device=self.device) if self.stage.first else None

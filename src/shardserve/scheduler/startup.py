@@ -47,7 +47,8 @@ def startup_summary(engine: EngineCore) -> str:
     spread = f" over {groups.context.size} context ranks" if groups.context.size > 1 else ""
     weights = weights_text(r.quantization, cfg.dtype, engine.ckpt.is_gguf)
     return (f"{rank_text(groups)}: device {r.device}, dtype {cfg.dtype}, {weights}, "
-            f"{plural(torch.get_num_threads(), 'thread')} per rank, decode attention {r.decode_attention}; "
+            f"{plural(torch.get_num_threads(), 'thread')} per rank, decode attention {r.decode_attention}"
+            f"{' (prefill too: batch-invariant)' if r.paged_prefill else ''}; "
             f"KV cache {pages} pages x {cfg.page_size} tokens ({pages * cfg.page_size} tokens{spread}), "
             f"{mib(kv_bytes)} on this rank ({kv_bytes // max(1, r.num_pages)} bytes a page); "
             f"context length {engine.max_model_len} tokens ({context})")

@@ -165,48 +165,72 @@ static inline void prefetch_rows(const float *page, int64_t r0, int64_t r1, int6
         for (int64_t i = 0; i < span; i += 16) __builtin_prefetch(page + r * stride + offset + i);
 }
 
-/* One pass over a sequence's pages (K when `values` is 0, else V) for the query heads whose kv
- * head is in [kv0, kv1). Pages sit at random places in the pool, beyond what the hardware
- * prefetcher predicts, so while a page is used the next one is prefetched, a slice of rows
- * before each head: one burst per page would fill the miss queue and stall. */
-static void pass(const float *cache, const int64_t *table, int64_t len, const float *q_row, const int64_t *kv_of_q,
-                 float *out_row, int64_t kv0, int64_t kv1, int64_t H, int64_t Hkv, int64_t D, int64_t page_size,
-                 float scale, float *scores, int values) {
-    int64_t stride = Hkv * D, block = page_size * stride, npages = (len + page_size - 1) / page_size;
-    int64_t heads = 0;
-    for (int64_t h = 0; h < H; ++h) heads += kv_of_q[h] >= kv0 && kv_of_q[h] < kv1;
-    for (int64_t pg = 0, t0 = 0; pg < npages; ++pg, t0 += page_size) {
-        int64_t n = len - t0 < page_size ? len - t0 : page_size;
-        const float *page = cache + table[pg] * block, *next = pg + 1 < npages ? cache + table[pg + 1] * block : 0;
-        for (int64_t h = 0, j = 0; h < H; ++h) {
-            if (kv_of_q[h] < kv0 || kv_of_q[h] >= kv1) continue;
-            if (next) prefetch_rows(next, j * page_size / heads, (j + 1) * page_size / heads, stride, kv0 * D,
-                                    (kv1 - kv0) * D);
-            ++j;
-            const float *rows = page + kv_of_q[h] * D;
-            if (values)
-                page_values(scores + h * len + t0, rows, n, stride, D, out_row + h * D);
-            else
-                page_scores(q_row + h * D, rows, n, stride, D, scale, scores + h * len + t0);
+/* Rows [b0, b1) (at most ROW_BLOCK, one block table: a prefill chunk's tokens, or one decode)
+ * for the query heads whose kv head is in [kv0, kv1): scores, softmax, weighted values. Each row
+ * is computed exactly as alone (the same calls per page, in the same order); the rows only take
+ * turns on each page, so a page of K or V is read from memory once for all of them. Pages sit at
+ * random places in the pool, beyond what the hardware prefetcher predicts, so while a page is
+ * used the next one is prefetched, a slice of rows before each head of the longest row: one burst
+ * per page would fill the miss queue and stall. scores holds (b1 - b0) * H * max_len floats. */
+static void block_item(const float *q, int64_t q_stride, const float *k_cache, const float *v_cache,
+                       const int64_t *table, const int64_t *lens, int64_t b0, int64_t b1, const int64_t *kv_of_q,
+                       float *out, float *lse, int64_t kv0, int64_t kv1, int64_t H, int64_t Hkv, int64_t D,
+                       int64_t page_size, float scale, float *scores, int64_t max_len) {
+    int64_t longest = 0, lb = b0; /* the longest row prefetches: it reads every page */
+    for (int64_t b = b0; b < b1; ++b)
+        if (lens[b] > longest) { longest = lens[b]; lb = b; }
+    for (int values = 0; values < 2; ++values) {
+        const float *cache = values ? v_cache : k_cache;
+        int64_t stride = Hkv * D, block = page_size * stride, npages = (longest + page_size - 1) / page_size;
+        int64_t heads = 0;
+        for (int64_t h = 0; h < H; ++h) heads += kv_of_q[h] >= kv0 && kv_of_q[h] < kv1;
+        for (int64_t pg = 0, t0 = 0; pg < npages; ++pg, t0 += page_size) {
+            const float *page = cache + table[pg] * block, *next = pg + 1 < npages ? cache + table[pg + 1] * block : 0;
+            for (int64_t b = b0; b < b1; ++b) {
+                int64_t len = lens[b], n = len - t0 < page_size ? len - t0 : page_size;
+                float *sc = scores + (b - b0) * H * max_len;
+                if (n <= 0) continue;
+                for (int64_t h = 0, j = 0; h < H; ++h) {
+                    if (kv_of_q[h] < kv0 || kv_of_q[h] >= kv1) continue;
+                    if (next && b == lb)
+                        prefetch_rows(next, j * page_size / heads, (j + 1) * page_size / heads, stride, kv0 * D,
+                                      (kv1 - kv0) * D);
+                    ++j;
+                    const float *rows = page + kv_of_q[h] * D;
+                    if (values)
+                        page_values(sc + h * len + t0, rows, n, stride, D, out + b * H * D + h * D);
+                    else
+                        page_scores(q + b * q_stride + h * D, rows, n, stride, D, scale, sc + h * len + t0);
+                }
+            }
+        }
+        if (values) break;
+        for (int64_t b = b0; b < b1; ++b) {
+            int64_t len = lens[b];
+            for (int64_t h = 0; h < H; ++h) {
+                if (kv_of_q[h] < kv0 || kv_of_q[h] >= kv1) continue;
+                memset(out + b * H * D + h * D, 0, sizeof(float) * D);
+                /* No keys: the sum of exps is 0. Stored on its own branch, as a constant, since
+                 * under -ffast-math computing it (log of 0, 1/0) is not guaranteed to give -inf. */
+                float l = len > 0 ? softmax(scores + (b - b0) * H * max_len + h * len, len) : -INFINITY;
+                if (lse) lse[b * H + h] = l;
+            }
         }
     }
 }
 
-/* One sequence's query heads whose kv head is in [kv0, kv1): scores, softmax, weighted values.
- * lse_row may be NULL. */
-static void one_item(const float *q_row, const float *k_cache, const float *v_cache, const int64_t *table,
-                     int64_t len, const int64_t *kv_of_q, float *out_row, float *lse_row, int64_t kv0, int64_t kv1,
-                     int64_t H, int64_t Hkv, int64_t D, int64_t page_size, float scale, float *scores) {
-    pass(k_cache, table, len, q_row, kv_of_q, out_row, kv0, kv1, H, Hkv, D, page_size, scale, scores, 0);
-    for (int64_t h = 0; h < H; ++h) {
-        if (kv_of_q[h] < kv0 || kv_of_q[h] >= kv1) continue;
-        memset(out_row + h * D, 0, sizeof(float) * D);
-        /* No keys: the sum of exps is 0. Stored on its own branch, as a constant, since under
-         * -ffast-math computing it (log of 0, 1/0) is not guaranteed to give -inf. */
-        float lse = len > 0 ? softmax(scores + h * len, len) : -INFINITY;
-        if (lse_row) lse_row[h] = lse;
-    }
-    pass(v_cache, table, len, q_row, kv_of_q, out_row, kv0, kv1, H, Hkv, D, page_size, scale, scores, 1);
+#define ROW_BLOCK 8 /* rows of one block table taken together */
+
+/* The first row of each block of rows sharing a block table, and the end: returns the count. */
+static int64_t row_blocks(const int64_t *block_tables, int64_t max_pages, int64_t B, int64_t *starts) {
+    int64_t n = 0;
+    for (int64_t b = 0; b < B; ++b)
+        if (b == 0 || b - starts[n - 1] == ROW_BLOCK ||
+            memcmp(block_tables + b * max_pages, block_tables + starts[n - 1] * max_pages,
+                   sizeof(int64_t) * (size_t)max_pages) != 0)
+            starts[n++] = b;
+    starts[n] = B;
+    return n;
 }
 
 /* Returns 0, or -1 when a scores buffer could not be allocated. lse may be NULL. The scores buffer
@@ -217,24 +241,28 @@ int paged_decode_f32(const float *q, int64_t q_stride, const float *k_cache, con
                      int64_t D, int64_t page_size, float scale, int num_threads) {
     int64_t max_len = 0;
     for (int64_t b = 0; b < B; ++b) max_len = context_lens[b] > max_len ? context_lens[b] : max_len;
-    /* A whole sequence per item reads its pages contiguously; with fewer sequences than
-     * threads x 2, items are (sequence, kv head) so every thread has work. */
-    int64_t per_seq = B < 2 * num_threads ? Hkv : 1;
+    /* Rows of one block table (a prefill chunk's tokens) go together, up to ROW_BLOCK a block. */
+    int64_t *starts = malloc(sizeof(int64_t) * (size_t)(B + 1));
+    if (!starts) return -1;
+    int64_t nblocks = row_blocks(block_tables, max_pages, B, starts);
+    /* A whole block per item reads its pages contiguously; with fewer blocks than threads x 2,
+     * items are (block, kv head) so every thread has work. */
+    int64_t per_seq = nblocks < 2 * num_threads ? Hkv : 1;
     int failed = 0;
 #pragma omp parallel num_threads(num_threads) reduction(| : failed)
     {
-        float *scores = malloc(sizeof(float) * (size_t)(max_len * H + 1));
+        float *scores = malloc(sizeof(float) * (size_t)(ROW_BLOCK * max_len * H + 1));
         if (!scores) failed = 1;
 #pragma omp for schedule(dynamic, 1)
-        for (int64_t item = 0; item < B * per_seq; ++item) {
+        for (int64_t item = 0; item < nblocks * per_seq; ++item) {
             if (!scores) continue;
-            int64_t b = item / per_seq, part = item % per_seq;
+            int64_t blk = item / per_seq, part = item % per_seq, b0 = starts[blk];
             int64_t kv0 = per_seq == 1 ? 0 : part, kv1 = per_seq == 1 ? Hkv : part + 1;
-            one_item(q + b * q_stride, k_cache, v_cache, block_tables + b * max_pages, context_lens[b], kv_of_q,
-                     out + b * H * D, lse ? lse + b * H : NULL, kv0, kv1, H, Hkv, D, page_size, scale,
-                     scores);
+            block_item(q, q_stride, k_cache, v_cache, block_tables + b0 * max_pages, context_lens, b0, starts[blk + 1],
+                       kv_of_q, out, lse, kv0, kv1, H, Hkv, D, page_size, scale, scores, max_len);
         }
         free(scores);
     }
+    free(starts);
     return failed ? -1 : 0;
 }
