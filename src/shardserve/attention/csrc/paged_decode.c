@@ -244,14 +244,15 @@ int paged_decode_f32(const float *q, int64_t q_stride, const float *k_cache, con
     /* Rows of one block table (a prefill chunk's tokens) go together, up to ROW_BLOCK a block. */
     int64_t *starts = malloc(sizeof(int64_t) * (size_t)(B + 1));
     if (!starts) return -1;
-    int64_t nblocks = row_blocks(block_tables, max_pages, B, starts);
+    int64_t nblocks = row_blocks(block_tables, max_pages, B, starts), rows = 1; /* the largest block's */
+    for (int64_t i = 0; i < nblocks; ++i) rows = starts[i + 1] - starts[i] > rows ? starts[i + 1] - starts[i] : rows;
     /* A whole block per item reads its pages contiguously; with fewer blocks than threads x 2,
      * items are (block, kv head) so every thread has work. */
     int64_t per_seq = nblocks < 2 * num_threads ? Hkv : 1;
     int failed = 0;
 #pragma omp parallel num_threads(num_threads) reduction(| : failed)
     {
-        float *scores = malloc(sizeof(float) * (size_t)(ROW_BLOCK * max_len * H + 1));
+        float *scores = malloc(sizeof(float) * (size_t)(rows * max_len * H + 1));
         if (!scores) failed = 1;
 #pragma omp for schedule(dynamic, 1)
         for (int64_t item = 0; item < nblocks * per_seq; ++item) {

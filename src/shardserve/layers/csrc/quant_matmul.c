@@ -31,6 +31,7 @@
  * Without AVX2 a row is expanded by the plain loops of quant_formats.c (the readable statement
  * of each format) and multiplied in float.
  */
+#include <float.h>
 #include <math.h>
 #include <omp.h>
 #include <stdint.h>
@@ -54,7 +55,8 @@ __attribute__((optimize("no-associative-math"))) static void quantize16(const fl
         __m512 lo = _mm512_loadu_ps(x), hi = _mm512_loadu_ps(x + 16);
         float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(lo), _mm512_abs_ps(hi)));
         __m512 p = _mm512_add_ps(lo, hi);
-        __m256 p8 = _mm256_add_ps(_mm512_castps512_ps256(p), _mm512_extractf32x8_ps(p, 1));
+        __m256 p8 = _mm256_add_ps(_mm512_castps512_ps256(p),  /* the upper half, with AVX512F alone */
+                                  _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(p), 1)));
 #elif defined(__AVX2__)
         __m256 a0 = _mm256_loadu_ps(x), a1 = _mm256_loadu_ps(x + 8), a2 = _mm256_loadu_ps(x + 16),
                a3 = _mm256_loadu_ps(x + 24);
@@ -78,7 +80,8 @@ __attribute__((optimize("no-associative-math"))) static void quantize16(const fl
             for (int i = 0; i < w; i++) p[i] = p[i] + p[i + w];
         float sum = p[0];
 #endif
-        float d = amax / 32767.0f, inv = d > 0.0f ? 1.0f / d : 0.0f;
+        /* A subnormal step would make 1/d infinite: such a block (all below ~1e-34) is zero. */
+        float d = amax / 32767.0f, inv = d >= FLT_MIN ? 1.0f / d : 0.0f;
 #if defined(__AVX512F__)
         __m512 vi = _mm512_set1_ps(inv);
         _mm256_storeu_si256((__m256i *)xq, _mm512_cvtsepi32_epi16(_mm512_cvtps_epi32(_mm512_mul_ps(lo, vi))));
