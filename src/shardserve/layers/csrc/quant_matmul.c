@@ -21,8 +21,8 @@
  * product_path) the weight is expanded to floats instead and multiplied by a register-blocked
  * float GEMM (exact to float rounding; quant_gemm.c).
  *
- * Plain float32 rows (type F32) take the same entry points: exact float products (f32_rows
- * below 16 rows, the float GEMM from there), so float checkpoints share the decode loop.
+ * Plain float32 rows (type F32) take the same entry points (the float GEMMs); the layers hold
+ * them in the x16 layout (quant_x16.c), so float checkpoints share the decode loop.
  *
  * `qmatmul` threads over the rows of W (torch's OpenMP pool). `qmatmul_rows` is the same work
  * for a range of rows, for callers inside a parallel region of their own (decode_loop.c).
@@ -122,7 +122,6 @@ static void quantize_rows(const float *x, int64_t ldx, int64_t r0, int64_t r1, c
 
 /* ------------------------------------------------------------------ one weight row . up to 8 rows */
 
-#define ROWS 4 /* activation rows per weight row in f32_rows */
 
 #ifdef __AVX2__
 static inline float hsum(__m256 v) {
@@ -213,69 +212,22 @@ static inline __attribute__((always_inline)) void rows_of(const int type, int nr
 }
 #endif
 
-/* ------------------------------------------------------------------ float32 rows (type F32) */
-
-/* y[i * ldy + r] = x_i . W[r] for i < m, r0 <= r < r1, W plain floats: float checkpoints take
- * the same C paths as the block formats (the decode loop above all). With one activation row the
- * product is bound by reading W, so four weight rows share each load of x. */
-static void f32_rows(const float *w, int64_t ldw, int64_t r0, int64_t r1, const float *x, int64_t ldx, int64_t m,
-                     int64_t k, float *y, int64_t ldy) {
-#ifdef __AVX2__
-    int64_t r = r0;
-    if (m == 1) {
-        for (; r + 4 <= r1; r += 4) {
-            const float *w0 = w + r * ldw, *w1 = w0 + ldw, *w2 = w1 + ldw, *w3 = w2 + ldw;
-            __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
-            for (int64_t e = 0; e < k; e += 8) {
-                __m256 xv = _mm256_loadu_ps(x + e);
-                a0 = _mm256_fmadd_ps(_mm256_loadu_ps(w0 + e), xv, a0);
-                a1 = _mm256_fmadd_ps(_mm256_loadu_ps(w1 + e), xv, a1);
-                a2 = _mm256_fmadd_ps(_mm256_loadu_ps(w2 + e), xv, a2);
-                a3 = _mm256_fmadd_ps(_mm256_loadu_ps(w3 + e), xv, a3);
-            }
-            y[r] = hsum(a0); y[r + 1] = hsum(a1); y[r + 2] = hsum(a2); y[r + 3] = hsum(a3);
-        }
-    }
-    for (; r < r1; r++) {
-        const float *wr = w + r * ldw;
-        for (int64_t i = 0; i < m; i += ROWS) {
-            int nr = m - i < ROWS ? (int)(m - i) : ROWS;
-            __m256 acc[ROWS];
-            for (int j = 0; j < ROWS; j++) acc[j] = _mm256_setzero_ps();
-            for (int64_t e = 0; e < k; e += 8) {
-                __m256 wv = _mm256_loadu_ps(wr + e);
-                for (int j = 0; j < nr; j++) acc[j] = _mm256_fmadd_ps(wv, _mm256_loadu_ps(x + (i + j) * ldx + e), acc[j]);
-            }
-            for (int j = 0; j < nr; j++) y[(i + j) * ldy + r] = hsum(acc[j]);
-        }
-    }
-#else
-    for (int64_t r = r0; r < r1; r++)
-        for (int64_t i = 0; i < m; i++) {
-            float t = 0.0f;
-            for (int64_t e = 0; e < k; e++) t += x[i * ldx + e] * w[r * ldw + e];
-            y[i * ldy + r] = t;
-        }
-#endif
-}
-
 #include "quant_gemm.c"
 
 /* How a product of m activation rows runs, by the weight's type: x16 layouts always on their
  * groups (X16_GROUPS); otherwise (crossovers measured on
  * SmolLM2's decode steps): the 16-bit path (ACTS16) while decoding a block costs less than
  * expanding the weight to floats (below 10 rows for 4-bit blocks, below 13 for Q8_0, whose
- * bytes widen directly);
- * F32 rows are read as they lie below 16 rows (F32_ROWS); then the float GEMM on activation
- * panels, and from STRIP_ROWS on weight strips. Without AVX2 every block format takes the float
- * GEMMs. */
-enum { ACTS16, F32_ROWS, PANELS, STRIPS, X16_GROUPS, F32_X16 };
+ * bytes widen directly); then the float GEMM on activation panels (plain F32 rows from the
+ * first row), and from STRIP_ROWS on weight strips. Without AVX2 every block format takes the
+ * float GEMMs. */
+enum { ACTS16, PANELS, STRIPS, X16_GROUPS, F32_X16 };
 
 static int product_path(int type, int64_t m) {
     if (type == (X16 | F32)) return F32_X16; /* every m: see quant_x16.c */
     if (is_x16(type)) return X16_GROUPS;
     if (m >= STRIP_ROWS) return STRIPS;
-    if (type == F32) return m < 16 ? F32_ROWS : PANELS;
+    if (type == F32) return PANELS;
 #ifdef __AVX2__
     if (m < (type == Q8_0 ? 13 : 10)) return ACTS16;
 #endif
@@ -306,9 +258,6 @@ static void qmatmul_rows(int type, const uint8_t *w, int64_t row_bytes, int64_t 
     switch (product_path(type, m)) {
     case X16_GROUPS: x16_rows(type, w, row_bytes, n, r0, r1, a, y, ldy, (uint8_t *)wp); return;
     case F32_X16: f32x16_rows(w, n, r0, r1, x, ldx, m, a->k, y, ldy, wp); return;
-    case F32_ROWS:
-        f32_rows((const float *)w, row_bytes / (int64_t)sizeof(float), r0, r1, x, ldx, m, a->k, y, ldy);
-        return;
     case PANELS: panel_gemm(type, w, row_bytes, r0, r1, a, y, ldy, wp); return;
     case STRIPS: strip_gemm(type, w, row_bytes, r0, r1, x, ldx, m, a->k, y, ldy, wp, wp + NR * a->k); return;
     default: break;
