@@ -27,7 +27,7 @@
 /* The instructions this build's products run on (it is compiled for the host CPU, so what the
  * CPU offers decides them once): logged when the library loads, shown by `shardserve env`. */
 const char *kernel_paths(void) {
-    return "Q4_0/Q4_1/Q8_0 products: x16 groups on " X16_PATH "; Q4_K/Q6_K and float32: " GEMM_PATH;
+    return "Q4_0/Q4_1/Q8_0/float32 products: x16 groups on " X16_PATH "; Q4_K/Q6_K: " GEMM_PATH;
 }
 
 typedef struct {

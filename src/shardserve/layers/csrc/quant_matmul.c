@@ -119,6 +119,7 @@ static void quantize_rows(const float *x, int64_t ldx, int64_t r0, int64_t r1, c
 }
 
 #include "quant_x16.c"
+#include "quant_x16_float.c"
 
 /* ------------------------------------------------------------------ one weight row . up to 8 rows */
 

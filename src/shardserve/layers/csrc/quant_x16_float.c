@@ -1,0 +1,133 @@
+/* Products against float32 rows in x16 groups (F32 | X16), for quant_matmul.c, which includes
+ * this file after quant_x16.c (whose vector helpers it uses); not compiled alone.
+ *
+ * Each group of 16 rows is stored column by column, [k][L] floats (L = 16, or rows % 16 for the
+ * last). One sequence of operations per output whatever the number of rows: t = 0; for e = 0 ..
+ * k - 1 in order, t = fma(w_e, x_e, t), one weight row per lane. Exact float products, one order
+ * for every batch size (batch-invariant float checkpoints).
+ */
+
+#ifdef X16_VEC
+/* ng groups (the first at grp, `gstride` floats apart) times nx activation rows, ng * nx <= 16
+ * sums, each its own chain of multiply-adds: few rows take 4 groups (chains enough to hide the
+ * latency), many take 2 groups by 8 rows (half the weight loads per multiply-add). */
+static inline __attribute__((always_inline)) void f32_tile(const int ng, const int nx, const float *grp,
+                                                           int64_t gstride, const float *x, int64_t ldx, int64_t k,
+                                                           float *y, int64_t ldy) {
+    const VF z = vf_zero();
+    VF c00 = z, c01 = z, c02 = z, c03 = z, c04 = z, c05 = z, c06 = z, c07 = z;
+    VF c10 = z, c11 = z, c12 = z, c13 = z, c14 = z, c15 = z, c16 = z, c17 = z;
+    VF c20 = z, c21 = z, c22 = z, c23 = z, c30 = z, c31 = z, c32 = z, c33 = z;
+    const float *g0 = grp, *g1 = g0 + gstride, *g2 = g1 + gstride, *g3 = g2 + gstride;
+    for (int64_t e = 0; e < k; e++) {
+#define F32_FMA(gi, j) \
+    if (nx > j) c##gi##j = vf_fma_b(w, x + j * ldx + e, c##gi##j);
+#define F32_ROW4(gi)                                                               \
+    if (ng > gi) {                                                                 \
+        VF w = vf_load(g##gi + e * GL);                                            \
+        F32_FMA(gi, 0) F32_FMA(gi, 1) F32_FMA(gi, 2) F32_FMA(gi, 3)                \
+    }
+#define F32_ROW8(gi)                                                               \
+    if (ng > gi) {                                                                 \
+        VF w = vf_load(g##gi + e * GL);                                            \
+        F32_FMA(gi, 0) F32_FMA(gi, 1) F32_FMA(gi, 2) F32_FMA(gi, 3)                \
+        F32_FMA(gi, 4) F32_FMA(gi, 5) F32_FMA(gi, 6) F32_FMA(gi, 7)                \
+    }
+        if (nx > 4) { F32_ROW8(0) F32_ROW8(1) }
+        else { F32_ROW4(0) F32_ROW4(1) F32_ROW4(2) F32_ROW4(3) }
+#undef F32_ROW8
+#undef F32_ROW4
+#undef F32_FMA
+    }
+#define F32_OUT(gi, j) \
+    if (ng > gi && nx > j) vf_store(y + j * ldy + gi * GL, c##gi##j, GL);
+    F32_OUT(0, 0) F32_OUT(0, 1) F32_OUT(0, 2) F32_OUT(0, 3) F32_OUT(0, 4) F32_OUT(0, 5) F32_OUT(0, 6) F32_OUT(0, 7)
+    F32_OUT(1, 0) F32_OUT(1, 1) F32_OUT(1, 2) F32_OUT(1, 3) F32_OUT(1, 4) F32_OUT(1, 5) F32_OUT(1, 6) F32_OUT(1, 7)
+    F32_OUT(2, 0) F32_OUT(2, 1) F32_OUT(2, 2) F32_OUT(2, 3) F32_OUT(3, 0) F32_OUT(3, 1) F32_OUT(3, 2) F32_OUT(3, 3)
+#undef F32_OUT
+}
+
+/* f32_tile() with constant counts: nx <= 4 with ng <= 4, or nx <= 8 with ng <= 2. */
+static void f32_tiles(int ng, int nx, const float *grp, int64_t gstride, const float *x, int64_t ldx, int64_t k,
+                      float *y, int64_t ldy) {
+#define NX_OF(G)                                                                 \
+    switch (nx) {                                                                \
+    case 4: f32_tile(G, 4, grp, gstride, x, ldx, k, y, ldy); break;              \
+    case 3: f32_tile(G, 3, grp, gstride, x, ldx, k, y, ldy); break;              \
+    case 2: f32_tile(G, 2, grp, gstride, x, ldx, k, y, ldy); break;              \
+    default: f32_tile(G, 1, grp, gstride, x, ldx, k, y, ldy); break;             \
+    }
+#define NX8_OF(G)                                                                \
+    switch (nx) {                                                                \
+    case 8: f32_tile(G, 8, grp, gstride, x, ldx, k, y, ldy); break;              \
+    case 7: f32_tile(G, 7, grp, gstride, x, ldx, k, y, ldy); break;              \
+    case 6: f32_tile(G, 6, grp, gstride, x, ldx, k, y, ldy); break;              \
+    default: f32_tile(G, 5, grp, gstride, x, ldx, k, y, ldy); break;             \
+    }
+    if (nx > 4) {
+        if (ng == 2) { NX8_OF(2) } else { NX8_OF(1) }
+        return;
+    }
+    switch (ng) {
+    case 4: NX_OF(4) break;
+    case 3: NX_OF(3) break;
+    case 2: NX_OF(2) break;
+    default: NX_OF(1) break;
+    }
+#undef NX8_OF
+#undef NX_OF
+}
+#endif
+
+/* y[i * ldy + r] = x_i . W[r] for i < m, r0 <= r < r1, W float32 in x16 groups (n rows of k);
+ * `pad` holds 16 * k floats. Whole groups in runs of up to 4; a part-filled or part-claimed group
+ * alone, through `out`. */
+static void f32x16_rows(const uint8_t *w, int64_t n, int64_t r0, int64_t r1, const float *x, int64_t ldx, int64_t m,
+                        int64_t k, float *y, int64_t ldy, float *pad) {
+    const float *wf = (const float *)w;
+    for (int64_t g0 = r0 / GL * GL; g0 < r1;) {
+        int64_t lanes = n - g0 < GL ? n - g0 : GL, lo = r0 > g0 ? r0 - g0 : 0, hi = r1 - g0 < lanes ? r1 - g0 : lanes;
+        const float *grp = wf + g0 * k;
+        if (lo == 0 && hi == GL) { /* whole groups, as many as are whole and claimed, up to 4 (2 for 8 rows) */
+            int rows = m >= 8 ? 8 : 4, ng = 1;
+            while (ng < 16 / rows && g0 + (ng + 1) * GL <= r1 && g0 + (ng + 1) * GL <= n) ng++;
+#ifdef X16_VEC
+            for (int64_t i = 0; i < m; i += rows)
+                f32_tiles(ng, m - i < rows ? (int)(m - i) : rows, grp, GL * k, x + i * ldx, ldx, k, y + i * ldy + g0,
+                          ldy);
+#else
+            for (int64_t i = 0; i < m; i++)
+                for (int64_t j = 0; j < ng * GL; j++) {
+                    float t = 0.0f;
+                    for (int64_t e = 0; e < k; e++) t = fmaf(grp[(j / GL) * GL * k + e * GL + j % GL], x[i * ldx + e], t);
+                    y[i * ldy + g0 + j] = t;
+                }
+#endif
+            g0 += ng * GL;
+            continue;
+        }
+        if (lanes < GL) { /* the last group, [k][lanes], padded to [k][16] */
+            for (int64_t e = 0; e < k; e++) {
+                memcpy(pad + e * GL, grp + e * lanes, sizeof(float) * (size_t)lanes);
+                memset(pad + e * GL + lanes, 0, sizeof(float) * (size_t)(GL - lanes));
+            }
+            grp = pad;
+        }
+        float out[4 * GL];
+        for (int64_t i = 0; i < m; i += 4) {
+            int nx = m - i < 4 ? (int)(m - i) : 4;
+#ifdef X16_VEC
+            f32_tiles(1, nx, grp, GL * k, x + i * ldx, ldx, k, out, GL);
+#else
+            for (int j = 0; j < nx; j++)
+                for (int l = 0; l < GL; l++) {
+                    float t = 0.0f;
+                    for (int64_t e = 0; e < k; e++) t = fmaf(grp[e * GL + l], x[(i + j) * ldx + e], t);
+                    out[j * GL + l] = t;
+                }
+#endif
+            for (int j = 0; j < nx; j++) memcpy(y + (i + j) * ldy + g0 + lo, out + j * GL + lo, sizeof(float) * (size_t)(hi - lo));
+        }
+        g0 += GL;
+    }
+}
