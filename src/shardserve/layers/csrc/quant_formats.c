@@ -41,13 +41,18 @@ static inline void k4_scale_min(const uint8_t *q, int j, int *sc, int *m) {
     }
 }
 
+/* Bytes of one block of Q4_0, Q4_1 or Q8_0 (of one weight for F32). */
+static inline int64_t block_bytes(int type) {
+    return type == Q4_0 ? 18 : type == Q4_1 ? 20 : type == Q8_0 ? 34 : 4;
+}
+
 /* ------------------------------------------------------------------ dequantize one row */
 
 __attribute__((unused)) static void dequant_row(int type, const uint8_t *w, int64_t k, float *y) {
     if (type == F32) {
         memcpy(y, w, sizeof(float) * (size_t)k);
     } else if (type == Q4_0 || type == Q4_1 || type == Q8_0) {
-        int64_t bytes = type == Q4_0 ? 18 : type == Q4_1 ? 20 : 34;
+        int64_t bytes = block_bytes(type);
         for (int64_t b = 0; b < k / QK; b++, w += bytes, y += QK) {
             float d = f16(w);
             if (type == Q8_0) {
@@ -180,7 +185,7 @@ static inline __attribute__((always_inline)) void expand_blocks16(const int type
  * spend a good part of their time here. */
 static inline __attribute__((always_inline)) void expand_blocks32(const int type, const uint8_t *wr, int64_t k,
                                                                   float *o) {
-    const int64_t bytes = type == Q4_0 ? 18 : type == Q4_1 ? 20 : 34;
+    const int64_t bytes = block_bytes(type);
     const __m128i m4 = _mm_set1_epi8(0x0F);
     for (int64_t b = 0; b < k / QK; b++, o += QK, wr += bytes) {
         __m256 d = _mm256_set1_ps(f16(wr));

@@ -30,9 +30,7 @@
 #define GL 16     /* rows per group */
 #define NXMAX 8   /* activation rows per register tile */
 
-static inline int64_t block_bytes(int base) { return base == Q4_0 ? 18 : base == Q4_1 ? 20 : base == Q8_0 ? 34 : 4; }
-
-/* Byte offset of the quants within a block of an L-row group, and the bytes of one chunk. */
+/* Byte offset of the quants within a block of an L-row group. */
 static inline int64_t quants_at(int base, int64_t lanes) { return (base == Q4_1 ? 4 : 2) * lanes; }
 
 /* Row j's quant of column e (0..31) in a block of an L-row group: 0..15, or a signed byte. */
