@@ -149,6 +149,67 @@ DISAGGREGATION_MODES = ("null", "prefill", "decode")
 # "int8" quantizes a float checkpoint's linear weights to Q8_0 blocks at load (weight-only int8
 # with one scale per 32 weights: finer than one per channel, and the same kernel).
 QUANTIZATION_MODES = ("auto", "none", "int8")
+# Speculative decoding: "ngram" looks proposals up in the request's own tokens (vLLM's prompt
+# lookup); "draft" has a smaller model of the same vocabulary propose them.
+SPECULATIVE_METHODS = ("ngram", "draft")
+MAX_SPECULATIVE_TOKENS = 16  # proposals per step: past this, a rejection early wastes most of the verify
+DRAFT_TP = ("1", "same")  # the draft whole on the leader, or sharded like the target
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """Speculative decoding (see scheduler/speculator.py). `num_speculative_tokens` K proposals a
+    step per decoding request; `ngram_min`..`ngram_max`: the suffix lengths looked up (longest
+    first); `model`: the draft checkpoint, placed by `draft_tp`; with more than
+    `disable_by_batch_size` requests in a step nothing is proposed (verification costs compute a
+    big batch no longer has spare)."""
+
+    method: str
+    num_speculative_tokens: int
+    ngram_min: int = 1
+    ngram_max: int = 4
+    model: str | None = None
+    draft_tp: str = "1"
+    disable_by_batch_size: int | None = 8
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> SpeculativeConfig:
+        """From `LLM(speculative_config={...})`: these fields, or vLLM's names for them."""
+        aliases = {"prompt_lookup_min": "ngram_min", "prompt_lookup_max": "ngram_max",
+                   "draft_tensor_parallel_size": "draft_tp", "speculative_disable_by_batch_size":
+                   "disable_by_batch_size"}
+        fields = {aliases.get(k, k): v for k, v in d.items()}
+        unknown = set(fields) - set(cls.__dataclass_fields__)
+        if unknown:
+            raise ValueError(f"speculative_config: unknown field(s) {sorted(unknown)} (known: "
+                             f"{sorted(cls.__dataclass_fields__)})")
+        if "method" not in fields:
+            fields["method"] = "draft" if fields.get("model") else "ngram"
+        if fields.get("draft_tp") is not None:
+            fields["draft_tp"] = str(fields["draft_tp"])
+        return cls(**fields)
+
+    def __post_init__(self) -> None:
+        k, bound = self.num_speculative_tokens, MAX_SPECULATIVE_TOKENS
+        checks = [
+            (self.method in SPECULATIVE_METHODS, "speculative-method", f"must be one of {list(SPECULATIVE_METHODS)}"),
+            (isinstance(k, int) and 1 <= k <= bound, "num-speculative-tokens", f"must be an integer in [1, {bound}]"),
+            (isinstance(self.ngram_min, int) and self.ngram_min >= 1, "ngram-min", "must be an integer >= 1"),
+            (isinstance(self.ngram_max, int) and self.ngram_max >= self.ngram_min, "ngram-max",
+             f"must be an integer >= --ngram-min ({self.ngram_min})"),
+            ((self.method == "draft") == bool(self.model), "speculative-model",
+             "is needed by --speculative-method draft and only by it"),
+            (self.draft_tp in DRAFT_TP, "speculative-draft-tp", f"must be one of {list(DRAFT_TP)}"),
+            (self.disable_by_batch_size is None or self.disable_by_batch_size >= 1,
+             "speculative-disable-by-batch-size", "must be >= 1"),
+        ]
+        attr = {"speculative-method": "method", "num-speculative-tokens": "num_speculative_tokens",
+                "speculative-model": "model", "speculative-draft-tp": "draft_tp",
+                "speculative-disable-by-batch-size": "disable_by_batch_size"}
+        for ok, flag, why in checks:
+            if not ok:
+                got = getattr(self, attr.get(flag, flag.replace("-", "_")))
+                raise ValueError(f"--{flag} {why} (got {got!r})")
 
 
 @dataclass(frozen=True)
@@ -194,8 +255,12 @@ class EngineConfig:
     disaggregation_host: str = "127.0.0.1"
     disaggregation_port: int = 0
     disaggregation_timeout: float = 30.0
+    # Speculative decoding (a SpeculativeConfig, or its fields as a dict as vLLM takes it); None: off.
+    speculative_config: SpeculativeConfig | None = None
 
     def __post_init__(self) -> None:
+        if isinstance(self.speculative_config, dict):
+            object.__setattr__(self, "speculative_config", SpeculativeConfig.from_dict(self.speculative_config))
         checks = [
             (self.dtype in DTYPES, "dtype", f"must be one of {sorted(DTYPES)}"),
             (self.page_size >= 1, "page_size", "must be >= 1"),

@@ -288,6 +288,9 @@ class Batch:
 
     entries: list[tuple[Request, int]]
     num_decode: int
+    # Speculative decoding: request id -> tokens proposed after its one new token (computed in the
+    # same forward, verified by the sampling rank; see scheduler/speculator.py).
+    drafts: dict[str, list[int]] = field(default_factory=dict)
 
     @property
     def num_tokens(self) -> int:

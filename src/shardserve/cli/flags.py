@@ -11,7 +11,16 @@ import dataclasses
 import math
 import sys
 
-from shardserve.config import ATTENTION_BACKENDS, DTYPES, QUANTIZATION_MODES, EngineConfig
+from shardserve.config import (
+    ATTENTION_BACKENDS,
+    DRAFT_TP,
+    DTYPES,
+    MAX_SPECULATIVE_TOKENS,
+    QUANTIZATION_MODES,
+    SPECULATIVE_METHODS,
+    EngineConfig,
+    SpeculativeConfig,
+)
 from shardserve.distributed.layout import Layout
 from shardserve.logs import LOG_LEVELS
 from shardserve.router.policy import POLICIES
@@ -182,10 +191,41 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--quantization", "-q", choices=QUANTIZATION_MODES, default="auto",
                    help="weights: auto = a GGUF keeps its block formats (CPU float32 kernels; floats elsewhere), "
                         "none = expand to --dtype, int8 = quantize a safetensors checkpoint's linear weights at load")
+    add_speculative_args(p)
     g.add_argument("--generation-config", default="auto",
                    help="default sampling settings for requests that leave them out: 'auto' reads the model's "
                         "(generation_config.json, or a GGUF's general.sampling.*), 'none' keeps the built-in "
                         "ones, or a directory holding a generation_config.json")
+
+
+def add_speculative_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("speculative decoding")
+    g.add_argument("--speculative-method", choices=SPECULATIVE_METHODS, default=None,
+                   help="propose tokens for the target to verify in one forward: ngram = looked up in the request's "
+                        "own prompt and output, draft = a smaller model with the same vocabulary (--speculative-model)")
+    g.add_argument("--num-speculative-tokens", type=ranged(int, 1, MAX_SPECULATIVE_TOKENS), default=None,
+                   help="tokens proposed per step and request (needed with --speculative-method)")
+    g.add_argument("--ngram-min", type=positive_int, default=1, help="shortest suffix ngram looks up")
+    g.add_argument("--ngram-max", type=positive_int, default=4, help="longest suffix ngram looks up (tried first)")
+    g.add_argument("--speculative-model", default=None, help="the draft checkpoint (safetensors directory or GGUF)")
+    g.add_argument("--speculative-draft-tp", choices=DRAFT_TP, default="1",
+                   help="1 = the draft whole on the leader (no collective), same = sharded like the target")
+    g.add_argument("--speculative-disable-by-batch-size", type=positive_int, default=8,
+                   help="propose nothing in a step of more requests than this (verification's compute no longer "
+                        "spare)")
+
+
+def speculative_config(args: argparse.Namespace) -> SpeculativeConfig | None:
+    """The speculative-decoding flags as a config (None without --speculative-method)."""
+    if args.speculative_method is None:
+        for flag in ("num_speculative_tokens", "speculative_model"):
+            if getattr(args, flag) is not None:
+                raise ValueError(f"--{flag.replace('_', '-')} needs --speculative-method")
+        return None
+    if args.num_speculative_tokens is None:
+        raise ValueError(f"--speculative-method {args.speculative_method} needs --num-speculative-tokens K")
+    return SpeculativeConfig(args.speculative_method, args.num_speculative_tokens, args.ngram_min, args.ngram_max,
+                             args.speculative_model, args.speculative_draft_tp, args.speculative_disable_by_batch_size)
 
 
 def engine_config(args: argparse.Namespace, **overrides) -> EngineConfig:
@@ -200,6 +240,7 @@ def engine_config(args: argparse.Namespace, **overrides) -> EngineConfig:
         pp_layer_partition=args.pp_layer_partition, pp_micro_batches=args.pp_micro_batches,
         ep_num_redundant_experts=args.ep_num_redundant_experts, ep_expert_placement=args.ep_expert_placement,
         threads=args.threads, show_progress=args.log_level in ("debug", "info"),  # a load bar is info
+        speculative_config=speculative_config(args),
     )
     fields.update(overrides)
     return EngineConfig(**fields)

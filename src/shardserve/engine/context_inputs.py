@@ -130,8 +130,12 @@ class ContextSplit:
         held[pages[last] // self.per] -= p - (end - 1) % p - 1
         rows.chunks.append(ContextChunk(r, q_len, q_pos.to(self.device), slots.to(self.device),
                                         k_pos.to(self.device), held))
-        if e.sample:  # the chunk's last position: the last of its owner's rows
+        if e.sample and not e.num_draft:  # the chunk's last position: the last of its owner's rows
             rows.sample.append((pages[last] // self.per, r + q_len - 1))
+        elif e.sample:  # and the positions before each proposal (speculative decoding)
+            wanted = torch.arange(end - 1 - e.num_draft, end)
+            for pos, i in zip(wanted.tolist(), torch.searchsorted(q_pos, wanted).tolist()):
+                rows.sample.append((pages[pos // p] // self.per, r + i))
         if e.score_count:
             scored = torch.arange(e.score_first, e.score_first + e.score_count)
             at = torch.searchsorted(q_pos, scored).tolist()

@@ -172,6 +172,15 @@ class Sampler:
     def forget(self, request_id: str) -> None:
         self.penalties.pop(request_id, None)
 
+    def adjust(self, row: torch.Tensor, req: Request) -> torch.Tensor:
+        """One row's logits (a copy) after the request's bans, logit_bias and penalties: what its
+        greedy argmax or its temperature and filters start from."""
+        row = row.clone()
+        ban = banned_tokens(req, row.shape[-1], row.device)
+        if ban is not None:
+            row.masked_fill_(ban, float("-inf"))
+        return apply_penalties(apply_logit_bias(row, req.params), req, self.penalties)
+
     def __call__(self, logits: torch.Tensor, reqs: list[Request],
                  mask: Callable[[torch.Tensor, list[Request]], torch.Tensor] | None = None,
                  ) -> tuple[list[int], list[dict | None]]:
@@ -192,11 +201,7 @@ class Sampler:
         for i, r in enumerate(reqs):
             if i in greedy_set:
                 continue
-            row = logits[i].clone()
-            ban = banned_tokens(r, row.shape[-1], row.device)
-            if ban is not None:
-                row.masked_fill_(ban, float("-inf"))
-            row = apply_penalties(apply_logit_bias(row, r.params), r, self.penalties)
+            row = self.adjust(logits[i], r)
             if r.params.greedy:
                 tokens[i] = int(row.argmax())
                 continue

@@ -28,6 +28,7 @@ from shardserve.engine.grammar import Guide
 from shardserve.engine.kv_shipper import KVShipper
 from shardserve.engine.model_runner import ModelRunner, StepInputs
 from shardserve.engine.sampler import Sampler, score_prompt
+from shardserve.engine.verify import verify
 from shardserve.ipc.messages.disagg import KVTarget
 from shardserve.ipc.messages.plan import PlanRequest, StepPlan, StepResult
 from shardserve.kvcache.transfer import KVSender
@@ -54,6 +55,9 @@ class StageWorker:
         self.pages: dict[str, list[int]] = {}
         self.sampling: dict[str, Request] = {}  # on the sampling rank only
         self.sampler = Sampler()
+        # Speculative decoding by a draft model: its distributions for a plan's proposals, handed
+        # over by the leader in-process (the leader is this rank: speculation needs one stage).
+        self.draft_probs: dict[str, torch.Tensor] = {}
         self.guide = Guide(ckpt, model_cfg.vocab_size) if self.samples else None  # structured outputs
         self.plans = self.empty_plans = 0  # run so far (empty: data-parallel attention's idle steps)
         # Disaggregation: a prefill rank ships KV (`shipper`, to `targets`); a decode rank's KV
@@ -139,8 +143,8 @@ class StageWorker:
                 step.token_ids.extend(e.token_ids)
             step.positions.extend(range(e.start, end))
             (step.decodes.append((pages, end)) if n == 1 else step.prefills.append((pages, n, end)))
-            if e.sample:
-                sample_rows.append(offset + n - 1)
+            if e.sample:  # its last row, and with proposals the one before each of them
+                sample_rows.extend(range(offset + n - 1 - e.num_draft, offset + n))
             if e.score_count:
                 first = offset + e.score_first - e.start
                 score_rows.extend(range(first, first + e.score_count))
@@ -149,20 +153,61 @@ class StageWorker:
         return step
 
     def _sample(self, plan: StepPlan, logits: torch.Tensor) -> StepResult:
-        reqs = [self.sampling[e.rid] for e in plan.entries if e.sample]
-        guided = any(r.matcher is not None for r in reqs)
-        tokens, logprobs = self.sampler(logits[: len(reqs)], reqs, self.guide.mask if guided else None)
-        ended = self.guide.accept(reqs, tokens) if guided else []
-        for req, tok in zip(reqs, tokens):
-            req.append_token(tok)  # penalties read the tokens so far
-        scored, row = [], len(reqs)
+        sampled = [e for e in plan.entries if e.sample]
+        row = sum(e.num_draft + 1 for e in sampled)
+        if row == len(sampled):
+            tokens, logprobs, ended = self._sample_rows(logits[:row], [self.sampling[e.rid] for e in sampled])
+            accepted = ([], [])
+        else:
+            tokens, logprobs, ended, accepted = self._verify(logits[:row], sampled)
+        scored = []
         for e in plan.entries:
             if e.score_count:
                 req = self.sampling[e.rid]
                 scored.append(score_prompt(logits[row : row + e.score_count], req.prompt_token_ids,
                                            req.params.prompt_logprobs, e.score_first))
                 row += e.score_count
-        return StepResult(mb=plan.mb, tokens=tokens, logprobs=logprobs, prompt_logprobs=scored, ended=ended)
+        return StepResult(mb=plan.mb, tokens=tokens, logprobs=logprobs, prompt_logprobs=scored, ended=ended,
+                          accepted=accepted[0], accepted_logprobs=accepted[1])
+
+    def _sample_rows(self, logits: torch.Tensor, reqs: list[Request]) -> tuple[list[int], list, list[int]]:
+        """One token per request from its one row (the batched sampler)."""
+        guided = any(r.matcher is not None for r in reqs)
+        tokens, logprobs = self.sampler(logits, reqs, self.guide.mask if guided else None)
+        ended = self.guide.accept(reqs, tokens) if guided else []
+        for req, tok in zip(reqs, tokens):
+            req.append_token(tok)  # penalties read the tokens so far
+        return tokens, logprobs, ended
+
+    def _verify(self, logits: torch.Tensor, sampled: list) -> tuple[list[int], list, list[int], tuple]:
+        """Speculative decoding: entries without proposals sample together, each with proposals
+        is verified row by row (engine/verify.py). Per sampled entry: its last token and logprob,
+        and in `accepted` (tokens, logprobs) the proposals it emits before that token."""
+        starts, at = [], 0
+        for e in sampled:
+            starts.append(at)
+            at += e.num_draft + 1
+        plain = [i for i, e in enumerate(sampled) if not e.num_draft]
+        plain_out = {}
+        if plain:
+            toks, lps, done = self._sample_rows(logits[[starts[i] for i in plain]],
+                                                [self.sampling[sampled[i].rid] for i in plain])
+            plain_out = {i: ([toks[j]], [lps[j]], j in done) for j, i in enumerate(plain)}
+        tokens, logprobs, ended, accepted = [], [], [], ([], [])
+        for i, e in enumerate(sampled):
+            if not e.num_draft:
+                toks, lps, done = plain_out[i]
+            else:
+                q = self.draft_probs.pop(e.rid, None)
+                toks, lps, done = verify(logits[starts[i] : starts[i] + e.num_draft + 1], self.sampling[e.rid],
+                                         e.token_ids[1:], q, self.sampler, self.guide)
+            tokens.append(toks[-1])
+            logprobs.append(lps[-1])
+            accepted[0].append(toks[:-1])
+            accepted[1].append(lps[:-1])
+            if done:
+                ended.append(i)
+        return tokens, logprobs, ended, accepted
 
     def info(self) -> dict:
         """What every rank reports when ready. Peak resident memory so far covers model

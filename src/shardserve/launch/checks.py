@@ -19,6 +19,7 @@ from shardserve.kvcache.budget import kv_budget_message
 from shardserve.launch import LaunchError
 from shardserve.launch.deployment import Deployment
 from shardserve.launch.nodes import NodeSpec
+from shardserve.launch.spec_checks import check_speculative
 from shardserve.layers.sharding import head_shard  # plain Python
 from shardserve.loader.model_path import Checkpoint, resolve_checkpoint
 from shardserve.loader.weights import read_model_config
@@ -52,6 +53,7 @@ def check_deployment(plan: Deployment, ckpt: Checkpoint, torchrun: bool = False)
         from shardserve.distributed.pipeline import split_layers  # torch: imported only when checked
 
         split_layers(mc.num_layers, layout.pp, cfg.pp_layer_partition)
+    check_speculative(cfg, layout, ckpt)
     if (cfg.pp_micro_batches or 1) > 1 and layout.pp == 1:
         raise LayoutError(f"--pp-micro-batches {cfg.pp_micro_batches} needs --pp-size > 1 (one stage runs one "
                           f"micro-batch at a time)")

@@ -27,6 +27,7 @@ from shardserve.scheduler.finish import finish_reason
 from shardserve.scheduler.limits import RequestLimits
 from shardserve.scheduler.plan_feed import PlanFeed, Wait
 from shardserve.scheduler.scheduler import Scheduler
+from shardserve.scheduler.speculator import make_speculator
 
 
 @dataclass
@@ -98,6 +99,7 @@ class EngineCore:
         self.stage_traffic: dict[str, dict] = {}
         self.max_in_flight = 0  # the most micro-batches ever in flight at once
         self.stage_reports = 0  # StageTraffic messages received (a change worth a Stats message)
+        self.spec = make_speculator(cfg, self.runner, self.allocator, self.max_model_len)
 
     @property
     def vocab_size(self) -> int:
@@ -143,7 +145,7 @@ class EngineCore:
         self.requests[request_id] = req
         self.scheduler.admit_running(req)
         self.starved = False
-        return self._take_token(req, first, logprobs, grammar_done)
+        return self._take_tokens(req, [first], [logprobs], grammar_done)
 
     def drop_room(self, room: str) -> None:
         """Disaggregated decode: every rank stops writing KV frames of `room` before the next plan
@@ -159,6 +161,8 @@ class EngineCore:
         return True
 
     def _end(self, req: Request, reason: str) -> None:
+        if self.spec is not None:
+            self.spec.forget(req)
         self.num_finished += 1
         self.scheduler.finish(req, reason)
         self.requests.pop(req.request_id, None)
@@ -214,6 +218,10 @@ class EngineCore:
         return max(1, -(-active // self.micro_batches))
 
     def _run(self, batch: Batch) -> list[StepOutput]:
+        if self.spec is not None:
+            drafts = self.spec.extend(batch)
+            # A draft model's distributions go to the sampling rank, which is this process.
+            self.worker.draft_probs.update({rid: d.probs for rid, d in drafts.items() if d.probs is not None})
         plan, waits = self.feed.batch_plan(self.next_mb, batch)
         # Tokens count as computed as soon as they are planned: every stage runs plans in order,
         # so a later micro-batch never reads a page before this one has written it.
@@ -254,6 +262,7 @@ class EngineCore:
         waits = self.inflight.pop(mb).waits
         self.starved = False
         tokens = iter(zip(result.tokens, result.logprobs))
+        accepted = iter(zip(result.accepted, result.accepted_logprobs)) if result.accepted else None
         scored = iter(result.prompt_logprobs)
         ended, k = set(result.ended), -1
         outputs = []
@@ -261,27 +270,35 @@ class EngineCore:
             self.busy.discard(req.request_id)
             entries = next(scored) if scores else []
             tok, lp = next(tokens) if sample else (None, None)
+            toks, lps = next(accepted) if sample and accepted else ([], [])
             k += sample  # position among the sampled entries
             if req.finished:  # aborted while its micro-batch was in flight
                 continue
             req.prompt_logprobs.extend(entries)
             if tok is not None:
-                outputs.append(self._take_token(req, tok, lp, k in ended))
+                outputs.append(self._take_tokens(req, [*toks, tok], [*lps, lp], k in ended))
+                if self.spec is not None:
+                    self.spec.settle(req, len(toks))
         return outputs
 
-    def _take_token(self, req: Request, tok: int, lp: dict | None, grammar_done: bool) -> StepOutput:
-        req.append_token(tok)
-        if lp is not None:
-            req.logprobs.append(lp)
-        if req.transfer is not None:  # disaggregated prefill: the decode instance takes it from here
-            self._end(req, "transferred")
-            return StepOutput(req, [tok], True, grammar_done)
-        reason = finish_reason(req, tok, self.decode, self.max_model_len)
-        if reason != "stop" and grammar_done:  # structured outputs: the grammar is complete
-            reason = "stop"
-        if reason:
-            self._end(req, reason)
-        return StepOutput(req, [tok], reason is not None, grammar_done)
+    def _take_tokens(self, req: Request, toks: list[int], lps: list[dict | None], grammar_done: bool) -> StepOutput:
+        """Append a step's tokens (several with speculative decoding) one at a time, stopping at
+        the first that ends the request: a stop inside an accepted run cuts the output there."""
+        for i, (tok, lp) in enumerate(zip(toks, lps)):
+            req.append_token(tok)
+            if lp is not None:
+                req.logprobs.append(lp)
+            if req.transfer is not None:  # disaggregated prefill: the decode instance takes it from here
+                self._end(req, "transferred")
+                return StepOutput(req, toks[: i + 1], True, grammar_done)
+            last = i == len(toks) - 1
+            reason = finish_reason(req, tok, self.decode, self.max_model_len)
+            if reason != "stop" and grammar_done and last:  # structured outputs: the grammar is complete
+                reason = "stop"
+            if reason:
+                self._end(req, reason)
+                return StepOutput(req, toks[: i + 1], True, grammar_done and last)
+        return StepOutput(req, toks, False, grammar_done)
 
     def stats(self) -> Stats:
         """What /metrics shows of this engine."""
@@ -292,7 +309,8 @@ class EngineCore:
                      traffic=runner.comm.traffic_report(), control=self.control.traffic_report(),
                      stages=self._stage_traffic(), max_in_flight=self.max_in_flight,
                      preemptions=self.scheduler.num_preemptions, empty_steps=self.empty_steps,
-                     expert_routed={str(k): v for k, v in runner.expert_counts().get("routed", {}).items()})
+                     expert_routed={str(k): v for k, v in runner.expert_counts().get("routed", {}).items()},
+                     speculative=self.spec.counts.as_dict() if self.spec is not None else {})
 
     def _stage_traffic(self) -> dict:
         """Each pipeline stage's tensor rank 0's counts by group (this stage's own, the others' reports)."""

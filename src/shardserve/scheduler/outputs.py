@@ -46,8 +46,10 @@ def token_out(o: StepOutput) -> TokenOut:
     return TokenOut(
         rid=r.request_id, new_ids=o.new_token_ids, finished=o.finished, finish_reason=r.finish_reason,
         stop_reason=r.stop_reason, text_cut=r.text_cut, hold=max((len(s) for s in p.stop), default=1) - 1,
-        skip_special_tokens=p.skip_special_tokens, logprobs=r.logprobs[-1:] if p.logprobs is not None else None,
+        skip_special_tokens=p.skip_special_tokens,
+        logprobs=r.logprobs[-len(o.new_token_ids) :] if p.logprobs is not None else None,
         prompt_tokens=len(r.prompt_token_ids), cached_tokens=r.num_cached_tokens,
         # Complete by the first sampled token, and sent with it only.
-        prompt_logprobs=r.prompt_logprobs if p.prompt_logprobs is not None and len(r.output_token_ids) == 1 else None,
+        prompt_logprobs=(r.prompt_logprobs if p.prompt_logprobs is not None
+                         and len(r.output_token_ids) == len(o.new_token_ids) else None),
     )

@@ -43,8 +43,9 @@ class PlanFeed:
             first, count = scoring.get(id(req), (-1, 0))
             base = req.pages_synced
             req.pages_synced = len(req.pages)
-            entries.append(PlanEntry(req.request_id, start, req.all_token_ids[start : start + n], base,
-                                     req.pages[base:], sample, first, count))
+            draft = batch.drafts.get(req.request_id, [])
+            entries.append(PlanEntry(req.request_id, start, req.all_token_ids[start : start + n] + draft, base,
+                                     req.pages[base:], sample, first, count, len(draft)))
             if sample or count:
                 waits.append((req, sample, count > 0))
         return self.plan(mb, entries), waits

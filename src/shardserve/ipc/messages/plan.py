@@ -39,6 +39,9 @@ class PlanEntry(msgspec.Struct, array_like=True):
     sample: bool  # this chunk reaches the end of the known tokens: sample the next one
     score_first: int = -1  # prompt logprobs: first position scored in this chunk (-1: none)
     score_count: int = 0
+    # Speculative decoding: the last num_draft of token_ids are proposals; the target's logits at
+    # this chunk's last num_draft + 1 positions decide which it keeps (engine/verify.py).
+    num_draft: int = 0
 
 
 class StepPlan(Msg):
@@ -70,6 +73,10 @@ class StepResult(Msg):
     logprobs: list[dict | None] = []
     prompt_logprobs: list[list[dict]] = []  # one list per scoring entry, in plan order
     ended: list[int] = []  # structured outputs: sampled entries (by position) whose output is complete
+    # Speculative decoding, per sampled entry (empty when the plan had no proposals): the proposals
+    # accepted, emitted before `tokens`' token, and their logprobs.
+    accepted: list[list[int]] = []
+    accepted_logprobs: list[list[dict | None]] = []
 
 
 class StageTraffic(Msg):

@@ -42,6 +42,8 @@ class Stats(Msg):
     expert_routed: dict[str, list[int]] = {}
     # Disaggregation: KV shipped (prefill side) or received (decode side), see kvcache/transfer.py
     transfer: dict = {}
+    # Speculative decoding's counters (scheduler/speculator.py SpecCounts.as_dict); {}: off
+    speculative: dict = {}
 
 
 _SUMMED = ("running", "waiting", "pages_used", "pages_total", "steps", "finished", "preemptions",
@@ -59,7 +61,18 @@ def merge_stats(reps: list[Stats]) -> Stats:
     return Stats(**{f: sum(getattr(s, f) for s in reps) for f in _SUMMED},
                  prefix_hit_rate=sum(s.prefix_hit_tokens for s in reps) / queries if queries else 0.0,
                  max_in_flight=max(s.max_in_flight for s in reps), traffic=first.traffic, control=first.control,
-                 stages=first.stages, expert_routed=sum_counts([s.expert_routed for s in reps]))
+                 stages=first.stages, expert_routed=sum_counts([s.expert_routed for s in reps]),
+                 speculative=merge_speculative([s.speculative for s in reps]))
+
+
+def merge_speculative(parts: list[dict]) -> dict:
+    """Replicas' speculative-decoding counters added up (per-position counts position by position)."""
+    parts = [p for p in parts if p]
+    if not parts:
+        return {}
+    total = {k: sum(p[k] for p in parts) for k in ("drafts", "proposed", "accepted", "emitted")}
+    return {"method": parts[0]["method"], **total,
+            "per_position": [sum(c) for c in zip(*(p["per_position"] for p in parts))]}
 
 
 K = TypeVar("K")

@@ -1,0 +1,71 @@
+"""Speculative decoding's flags, checked before the target loads (one line naming the flag)."""
+
+from __future__ import annotations
+
+import os
+
+from shardserve.config import EngineConfig
+from shardserve.distributed.layout import Layout, LayoutError
+from shardserve.loader.model_path import Checkpoint, resolve_checkpoint
+from shardserve.loader.weights import read_model_config
+
+
+def check_speculative(cfg: EngineConfig, layout: Layout, ckpt: Checkpoint) -> None:
+    spec = cfg.speculative_config
+    if spec is None:
+        return
+    if layout.pp > 1:
+        # The next step's proposals come from this step's result, and a pipeline plans micro-batch
+        # i+1 before micro-batch i has one (docs/speculative.md says more).
+        raise LayoutError(f"--speculative-method {spec.method} needs --pp-size 1 (got {layout.pp}): each step's "
+                          f"proposals follow from the step before's result, which a pipeline has not produced yet "
+                          f"when it plans the next micro-batch (vLLM and SGLang refuse it too)")
+    if spec.method != "draft":
+        return
+    if spec.draft_tp == "same" and layout.tp > 1:
+        raise LayoutError("--speculative-draft-tp same (the draft sharded like the target) is not built yet: use "
+                          "--speculative-draft-tp 1 (the draft whole on the leader, no collective)")
+    try:
+        draft = resolve_checkpoint(spec.model)
+    except FileNotFoundError as e:
+        raise LayoutError(f"--speculative-model: {str(e).replace('--model ', '')}") from None
+    target_cfg, draft_cfg = read_model_config(ckpt), read_model_config(draft)
+    if draft_cfg.vocab_size != target_cfg.vocab_size:
+        raise LayoutError(f"--speculative-model {draft.name}: its vocabulary has {draft_cfg.vocab_size} tokens, the "
+                          f"target's {target_cfg.vocab_size}; a draft must share the target's tokenizer")
+    check_same_tokenizer(ckpt, draft)
+    check_draft_fits(ckpt, draft)
+
+
+def check_same_tokenizer(target: Checkpoint, draft: Checkpoint) -> None:
+    """Same vocabulary size is not enough: the ids must mean the same tokens."""
+    from shardserve.loader.tokenizer import load_tokenizer
+
+    a, b = load_tokenizer(target), load_tokenizer(draft)
+    if a is None or b is None:
+        return  # token-id prompts only: the sizes matched, nothing more to compare
+    va, vb = a.get_vocab(), b.get_vocab()
+    if va != vb:
+        differ = sorted(set(va.items()) ^ set(vb.items()), key=lambda kv: kv[1])[:3]
+        raise LayoutError(f"--speculative-model {draft.name}: its tokenizer differs from the target's "
+                          f"({len(set(va.items()) ^ set(vb.items()))} (token, id) pairs differ, e.g. {differ})")
+
+
+def checkpoint_bytes(ckpt: Checkpoint) -> int:
+    if ckpt.is_gguf:
+        return os.path.getsize(ckpt.path)
+    return sum(os.path.getsize(os.path.join(ckpt.path, f)) for f in os.listdir(ckpt.path)
+               if f.endswith((".safetensors", ".bin")))
+
+
+def check_draft_fits(target: Checkpoint, draft: Checkpoint) -> None:
+    """The draft's weights next to the target's must fit in this machine's available memory."""
+    try:
+        with open("/proc/meminfo") as f:
+            avail = next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
+    except (OSError, StopIteration):
+        return
+    need = checkpoint_bytes(target) + checkpoint_bytes(draft)
+    if need > avail:
+        raise LayoutError(f"--speculative-model {draft.name}: its weights ({checkpoint_bytes(draft) / 2**30:.1f} GiB) "
+                          f"and the target's need {need / 2**30:.1f} GiB, {avail / 2**30:.1f} GiB is available")

@@ -1,0 +1,212 @@
+"""Speculative decoding: greedy outputs equal non-speculative ones token for token (logprobs too),
+with n-gram lookup and with a draft model, through everything else the engine does; pages of
+rejected positions are freed and never cached; bad settings are one line."""
+
+from __future__ import annotations
+
+import copy
+import re
+
+import pytest
+import torch
+from tiny_tokenizer import save_tiny_tokenizer
+
+from shardserve.config import EngineConfig
+from shardserve.core import SamplingParams
+from shardserve.engine.proposers import ngram_lookup
+from shardserve.llm import LLM
+
+NGRAM = {"method": "ngram", "num_speculative_tokens": 3}
+
+
+def random_prompts(n: int, seed: int = 0, vocab: int = 301) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, vocab, (int(k),), generator=g).tolist() for k in torch.randint(3, 40, (n,), generator=g)]
+
+
+@pytest.fixture(scope="module")
+def target(tiny_model) -> str:
+    return tiny_model("llama")[0]
+
+
+@pytest.fixture(scope="module")
+def draft(tiny_model, tmp_path_factory) -> str:
+    """A smaller model of the same vocabulary: the target's first layer (agrees with it often
+    enough that proposals are both accepted and rejected)."""
+    model = copy.deepcopy(tiny_model("llama")[1])
+    model.model.layers = model.model.layers[:1]
+    model.config.num_hidden_layers = 1
+    path = str(tmp_path_factory.mktemp("draft"))
+    model.save_pretrained(path)
+    save_tiny_tokenizer(path, model.config.vocab_size)
+    return path
+
+
+@pytest.fixture(scope="module")
+def close_draft(tiny_model, tmp_path_factory) -> str:
+    """The target's weights with 5% noise: a draft that is right about half the time."""
+    model = copy.deepcopy(tiny_model("llama")[1])
+    torch.manual_seed(5)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * p.std() * 0.05)
+    path = str(tmp_path_factory.mktemp("close_draft"))
+    model.save_pretrained(path)
+    save_tiny_tokenizer(path, model.config.vocab_size)
+    return path
+
+
+def run(path: str, prompts, params, spec=None, **kw):
+    with LLM(path, show_progress=False, num_pages=kw.pop("num_pages", 96), speculative_config=spec, **kw) as llm:
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        counts = llm.engine.spec.counts if spec else None
+        return outs, counts, llm.engine.scheduler.num_preemptions
+
+
+def same(a, b) -> None:
+    assert [o.token_ids for o in a] == [o.token_ids for o in b]
+    assert [o.finish_reason for o in a] == [o.finish_reason for o in b]
+
+
+def test_ngram_lookup() -> None:
+    assert ngram_lookup([1, 2, 3, 9, 1, 2], 1, 3, 2) == [3, 9]  # the 2-token suffix, longest first
+    assert ngram_lookup([5, 1, 7, 1, 8, 1], 1, 3, 4) == [8, 1]  # the most recent earlier "1"
+    assert ngram_lookup([1, 2, 3], 1, 3, 2) == []
+    assert ngram_lookup([4, 4, 4, 4], 2, 2, 3) == [4]  # a match ending just before the suffix
+
+
+@pytest.mark.parametrize("method", ["ngram", "draft"])
+def test_greedy_equals_plain(target: str, draft: str, method: str) -> None:
+    prompts = random_prompts(6)
+    params = SamplingParams(max_tokens=48, temperature=0, logprobs=2)
+    spec = NGRAM if method == "ngram" else {"model": draft, "num_speculative_tokens": 3}
+    want, _, _ = run(target, prompts, params)
+    got, counts, _ = run(target, prompts, params, spec)
+    same(got, want)
+    assert [o.logprobs for o in got] == [o.logprobs for o in want]  # the target's own, exactly
+    # Both verdicts happened, and some step kept all proposals and its bonus token.
+    assert 0 < counts.accepted < counts.proposed and counts.per_position[-1] > 0
+    assert counts.emitted == counts.accepted + counts.drafts
+
+
+def test_penalties_bias_and_bans_as_one_at_a_time(target: str) -> None:
+    prompts = random_prompts(4, seed=3)
+    params = SamplingParams(max_tokens=40, temperature=0, repetition_penalty=1.3, frequency_penalty=0.5,
+                            logit_bias={17: 5.0, 39: -100}, min_tokens=10, bad_words_token_ids=[[68, 39]])
+    want, _, _ = run(target, prompts, params)
+    got, counts, _ = run(target, prompts, params, NGRAM)
+    same(got, want)
+    assert counts.proposed > 0
+
+
+def test_stop_token_and_max_tokens_inside_an_accepted_run(target: str, close_draft: str) -> None:
+    # A draft model, not lookup: a lookup's accepted run repeats earlier tokens, so a stop token
+    # in it would have stopped the request before.
+    spec = {"model": close_draft, "num_speculative_tokens": 3}
+    prompt = random_prompts(6)[0]
+    greedy = SamplingParams(max_tokens=60, temperature=0)
+    steps = []  # each step's new tokens
+    with LLM(target, show_progress=False, num_pages=96, speculative_config=spec) as llm:
+        rid = llm.add_request(prompt, greedy)
+        while llm.engine.has_unfinished():
+            steps += [o.new_ids for o in llm.step() if o.rid == rid and o.new_ids]
+    out = [t for s in steps for t in s]
+    # A step that emitted 3+ tokens whose second is new to the output: it stops the request there.
+    at = [sum(map(len, steps[:i])) for i in range(len(steps))]
+    i = next(i for i, s in enumerate(steps) if len(s) >= 3 and s[1] not in out[: at[i] + 1])
+    for params in (SamplingParams(max_tokens=60, temperature=0, stop_token_ids=[steps[i][1]]),
+                   SamplingParams(max_tokens=at[i] + 2, temperature=0)):
+        want, _, _ = run(target, [prompt], params)
+        got, _, _ = run(target, [prompt], params, spec)
+        same(got, want)
+        assert got[0].token_ids == out[: at[i] + 2]
+
+
+def test_rejected_pages_freed_and_never_cached(target: str) -> None:
+    prompts = random_prompts(4, seed=5)
+    params = SamplingParams(max_tokens=60, temperature=0)
+    with LLM(target, show_progress=False, num_pages=400, page_size=4, speculative_config=NGRAM) as llm:
+        eng = llm.engine
+        for p in prompts:
+            llm.add_request(p, params)
+        while eng.has_unfinished():
+            llm.step()
+            alloc = eng.allocator
+            for req in eng.scheduler.running:
+                assert len(req.pages) == -(-req.num_computed_tokens // 4)  # no page of only rejected positions
+                for i, page in enumerate(req.pages):
+                    if page in alloc.hash_of:  # a cached page holds exactly the request's verified tokens
+                        assert alloc.content[page][1] == tuple(req.all_token_ids[i * 4 : (i + 1) * 4])
+        assert eng.spec.counts.accepted < eng.spec.counts.proposed
+        assert alloc.num_used == 0
+        first = llm.generate(prompts, params, use_tqdm=False)
+        # Prompts that are an earlier output: served from the cache the speculation filled.
+        again = [p + o.token_ids[:40] for p, o in zip(prompts, first)]
+        cached = llm.generate(again, params, use_tqdm=False)
+    assert min(o.num_cached_tokens for o in cached) > 0
+    want, _, _ = run(target, again, params, enable_prefix_cache=False)
+    same(cached, want)
+
+
+@pytest.mark.parametrize("method", ["ngram", "draft"])
+def test_preemption_during_speculation(target: str, draft: str, method: str) -> None:
+    prompts = random_prompts(8, seed=9)
+    params = SamplingParams(max_tokens=48, temperature=0)
+    spec = NGRAM if method == "ngram" else {"model": draft, "num_speculative_tokens": 3}
+    want, _, _ = run(target, prompts, params)
+    got, counts, preempted = run(target, prompts, params, spec, num_pages=14)
+    same(got, want)
+    assert preempted > 0 and counts.accepted > 0
+
+
+def test_seeded_sampling_reproducible(target: str, draft: str) -> None:
+    prompts = random_prompts(3, seed=2)
+    params = SamplingParams(n=2, max_tokens=32, temperature=0.8, top_p=0.9, seed=11)
+    spec = {"model": draft, "num_speculative_tokens": 3}
+    first, counts, _ = run(target, prompts, params, spec)
+    second, _, _ = run(target, prompts, params, spec)
+    assert [[c.token_ids for c in o.outputs] for o in first] == [[c.token_ids for c in o.outputs] for o in second]
+    assert counts.accepted > 0
+
+
+def test_structured_output_with_speculation(smollm2_path: str) -> None:
+    from shardserve.structured_outputs import StructuredOutputsParams
+
+    schema = {"type": "object", "properties": {"names": {"type": "array", "items": {"type": "string"}}},
+              "required": ["names"]}
+    prompt = [{"role": "user", "content": "List the names Anna, Bob, Anna, Bob, Anna and Bob as JSON."}]
+    params = SamplingParams(max_tokens=48, temperature=0,
+                            structured_outputs=StructuredOutputsParams(json=schema))
+    outs = []
+    for spec in (None, {"method": "ngram", "num_speculative_tokens": 4}):
+        with LLM(smollm2_path, show_progress=False, kv_cache_memory=2**27, speculative_config=spec) as llm:
+            outs.append(llm.chat(prompt, params, use_tqdm=False))
+            counts = llm.engine.spec.counts if spec else None
+    assert outs[1].token_ids == outs[0].token_ids and outs[1].finish_reason == outs[0].finish_reason
+    assert counts.accepted > 0
+
+
+@pytest.mark.parametrize("spec, message", [
+    ({"method": "eagle", "num_speculative_tokens": 2}, "--speculative-method must be one of"),
+    ({"method": "ngram", "num_speculative_tokens": 0}, "--num-speculative-tokens must be an integer in [1, 16]"),
+    ({"method": "ngram", "num_speculative_tokens": 17}, "--num-speculative-tokens must be an integer in [1, 16]"),
+    ({"method": "draft", "num_speculative_tokens": 2}, "--speculative-model is needed"),
+    ({"num_speculative_tokens": 2, "ngram_min": 3, "ngram_max": 2}, "--ngram-max must be an integer >= --ngram-min"),
+    ({"num_speculative_tokens": 2, "window": 3}, "unknown field(s) ['window']"),
+])
+def test_bad_settings(spec: dict, message: str) -> None:
+    with pytest.raises(ValueError, match=re.escape(message)):
+        EngineConfig(speculative_config=spec)
+
+
+def test_draft_with_another_vocabulary_refused(target: str, tiny_model, tmp_path) -> None:
+    from shardserve.distributed.layout import LayoutError
+
+    other = tmp_path / "other"
+    model = tiny_model("qwen2")[1]
+    small = type(model)(model.config.__class__(**{**model.config.to_dict(), "vocab_size": 300}))
+    small.save_pretrained(str(other))
+    with pytest.raises(LayoutError, match="its vocabulary has 300 tokens, the target's 301"):
+        LLM(target, show_progress=False, speculative_config={"model": str(other), "num_speculative_tokens": 2})
+    with pytest.raises(LayoutError, match="needs --pp-size 1"):
+        LLM(target, show_progress=False, pp_size=2, speculative_config=NGRAM)
