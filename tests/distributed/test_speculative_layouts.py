@@ -54,10 +54,16 @@ def test_greedy_equals_plain_on_layout(tiny_model, draft: str, layout: str) -> N
     with LLM(path, **sizes, **ENGINE) as llm:
         want = llm.generate(prompts, GREEDY, use_tqdm=False)
     specs = [NGRAM] + ([{"model": draft, "num_speculative_tokens": 3}] if kind == "llama" else [])
+    if layout == "tp2":  # the draft sharded like the target too
+        specs.append({"model": draft, "num_speculative_tokens": 3, "draft_tp": "same"})
     for spec in specs:
         with LLM(path, **sizes, **ENGINE, speculative_config=spec) as llm:
             got = llm.generate(prompts, GREEDY, use_tqdm=False)
             counts = llm.stats().speculative
+            if layout == "tp2" and "model" in spec:  # a sharded draft's collectives, on every rank
+                drafts = [r["groups"].get("draft", {}) for r in llm.rank_reports()]
+                sharded = spec.get("draft_tp") == "same"
+                assert all(bool(d.get("all_reduce", {}).get("calls")) == sharded for d in drafts), drafts
         assert [o.token_ids for o in got] == [o.token_ids for o in want], spec
         if layout == "cp2":  # a verified chunk attends by the ring, not the decode kernel: not bit for bit
             diff = max(abs(a["logprob"] - b["logprob"]) for x, y in zip(got, want)

@@ -50,9 +50,26 @@ def add_bench_args(bench: argparse.ArgumentParser) -> None:
                      help="also time batch-1 decode of this many tokens (0 = skip)")
     off.add_argument("--json-schema", action="store_true",
                      help="run again with every output held to a JSON schema and print the decode slowdown")
+    spec = off.add_argument_group("with --speculative-method: the engine with and without it, paired")
+    spec.add_argument("--spec-workloads", type=spec_workloads, default=["rewrite", "chat"],
+                      help="comma-separated: rewrite (answers repeat the prompt with an edit), chat (they do not)")
+    spec.add_argument("--spec-batch-sizes", type=positive_ints, default=(1, 8),
+                      help="comma-separated batch sizes")
+    spec.add_argument("--spec-requests", type=positive_int, default=8,
+                      help="requests per workload and size (at least the size)")
+    spec.add_argument("--spec-max-tokens", type=positive_int, default=256)
+    spec.add_argument("--spec-rounds", type=positive_int, default=2, help="alternating rounds of both engines")
     add_serve_bench_args(sub.add_parser("serve", help="load-test an OpenAI-compatible server over HTTP"))
     add_disagg_args(sub.add_parser("disagg", help="1 prefill + 1 decode instance vs one colocated server, mixed "
                                                   "workload"))
+
+
+def spec_workloads(text: str) -> list[str]:
+    names = text.split(",")
+    bad = [n for n in names if n not in ("rewrite", "chat")]
+    if bad:
+        raise argparse.ArgumentTypeError(f"unknown workload(s) {bad} (rewrite, chat)")
+    return names
 
 
 def add_serve_bench_args(p: argparse.ArgumentParser) -> None:
@@ -145,6 +162,10 @@ def add_disagg_args(p: argparse.ArgumentParser) -> None:
 
 
 def run_bench(args: argparse.Namespace) -> int:
+    if args.bench == "offline" and args.speculative_method:
+        from shardserve.bench.speculative import run_speculative_bench
+
+        return run_speculative_bench(args, llm_kwargs(args))
     if args.bench == "offline":
         from shardserve.bench.offline import run_offline
 

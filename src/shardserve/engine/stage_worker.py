@@ -24,6 +24,7 @@ from shardserve.core import Request
 from shardserve.distributed.groups import ParallelGroups
 from shardserve.distributed.pipeline import StageLink, stage_of
 from shardserve.engine.context_inputs import ContextSplit
+from shardserve.engine.draft_proposer import build_draft_runner, draft_step
 from shardserve.engine.grammar import Guide
 from shardserve.engine.kv_shipper import KVShipper
 from shardserve.engine.model_runner import ModelRunner, StepInputs
@@ -68,6 +69,12 @@ class StageWorker:
                                   groups.tensor.rank, r.device)
                         if cfg.disaggregation_mode == "prefill" else None)
         self.receiver = None
+        # Speculative decoding with the draft sharded like the target: its runner and page lists.
+        spec = cfg.speculative_config
+        self.draft = None
+        if spec is not None and spec.draft_tp == "same" and cfg.disaggregation_mode != "prefill":
+            self.draft = build_draft_runner(cfg, r.device, groups, num_pages=r.num_pages)
+        self.draft_pages: dict[str, list[int]] = {}
         # What loading made lives as long as the process: frozen, the collections that a step's
         # garbage triggers do not walk it again (~4% of a 32-stream decode step, measured).
         gc.collect()
@@ -76,6 +83,8 @@ class StageWorker:
     def execute(self, plan: StepPlan) -> StepResult | None:
         """Run this rank's part of `plan`; the sampling rank returns the micro-batch's result."""
         self._learn(plan)
+        if plan.draft:
+            return self._draft_forward(plan)
         self.plans += 1
         self.empty_plans += not plan.entries
         step = self._inputs(plan)
@@ -91,12 +100,22 @@ class StageWorker:
             return None
         return self._sample(plan, out) if self.samples else None
 
+    def _draft_forward(self, plan: StepPlan) -> torch.Tensor | None:
+        """One forward of the sharded draft; its logits on the sampling rank (the leader)."""
+        for e in plan.entries:
+            pages = self.draft_pages.setdefault(e.rid, [])
+            del pages[e.page_base :]
+            pages.extend(e.new_pages)
+        logits = self.draft.forward(draft_step(plan.entries, self.draft_pages))
+        return logits if self.samples else None
+
     def _learn(self, plan: StepPlan) -> None:
         for room in plan.dropped:
             if self.receiver is not None:
                 self.receiver.cancel(room)
         for rid in plan.done:
             self.pages.pop(rid, None)
+            self.draft_pages.pop(rid, None)
             self.sampling.pop(rid, None)
             self.sampler.forget(rid)
             if self.targets.pop(rid, None) is not None:
@@ -142,7 +161,13 @@ class StageWorker:
             if self.stage.first:
                 step.token_ids.extend(e.token_ids)
             step.positions.extend(range(e.start, end))
-            (step.decodes.append((pages, end)) if n == 1 else step.prefills.append((pages, n, end)))
+            if n == 1 or e.num_draft == n - 1:
+                # A decode; or a verification (its last token and the proposals, placed after the
+                # plain decodes): each row attends as a decode over the cache up to its position,
+                # every row's KV written first, so it computes what K+1 decode steps would.
+                step.decodes.extend((pages, p + 1) for p in range(e.start, end))
+            else:
+                step.prefills.append((pages, n, end))
             if e.sample:  # its last row, and with proposals the one before each of them
                 sample_rows.extend(range(offset + n - 1 - e.num_draft, offset + n))
             if e.score_count:
@@ -220,6 +245,8 @@ class StageWorker:
     def rank_report(self) -> dict:
         """This rank's traffic by group and, for a MoE model, its routing counts (rank reports)."""
         report = self.runner.groups.traffic_by_group() | {"plans": self.plans, "empty_plans": self.empty_plans}
+        if self.draft is not None:  # the sharded draft's own collectives
+            report["groups"]["draft"] = self.draft.comm.traffic_report()
         experts = self.runner.expert_counts()
         return report | {"experts": experts} if experts else report
 

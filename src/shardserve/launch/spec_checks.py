@@ -22,9 +22,9 @@ def check_speculative(cfg: EngineConfig, layout: Layout, ckpt: Checkpoint) -> No
                           f"when it plans the next micro-batch (vLLM and SGLang refuse it too)")
     if spec.method != "draft":
         return
-    if spec.draft_tp == "same" and layout.tp > 1:
-        raise LayoutError("--speculative-draft-tp same (the draft sharded like the target) is not built yet: use "
-                          "--speculative-draft-tp 1 (the draft whole on the leader, no collective)")
+    if spec.draft_tp == "same" and (layout.cp > 1 or layout.dp_attention):
+        raise LayoutError("--speculative-draft-tp same shards the draft over a tensor group; with --cp-size or "
+                          "--enable-dp-attention use --speculative-draft-tp 1 (the draft whole on each leader)")
     try:
         draft = resolve_checkpoint(spec.model)
     except FileNotFoundError as e:

@@ -99,7 +99,7 @@ class EngineCore:
         self.stage_traffic: dict[str, dict] = {}
         self.max_in_flight = 0  # the most micro-batches ever in flight at once
         self.stage_reports = 0  # StageTraffic messages received (a change worth a Stats message)
-        self.spec = make_speculator(cfg, self.runner, self.allocator, self.max_model_len)
+        self.spec = make_speculator(cfg, self.worker, self.allocator, self.max_model_len, self._run_draft)
 
     @property
     def vocab_size(self) -> int:
@@ -198,6 +198,15 @@ class EngineCore:
         if self.publish is not None:
             self.publish(plan)
         self.worker.execute(plan)
+
+    def _run_draft(self, entries: list) -> torch.Tensor:
+        """One forward of the draft sharded over the tensor group: a plan every rank runs; the
+        logits come back from this rank's share (it samples)."""
+        plan = self.feed.plan(self.next_mb, entries, draft=True)
+        self.next_mb += 1
+        if self.publish is not None:
+            self.publish(plan)
+        return self.worker.execute(plan)
 
     def wait_result(self, timeout_ms: int) -> list[StepOutput]:
         """Apply results arriving within `timeout_ms` (when stalled)."""

@@ -20,9 +20,9 @@ class PlanFeed:
         self.done: list[str] = []
         self.dropped: list[str] = []
 
-    def plan(self, mb: int, entries: list[PlanEntry]) -> StepPlan:
+    def plan(self, mb: int, entries: list[PlanEntry], draft: bool = False) -> StepPlan:
         """Plan `mb`, carrying (and clearing) everything collected since the last one."""
-        plan = StepPlan(mb=mb, entries=entries, new=self.new, done=self.done, dropped=self.dropped)
+        plan = StepPlan(mb=mb, entries=entries, new=self.new, done=self.done, dropped=self.dropped, draft=draft)
         self.new, self.done, self.dropped = [], [], []
         return plan
 

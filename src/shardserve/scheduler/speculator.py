@@ -20,6 +20,7 @@ before the next is planned, so it runs with one pipeline stage (launch/checks.py
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from shardserve.config import EngineConfig, SpeculativeConfig
@@ -80,7 +81,8 @@ class Speculator:
                 drafts[req.request_id] = prop
                 self.pending[req.request_id] = len(prop.tokens)
         batch.drafts = {rid: p.tokens for rid, p in drafts.items()}
-        batch.entries.sort(key=lambda e: e[1] != 1 or e[0].request_id in drafts)
+        # Rows: plain decodes, then verifications (decode rows too), then prompt chunks.
+        batch.entries.sort(key=lambda e: 2 if e[1] != 1 else int(e[0].request_id in drafts))
         batch.num_decode = sum(1 for r, n in batch.entries if n == 1 and r.request_id not in drafts)
         return drafts
 
@@ -134,9 +136,11 @@ class Speculator:
         self.proposer.forget(req)
 
 
-def make_speculator(cfg: EngineConfig, runner, alloc: PageAllocator, max_model_len: int) -> Speculator | None:
+def make_speculator(cfg: EngineConfig, worker, alloc: PageAllocator, max_model_len: int,
+                    run_draft: Callable | None = None) -> Speculator | None:
     """The leader's speculator for `cfg.speculative_config` (None: off, or a prefill instance,
-    which only ever samples a request's first token)."""
+    which only ever samples a request's first token). `run_draft(entries)`: one forward of a draft
+    sharded over the tensor group (StageWorker.draft), as a plan every rank runs."""
     spec = cfg.speculative_config
     if spec is None:
         return None
@@ -149,7 +153,9 @@ def make_speculator(cfg: EngineConfig, runner, alloc: PageAllocator, max_model_l
     else:
         from shardserve.engine.draft_proposer import DraftProposer  # loads a second model
 
-        proposer = DraftProposer(cfg, runner.device, runner.num_pages)
+        sharded = worker.draft is not None
+        pages = worker.draft.num_pages if sharded else worker.runner.num_pages
+        proposer = DraftProposer(cfg, worker.runner.device, pages, run_draft if sharded else None)
     log.info("speculative decoding: %s, %d tokens a step, off above %s requests a step", spec.method,
              spec.num_speculative_tokens, spec.disable_by_batch_size)
     return Speculator(spec, proposer, alloc, max_model_len, cfg.max_num_batched_tokens)

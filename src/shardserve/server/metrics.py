@@ -45,6 +45,19 @@ class Metrics:
                               "early_chunks whose layer 0 left before their last layer was computed, exposed_s "
                               "after it, failed) or received (decode instance: requests, bytes, reserved_pages, "
                               "waiting)", ["field"], registry=r)
+        spec = ["method"]
+        self.spec = {k: Gauge(f"shardserve_spec_decode_{name}", what, spec, registry=r) for k, name, what in (
+            ("drafts", "num_drafts", "Speculative decoding: request-steps given proposals"),
+            ("proposed", "num_draft_tokens", "Speculative decoding: tokens proposed"),
+            ("accepted", "num_accepted_tokens", "Speculative decoding: proposals the target accepted"),
+            ("emitted", "num_emitted_tokens", "Speculative decoding: tokens emitted by verified steps (accepted "
+                                              "proposals and the target's own token)"),
+        )}
+        self.spec_rate = Gauge("shardserve_spec_decode_acceptance_rate", "Accepted / proposed tokens", spec, registry=r)
+        self.spec_length = Gauge("shardserve_spec_decode_mean_accepted_length", "Tokens emitted per verified step "
+                                 "(1 + accepted proposals per step)", spec, registry=r)
+        self.spec_pos = Gauge("shardserve_spec_decode_num_accepted_tokens_per_pos", "Proposals accepted, by their "
+                              "position in the step's proposals", ["method", "position"], registry=r)
         per = ["replica"]
         self.r_running = Gauge("shardserve_replica_num_requests_running", "Requests running, per data-parallel "
                                "replica", per, registry=r)
@@ -93,6 +106,8 @@ class Metrics:
         for name, value in s.transfer.items():
             if isinstance(value, int | float):
                 self.transfer.labels(name).set(value)
+        if s.speculative:
+            self._update_speculative(s.speculative)
         for op, rec in s.traffic.items():
             self.comm_calls.labels(op).set(rec["calls"])
             self.comm_bytes.labels(op).set(rec["MB"] * 1e6)
@@ -101,6 +116,15 @@ class Metrics:
                 for op, rec in ops.items():
                     self.stage_calls.labels(stage, group, op).set(rec["calls"])
                     self.stage_bytes.labels(stage, group, op).set(rec["MB"] * 1e6)
+
+    def _update_speculative(self, c: dict) -> None:
+        m = c["method"]
+        for key, gauge in self.spec.items():
+            gauge.labels(m).set(c[key])
+        self.spec_rate.labels(m).set(c["accepted"] / c["proposed"] if c["proposed"] else 0.0)
+        self.spec_length.labels(m).set(c["emitted"] / c["drafts"] if c["drafts"] else 0.0)
+        for pos, count in enumerate(c["per_position"]):
+            self.spec_pos.labels(m, pos).set(count)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

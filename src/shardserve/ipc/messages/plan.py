@@ -52,6 +52,9 @@ class StepPlan(Msg):
     new: list[PlanRequest] = []
     done: list[str] = []  # requests finished or aborted since the last plan: forget them
     dropped: list[str] = []  # disaggregated decode: transfer rooms given up: write no more of their KV
+    # Speculative decoding with the draft sharded like the target: this plan is one draft forward
+    # (entries extend the draft's caches; each entry's last row gives the leader logits).
+    draft: bool = False
 
 
 class Tick(Msg):
