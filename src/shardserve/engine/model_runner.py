@@ -122,6 +122,12 @@ class ModelRunner:
         return counts
 
     @property
+    def weight_mb(self) -> float:
+        """MB of the weights this rank holds (each tensor once: a tied head shares the embedding)."""
+        seen = {t.data_ptr(): t.numel() * t.element_size() for t in self.model.state_dict().values()}
+        return round(sum(seen.values()) / 1e6, 1)
+
+    @property
     def decode_attention(self) -> str:
         """Which decode attention runs: 'cpu' (the C kernel) or 'torch' (gather + SDPA). Prefill
         tokens attend by the C kernel too where `paged_prefill` (batch-invariant)."""

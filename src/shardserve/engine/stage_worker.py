@@ -69,11 +69,15 @@ class StageWorker:
                                   groups.tensor.rank, r.device)
                         if cfg.disaggregation_mode == "prefill" else None)
         self.receiver = None
-        # Speculative decoding with the draft sharded like the target: its runner and page lists.
+        # Speculative decoding by a draft model: its runner where it lives (sharded like the target
+        # on every rank, or whole on the sampling rank, which is the leader) and, sharded, its pages.
         spec = cfg.speculative_config
-        self.draft = None
-        if spec is not None and spec.draft_tp == "same" and cfg.disaggregation_mode != "prefill":
-            self.draft = build_draft_runner(cfg, r.device, groups, num_pages=r.num_pages)
+        self.draft, self.draft_sharded = None, spec is not None and spec.draft_tp == "same"
+        if spec is not None and spec.method == "draft" and cfg.disaggregation_mode != "prefill":
+            if self.draft_sharded:
+                self.draft = build_draft_runner(cfg, r.device, groups, num_pages=r.num_pages)
+            elif self.samples:
+                self.draft = build_draft_runner(cfg, r.device, num_pages=r.num_pages)
         self.draft_pages: dict[str, list[int]] = {}
         # What loading made lives as long as the process: frozen, the collections that a step's
         # garbage triggers do not walk it again (~4% of a 32-stream decode step, measured).
@@ -240,12 +244,13 @@ class StageWorker:
         r = self.runner
         return {"peak_load_rss_mb": round(peak_rss_mb(), 1), "anon_rss_mb": round(anon_rss_mb(), 1),
                 "decode_attention": r.decode_attention, "layers": [r.stage.start, r.stage.end],
-                "num_pages": r.num_pages}
+                "num_pages": r.num_pages, "weight_mb": r.weight_mb,
+                "draft_weight_mb": self.draft.weight_mb if self.draft is not None else 0.0}
 
     def rank_report(self) -> dict:
         """This rank's traffic by group and, for a MoE model, its routing counts (rank reports)."""
         report = self.runner.groups.traffic_by_group() | {"plans": self.plans, "empty_plans": self.empty_plans}
-        if self.draft is not None:  # the sharded draft's own collectives
+        if self.draft_sharded and self.draft is not None:  # the sharded draft's own collectives
             report["groups"]["draft"] = self.draft.comm.traffic_report()
         experts = self.runner.expert_counts()
         return report | {"experts": experts} if experts else report

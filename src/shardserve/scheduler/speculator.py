@@ -151,11 +151,9 @@ def make_speculator(cfg: EngineConfig, worker, alloc: PageAllocator, max_model_l
     if spec.method == "ngram":
         proposer = NgramProposer(spec.ngram_min, spec.ngram_max)
     else:
-        from shardserve.engine.draft_proposer import DraftProposer  # loads a second model
+        from shardserve.engine.draft_proposer import DraftProposer
 
-        sharded = worker.draft is not None
-        pages = worker.draft.num_pages if sharded else worker.runner.num_pages
-        proposer = DraftProposer(cfg, worker.runner.device, pages, run_draft if sharded else None)
+        proposer = DraftProposer(cfg, worker.draft, run_draft if worker.draft_sharded else None)
     log.info("speculative decoding: %s, %d tokens a step, off above %s requests a step", spec.method,
              spec.num_speculative_tokens, spec.disable_by_batch_size)
     return Speculator(spec, proposer, alloc, max_model_len, cfg.max_num_batched_tokens)
