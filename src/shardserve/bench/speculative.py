@@ -144,14 +144,14 @@ def rank_costs(spec: LLM, result: dict) -> list[dict]:
     """Per rank: the weights it holds (target and draft) and the draft's own collectives per
     proposed token (a draft sharded like the target: `--speculative-draft-tp same`)."""
     proposed = sum(r["proposed"] for rows in result["workloads"].values() for r in rows)
-    info = list(spec.worker_info.values())
+    info = spec.worker_info
     out = []
-    for i, rep in enumerate(spec.rank_reports() if len(info) > 1 else [{"rank": 0, "groups": {}}]):
+    for rep in spec.rank_reports() if len(info) > 1 else [{"rank": 0, "groups": {}}]:
+        mine = info[f"scheduler-{rep['rank']}"]
         draft = rep["groups"].get("draft", {})
         calls = sum(op["calls"] for op in draft.values())
         mb = sum(op["MB"] for op in draft.values())
-        row = {"rank": rep["rank"], "weight_mb": info[i].get("weight_mb"),
-               "draft_weight_mb": info[i].get("draft_weight_mb"),
+        row = {"rank": rep["rank"], "weight_mb": mine.get("weight_mb"), "draft_weight_mb": mine.get("draft_weight_mb"),
                "draft_calls_per_proposed": calls / proposed if proposed else 0.0,
                "draft_bytes_per_proposed": mb * 1e6 / proposed if proposed else 0.0}
         out.append(row)

@@ -124,7 +124,8 @@ class ModelRunner:
     @property
     def weight_mb(self) -> float:
         """MB of the weights this rank holds (each tensor once: a tied head shares the embedding)."""
-        seen = {t.data_ptr(): t.numel() * t.element_size() for t in self.model.state_dict().values()}
+        seen = {t.data_ptr(): t.untyped_storage().nbytes() for m in self.model.modules()
+                for k, v in vars(m).items() if k != "_modules" for t in _tensors(v)}
         return round(sum(seen.values()) / 1e6, 1)
 
     @property
@@ -212,3 +213,15 @@ class ModelRunner:
         if sum(cp.counts):
             hidden = comm.all_gather(hidden, dim=0, sizes=cp.counts).index_select(0, cp.order)
         return self.model.compute_logits(hidden) if comm.rank == 0 else hidden[:0]
+
+
+def _tensors(obj, depth: int = 0):
+    """The tensors a module attribute holds: itself, a block-quantized weight's bytes, or those in
+    a (short) container of them."""
+    if isinstance(obj, torch.Tensor):
+        yield obj
+    elif isinstance(getattr(obj, "data", None), torch.Tensor):
+        yield obj.data
+    elif isinstance(obj, dict | list | tuple) and depth < 3:
+        for x in obj.values() if isinstance(obj, dict) else obj:
+            yield from _tensors(x, depth + 1)
