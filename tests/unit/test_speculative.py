@@ -210,3 +210,46 @@ def test_draft_with_another_vocabulary_refused(target: str, tiny_model, tmp_path
         LLM(target, show_progress=False, speculative_config={"model": str(other), "num_speculative_tokens": 2})
     with pytest.raises(LayoutError, match="needs --pp-size 1"):
         LLM(target, show_progress=False, pp_size=2, speculative_config=NGRAM)
+
+
+def test_chunked_prefill_beside_verifications(target: str, draft: str) -> None:
+    long = random_prompts(1, seed=21)[0] * 6  # > 64 tokens: prefilled in chunks while others verify
+    prompts = random_prompts(3, seed=22) + [long]
+    params = SamplingParams(max_tokens=40, temperature=0, logprobs=1)
+    want, _, _ = run(target, prompts, params)
+    for spec in (NGRAM, {"model": draft, "num_speculative_tokens": 3}):
+        got, counts, _ = run(target, prompts, params, spec, max_num_batched_tokens=24)
+        same(got, want)
+        assert [o.logprobs for o in got] == [o.logprobs for o in want]
+        assert counts.accepted > 0
+
+
+def test_abort_during_speculation_frees_both_caches(target: str, draft: str) -> None:
+    prompts = random_prompts(3, seed=4)
+    params = SamplingParams(max_tokens=40, temperature=0)
+    want, _, _ = run(target, prompts[1:], params)
+    with LLM(target, show_progress=False, num_pages=96, speculative_config={"model": draft,
+                                                                            "num_speculative_tokens": 3}) as llm:
+        eng = llm.engine
+        rids = [llm.add_request(p, params) for p in prompts]
+        outs: dict[str, list[int]] = {r: [] for r in rids}
+        for _ in range(6):
+            for o in llm.step():
+                outs[o.rid] += o.new_ids
+        assert eng.spec.proposer.kv[rids[0]].pages  # the draft holds KV for it
+        assert eng.abort(rids[0])
+        assert rids[0] not in eng.spec.proposer.kv
+        while eng.has_unfinished():
+            for o in llm.step():
+                outs[o.rid] += o.new_ids
+        assert eng.spec.proposer.alloc.num_used == 0 and eng.allocator.num_used == 0
+    assert [outs[r] for r in rids[1:]] == [o.token_ids for o in want]
+
+
+def test_draft_that_does_not_fit_refused(target: str, draft: str, monkeypatch) -> None:
+    from shardserve.distributed.layout import LayoutError
+    from shardserve.launch import spec_checks
+
+    monkeypatch.setattr(spec_checks, "checkpoint_bytes", lambda ckpt: 2**50 if ckpt.path == draft else 0)
+    with pytest.raises(LayoutError, match=r"--speculative-model draft\d*: its weights \(1048576.0 GiB\)"):
+        LLM(target, show_progress=False, speculative_config={"model": draft, "num_speculative_tokens": 2})
