@@ -166,11 +166,11 @@ class SpeculativeConfig:
 
     method: str
     num_speculative_tokens: int
-    ngram_min: int = 1
+    ngram_min: int = 2
     ngram_max: int = 4
     model: str | None = None
     draft_tp: str = "1"
-    disable_by_batch_size: int | None = 8
+    disable_by_batch_size: int | None = 4
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> SpeculativeConfig:

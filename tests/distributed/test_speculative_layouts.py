@@ -15,7 +15,10 @@ from shardserve import LLM, SamplingParams
 
 ENGINE = dict(num_pages=96, page_size=8, show_progress=False)
 GREEDY = SamplingParams(max_tokens=40, temperature=0, logprobs=1)
-NGRAM = {"method": "ngram", "num_speculative_tokens": 3}
+# Every step speculates (the default stops above 4 requests a step) and a repeated single token
+# is enough to propose (the default wants 2): the tiny random models repeat little else.
+ALWAYS = {"disable_by_batch_size": None}
+NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "ngram_min": 1, **ALWAYS}
 
 
 def random_prompts(n: int, seed: int = 0) -> list[list[int]]:
@@ -53,9 +56,9 @@ def test_greedy_equals_plain_on_layout(tiny_model, draft: str, layout: str) -> N
     prompts = random_prompts(6)
     with LLM(path, **sizes, **ENGINE) as llm:
         want = llm.generate(prompts, GREEDY, use_tqdm=False)
-    specs = [NGRAM] + ([{"model": draft, "num_speculative_tokens": 3}] if kind == "llama" else [])
+    specs = [NGRAM] + ([{"model": draft, "num_speculative_tokens": 3, **ALWAYS}] if kind == "llama" else [])
     if layout == "tp2":  # the draft sharded like the target too
-        specs.append({"model": draft, "num_speculative_tokens": 3, "draft_tp": "same"})
+        specs.append({"model": draft, "num_speculative_tokens": 3, "draft_tp": "same", **ALWAYS})
     for spec in specs:
         with LLM(path, **sizes, **ENGINE, speculative_config=spec) as llm:
             got = llm.generate(prompts, GREEDY, use_tqdm=False)

@@ -18,7 +18,8 @@ from test_router import RouterProc
 
 pytestmark = pytest.mark.slow
 COMMON = ("--num-pages", "256", "--page-size", "8", "--num-tokenizers", "0")
-SPEC = ("--speculative-method", "ngram", "--num-speculative-tokens", "3")
+SPEC = ("--speculative-method", "ngram", "--num-speculative-tokens", "3", "--ngram-min", "1",
+        "--speculative-disable-by-batch-size", "64")
 PROMPTS = [[5, 17, 200, 3, 99, 42], [250, 251, 7, 7, 7, 30, 1, 2, 3, 4, 5], [120] * 3]
 
 

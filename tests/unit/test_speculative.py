@@ -16,7 +16,10 @@ from shardserve.core import SamplingParams
 from shardserve.engine.proposers import ngram_lookup
 from shardserve.llm import LLM
 
-NGRAM = {"method": "ngram", "num_speculative_tokens": 3}
+# Every step speculates (the default stops above 4 requests a step) and a repeated single token
+# is enough to propose (the default wants 2): the tiny random models repeat little else.
+ALWAYS = {"disable_by_batch_size": None}
+NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "ngram_min": 1, **ALWAYS}
 
 
 def random_prompts(n: int, seed: int = 0, vocab: int = 301) -> list[list[int]]:
@@ -79,7 +82,7 @@ def test_ngram_lookup() -> None:
 def test_greedy_equals_plain(target: str, draft: str, method: str) -> None:
     prompts = random_prompts(6)
     params = SamplingParams(max_tokens=48, temperature=0, logprobs=2)
-    spec = NGRAM if method == "ngram" else {"model": draft, "num_speculative_tokens": 3}
+    spec = NGRAM if method == "ngram" else {"model": draft, "num_speculative_tokens": 3, **ALWAYS}
     want, _, _ = run(target, prompts, params)
     got, counts, _ = run(target, prompts, params, spec)
     same(got, want)
@@ -102,7 +105,7 @@ def test_penalties_bias_and_bans_as_one_at_a_time(target: str) -> None:
 def test_stop_token_and_max_tokens_inside_an_accepted_run(target: str, close_draft: str) -> None:
     # A draft model, not lookup: a lookup's accepted run repeats earlier tokens, so a stop token
     # in it would have stopped the request before.
-    spec = {"model": close_draft, "num_speculative_tokens": 3}
+    spec = {"model": close_draft, "num_speculative_tokens": 3, **ALWAYS}
     prompt = random_prompts(6)[0]
     greedy = SamplingParams(max_tokens=60, temperature=0)
     steps = []  # each step's new tokens
@@ -152,7 +155,7 @@ def test_rejected_pages_freed_and_never_cached(target: str) -> None:
 def test_preemption_during_speculation(target: str, draft: str, method: str) -> None:
     prompts = random_prompts(8, seed=9)
     params = SamplingParams(max_tokens=48, temperature=0)
-    spec = NGRAM if method == "ngram" else {"model": draft, "num_speculative_tokens": 3}
+    spec = NGRAM if method == "ngram" else {"model": draft, "num_speculative_tokens": 3, **ALWAYS}
     want, _, _ = run(target, prompts, params)
     got, counts, preempted = run(target, prompts, params, spec, num_pages=14)
     same(got, want)
@@ -162,7 +165,7 @@ def test_preemption_during_speculation(target: str, draft: str, method: str) -> 
 def test_seeded_sampling_reproducible(target: str, draft: str) -> None:
     prompts = random_prompts(3, seed=2)
     params = SamplingParams(n=2, max_tokens=32, temperature=0.8, top_p=0.9, seed=11)
-    spec = {"model": draft, "num_speculative_tokens": 3}
+    spec = {"model": draft, "num_speculative_tokens": 3, **ALWAYS}
     first, counts, _ = run(target, prompts, params, spec)
     second, _, _ = run(target, prompts, params, spec)
     assert [[c.token_ids for c in o.outputs] for o in first] == [[c.token_ids for c in o.outputs] for o in second]
@@ -217,7 +220,7 @@ def test_chunked_prefill_beside_verifications(target: str, draft: str) -> None:
     prompts = random_prompts(3, seed=22) + [long]
     params = SamplingParams(max_tokens=40, temperature=0, logprobs=1)
     want, _, _ = run(target, prompts, params)
-    for spec in (NGRAM, {"model": draft, "num_speculative_tokens": 3}):
+    for spec in (NGRAM, {"model": draft, "num_speculative_tokens": 3, **ALWAYS}):
         got, counts, _ = run(target, prompts, params, spec, max_num_batched_tokens=24)
         same(got, want)
         assert [o.logprobs for o in got] == [o.logprobs for o in want]
@@ -228,8 +231,8 @@ def test_abort_during_speculation_frees_both_caches(target: str, draft: str) -> 
     prompts = random_prompts(3, seed=4)
     params = SamplingParams(max_tokens=40, temperature=0)
     want, _, _ = run(target, prompts[1:], params)
-    with LLM(target, show_progress=False, num_pages=96, speculative_config={"model": draft,
-                                                                            "num_speculative_tokens": 3}) as llm:
+    with LLM(target, show_progress=False, num_pages=96, speculative_config={"model": draft, "num_speculative_tokens": 3,
+                                                                            **ALWAYS}) as llm:
         eng = llm.engine
         rids = [llm.add_request(p, params) for p in prompts]
         outs: dict[str, list[int]] = {r: [] for r in rids}
@@ -253,3 +256,24 @@ def test_draft_that_does_not_fit_refused(target: str, draft: str, monkeypatch) -
     monkeypatch.setattr(spec_checks, "checkpoint_bytes", lambda ckpt: 2**50 if ckpt.path == draft else 0)
     with pytest.raises(LayoutError, match=r"--speculative-model draft\d*: its weights \(1048576.0 GiB\)"):
         LLM(target, show_progress=False, speculative_config={"model": draft, "num_speculative_tokens": 2})
+
+
+def test_off_above_the_batch_size(target: str) -> None:
+    prompts = random_prompts(6, seed=8)
+    params = [SamplingParams(max_tokens=10 + 10 * i, temperature=0) for i in range(6)]  # the batch shrinks
+    with LLM(target, show_progress=False, num_pages=96,
+             speculative_config={**NGRAM, "disable_by_batch_size": 2}) as llm:
+        spec, sizes = llm.engine.spec, []
+        extend = spec.extend
+
+        def recording(batch):
+            drafts = extend(batch)
+            sizes.append((len(batch.entries), bool(drafts)))
+            return drafts
+
+        spec.extend = recording
+        got = llm.generate(prompts, params, use_tqdm=False)
+    assert any(n > 2 for n, _ in sizes) and all(n <= 2 for n, drafted in sizes if drafted)
+    assert any(drafted for _, drafted in sizes)
+    want, _, _ = run(target, prompts, params)
+    same(got, want)

@@ -205,12 +205,13 @@ def add_speculative_args(p: argparse.ArgumentParser) -> None:
                         "own prompt and output, draft = a smaller model with the same vocabulary (--speculative-model)")
     g.add_argument("--num-speculative-tokens", type=ranged(int, 1, MAX_SPECULATIVE_TOKENS), default=None,
                    help="tokens proposed per step and request (needed with --speculative-method)")
-    g.add_argument("--ngram-min", type=positive_int, default=1, help="shortest suffix ngram looks up")
+    g.add_argument("--ngram-min", type=positive_int, default=2,
+                   help="shortest suffix ngram looks up (1 proposes after any repeated token: many rejections)")
     g.add_argument("--ngram-max", type=positive_int, default=4, help="longest suffix ngram looks up (tried first)")
     g.add_argument("--speculative-model", default=None, help="the draft checkpoint (safetensors directory or GGUF)")
     g.add_argument("--speculative-draft-tp", choices=DRAFT_TP, default="1",
                    help="1 = the draft whole on the leader (no collective), same = sharded like the target")
-    g.add_argument("--speculative-disable-by-batch-size", type=positive_int, default=8,
+    g.add_argument("--speculative-disable-by-batch-size", type=positive_int, default=4,
                    help="propose nothing in a step of more requests than this (verification's compute no longer "
                         "spare)")
 

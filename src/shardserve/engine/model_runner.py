@@ -7,6 +7,7 @@ the last stage applies the final norm and LM head.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -124,8 +125,12 @@ class ModelRunner:
     @property
     def weight_mb(self) -> float:
         """MB of the weights this rank holds (each tensor once: a tied head shares the embedding)."""
-        seen = {t.data_ptr(): t.untyped_storage().nbytes() for m in self.model.modules()
-                for k, v in vars(m).items() if k != "_modules" for t in _tensors(v)}
+        seen = {}
+        for m in self.model.modules():
+            for k, v in vars(m).items():
+                for t in _tensors(v) if k != "_modules" else ():
+                    with contextlib.suppress(RuntimeError):  # a tensor with no storage holds no weights
+                        seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
         return round(sum(seen.values()) / 1e6, 1)
 
     @property
