@@ -53,7 +53,8 @@ class _Sample:
 
 class LLM:
     """An engine driven from this process. Keyword arguments are EngineConfig fields (dtype,
-    page_size, pp_layer_partition, pp_micro_batches, ...); `tp_size=T` and `pp_size=P` run the
+    page_size, pp_layer_partition, pp_micro_batches, speculative_config={...} as vLLM takes it,
+    ...); `tp_size=T` and `pp_size=P` run the
     model over T x P scheduler processes (P pipeline stages of T tensor ranks); `dp_size=D` runs D
     such replicas behind a router (`load_balance_method`: cache_aware, least_load, round_robin); `ep_size=E`
     splits MoE experts over E ranks with all-to-all dispatch (E = tp_size for now); `cp_size=C`
