@@ -23,6 +23,7 @@ from shardserve.kvcache.pages import PageAllocator
 from shardserve.loader.generation_config import eos_ids
 from shardserve.loader.model_path import Checkpoint, resolve_checkpoint
 from shardserve.loader.weights import read_model_config
+from shardserve.scheduler.engine_stats import engine_stats, running_status
 from shardserve.scheduler.finish import finish_reason
 from shardserve.scheduler.limits import RequestLimits
 from shardserve.scheduler.plan_feed import PlanFeed, Wait
@@ -311,21 +312,7 @@ class EngineCore:
 
     def stats(self) -> Stats:
         """What /metrics shows of this engine."""
-        s, alloc, runner = self.running_status(), self.allocator, self.runner
-        return Stats(running=s["running"], waiting=s["waiting"], pages_used=s["pages_used"],
-                     pages_total=s["pages_total"], prefix_hit_rate=alloc.hit_rate, prefix_hit_tokens=alloc.hits,
-                     prefix_query_tokens=alloc.queries, steps=self.num_steps, finished=self.num_finished,
-                     traffic=runner.comm.traffic_report(), control=self.control.traffic_report(),
-                     stages=self._stage_traffic(), max_in_flight=self.max_in_flight,
-                     preemptions=self.scheduler.num_preemptions, empty_steps=self.empty_steps,
-                     expert_routed={str(k): v for k, v in runner.expert_counts().get("routed", {}).items()},
-                     speculative=self.spec.counts.as_dict() if self.spec is not None else {})
-
-    def _stage_traffic(self) -> dict:
-        """Each pipeline stage's tensor rank 0's counts by group (this stage's own, the others' reports)."""
-        if self.runner.stage.count == 1:
-            return {}
-        return {"0": self.runner.groups.traffic_by_group()["groups"], **self.stage_traffic}
+        return engine_stats(self)
 
     def traffic_by_group(self) -> dict:
         """This rank's rank report: traffic by group (and routing counts for a MoE model)."""
@@ -333,16 +320,6 @@ class EngineCore:
 
     def running_status(self) -> dict[str, int]:
         """The counts whose change is worth a Stats message."""
-        return {
-            "steps": self.num_steps,
-            "finished": self.num_finished,
-            "running": len(self.scheduler.running),
-            "waiting": len(self.scheduler.waiting),
-            "pages_used": self.allocator.num_used,
-            "pages_total": self.allocator.num_pages,
-            "stage_reports": self.stage_reports,
-            "empty_steps": self.empty_steps,
-        }
-
+        return running_status(self)
 
 __all__ = ["Batch", "EngineCore", "RequestLimits", "Status", "StepOutput"]
