@@ -200,6 +200,10 @@ class SpeculativeConfig:
             ((self.method == "draft") == bool(self.model), "speculative-model",
              "is needed by --speculative-method draft and only by it"),
             (self.draft_tp in DRAFT_TP, "speculative-draft-tp", f"must be one of {list(DRAFT_TP)}"),
+            (self.method == "draft" or self.draft_tp == "1", "speculative-draft-tp",
+             "places a draft model: it needs --speculative-method draft"),
+            (self.method == "ngram" or (self.ngram_min, self.ngram_max) == (2, 4), "ngram-min",
+             "and --ngram-max are for --speculative-method ngram"),
             (self.disable_by_batch_size is None or self.disable_by_batch_size >= 1,
              "speculative-disable-by-batch-size", "must be >= 1"),
         ]

@@ -113,7 +113,8 @@ def test_stop_token_and_max_tokens_inside_an_accepted_run(target: str, close_dra
         rid = llm.add_request(prompt, greedy)
         while llm.engine.has_unfinished():
             steps += [o.new_ids for o in llm.step() if o.rid == rid and o.new_ids]
-    out = [t for s in steps for t in s]
+        out = [t for s in steps for t in s]
+        text = [llm.tokenizer.decode(out[:k]) for k in range(len(out) + 1)]
     # A step that emitted 3+ tokens whose second is new to the output: it stops the request there.
     at = [sum(map(len, steps[:i])) for i in range(len(steps))]
     i = next(i for i, s in enumerate(steps) if len(s) >= 3 and s[1] not in out[: at[i] + 1])
@@ -123,6 +124,17 @@ def test_stop_token_and_max_tokens_inside_an_accepted_run(target: str, close_dra
         got, _, _ = run(target, [prompt], params, spec)
         same(got, want)
         assert got[0].token_ids == out[: at[i] + 2]
+    # A stop string: the text a run's second token adds, where that text is new to the output.
+    def added(k: int) -> str:
+        return text[k][len(text[k - 1]) :]
+
+    k = next(at[i] + 2 for i, s in enumerate(steps)
+             if len(s) >= 3 and added(at[i] + 2).strip() and added(at[i] + 2) not in text[at[i] + 1])
+    params = SamplingParams(max_tokens=60, temperature=0, stop=[added(k)])
+    want, _, _ = run(target, [prompt], params)
+    got, _, _ = run(target, [prompt], params, spec)
+    assert (got[0].text, got[0].finish_reason) == (want[0].text, want[0].finish_reason)
+    assert want[0].finish_reason == "stop" and got[0].token_ids == want[0].token_ids == out[:k]
 
 
 def test_rejected_pages_freed_and_never_cached(target: str) -> None:
@@ -277,3 +289,56 @@ def test_off_above_the_batch_size(target: str) -> None:
     assert any(drafted for _, drafted in sizes)
     want, _, _ = run(target, prompts, params)
     same(got, want)
+
+
+def test_draft_pool_full_is_counted_and_said(target: str, close_draft: str, caplog) -> None:
+    # 64 shared tokens: the target's prefix cache holds them once (8 pages), the draft once per
+    # request (12 x 8 pages > its 60).
+    prompts = [list(range(50, 114)) + [i] for i in range(12)]
+    params = SamplingParams(max_tokens=24, temperature=0)
+    want, _, _ = run(target, prompts, params, num_pages=60)
+    with caplog.at_level("WARNING", logger="shardserve.engine.draft_proposer"):
+        got, counts, _ = run(target, prompts, params, {"model": close_draft, "num_speculative_tokens": 3, **ALWAYS},
+                             num_pages=60)
+    same(got, want)
+    assert counts.draft_pool_full > 0 and counts.accepted > 0
+    assert sum("the draft's KV pool is full" in r.getMessage() for r in caplog.records) == 1
+
+
+@pytest.mark.parametrize("spec, message", [
+    ({"method": "ngram", "num_speculative_tokens": 2, "draft_tp": "same"}, "--speculative-draft-tp places a draft"),
+    ({"model": "x", "num_speculative_tokens": 2, "ngram_min": 3}, "--ngram-min and --ngram-max are for"),
+])
+def test_settings_of_the_other_method_refused(spec: dict, message: str) -> None:
+    with pytest.raises(ValueError, match=re.escape(message)):
+        EngineConfig(speculative_config=spec)
+
+
+def test_flags(target: str) -> None:
+    from shardserve.cli.flags import Parser, add_engine_args, speculative_config
+
+    p = Parser()
+    add_engine_args(p)
+    spec = speculative_config(p.parse_args(["--speculative-method", "ngram", "--num-speculative-tokens", "5",
+                                            "--ngram-max", "6", "--speculative-disable-by-batch-size", "0"]))
+    assert (spec.method, spec.num_speculative_tokens, spec.ngram_min, spec.ngram_max, spec.disable_by_batch_size) \
+        == ("ngram", 5, 2, 6, None)
+    for argv, message in ((["--speculative-model", target], "--speculative-model needs --speculative-method draft"),
+                          (["--speculative-method", "draft", "--speculative-model", target, "--ngram-min", "1",
+                            "--num-speculative-tokens", "2"], "--ngram-min needs --speculative-method ngram"),
+                          (["--speculative-method", "ngram"], "needs --num-speculative-tokens K")):
+        with pytest.raises(ValueError, match=re.escape(message)):
+            speculative_config(p.parse_args(argv))
+
+
+def test_draft_shorter_context_refused(target: str, tiny_model, tmp_path) -> None:
+    from shardserve.distributed.layout import LayoutError
+
+    model = copy.deepcopy(tiny_model("llama")[1])
+    model.config.max_position_embeddings = 128
+    model.save_pretrained(str(tmp_path))
+    save_tiny_tokenizer(str(tmp_path), model.config.vocab_size)
+    spec = {"model": str(tmp_path), "num_speculative_tokens": 2}
+    with pytest.raises(LayoutError, match="it takes 128 positions, sequences here may reach 512"):
+        LLM(target, show_progress=False, speculative_config=spec)
+    LLM(target, show_progress=False, max_model_len=128, num_pages=16, speculative_config=spec).shutdown()

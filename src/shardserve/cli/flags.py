@@ -205,28 +205,38 @@ def add_speculative_args(p: argparse.ArgumentParser) -> None:
                         "own prompt and output, draft = a smaller model with the same vocabulary (--speculative-model)")
     g.add_argument("--num-speculative-tokens", type=ranged(int, 1, MAX_SPECULATIVE_TOKENS), default=None,
                    help="tokens proposed per step and request (needed with --speculative-method)")
-    g.add_argument("--ngram-min", type=positive_int, default=2,
-                   help="shortest suffix ngram looks up (1 proposes after any repeated token: many rejections)")
-    g.add_argument("--ngram-max", type=positive_int, default=4, help="longest suffix ngram looks up (tried first)")
+    g.add_argument("--ngram-min", type=positive_int, default=None,
+                   help="shortest suffix ngram looks up (default 2; 1 proposes after any repeated token: many "
+                        "rejections)")
+    g.add_argument("--ngram-max", type=positive_int, default=None,
+                   help="longest suffix ngram looks up, tried first (default 4)")
     g.add_argument("--speculative-model", default=None, help="the draft checkpoint (safetensors directory or GGUF)")
-    g.add_argument("--speculative-draft-tp", choices=DRAFT_TP, default="1",
-                   help="1 = the draft whole on the leader (no collective), same = sharded like the target")
-    g.add_argument("--speculative-disable-by-batch-size", type=positive_int, default=4,
+    g.add_argument("--speculative-draft-tp", choices=DRAFT_TP, default=None,
+                   help="1 = the draft whole on the leader (no collective; the default), same = sharded like the "
+                        "target")
+    g.add_argument("--speculative-disable-by-batch-size", type=non_negative_int, default=4,
                    help="propose nothing in a step of more requests than this (verification's compute no longer "
-                        "spare)")
+                        "spare); 0: never")
 
 
 def speculative_config(args: argparse.Namespace) -> SpeculativeConfig | None:
     """The speculative-decoding flags as a config (None without --speculative-method)."""
-    if args.speculative_method is None:
-        for flag in ("num_speculative_tokens", "speculative_model"):
-            if getattr(args, flag) is not None:
-                raise ValueError(f"--{flag.replace('_', '-')} needs --speculative-method")
+    given = {f: getattr(args, f) for f in ("num_speculative_tokens", "speculative_model", "ngram_min", "ngram_max",
+                                           "speculative_draft_tp") if getattr(args, f) is not None}
+    method = args.speculative_method
+    flags = {"ngram_min": "ngram", "ngram_max": "ngram", "speculative_model": "draft", "speculative_draft_tp": "draft"}
+    for f in given:
+        if method is None or flags.get(f, method) != method:
+            raise ValueError(f"--{f.replace('_', '-')} needs --speculative-method {flags.get(f, 'ngram or draft')}")
+    if method is None:
         return None
     if args.num_speculative_tokens is None:
-        raise ValueError(f"--speculative-method {args.speculative_method} needs --num-speculative-tokens K")
-    return SpeculativeConfig(args.speculative_method, args.num_speculative_tokens, args.ngram_min, args.ngram_max,
-                             args.speculative_model, args.speculative_draft_tp, args.speculative_disable_by_batch_size)
+        raise ValueError(f"--speculative-method {method} needs --num-speculative-tokens K")
+    fields = {"ngram_min": "ngram_min", "ngram_max": "ngram_max", "speculative_model": "model",
+              "speculative_draft_tp": "draft_tp"}
+    return SpeculativeConfig(method, args.num_speculative_tokens,
+                             disable_by_batch_size=args.speculative_disable_by_batch_size or None,
+                             **{fields[f]: v for f, v in given.items() if f in fields})
 
 
 def engine_config(args: argparse.Namespace, **overrides) -> EngineConfig:

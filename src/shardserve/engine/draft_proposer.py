@@ -51,7 +51,7 @@ class _DraftKV:
     pages: list[int] = field(default_factory=list)
     computed: int = 0  # positions whose draft KV is in `pages`
     proposed_at: int = 0  # the request's token count when the draft last proposed
-    preemptions: int = 0
+    settling: bool = False  # proposed this step: `settle` rolls the cache back to what was kept
     generator: torch.Generator | None = None
     synced: int = 0  # leading pages the other ranks' copy shares (draft_tp same)
 
@@ -104,18 +104,17 @@ class DraftProposer:
         self.device, self.page_size = runner.device, cfg.page_size
         self.alloc = PageAllocator(runner.num_pages, cfg.page_size, prefix_cache=False)
         self.kv: dict[str, _DraftKV] = {}
+        self.pool_full = 0  # requests that got no proposal because the draft's pool was full
 
     def _execute_here(self, entries: list[PlanEntry]) -> torch.Tensor:
         return self.runner.forward(draft_step(entries, {e.rid: self.kv[e.rid].pages for e in entries}))
 
     def _state(self, req: Request) -> _DraftKV:
         st = self.kv.get(req.request_id)
-        if st is None or st.preemptions != req.num_preemptions:  # preempted: recompute, as the target does
-            if st is not None:
-                self.alloc.release(st.pages)
+        if st is None:  # new, or preempted (`forget`): the draft recomputes it, as the target does
             seed = int.from_bytes(hashlib.sha256(f"draft:{req.seed}".encode()).digest()[:7], "little")
             gen = torch.Generator(device=self.device).manual_seed(seed)
-            st = self.kv[req.request_id] = _DraftKV(preemptions=req.num_preemptions, generator=gen)
+            st = self.kv[req.request_id] = _DraftKV(generator=gen)
         return st
 
     def _grow(self, st: _DraftKV, num_tokens: int) -> bool:
@@ -135,8 +134,13 @@ class DraftProposer:
             st = self._state(req)
             # Positions fed: the tokens not yet seen, then proposals 1 .. k-1.
             if k > 0 and self._grow(st, req.num_tokens + k - 1):
-                st.proposed_at = req.num_tokens
+                st.proposed_at, st.settling = req.num_tokens, True
                 live.append((i, st, k))
+            elif k > 0:
+                self.pool_full += 1
+                if self.pool_full == 1:
+                    log.warning("speculative decoding: the draft's KV pool is full; requests go without proposals "
+                                "until pages free up (counted as draft_pool_full in the speculative counters)")
         if not live:
             return out
         probs: dict[int, list[torch.Tensor]] = {i: [] for i, _, _ in live}
@@ -162,6 +166,7 @@ class DraftProposer:
         entries = []
         for j in order:
             req, st, toks = rows[j]
+            assert toks, f"request {req.request_id}: the draft's cache is ahead of the request"
             base = st.synced
             st.synced = len(st.pages)
             entries.append(PlanEntry(req.request_id, st.computed, toks, base, st.pages[base:], True))
@@ -179,8 +184,9 @@ class DraftProposer:
 
     def settle(self, req: Request, accepted: int) -> None:
         st = self.kv.get(req.request_id)
-        if st is None:
+        if st is None or not st.settling:
             return
+        st.settling = False
         st.computed = min(st.computed, st.proposed_at + accepted)
         keep = -(-st.computed // self.page_size)
         self.alloc.release(st.pages[keep:])

@@ -8,7 +8,9 @@ target's hidden states, kept by the runner, and its own KV like the draft model 
 - `propose(reqs, ks)`: one `Proposal` per request, at most ks[i] tokens (fewer, or none, is fine);
 - `settle(req, accepted)`: after verification, how many of the request's proposals the target
   kept (a proposer with its own KV rolls back the rest);
-- `forget(req)`: the request ended or was preempted (free what the proposer holds for it).
+- `forget(req)`: the request ended or was preempted (free what the proposer holds for it);
+- `pool_full`: how many times a request went without proposals for want of the proposer's own
+  KV pages (counted, and said once in the log: never a silent fallback).
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ class Proposal:
 
 class Proposer(Protocol):
     method: str
+    pool_full: int
 
     def propose(self, reqs: list[Request], ks: list[int]) -> list[Proposal]: ...
 
@@ -60,6 +63,7 @@ class NgramProposer:
     which pays where the output repeats its input (edits, code, quoting). Costs no model."""
 
     method = "ngram"
+    pool_full = 0  # it holds no KV
 
     def __init__(self, n_min: int, n_max: int):
         self.n_min, self.n_max = n_min, n_max

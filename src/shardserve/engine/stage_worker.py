@@ -76,8 +76,8 @@ class StageWorker:
         if spec is not None and spec.method == "draft" and cfg.disaggregation_mode != "prefill":
             if self.draft_sharded:
                 self.draft = build_draft_runner(cfg, r.device, groups, num_pages=r.num_pages)
-            elif self.samples:
-                self.draft = build_draft_runner(cfg, r.device, num_pages=r.num_pages)
+            elif self.samples:  # whole: as many pages as the target's over all its context ranks
+                self.draft = build_draft_runner(cfg, r.device, num_pages=r.num_pages * groups.context.size)
         self.draft_pages: dict[str, list[int]] = {}
         # What loading made lives as long as the process: frozen, the collections that a step's
         # garbage triggers do not walk it again (~4% of a 32-stream decode step, measured).

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 
-from shardserve.config import EngineConfig
+from shardserve.config import DTYPE_BYTES, EngineConfig
 from shardserve.distributed.layout import Layout, LayoutError
 from shardserve.loader.model_path import Checkpoint, resolve_checkpoint
 from shardserve.loader.weights import read_model_config
@@ -33,8 +33,18 @@ def check_speculative(cfg: EngineConfig, layout: Layout, ckpt: Checkpoint) -> No
     if draft_cfg.vocab_size != target_cfg.vocab_size:
         raise LayoutError(f"--speculative-model {draft.name}: its vocabulary has {draft_cfg.vocab_size} tokens, the "
                           f"target's {target_cfg.vocab_size}; a draft must share the target's tokenizer")
+    longest = min(cfg.max_model_len or target_cfg.max_position_embeddings, target_cfg.max_position_embeddings)
+    if draft_cfg.max_position_embeddings < longest:
+        raise LayoutError(f"--speculative-model {draft.name}: it takes {draft_cfg.max_position_embeddings} positions, "
+                          f"sequences here may reach {longest}; give --max-model-len "
+                          f"{draft_cfg.max_position_embeddings} or less, or a draft of the target's context length")
+    if spec.draft_tp == "same":
+        try:
+            layout.check_model(draft_cfg.num_layers, draft_cfg.num_heads, draft_cfg.num_experts)
+        except LayoutError as e:
+            raise LayoutError(f"--speculative-draft-tp same: the draft {draft.name}: {e}") from None
     check_same_tokenizer(ckpt, draft)
-    check_draft_fits(ckpt, draft)
+    check_draft_fits(cfg, ckpt, draft, target_cfg, draft_cfg)
 
 
 def check_same_tokenizer(target: Checkpoint, draft: Checkpoint) -> None:
@@ -58,14 +68,23 @@ def checkpoint_bytes(ckpt: Checkpoint) -> int:
                if f.endswith((".safetensors", ".bin")))
 
 
-def check_draft_fits(target: Checkpoint, draft: Checkpoint) -> None:
-    """The draft's weights next to the target's must fit in this machine's available memory."""
+def check_draft_fits(cfg: EngineConfig, target: Checkpoint, draft: Checkpoint, target_cfg, draft_cfg) -> None:
+    """The draft's weights and KV pool next to the target's must fit in this machine's available
+    memory. The draft's pool holds as many tokens as the target's, so it is the target's KV budget
+    scaled by the two models' bytes per token. (Host memory: on CUDA the device's memory decides,
+    which this does not check.)"""
     try:
         with open("/proc/meminfo") as f:
             avail = next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
     except (OSError, StopIteration):
         return
-    need = checkpoint_bytes(target) + checkpoint_bytes(draft)
+    per_token = {m: 2 * c.num_layers * c.num_kv_heads * c.head_dim for m, c in (("t", target_cfg), ("d", draft_cfg))}
+    kv = cfg.kv_cache_memory if cfg.kv_cache_memory > 1 else cfg.kv_cache_memory * avail
+    if cfg.num_pages is not None:
+        kv = cfg.num_pages * cfg.page_size * per_token["t"] * DTYPE_BYTES[cfg.dtype]
+    draft_kv = kv * per_token["d"] / per_token["t"]
+    need = checkpoint_bytes(target) + checkpoint_bytes(draft) + kv + draft_kv
     if need > avail:
         raise LayoutError(f"--speculative-model {draft.name}: its weights ({checkpoint_bytes(draft) / 2**30:.1f} GiB) "
-                          f"and the target's need {need / 2**30:.1f} GiB, {avail / 2**30:.1f} GiB is available")
+                          f"and KV pool ({draft_kv / 2**30:.1f} GiB) beside the target's need {need / 2**30:.1f} GiB, "
+                          f"{avail / 2**30:.1f} GiB is available (a smaller --kv-cache-memory shrinks both pools)")

@@ -101,6 +101,8 @@ class EngineCore:
         self.max_in_flight = 0  # the most micro-batches ever in flight at once
         self.stage_reports = 0  # StageTraffic messages received (a change worth a Stats message)
         self.spec = make_speculator(cfg, self.worker, self.allocator, self.max_model_len, self._run_draft)
+        if self.spec is not None:  # a preempted request's draft KV is freed with its own
+            self.scheduler.on_preempt = self.spec.forget
 
     @property
     def vocab_size(self) -> int:
@@ -288,7 +290,7 @@ class EngineCore:
             if tok is not None:
                 outputs.append(self._take_tokens(req, [*toks, tok], [*lps, lp], k in ended))
                 if self.spec is not None:
-                    self.spec.settle(req, len(toks))
+                    self.spec.settle(req, len(toks), len(outputs[-1].new_token_ids))
         return outputs
 
     def _take_tokens(self, req: Request, toks: list[int], lps: list[dict | None], grammar_done: bool) -> StepOutput:

@@ -15,6 +15,7 @@ requests so the next one has some left to take.
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 
 from shardserve.core import Batch, Request, Status
 from shardserve.kvcache.pages import PageAllocator
@@ -28,6 +29,7 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
+        self.on_preempt: Callable[[Request], None] | None = None  # speculative decoding frees the draft's KV
 
     def add(self, req: Request) -> None:
         self.waiting.append(req)
@@ -110,6 +112,8 @@ class Scheduler:
         req.status = Status.WAITING
         req.num_preemptions += 1
         self.num_preemptions += 1
+        if self.on_preempt is not None:
+            self.on_preempt(req)
         self.waiting.appendleft(req)
 
     def advance(self, batch: Batch) -> None:

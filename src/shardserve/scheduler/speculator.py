@@ -42,10 +42,12 @@ class SpecCounts:
     accepted: int = 0
     emitted: int = 0
     per_position: list[int] = field(default_factory=list)
+    draft_pool_full: int = 0  # request-steps left without proposals: the draft's KV pool was full
 
     def as_dict(self) -> dict:
         return {"method": self.method, "drafts": self.drafts, "proposed": self.proposed,
-                "accepted": self.accepted, "emitted": self.emitted, "per_position": list(self.per_position)}
+                "accepted": self.accepted, "emitted": self.emitted, "per_position": list(self.per_position),
+                "draft_pool_full": self.draft_pool_full}
 
 
 class Speculator:
@@ -75,11 +77,14 @@ class Speculator:
         drafts = {}
         for req, prop in zip(reqs, self.proposer.propose(reqs, ks)):
             prop.tokens = prop.tokens[: self._grow(req, len(prop.tokens))]
-            if prop.tokens:
+            if not prop.tokens:  # none, or no page for them: the proposer keeps none of its work
+                self.proposer.settle(req, 0)
+            else:
                 if prop.probs is not None:
                     prop.probs = prop.probs[: len(prop.tokens)]
                 drafts[req.request_id] = prop
                 self.pending[req.request_id] = len(prop.tokens)
+        self.counts.draft_pool_full = self.proposer.pool_full
         batch.drafts = {rid: p.tokens for rid, p in drafts.items()}
         # Rows: plain decodes, then verifications (decode rows too), then prompt chunks.
         batch.entries.sort(key=lambda e: 2 if e[1] != 1 else int(e[0].request_id in drafts))
@@ -108,8 +113,9 @@ class Speculator:
                 req.pages.extend(pages)
         return max(0, min(k, len(req.pages) * size - req.num_tokens))
 
-    def settle(self, req: Request, accepted: int) -> None:
-        """Verification kept `accepted` of the request's proposals (its tokens already appended)."""
+    def settle(self, req: Request, accepted: int, emitted: int) -> None:
+        """Verification kept `accepted` of the request's proposals; `emitted` tokens were appended
+        (fewer than accepted + 1 where a stop inside the run ended the request)."""
         k = self.pending.pop(req.request_id, 0)
         if not k:
             return
@@ -117,7 +123,7 @@ class Speculator:
         c.drafts += 1
         c.proposed += k
         c.accepted += accepted
-        c.emitted += accepted + 1
+        c.emitted += emitted
         for i in range(accepted):
             c.per_position[i] += 1
         if req.finished:

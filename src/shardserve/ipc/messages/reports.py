@@ -70,7 +70,7 @@ def merge_speculative(parts: list[dict]) -> dict:
     parts = [p for p in parts if p]
     if not parts:
         return {}
-    total = {k: sum(p[k] for p in parts) for k in ("drafts", "proposed", "accepted", "emitted")}
+    total = {k: sum(p[k] for p in parts) for k in ("drafts", "proposed", "accepted", "emitted", "draft_pool_full")}
     return {"method": parts[0]["method"], **total,
             "per_position": [sum(c) for c in zip(*(p["per_position"] for p in parts))]}
 
