@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import os
 
 import pytest
@@ -91,3 +92,18 @@ def smollm2_answer(smollm2_path):
 
     with LLM(smollm2_path, kv_cache_memory=2**27, show_progress=False) as one:
         return one.chat(SMOLLM2_QUESTION, SamplingParams(max_tokens=16, temperature=0), use_tqdm=False)
+
+
+@pytest.fixture(scope="session")
+def close_draft(tiny_model, tmp_path_factory) -> str:
+    """A draft for the tiny llama (speculative decoding): its weights with 5% noise, right about
+    half the time."""
+    model = copy.deepcopy(tiny_model("llama")[1])
+    torch.manual_seed(5)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * p.std() * 0.05)
+    path = str(tmp_path_factory.mktemp("close_draft"))
+    model.save_pretrained(path)
+    save_tiny_tokenizer(path, model.config.vocab_size)
+    return path

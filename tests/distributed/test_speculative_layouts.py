@@ -5,11 +5,8 @@ tests/unit/test_speculative.py)."""
 
 from __future__ import annotations
 
-import copy
-
 import pytest
 import torch
-from tiny_tokenizer import save_tiny_tokenizer
 
 from shardserve import LLM, SamplingParams
 
@@ -26,20 +23,6 @@ def random_prompts(n: int, seed: int = 0) -> list[list[int]]:
     return [torch.randint(0, 301, (int(k),), generator=g).tolist() for k in torch.randint(3, 40, (n,), generator=g)]
 
 
-@pytest.fixture(scope="module")
-def draft(tiny_model, tmp_path_factory) -> str:
-    """The tiny llama's weights with 5% noise."""
-    model = copy.deepcopy(tiny_model("llama")[1])
-    torch.manual_seed(5)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(torch.randn_like(p) * p.std() * 0.05)
-    path = str(tmp_path_factory.mktemp("draft"))
-    model.save_pretrained(path)
-    save_tiny_tokenizer(path, model.config.vocab_size)
-    return path
-
-
 LAYOUTS = {
     "tp2": ("llama", dict(tp_size=2)),
     "dp2": ("llama", dict(dp_size=2)),
@@ -50,15 +33,15 @@ LAYOUTS = {
 
 @pytest.mark.slow
 @pytest.mark.parametrize("layout", list(LAYOUTS))
-def test_greedy_equals_plain_on_layout(tiny_model, draft: str, layout: str) -> None:
+def test_greedy_equals_plain_on_layout(tiny_model, close_draft: str, layout: str) -> None:
     kind, sizes = LAYOUTS[layout]
     path = tiny_model(kind)[0]
     prompts = random_prompts(6)
     with LLM(path, **sizes, **ENGINE) as llm:
         want = llm.generate(prompts, GREEDY, use_tqdm=False)
-    specs = [NGRAM] + ([{"model": draft, "num_speculative_tokens": 3, **ALWAYS}] if kind == "llama" else [])
+    specs = [NGRAM] + ([{"model": close_draft, "num_speculative_tokens": 3, **ALWAYS}] if kind == "llama" else [])
     if layout == "tp2":  # the draft sharded like the target too
-        specs.append({"model": draft, "num_speculative_tokens": 3, "draft_tp": "same", **ALWAYS})
+        specs.append({"model": close_draft, "num_speculative_tokens": 3, "draft_tp": "same", **ALWAYS})
     for spec in specs:
         with LLM(path, **sizes, **ENGINE, speculative_config=spec) as llm:
             got = llm.generate(prompts, GREEDY, use_tqdm=False)

@@ -45,20 +45,6 @@ def draft(tiny_model, tmp_path_factory) -> str:
     return path
 
 
-@pytest.fixture(scope="module")
-def close_draft(tiny_model, tmp_path_factory) -> str:
-    """The target's weights with 5% noise: a draft that is right about half the time."""
-    model = copy.deepcopy(tiny_model("llama")[1])
-    torch.manual_seed(5)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(torch.randn_like(p) * p.std() * 0.05)
-    path = str(tmp_path_factory.mktemp("close_draft"))
-    model.save_pretrained(path)
-    save_tiny_tokenizer(path, model.config.vocab_size)
-    return path
-
-
 def run(path: str, prompts, params, spec=None, **kw):
     with LLM(path, show_progress=False, num_pages=kw.pop("num_pages", 96), speculative_config=spec, **kw) as llm:
         outs = llm.generate(prompts, params, use_tqdm=False)
