@@ -3,12 +3,12 @@ sending a new Stats message."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Any
 
 from shardserve.ipc.messages.reports import Stats
 
-if TYPE_CHECKING:
-    from shardserve.scheduler.engine_core import EngineCore
+# `e` below is the leader's EngineCore (not imported: engine_core.py imports this module).
+EngineCore = Any
 
 
 def engine_stats(e: EngineCore) -> Stats:
