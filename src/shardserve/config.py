@@ -202,7 +202,8 @@ class SpeculativeConfig:
             (self.draft_tp in DRAFT_TP, "speculative-draft-tp", f"must be one of {list(DRAFT_TP)}"),
             (self.method == "draft" or self.draft_tp == "1", "speculative-draft-tp",
              "places a draft model: it needs --speculative-method draft"),
-            (self.method == "ngram" or (self.ngram_min, self.ngram_max) == (2, 4), "ngram-min",
+            (self.method == "ngram" or all(getattr(self, f) == self.__dataclass_fields__[f].default
+                                           for f in ("ngram_min", "ngram_max")), "ngram-min",
              "and --ngram-max are for --speculative-method ngram"),
             (self.disable_by_batch_size is None or self.disable_by_batch_size >= 1,
              "speculative-disable-by-batch-size", "must be >= 1"),

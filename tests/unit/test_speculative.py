@@ -283,11 +283,13 @@ def test_draft_pool_full_is_counted_and_said(target: str, close_draft: str, capl
     prompts = [list(range(50, 114)) + [i] for i in range(12)]
     params = SamplingParams(max_tokens=24, temperature=0)
     want, _, _ = run(target, prompts, params, num_pages=60)
-    with caplog.at_level("WARNING", logger="shardserve.engine.draft_proposer"):
-        got, counts, _ = run(target, prompts, params, {"model": close_draft, "num_speculative_tokens": 3, **ALWAYS},
-                             num_pages=60)
+    spec = {"model": close_draft, "num_speculative_tokens": 3, **ALWAYS}
+    with caplog.at_level("WARNING", logger="shardserve.engine.draft_proposer"), \
+            LLM(target, show_progress=False, num_pages=60, speculative_config=spec) as llm:
+        got = llm.generate(prompts, params, use_tqdm=False)
+        counts = llm.stats().speculative
     same(got, want)
-    assert counts.draft_pool_full > 0 and counts.accepted > 0
+    assert counts["draft_pool_full"] > 0 and counts["accepted"] > 0
     assert sum("the draft's KV pool is full" in r.getMessage() for r in caplog.records) == 1
 
 

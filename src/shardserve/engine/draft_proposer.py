@@ -101,7 +101,7 @@ class DraftProposer:
         runs one draft forward on every tensor rank and returns its logits (None: `runner` runs it
         here). The draft's pool has as many pages as the target's: every request it holds fits."""
         self.runner, self.execute = runner, execute or self._execute_here
-        self.device, self.page_size = runner.device, cfg.page_size
+        self.device = runner.device
         self.alloc = PageAllocator(runner.num_pages, cfg.page_size, prefix_cache=False)
         self.kv: dict[str, _DraftKV] = {}
         self.pool_full = 0  # requests that got no proposal because the draft's pool was full
@@ -117,23 +117,13 @@ class DraftProposer:
             st = self.kv[req.request_id] = _DraftKV(generator=gen)
         return st
 
-    def _grow(self, st: _DraftKV, num_tokens: int) -> bool:
-        need = -(-num_tokens // self.page_size) - len(st.pages)
-        if need <= 0:
-            return True
-        pages = self.alloc.allocate(need)
-        if pages is None:
-            return False
-        st.pages.extend(pages)
-        return True
-
     def propose(self, reqs: list[Request], ks: list[int]) -> list[Proposal]:
         out = [Proposal([]) for _ in reqs]
         live = []  # (position in reqs, state, k)
         for i, (req, k) in enumerate(zip(reqs, ks)):
             st = self._state(req)
             # Positions fed: the tokens not yet seen, then proposals 1 .. k-1.
-            if k > 0 and self._grow(st, req.num_tokens + k - 1):
+            if k > 0 and self.alloc.extend_to(st.pages, req.num_tokens + k - 1):
                 st.proposed_at, st.settling = req.num_tokens, True
                 live.append((i, st, k))
             elif k > 0:
@@ -188,10 +178,7 @@ class DraftProposer:
             return
         st.settling = False
         st.computed = min(st.computed, st.proposed_at + accepted)
-        keep = -(-st.computed // self.page_size)
-        self.alloc.release(st.pages[keep:])
-        del st.pages[keep:]
-        st.synced = min(st.synced, keep)
+        st.synced = min(st.synced, self.alloc.truncate(st.pages, st.computed))
 
     def forget(self, req: Request) -> None:
         st = self.kv.pop(req.request_id, None)

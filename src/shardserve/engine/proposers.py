@@ -2,8 +2,9 @@
 
 A proposer is what the leader's speculator (scheduler/speculator.py) asks each step; the target
 model then verifies the proposals in one forward (engine/verify.py). The interface is small so
-that other kinds can plug in (an EAGLE-style head or multi-token prediction would read the
-target's hidden states, kept by the runner, and its own KV like the draft model does):
+that other kinds can plug in (an EAGLE-style head or multi-token prediction would also need the
+target's hidden states at the verified rows, which the runner does not keep yet, and its own KV
+like the draft model's):
 
 - `propose(reqs, ks)`: one `Proposal` per request, at most ks[i] tokens (fewer, or none, is fine);
 - `settle(req, accepted)`: after verification, how many of the request's proposals the target

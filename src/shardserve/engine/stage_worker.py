@@ -106,7 +106,7 @@ class StageWorker:
 
     def _draft_forward(self, plan: StepPlan) -> torch.Tensor | None:
         """One forward of the sharded draft; its logits on the sampling rank (the leader)."""
-        for e in plan.entries:
+        for e in plan.entries:  # a disaggregated decode's request may draft before a plan announces it
             pages = self.draft_pages.setdefault(e.rid, [])
             del pages[e.page_base :]
             pages.extend(e.new_pages)

@@ -124,6 +124,25 @@ class PageAllocator:
             held[self.part_of(page)] += 1
         return self.allocate_parts(place(held, [len(pool) for pool in self.pools], need))
 
+    def extend_to(self, pages: list[int], num_tokens: int) -> bool:
+        """Grow a sequence's page list in place to hold `num_tokens` tokens (`grow`'s pools);
+        False, and the list unchanged, if the pages are short."""
+        need = -(-num_tokens // self.page_size) - len(pages)
+        if need <= 0:
+            return True
+        more = self.grow(pages, need)
+        if more is None:
+            return False
+        pages.extend(more)
+        return True
+
+    def truncate(self, pages: list[int], num_tokens: int) -> int:
+        """Release, in place, the pages past the first `num_tokens` tokens; how many are kept."""
+        keep = -(-num_tokens // self.page_size)
+        self.release(pages[keep:])
+        del pages[keep:]
+        return keep
+
     def allocate_parts(self, parts: list[int]) -> list[int] | None:
         """One page from each listed pool, in order (a request's next pages, `spread.place`), or
         None and nothing taken if any pool is short."""

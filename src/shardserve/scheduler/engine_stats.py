@@ -20,7 +20,7 @@ def engine_stats(e: EngineCore) -> Stats:
                  stages=stage_traffic(e), max_in_flight=e.max_in_flight,
                  preemptions=e.scheduler.num_preemptions, empty_steps=e.empty_steps,
                  expert_routed={str(k): v for k, v in runner.expert_counts().get("routed", {}).items()},
-                 speculative=e.spec.counts.as_dict() if e.spec is not None else {})
+                 speculative=e.spec.report() if e.spec is not None else {})
 
 
 def stage_traffic(e: EngineCore) -> dict:

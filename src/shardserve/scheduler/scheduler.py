@@ -51,7 +51,7 @@ class Scheduler:
         while queue and budget > 0 and len(entries) < max_seqs:
             req = queue.pop(0)
             n = min(req.num_tokens - req.num_computed_tokens, budget)
-            while not self._grow(req, req.num_computed_tokens + n):
+            while not self.alloc.extend_to(req.pages, req.num_computed_tokens + n):
                 victim = queue.pop() if queue else req
                 self._preempt(victim)
                 preempted = True
@@ -79,7 +79,7 @@ class Scheduler:
             req.pages_synced = 0
             req.num_computed_tokens = len(req.pages) * self.page_size
             n = min(req.num_tokens - req.num_computed_tokens, budget)
-            if not self._grow(req, req.num_computed_tokens + n):
+            if not self.alloc.extend_to(req.pages, req.num_computed_tokens + n):
                 self.alloc.release(req.pages)
                 req.pages, req.num_computed_tokens = [], 0
                 break
@@ -93,16 +93,6 @@ class Scheduler:
             entries.append((req, n))
             budget -= n
         return budget
-
-    def _grow(self, req: Request, num_tokens: int) -> bool:
-        need = -(-num_tokens // self.page_size) - len(req.pages)
-        if need <= 0:
-            return True
-        pages = self.alloc.grow(req.pages, need)
-        if pages is None:
-            return False
-        req.pages.extend(pages)
-        return True
 
     def _preempt(self, req: Request) -> None:
         self.running.remove(req)

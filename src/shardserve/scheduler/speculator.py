@@ -42,12 +42,10 @@ class SpecCounts:
     accepted: int = 0
     emitted: int = 0
     per_position: list[int] = field(default_factory=list)
-    draft_pool_full: int = 0  # request-steps left without proposals: the draft's KV pool was full
 
     def as_dict(self) -> dict:
         return {"method": self.method, "drafts": self.drafts, "proposed": self.proposed,
-                "accepted": self.accepted, "emitted": self.emitted, "per_position": list(self.per_position),
-                "draft_pool_full": self.draft_pool_full}
+                "accepted": self.accepted, "emitted": self.emitted, "per_position": list(self.per_position)}
 
 
 class Speculator:
@@ -84,12 +82,16 @@ class Speculator:
                     prop.probs = prop.probs[: len(prop.tokens)]
                 drafts[req.request_id] = prop
                 self.pending[req.request_id] = len(prop.tokens)
-        self.counts.draft_pool_full = self.proposer.pool_full
         batch.drafts = {rid: p.tokens for rid, p in drafts.items()}
         # Rows: plain decodes, then verifications (decode rows too), then prompt chunks.
         batch.entries.sort(key=lambda e: 2 if e[1] != 1 else int(e[0].request_id in drafts))
         batch.num_decode = sum(1 for r, n in batch.entries if n == 1 and r.request_id not in drafts)
         return drafts
+
+    def report(self) -> dict:
+        """The counters for Stats: SpecCounts', and the request-steps the proposer left without
+        proposals because its own KV pool was full (`draft_pool_full`)."""
+        return self.counts.as_dict() | {"draft_pool_full": self.proposer.pool_full}
 
     def _room(self, req: Request) -> int:
         """Proposals a decode may take: K, fewer near max_tokens or the model's length (verification
@@ -98,20 +100,15 @@ class Speculator:
         p = req.params
         if req.transfer is not None or (p.prompt_logprobs is not None and not req.output_token_ids):
             return 0
-        if req.num_computed_tokens + 1 != req.num_tokens:  # the last chunk of a prompt, not a decode
+        if req.num_computed_tokens + 1 != req.num_tokens:  # a one-token prompt chunk (the budget cut it)
             return 0
         return min(self.spec.num_speculative_tokens, p.max_tokens - len(req.output_token_ids) - 1,
                    self.max_model_len - req.num_tokens - 1)
 
     def _grow(self, req: Request, k: int) -> int:
         """Pages for k proposals' positions (from the free pool only); how many fit."""
-        size = self.alloc.page_size
-        need = -(-(req.num_tokens + k) // size) - len(req.pages)
-        if need > 0:
-            pages = self.alloc.grow(req.pages, need)
-            if pages is not None:
-                req.pages.extend(pages)
-        return max(0, min(k, len(req.pages) * size - req.num_tokens))
+        self.alloc.extend_to(req.pages, req.num_tokens + k)
+        return max(0, min(k, len(req.pages) * self.alloc.page_size - req.num_tokens))
 
     def settle(self, req: Request, accepted: int, emitted: int) -> None:
         """Verification kept `accepted` of the request's proposals; `emitted` tokens were appended
@@ -130,11 +127,8 @@ class Speculator:
             return
         req.num_computed_tokens += accepted
         self.alloc.register(req.all_token_ids, req.pages, req.num_computed_tokens, req.page_hashes)
-        keep = -(-req.num_computed_tokens // self.alloc.page_size)
-        if len(req.pages) > keep:
-            self.alloc.release(req.pages[keep:])
-            del req.pages[keep:]
-            req.pages_synced = min(req.pages_synced, keep)
+        keep = self.alloc.truncate(req.pages, req.num_computed_tokens)
+        req.pages_synced = min(req.pages_synced, keep)
         self.proposer.settle(req, accepted)
 
     def forget(self, req: Request) -> None:
