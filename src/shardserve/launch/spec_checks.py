@@ -83,8 +83,9 @@ def check_draft_fits(cfg: EngineConfig, target: Checkpoint, draft: Checkpoint, t
     if cfg.num_pages is not None:
         kv = cfg.num_pages * cfg.page_size * per_token["t"] * DTYPE_BYTES[cfg.dtype]
     draft_kv = kv * per_token["d"] / per_token["t"]
-    need = checkpoint_bytes(target) + checkpoint_bytes(draft) + kv + draft_kv
+    draft_bytes = checkpoint_bytes(draft)
+    need = checkpoint_bytes(target) + draft_bytes + kv + draft_kv
     if need > avail:
-        raise LayoutError(f"--speculative-model {draft.name}: its weights ({checkpoint_bytes(draft) / 2**30:.1f} GiB) "
+        raise LayoutError(f"--speculative-model {draft.name}: its weights ({draft_bytes / 2**30:.1f} GiB) "
                           f"and KV pool ({draft_kv / 2**30:.1f} GiB) beside the target's need {need / 2**30:.1f} GiB, "
                           f"{avail / 2**30:.1f} GiB is available (a smaller --kv-cache-memory shrinks both pools)")
