@@ -9,7 +9,17 @@ import pytest
 import torch
 from engine_util import SMOLLM2_QUESTION
 from tiny_tokenizer import save_tiny_tokenizer
-from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config, Qwen2MoeConfig, Qwen3Config, Qwen3MoeConfig
+from transformers import (
+    AutoModelForCausalLM,
+    DeepseekV2Config,
+    DeepseekV3Config,
+    LlamaConfig,
+    MixtralConfig,
+    Qwen2Config,
+    Qwen2MoeConfig,
+    Qwen3Config,
+    Qwen3MoeConfig,
+)
 
 # Small enough to run in milliseconds, odd enough to catch shape bugs: vocab 301 divides by
 # neither 2, 3 nor 4, and there are fewer KV heads (2) than the largest TP size we test.
@@ -17,6 +27,11 @@ COMMON = dict(vocab_size=301, hidden_size=64, num_hidden_layers=2, num_attention
               num_key_value_heads=2, max_position_embeddings=512, eos_token_id=None, bos_token_id=None,
               pad_token_id=None)
 MOE = dict(moe_intermediate_size=32, num_experts=8, num_experts_per_tok=2)
+# DeepSeek: 6 heads (TP 4 splits them 2, 2, 1, 1), a latent narrower than the heads' K/V, 8 routed
+# experts in 4 groups (2 chosen), one dense layer first.
+DEEPSEEK = dict(hidden_size=48, num_attention_heads=6, num_key_value_heads=6, intermediate_size=96,
+                moe_intermediate_size=32, n_routed_experts=8, num_experts_per_tok=2, n_group=4, topk_group=2,
+                first_k_dense_replace=1, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=12, v_head_dim=10)
 
 TINY_CONFIGS = {
     "llama": lambda **kw: LlamaConfig(intermediate_size=96, **COMMON | kw),
@@ -31,6 +46,19 @@ TINY_CONFIGS = {
                                               **COMMON | kw),
     "qwen2_moe": lambda **kw: Qwen2MoeConfig(intermediate_size=96, shared_expert_intermediate_size=48, **MOE,
                                               **COMMON | kw),
+    "mixtral": lambda **kw: MixtralConfig(intermediate_size=48, num_local_experts=4, num_experts_per_tok=2,
+                                          **COMMON | kw),
+    # V2-Lite's shape: no q low-rank path; V2's group-limited greedy gate, two shared experts.
+    "deepseek_v2": lambda **kw: DeepseekV2Config(q_lora_rank=None, topk_method="group_limited_greedy",
+                                                 n_shared_experts=2, routed_scaling_factor=1.5,
+                                                 **COMMON | DEEPSEEK | kw),
+    # V3: q through a low-rank path, sigmoid gate with its correction bias, YaRN rotary scaling.
+    "deepseek_v3": lambda **kw: DeepseekV3Config(q_lora_rank=24, n_shared_experts=1, routed_scaling_factor=2.5,
+                                                 rope_scaling={"rope_type": "yarn", "factor": 4.0,
+                                                               "original_max_position_embeddings": 128,
+                                                               "beta_fast": 32, "beta_slow": 1, "mscale": 1.0,
+                                                               "mscale_all_dim": 1.0},
+                                                 **COMMON | DEEPSEEK | kw),
 }
 
 
@@ -44,6 +72,9 @@ def make_tiny(kind: str, path: str, layers: int | None = None) -> torch.nn.Modul
         for name, p in model.named_parameters():
             if "norm" not in name and p.dim() > 1:
                 p.mul_(4.0)
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):  # zero as initialised: give it a say in the choice
+                b.copy_(torch.randn(b.shape, generator=torch.Generator().manual_seed(3)) * 0.3)
     model.save_pretrained(path)
     save_tiny_tokenizer(path, model.config.vocab_size)
     return model

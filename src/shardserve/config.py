@@ -7,10 +7,11 @@ handed to the constructors that need it.
 
 from __future__ import annotations
 
-import json
-import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
+
+# The model's shape lives in model_config.py; its names are kept importable from here.
+from shardserve.model_config import ModelConfig, RopeScaling, eos_token_ids  # noqa: F401
 
 if TYPE_CHECKING:
     import torch
@@ -23,118 +24,6 @@ def torch_dtype(name: str) -> torch.dtype:
     import torch
 
     return getattr(torch, name)
-
-
-def eos_token_ids(value: Any) -> tuple[int, ...]:
-    """An `eos_token_id` field (config.json's or generation_config.json's: one id, a list of
-    them, or absent) as a tuple of ids."""
-    return tuple(value) if isinstance(value, list) else (() if value is None else (int(value),))
-
-
-@dataclass(frozen=True)
-class RopeScaling:
-    """llama3-style frequency scaling; `None` on ModelConfig means plain RoPE."""
-
-    factor: float
-    low_freq_factor: float
-    high_freq_factor: float
-    original_max_position_embeddings: int
-
-
-@dataclass(frozen=True)
-class ModelConfig:
-    """The architecture-level facts the engine needs, normalised from config.json or GGUF."""
-
-    architecture: str
-    vocab_size: int
-    hidden_size: int
-    intermediate_size: int
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    rms_norm_eps: float
-    rope_theta: float
-    max_position_embeddings: int
-    tie_word_embeddings: bool
-    attention_bias: bool = False
-    rope_scaling: RopeScaling | None = None
-    eos_token_ids: tuple[int, ...] = ()
-    bos_token_id: int | None = None
-    # Mixture of experts (0 experts means a dense model).
-    num_experts: int = 0
-    num_experts_per_tok: int = 0
-    moe_intermediate_size: int = 0
-    shared_expert_intermediate_size: int = 0
-    norm_topk_prob: bool = False
-    decoder_sparse_step: int = 1
-    mlp_only_layers: tuple[int, ...] = ()
-    torch_dtype: str = "float32"
-
-    @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> ModelConfig:
-        """Build from a Hugging Face config.json dictionary (v4 or v5 key spellings)."""
-        archs = d.get("architectures") or []
-        if not archs:
-            raise ValueError("config.json has no 'architectures' entry")
-        heads = int(d["num_attention_heads"])
-        hidden = int(d["hidden_size"])
-        rope = d.get("rope_parameters") or d.get("rope_scaling") or {}
-        theta = d.get("rope_theta", rope.get("rope_theta", 10000.0))
-        model_type = d.get("model_type", "")
-        return cls(
-            architecture=archs[0],
-            vocab_size=int(d["vocab_size"]),
-            hidden_size=hidden,
-            intermediate_size=int(d.get("intermediate_size", 0)),
-            num_layers=int(d["num_hidden_layers"]),
-            num_heads=heads,
-            num_kv_heads=int(d.get("num_key_value_heads") or heads),
-            head_dim=int(d.get("head_dim") or hidden // heads),
-            rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
-            rope_theta=float(theta),
-            max_position_embeddings=int(d.get("max_position_embeddings", 2048)),
-            tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
-            attention_bias=bool(d.get("attention_bias", model_type.startswith("qwen2"))),
-            rope_scaling=_rope_scaling(rope, d),
-            eos_token_ids=eos_token_ids(d.get("eos_token_id")),
-            bos_token_id=d.get("bos_token_id"),
-            num_experts=int(d.get("num_experts") or d.get("num_local_experts") or 0),
-            num_experts_per_tok=int(d.get("num_experts_per_tok") or 0),
-            moe_intermediate_size=int(d.get("moe_intermediate_size") or 0),
-            shared_expert_intermediate_size=int(d.get("shared_expert_intermediate_size") or 0),
-            norm_topk_prob=bool(d.get("norm_topk_prob", False)),
-            decoder_sparse_step=int(d.get("decoder_sparse_step") or 1),
-            mlp_only_layers=tuple(d.get("mlp_only_layers") or ()),
-            torch_dtype=str(d.get("torch_dtype") or d.get("dtype") or "float32"),
-        )
-
-    @classmethod
-    def from_dir(cls, path: str) -> ModelConfig:
-        with open(os.path.join(path, "config.json")) as f:
-            return cls.from_dict(json.load(f))
-
-    def is_moe_layer(self, layer: int) -> bool:
-        """Qwen-MoE rule: sparse every `decoder_sparse_step` layers unless listed as MLP-only."""
-        if self.num_experts == 0 or layer in self.mlp_only_layers:
-            return False
-        return (layer + 1) % self.decoder_sparse_step == 0
-
-
-def _rope_scaling(rope: dict[str, Any], d: dict[str, Any]) -> RopeScaling | None:
-    kind = rope.get("rope_type") or rope.get("type")
-    if kind in (None, "default"):
-        return None
-    if kind != "llama3":
-        raise ValueError(f"unsupported rope scaling type {kind!r} (supported: default, llama3)")
-    return RopeScaling(
-        factor=float(rope["factor"]),
-        low_freq_factor=float(rope["low_freq_factor"]),
-        high_freq_factor=float(rope["high_freq_factor"]),
-        original_max_position_embeddings=int(
-            rope.get("original_max_position_embeddings", d.get("max_position_embeddings", 8192))
-        ),
-    )
 
 
 # Decode attention: "cpu" = the C kernel reading pages in place (CPU, float32), "torch" = page

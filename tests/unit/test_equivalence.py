@@ -11,7 +11,7 @@ from shardserve.config import EngineConfig
 from shardserve.core import SamplingParams
 from shardserve.scheduler.engine_core import EngineCore
 
-ARCHS = ["llama", "llama_tied", "qwen2", "qwen3", "qwen3_moe", "qwen2_moe"]
+ARCHS = ["llama", "llama_tied", "qwen2", "qwen3", "qwen3_moe", "qwen2_moe", "mixtral", "deepseek_v2", "deepseek_v3"]
 NEW_TOKENS = 32
 
 
@@ -57,20 +57,20 @@ def test_matches_transformers(tiny_model, arch):
     check(tiny_model, arch)
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "deepseek_v3"])
 def test_torch_attention_backend(tiny_model, arch):
     """The gather + SDPA decode path (the one CUDA and half precision use) on the CPU too."""
     core = check(tiny_model, arch, attention_backend="torch")
     assert not core.runner.paged_decode
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen3_moe"])
+@pytest.mark.parametrize("arch", ["llama", "qwen3_moe", "deepseek_v2"])
 def test_chunked_prefill(tiny_model, arch):
     core = check(tiny_model, arch, max_num_batched_tokens=7)
     assert core.allocator.num_used == 0 or core.cfg.enable_prefix_cache
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2_moe"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2_moe", "deepseek_v3"])
 def test_preemption_with_tiny_pool(tiny_model, arch):
     # 4 requests of up to 72 tokens, 4-token pages: 18 pages fit one request, not all four.
     core = check(tiny_model, arch, page_size=4, num_pages=24)

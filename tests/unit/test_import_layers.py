@@ -39,6 +39,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("ipc",),
     ("core", "http_common"),  # they import only the modules below
     ("config", "platform", "native", "text", "structured_outputs", "chat_messages", "openai_errors", "logs"),
+    ("model_config",),  # the model's shape: config re-exports it
 ]
 RANK = {name: i for i, names in enumerate(LAYERS) for name in names}
 

@@ -69,16 +69,18 @@ class ContextAttention:
         if meta.write_rows is not None:
             k, v = k.index_select(0, meta.write_rows), v.index_select(0, meta.write_rows)
         k_cache.index_copy_(0, meta.slot_mapping, k)
-        v_cache.index_copy_(0, meta.slot_mapping, v)
+        if v_cache is not k_cache:  # latent attention passes one cache as both
+            v_cache.index_copy_(0, meta.slot_mapping, v)
         out = torch.empty_like(q)
         b = meta.num_decode
         if b:
             part, lse = self._decode_part(q[:b], k_cache, v_cache, meta)
             out[:b] = merge_across(meta.comm, part, lse)
         for c in meta.chunks:
-            o, _ = ring_attention(meta.comm, q[c.start : c.start + c.q_len], _gather(k_cache, c.kv_slots),
-                                  _gather(v_cache, c.kv_slots), c.q_pos, c.k_pos, self.scale, self.kv_index,
-                                  c.lengths)
+            keys = _gather(k_cache, c.kv_slots)
+            values = keys if v_cache is k_cache else _gather(v_cache, c.kv_slots)  # `is`: ships once
+            o, _ = ring_attention(meta.comm, q[c.start : c.start + c.q_len], keys, values, c.q_pos, c.k_pos,
+                                  self.scale, self.kv_index, c.lengths)
             out[c.start : c.start + c.q_len] = o
         return out
 

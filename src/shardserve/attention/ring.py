@@ -15,7 +15,8 @@ not divide by 2N, or a rank's share of older context), so the lengths are exchan
 
 Bytes each rank sends per call: at hop h it forwards the block it holds (its own, then its
 predecessors'), so every block but its successor's: (N-1) x its own block when the blocks are
-equal (K and V, plus 8 bytes of position per token), counted on the context communicator.
+equal (K and V, or only K where the values are the keys as under latent attention, plus 8 bytes
+of position per token), counted on the context communicator.
 
 **Decode** (`merge_across`): a request's KV stays spread over the ranks' pools, so each rank
 attends the new tokens' queries to its own part and one all-gather of the partial outputs and
@@ -108,7 +109,8 @@ def ring_attention(comm: Communicator, q: torch.Tensor, k: torch.Tensor, v: torc
     n = comm.size
     if lengths is None:
         lengths = comm.all_gather(torch.tensor([k.shape[0]], dtype=torch.int64, device=k.device), dim=0).tolist()
-    kv = torch.stack([k, v], dim=1).contiguous()  # [S, 2, Hkv, d]: one send per hop
+    # [S, 2, Hkv, d]: one send per hop; values that are the keys (latent attention) travel once.
+    kv = (k.unsqueeze(1) if v is k else torch.stack([k, v], dim=1)).contiguous()
     pos = k_pos.to(torch.int64).contiguous()
     out = lse = None
     for hop in range(n):
@@ -118,7 +120,7 @@ def ring_attention(comm: Communicator, q: torch.Tensor, k: torch.Tensor, v: torc
             nxt_kv = kv.new_empty((lengths[src], *kv.shape[1:]))
             nxt_pos = pos.new_empty(lengths[src])
             pending = comm.ring_exchange([kv, pos], [nxt_kv, nxt_pos])
-        part = attend(q, kv[:, 0], kv[:, 1], q_pos, pos, scale, kv_of_q)
+        part = attend(q, kv[:, 0], kv[:, -1], q_pos, pos, scale, kv_of_q)
         out, lse = part if out is None else merge(out, lse, *part)
         if pending:
             comm.wait_all(pending, "ring attention")

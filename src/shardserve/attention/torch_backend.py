@@ -41,9 +41,11 @@ class TorchAttention:
         return k, v, self.hkv != self.h
 
     def forward(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata) -> torch.Tensor:
-        """q: [T, H, d]; k, v: [T, Hkv, d]; caches: [slots, Hkv, d]. Returns [T, H, d]."""
+        """q: [T, H, d]; k, v: [T, Hkv, d]; caches: [slots, Hkv, d]. Returns [T, H, d]. One cache
+        passed as both (latent attention: the values are the keys) is written and read once."""
         k_cache.index_copy_(0, meta.slot_mapping, k)
-        v_cache.index_copy_(0, meta.slot_mapping, v)
+        if v_cache is not k_cache:
+            v_cache.index_copy_(0, meta.slot_mapping, v)
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         if meta.paged is not None:
             p = meta.paged
@@ -51,7 +53,7 @@ class TorchAttention:
                                     self.kv_index, meta.page_size, self.scale, out=out[: meta.num_decode])
         for g in meta.decode_groups:
             kk = _gather(k_cache, g.slots).transpose(1, 2)  # [g, Hkv, L, d]
-            vv = _gather(v_cache, g.slots).transpose(1, 2)
+            vv = kk if v_cache is k_cache else _gather(v_cache, g.slots).transpose(1, 2)
             kk, vv, gqa = self._expand(kk, vv)
             o = F.scaled_dot_product_attention(
                 q.index_select(0, g.rows).unsqueeze(2), kk, vv, attn_mask=g.mask, scale=self.scale, enable_gqa=gqa
@@ -67,7 +69,8 @@ class TorchAttention:
                 kk = k[c.start : c.start + c.q_len].transpose(0, 1)
                 vv = v[c.start : c.start + c.q_len].transpose(0, 1)
             else:
-                kk, vv = _gather(k_cache, c.kv_slots).transpose(0, 1), _gather(v_cache, c.kv_slots).transpose(0, 1)
+                kk = _gather(k_cache, c.kv_slots).transpose(0, 1)
+                vv = kk if v_cache is k_cache else _gather(v_cache, c.kv_slots).transpose(0, 1)
             kk, vv, gqa = self._expand(kk, vv)
             # 4-D inputs: on the CPU, 3-D ones take SDPA's slower math path, 4-D its flash kernel.
             o = F.scaled_dot_product_attention(

@@ -80,7 +80,7 @@ def bytes_per_token(model: str | None) -> int:
     from shardserve.loader.weights import read_model_config
 
     mc = read_model_config(resolve_checkpoint(model))
-    return mc.num_layers * 2 * mc.num_kv_heads * mc.head_dim * torch.empty((), dtype=torch.float32).element_size()
+    return mc.kv_values_per_token(mc.num_kv_heads, mc.num_layers) * torch.empty((), dtype=torch.float32).element_size()
 
 
 def colocated(args: argparse.Namespace, common: list[str], reqs) -> dict:

@@ -22,7 +22,7 @@ from shardserve.distributed.expert_placement import PlacementPlan, load_counts
 from shardserve.distributed.groups import ParallelGroups, single_process_groups
 from shardserve.distributed.pipeline import Stage
 from shardserve.kvcache.budget import kv_budget_message
-from shardserve.kvcache.pool import KVPool, page_bytes
+from shardserve.kvcache.pool import KVPool
 from shardserve.layers import quant_kernel
 from shardserve.layers.attention import ForwardContext
 from shardserve.layers.moe import SparseMoE
@@ -83,7 +83,7 @@ class ModelRunner:
         self.num_pages = int(self.control.all_reduce(torch.tensor([pages]), op="min")[0])
         st = self.stage
         self.pool = KVPool(st.end - st.start, self.num_pages, cfg.page_size, shard.num_kv,
-                           model_cfg.head_dim, self.dtype, self.device)
+                           model_cfg.kv_widths, self.dtype, self.device)
         # Indexed by global layer number; other stages' layers have no cache here.
         self.kv_views = [None] * st.start + self.pool.layer_views() + [None] * (model_cfg.num_layers - st.end)
         self.paged_decode = self._pick_attention(cfg.attention_backend)
@@ -182,8 +182,8 @@ class ModelRunner:
         budget = self.cfg.kv_cache_memory
         if budget <= 1:
             budget *= available_memory(self.device)
-        per_page = page_bytes(self.stage.end - self.stage.start, self.cfg.page_size, num_kv_heads,
-                              self.model_cfg.head_dim, self.dtype)
+        per_token = self.model_cfg.kv_values_per_token(num_kv_heads, self.stage.end - self.stage.start)
+        per_page = self.cfg.page_size * per_token * torch.empty((), dtype=self.dtype).element_size()
         pages = int(budget // per_page)
         if pages < 1:
             raise ValueError(kv_budget_message(self.cfg.kv_cache_memory, budget, per_page, self.cfg.page_size))

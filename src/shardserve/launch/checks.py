@@ -133,10 +133,10 @@ def check_dense(model: str | None, ep: int) -> None:
 
 def check_context(cfg: EngineConfig, model_cfg: ModelConfig) -> None:
     """A --max-model-len beyond the model's positions is refused, not clamped in silence."""
-    limit = model_cfg.max_position_embeddings
+    limit, field = model_cfg.context_limit
     if cfg.max_model_len is not None and cfg.max_model_len > limit:
         raise LayoutError(f"--max-model-len {cfg.max_model_len} exceeds the model's context limit of {limit} tokens "
-                          f"(max_position_embeddings): give at most {limit}, or leave it out")
+                          f"({field}): give at most {limit}, or leave it out")
 
 
 def kv_page_bytes(cfg: EngineConfig, layout: Layout, model_cfg: ModelConfig) -> int:
@@ -148,7 +148,7 @@ def kv_page_bytes(cfg: EngineConfig, layout: Layout, model_cfg: ModelConfig) -> 
         layers = math.ceil(model_cfg.num_layers / layout.pp)  # the even split puts the remainder first
     heads = max(head_shard(model_cfg.num_heads, model_cfg.num_kv_heads, layout.tp, r).num_kv
                 for r in range(layout.tp))
-    return 2 * layers * cfg.page_size * heads * model_cfg.head_dim * DTYPE_BYTES[cfg.dtype]
+    return cfg.page_size * model_cfg.kv_values_per_token(heads, layers) * DTYPE_BYTES[cfg.dtype]
 
 
 def check_kv_budget(cfg: EngineConfig, layout: Layout, model_cfg: ModelConfig) -> None:

@@ -78,7 +78,8 @@ def check_draft_fits(cfg: EngineConfig, target: Checkpoint, draft: Checkpoint, t
             avail = next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
     except (OSError, StopIteration):
         return
-    per_token = {m: 2 * c.num_layers * c.num_kv_heads * c.head_dim for m, c in (("t", target_cfg), ("d", draft_cfg))}
+    per_token = {m: c.kv_values_per_token(c.num_kv_heads, c.num_layers)
+                 for m, c in (("t", target_cfg), ("d", draft_cfg))}
     kv = cfg.kv_cache_memory if cfg.kv_cache_memory > 1 else cfg.kv_cache_memory * avail
     if cfg.num_pages is not None:
         kv = cfg.num_pages * cfg.page_size * per_token["t"] * DTYPE_BYTES[cfg.dtype]

@@ -1,4 +1,4 @@
-"""Mixture-of-experts block (Qwen3-MoE, Qwen2-MoE).
+"""Mixture-of-experts block (Qwen3-MoE, Qwen2-MoE, Mixtral, DeepSeekMoE; the gate: layers/moe_gate.py).
 
 Under tensor parallelism experts are split whole: each rank owns a contiguous range of experts,
 sees every token, computes only its experts, and one all-reduce sums the routed partials and
@@ -40,6 +40,7 @@ from shardserve.layers.linear import (
     packable,
 )
 from shardserve.layers.mlp import GatedMLP
+from shardserve.layers.moe_gate import MoEGate
 from shardserve.layers.sharding import split_range
 from shardserve.loader.quantized import QuantWeight
 
@@ -48,13 +49,14 @@ EXPERT_PIECES = {"gate_proj": ("w13", 0), "up_proj": ("w13", 1), "down_proj": ("
 
 
 class SparseMoE(nn.Module):
-    """Top-k routed experts; optional shared expert with a sigmoid gate (Qwen2-MoE)."""
+    """Top-k routed experts; an optional shared expert, with a sigmoid gate (Qwen2-MoE) or
+    without (DeepSeek's `shared_experts`, several fused into one MLP as its checkpoints store them)."""
 
     def __init__(self, cfg: ModelConfig, comm: Communicator, dtype, device, expert: Communicator | None = None,
                  placement: Placement | None = None):
         """`placement`: where experts live over `expert`'s ranks (expert parallelism only)."""
         super().__init__()
-        self.comm, self.top_k, self.norm_topk = comm, cfg.num_experts_per_tok, cfg.norm_topk_prob
+        self.comm = comm
         self.num_experts = cfg.num_experts
         ep = expert is not None and expert.size > 1
         if placement is not None and not ep:
@@ -69,7 +71,7 @@ class SparseMoE(nn.Module):
             self._slots_of.setdefault(e, []).append(i)
         n_local, h, inter = len(self.slots), cfg.hidden_size, cfg.moe_intermediate_size
         held = sorted(self._slots_of)
-        self.gate = ReplicatedLinear(h, cfg.num_experts, False, dtype, device)
+        self.gate = MoEGate(h, cfg.num_experts, cfg.num_experts_per_tok, cfg.router, dtype, device)
         self.w13 = make_param((n_local, 2 * inter, h), dtype, device, self._load,
                               [(e, p) for e in held for p in ("gate_proj", "up_proj")])
         self.w2 = make_param((n_local, h, inter), dtype, device, self._load, [(e, "down_proj") for e in held])
@@ -80,7 +82,8 @@ class SparseMoE(nn.Module):
         self.shared_expert = self.shared_expert_gate = None
         if cfg.shared_expert_intermediate_size:
             self.shared_expert = GatedMLP(h, cfg.shared_expert_intermediate_size, comm, dtype, device, reduce=False)
-            self.shared_expert_gate = ReplicatedLinear(h, 1, False, dtype, device)
+            if cfg.shared_expert_gated:
+                self.shared_expert_gate = ReplicatedLinear(h, 1, False, dtype, device)
         # Plain attributes, not buffers: counters are no checkpoint tensors.
         self.routed = torch.zeros(cfg.num_experts, dtype=torch.int64, device=device)
         self.computed = 0
@@ -139,14 +142,6 @@ class SparseMoE(nn.Module):
         gate, up = F.linear(x, self.w13[i]).chunk(2, dim=-1)
         return F.linear(F.silu(gate) * up, self.w2[i])
 
-    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(weights, experts) of each token's top-k, both [n, k]."""
-        probs = F.softmax(self.gate(x), dim=-1, dtype=torch.float32)
-        weights, experts = probs.topk(self.top_k, dim=-1)
-        if self.norm_topk:
-            weights = weights / weights.sum(-1, keepdim=True)
-        return weights.to(x.dtype), experts
-
     def local_experts(self, x: torch.Tensor, local: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """Per row, the weighted sum of this rank's slots among `local` (indices into this
         rank's slots; -1 or out of range: elsewhere)."""
@@ -161,16 +156,18 @@ class SparseMoE(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.dispatch is None:
-            weights, experts = self.route(x)
+            weights, experts = self.gate.route(x)
             out = self.local_experts(x, experts - self.e0, weights)
         else:
             out = torch.zeros_like(x)
             # Every tensor rank routes every token (the gate is a small matmul), so each holds its
             # replica's full routing counts, then dispatches only its contiguous share.
-            weights, experts = self.route(x)
+            weights, experts = self.gate.route(x)
             a, b = split_range(x.shape[0], self.comm.size, self.comm.rank)
             out[a:b] = self.dispatch(x[a:b], weights[a:b], experts[a:b], self.local_experts)
         self.routed += torch.bincount(experts.flatten(), minlength=self.num_experts)
-        if self.shared_expert is not None:
+        if self.shared_expert_gate is not None:
             out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        elif self.shared_expert is not None:
+            out = out + self.shared_expert(x)
         return self.comm.all_reduce(out)

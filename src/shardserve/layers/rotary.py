@@ -1,4 +1,4 @@
-"""Rotary position embedding (the rotate-half layout of Hugging Face), with llama3 scaling."""
+"""Rotary position embedding (the rotate-half layout of Hugging Face), with llama3 or YaRN scaling."""
 
 from __future__ import annotations
 
@@ -15,6 +15,8 @@ def inverse_frequencies(head_dim: int, theta: float, scaling: RopeScaling | None
     inv = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
     if scaling is None:
         return inv
+    if scaling.kind == "yarn":
+        return _yarn(inv, head_dim, theta, scaling)
     low_wavelen = scaling.original_max_position_embeddings / scaling.low_freq_factor
     high_wavelen = scaling.original_max_position_embeddings / scaling.high_freq_factor
     wavelen = 2 * math.pi / inv
@@ -27,6 +29,21 @@ def inverse_frequencies(head_dim: int, theta: float, scaling: RopeScaling | None
     return torch.where(medium, smoothed, scaled)
 
 
+def _yarn(inv: torch.Tensor, dim: int, theta: float, s: RopeScaling) -> torch.Tensor:
+    """YaRN: frequencies above the `beta_fast` rotation count kept, below `beta_slow` divided by
+    the factor, a linear ramp between (as transformers computes it)."""
+    def correction_dim(rotations: float) -> float:
+        return dim * math.log(s.original_max_position_embeddings / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+    low, high = correction_dim(s.beta_fast), correction_dim(s.beta_slow)
+    if s.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / ((high - low) or 0.001)).clamp(0, 1)
+    extrapolated = 1 - ramp
+    return inv / s.factor * (1 - extrapolated) + inv * extrapolated
+
+
 class RotaryEmbedding(nn.Module):
     """Precomputed cos/sin for every position; applied to q and k shaped [tokens, heads, dim]."""
 
@@ -35,8 +52,9 @@ class RotaryEmbedding(nn.Module):
         super().__init__()
         inv = inverse_frequencies(head_dim, theta, scaling)
         freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv)
-        self.register_buffer("cos", freqs.cos().to(device), persistent=False)
-        self.register_buffer("sin", freqs.sin().to(device), persistent=False)
+        scale = scaling.cos_sin_scale if scaling is not None else 1.0
+        self.register_buffer("cos", (freqs.cos() * scale).to(device), persistent=False)
+        self.register_buffer("sin", (freqs.sin() * scale).to(device), persistent=False)
 
     def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """[tokens, 1, dim/2] tables for this step's positions, looked up once for all layers."""

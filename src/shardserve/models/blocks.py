@@ -57,6 +57,9 @@ class CausalLM(nn.Module):
     their checkpoint layer numbers), and the final norm and LM head on the last stage."""
 
     qk_norm = False
+    fused = FUSED  # the checkpoint pieces this architecture fuses (see FUSED)
+    # Checkpoint name pieces spelled otherwise than ours: (theirs, ours), replaced in order.
+    renames: tuple[tuple[str, str], ...] = ()
 
     def __init__(self, cfg: ModelConfig, comm: Communicator, dtype: torch.dtype, device: torch.device,
                  stage: Stage | None = None, expert: Communicator | None = None,
@@ -73,7 +76,7 @@ class CausalLM(nn.Module):
                                       cfg.rope_scaling, device)
         self.layers = nn.ModuleList(
             DecoderLayer(
-                SelfAttention(cfg, i, comm, dtype, device, qk_norm=self.qk_norm),
+                self.make_attention(cfg, i, comm, dtype, device),
                 self.make_mlp(cfg, i, comm, dtype, device),
                 cfg, dtype, device,
             ) if stage.owns(i) else nn.Identity()
@@ -86,6 +89,9 @@ class CausalLM(nn.Module):
             # A tied head on a stage without the embedding loads the embedding matrix itself.
             tied = self.embed_tokens if cfg.tie_word_embeddings else None
             self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, comm, dtype, device, tied_to=tied)
+
+    def make_attention(self, cfg: ModelConfig, layer: int, comm: Communicator, dtype, device) -> nn.Module:
+        return SelfAttention(cfg, layer, comm, dtype, device, qk_norm=self.qk_norm)
 
     def make_mlp(self, cfg: ModelConfig, layer: int, comm: Communicator, dtype, device) -> nn.Module:
         return GatedMLP(cfg.hidden_size, cfg.intermediate_size, comm, dtype, device)
@@ -121,6 +127,8 @@ class CausalLM(nn.Module):
         if self.cfg.tie_word_embeddings and name == "lm_head.weight":
             return None  # some tied checkpoints still store it; the embedding is the source
         name = name.removeprefix("model.")
+        for theirs, ours in self.renames:
+            name = name.replace(theirs, ours)
         if not self._on_this_stage(name):
             if name == "embed_tokens.weight" and self.cfg.tie_word_embeddings and self.stage.last:
                 return "lm_head.weight", None
@@ -133,8 +141,8 @@ class CausalLM(nn.Module):
             return f"{m.group(1)}.{stacked}", (int(m.group(2)), m.group(3))
         parts = name.split(".")
         for i, p in enumerate(parts):
-            if p in FUSED:
-                fused, shard = FUSED[p]
+            if p in self.fused:
+                fused, shard = self.fused[p]
                 return ".".join(parts[:i] + [fused] + parts[i + 1 :]), shard
         return name, None
 

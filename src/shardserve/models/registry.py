@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 from shardserve.models.blocks import CausalLM
+from shardserve.models.deepseek import DeepseekV2ForCausalLM
 from shardserve.models.llama import LlamaForCausalLM
+from shardserve.models.mixtral import MixtralForCausalLM
 from shardserve.models.qwen2 import Qwen2ForCausalLM
 from shardserve.models.qwen2_moe import Qwen2MoeForCausalLM
 from shardserve.models.qwen3 import Qwen3ForCausalLM
@@ -12,6 +14,9 @@ from shardserve.models.qwen3_moe import Qwen3MoeForCausalLM
 MODELS: dict[str, type[CausalLM]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
     "MistralForCausalLM": LlamaForCausalLM,
+    "MixtralForCausalLM": MixtralForCausalLM,
+    "DeepseekV2ForCausalLM": DeepseekV2ForCausalLM,
+    "DeepseekV3ForCausalLM": DeepseekV2ForCausalLM,
     "Qwen2ForCausalLM": Qwen2ForCausalLM,
     "Qwen3ForCausalLM": Qwen3ForCausalLM,
     "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,

@@ -76,7 +76,7 @@ class EngineCore:
         self.micro_batches = self.worker.micro_batches
         self.runner = self.worker.runner
         self.control = self.runner.control
-        limit = self.model_cfg.max_position_embeddings
+        limit, _ = self.model_cfg.context_limit
         self.max_model_len = min(cfg.max_model_len or limit, limit)
         # Context parallelism: one pool per context rank, each request's pages spread over them.
         cp = groups.context.size

@@ -34,7 +34,7 @@ BEAT_S = 1.0
 
 def model_shape(engine: EngineCore) -> ModelShape:
     mc = engine.model_cfg
-    return ModelShape(mc.num_layers, mc.num_kv_heads, mc.head_dim, engine.cfg.dtype, mc.vocab_size,
+    return ModelShape(mc.num_layers, mc.num_kv_heads, mc.kv_widths[0], engine.cfg.dtype, mc.vocab_size,
                       engine.runner.device.type)
 
 

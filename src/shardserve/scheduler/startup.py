@@ -41,8 +41,9 @@ def startup_summary(engine: EngineCore) -> str:
     rank (4096 bytes a page); context length 512 tokens (the model's limit)'."""
     r, cfg, groups = engine.runner, engine.cfg, engine.runner.groups
     kv_bytes = r.pool.k.nbytes + r.pool.v.nbytes
-    limit = engine.model_cfg.max_position_embeddings
-    context = "the model's limit" if engine.max_model_len == limit else f"--max-model-len; the model's is {limit}"
+    limit, field = engine.model_cfg.context_limit
+    why = "" if field == "max_position_embeddings" else f": {field}"
+    context = f"the model's limit{why}" if engine.max_model_len == limit else f"--max-model-len; the model's is {limit}"
     pages = engine.allocator.num_pages
     spread = f" over {groups.context.size} context ranks" if groups.context.size > 1 else ""
     weights = weights_text(r.quantization, cfg.dtype, engine.ckpt.is_gguf)

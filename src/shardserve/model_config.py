@@ -1,0 +1,272 @@
+"""The model's shape, normalised from config.json (or a GGUF's metadata) into one frozen object.
+
+Every architecture's reading of config.json is here, and so is every refusal of an option the
+engine does not implement: named by its field and value, at start, never a silent wrong answer.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+ROPE_TYPES = ("default", "llama3", "yarn")
+
+
+def eos_token_ids(value: Any) -> tuple[int, ...]:
+    """An `eos_token_id` field (config.json's or generation_config.json's: one id, a list of
+    them, or absent) as a tuple of ids."""
+    return tuple(value) if isinstance(value, list) else (() if value is None else (int(value),))
+
+
+def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
+@dataclass(frozen=True)
+class RopeScaling:
+    """Frequency scaling of RoPE: `llama3` (low/high frequency factors) or `yarn` (the beta
+    ramp, and mscale as DeepSeek's checkpoints set it). `None` on ModelConfig means plain RoPE."""
+
+    kind: str
+    factor: float
+    original_max_position_embeddings: int
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    mscale: float = 0.0
+    mscale_all_dim: float = 0.0
+    attention_factor: float | None = None
+    truncate: bool = True
+
+    @property
+    def cos_sin_scale(self) -> float:
+        """yarn's factor on cos and sin (its "attention factor"); 1 for llama3."""
+        if self.kind != "yarn":
+            return 1.0
+        if self.attention_factor is not None:
+            return self.attention_factor
+        if self.mscale and self.mscale_all_dim:
+            return yarn_mscale(self.factor, self.mscale) / yarn_mscale(self.factor, self.mscale_all_dim)
+        return yarn_mscale(self.factor)
+
+    @property
+    def softmax_scale_factor(self) -> float:
+        """DeepSeek's extra factor on the attention scale: mscale(factor, mscale_all_dim) squared."""
+        return yarn_mscale(self.factor, self.mscale_all_dim) ** 2 if self.mscale_all_dim else 1.0
+
+
+@dataclass(frozen=True)
+class LatentAttentionConfig:
+    """Multi-head latent attention (DeepSeek-V2/V3): q through a `q_lora_rank` bottleneck (None:
+    one plain projection), K and V decompressed from a `kv_lora_rank` latent, and a decoupled
+    `qk_rope_head_dim` rotary part shared by every head."""
+
+    q_lora_rank: int | None
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+    rope_interleave: bool  # the rotary pairs are (x0, x1), (x2, x3) .. as DeepSeek lays them out
+
+
+@dataclass(frozen=True)
+class RouterConfig:
+    """How an MoE gate picks each token's experts. `scoring`: softmax or sigmoid over the logits;
+    `groups`: "none", "max" (DeepSeek-V2's group-limited greedy: the `topk_group` groups of the
+    highest score) or "top2" (V3: groups ranked by their two best biased scores); `renormalize`:
+    the chosen weights divided by their sum; `scaling`: a factor on them after."""
+
+    scoring: str = "softmax"
+    groups: str = "none"
+    n_group: int = 1
+    topk_group: int = 1
+    renormalize: bool = False
+    scaling: float = 1.0
+    correction_bias: bool = False  # V3's e_score_correction_bias, added for choosing only
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """The architecture-level facts the engine needs."""
+
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int  # 1 under latent attention: the latent is one cache "head" every query reads
+    head_dim: int  # the rotary dimension under latent attention
+    rms_norm_eps: float
+    rope_theta: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    attention_bias: bool = False
+    rope_scaling: RopeScaling | None = None
+    eos_token_ids: tuple[int, ...] = ()
+    bos_token_id: int | None = None
+    # Mixture of experts (0 experts means a dense model).
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    shared_expert_intermediate_size: int = 0
+    shared_expert_gated: bool = True  # Qwen2-MoE's sigmoid gate on it; DeepSeek's is plain
+    router: RouterConfig = field(default_factory=RouterConfig)
+    decoder_sparse_step: int = 1
+    mlp_only_layers: tuple[int, ...] = ()
+    mla: LatentAttentionConfig | None = None
+    sliding_window: int | None = None  # not implemented: the context is bounded by it instead
+    torch_dtype: str = "float32"
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> ModelConfig:
+        """Build from a Hugging Face config.json dictionary (v4 or v5 key spellings)."""
+        archs = d.get("architectures") or []
+        if not archs:
+            raise ValueError("config.json has no 'architectures' entry")
+        _refuse_unimplemented(d)
+        heads = int(d["num_attention_heads"])
+        hidden = int(d["hidden_size"])
+        rope = d.get("rope_parameters") or d.get("rope_scaling") or {}
+        theta = d.get("rope_theta", rope.get("rope_theta", 10000.0))
+        model_type = d.get("model_type", "")
+        fields: dict[str, Any] = dict(
+            architecture=archs[0],
+            vocab_size=int(d["vocab_size"]),
+            hidden_size=hidden,
+            intermediate_size=int(d.get("intermediate_size", 0)),
+            num_layers=int(d["num_hidden_layers"]),
+            num_heads=heads,
+            num_kv_heads=int(d.get("num_key_value_heads") or heads),
+            head_dim=int(d.get("head_dim") or hidden // heads),
+            rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
+            rope_theta=float(theta),
+            max_position_embeddings=int(d.get("max_position_embeddings", 2048)),
+            tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
+            attention_bias=bool(d.get("attention_bias", model_type.startswith("qwen2"))),
+            rope_scaling=_rope_scaling(rope, d),
+            eos_token_ids=eos_token_ids(d.get("eos_token_id")),
+            bos_token_id=d.get("bos_token_id"),
+            num_experts=int(d.get("num_experts") or d.get("num_local_experts") or 0),
+            num_experts_per_tok=int(d.get("num_experts_per_tok") or 0),
+            moe_intermediate_size=int(d.get("moe_intermediate_size") or 0),
+            shared_expert_intermediate_size=int(d.get("shared_expert_intermediate_size") or 0),
+            router=RouterConfig(renormalize=bool(d.get("norm_topk_prob", False))),
+            decoder_sparse_step=int(d.get("decoder_sparse_step") or 1),
+            mlp_only_layers=tuple(d.get("mlp_only_layers") or ()),
+            sliding_window=_sliding_window(d),
+            torch_dtype=str(d.get("torch_dtype") or d.get("dtype") or "float32"),
+        )
+        if model_type == "mixtral":  # experts as wide as the dense MLP, top-k renormalised
+            fields.update(moe_intermediate_size=fields["intermediate_size"], router=RouterConfig(renormalize=True))
+        if model_type in ("deepseek_v2", "deepseek_v3"):
+            fields.update(_deepseek(d, model_type))
+        return cls(**fields)
+
+    @classmethod
+    def from_dir(cls, path: str) -> ModelConfig:
+        with open(os.path.join(path, "config.json")) as f:
+            return cls.from_dict(json.load(f))
+
+    def is_moe_layer(self, layer: int) -> bool:
+        """Qwen-MoE rule: sparse every `decoder_sparse_step` layers unless listed as MLP-only."""
+        if self.num_experts == 0 or layer in self.mlp_only_layers:
+            return False
+        return (layer + 1) % self.decoder_sparse_step == 0
+
+    @property
+    def kv_widths(self) -> tuple[int, int]:
+        """Values per token per KV head in the K and in the V cache. Latent attention caches one
+        vector per token, the latent and the rotary key side by side, in K, and nothing in V (its
+        values are the latent: read from K)."""
+        if self.mla is not None:
+            return self.mla.kv_lora_rank + self.mla.qk_rope_head_dim, 0
+        return self.head_dim, self.head_dim
+
+    @property
+    def context_limit(self) -> tuple[int, str]:
+        """The longest context served and the field that bounds it. Sliding-window attention is
+        not implemented, so a model with a window serves contexts within one window (where
+        windowed and full attention are the same arithmetic)."""
+        if self.sliding_window is not None and self.sliding_window < self.max_position_embeddings:
+            return self.sliding_window, "sliding_window: sliding-window attention is not implemented"
+        return self.max_position_embeddings, "max_position_embeddings"
+
+    def kv_values_per_token(self, num_kv_heads: int, num_layers: int) -> int:
+        """Cached values (K and V) one token costs a rank holding `num_kv_heads` over `num_layers`."""
+        return num_layers * num_kv_heads * sum(self.kv_widths)
+
+
+def _rope_scaling(rope: dict[str, Any], d: dict[str, Any]) -> RopeScaling | None:
+    kind = rope.get("rope_type") or rope.get("type")
+    if kind in (None, "default"):
+        return None
+    if kind not in ROPE_TYPES:
+        raise ValueError(f"unsupported rope scaling: rope_type {kind!r} (supported: {', '.join(ROPE_TYPES)})")
+    original = int(rope.get("original_max_position_embeddings", d.get("max_position_embeddings", 8192)))
+    if kind == "llama3":
+        return RopeScaling("llama3", float(rope["factor"]), original, low_freq_factor=float(rope["low_freq_factor"]),
+                           high_freq_factor=float(rope["high_freq_factor"]))
+    factor = rope.get("factor") or d.get("max_position_embeddings", original) / original
+    attention_factor = rope.get("attention_factor")
+    return RopeScaling("yarn", float(factor), original, beta_fast=float(rope.get("beta_fast") or 32),
+                       beta_slow=float(rope.get("beta_slow") or 1), mscale=float(rope.get("mscale") or 0),
+                       mscale_all_dim=float(rope.get("mscale_all_dim") or 0),
+                       attention_factor=None if attention_factor is None else float(attention_factor),
+                       truncate=bool(rope.get("truncate", True)))
+
+
+def _sliding_window(d: dict[str, Any]) -> int | None:
+    """Qwen2-style configs carry a window they do not use (`use_sliding_window: false`)."""
+    window = d.get("sliding_window")
+    return int(window) if window and d.get("use_sliding_window", True) else None
+
+
+# (field, the values the engine implements) for every model type; checked before anything else.
+_IMPLEMENTED: dict[str, list[tuple[str, tuple]]] = {
+    "": [("hidden_act", (None, "silu")), ("quantization_config", (None,))],
+    "deepseek_v2": [("topk_method", (None, "greedy", "group_limited_greedy")), ("scoring_func", (None, "softmax")),
+                    ("moe_layer_freq", (None, 1))],
+    "deepseek_v3": [("topk_method", (None, "noaux_tc")), ("scoring_func", (None, "sigmoid")),
+                    ("moe_layer_freq", (None, 1))],
+}
+
+
+def _refuse_unimplemented(d: dict[str, Any]) -> None:
+    for key, allowed in _IMPLEMENTED[""] + _IMPLEMENTED.get(d.get("model_type", ""), []):
+        value = d.get(key)
+        if value not in allowed:
+            shown = value.get("quant_method", value) if isinstance(value, dict) else value
+            raise ValueError(f"unsupported model option: {key} {shown!r} in config.json "
+                             f"(this engine implements {', '.join(repr(a) for a in allowed if a is not None)})"
+                             if any(a is not None for a in allowed) else
+                             f"unsupported model option: {key} {shown!r} in config.json (not implemented)")
+
+
+def _deepseek(d: dict[str, Any], model_type: str) -> dict[str, Any]:
+    """DeepSeek-V2/V3: latent attention, and DeepSeekMoE (shared experts beside fine-grained
+    routed ones, the first `first_k_dense_replace` layers dense)."""
+    experts, groups = int(d.get("n_routed_experts") or 0), int(d.get("n_group") or 1)
+    if experts and experts % groups:
+        raise ValueError(f"unsupported model option: n_group {groups} does not divide n_routed_experts {experts}")
+    v3 = model_type == "deepseek_v3"
+    if v3:
+        router = RouterConfig("sigmoid", "top2", groups, int(d.get("topk_group") or 1),
+                              bool(d.get("norm_topk_prob", True)), float(d.get("routed_scaling_factor", 1.0)), True)
+    else:  # transformers' V2 never renormalises; nor does a V2 checkpoint ask it to
+        grouped = d.get("topk_method") == "group_limited_greedy"
+        router = RouterConfig("softmax", "max" if grouped else "none", groups, int(d.get("topk_group") or 1),
+                              False, float(d.get("routed_scaling_factor", 1.0)))
+    q_lora = d.get("q_lora_rank")
+    mla = LatentAttentionConfig(int(q_lora) if q_lora else None, int(d["kv_lora_rank"]), int(d["qk_nope_head_dim"]),
+                                int(d["qk_rope_head_dim"]), int(d["v_head_dim"]),
+                                bool(d.get("rope_interleave", True)))
+    moe_inter = int(d.get("moe_intermediate_size") or 0)
+    return dict(num_kv_heads=1, head_dim=mla.qk_rope_head_dim, mla=mla, num_experts=experts,
+                shared_expert_intermediate_size=int(d.get("n_shared_experts") or 0) * moe_inter,
+                shared_expert_gated=False, router=router,
+                mlp_only_layers=tuple(range(int(d.get("first_k_dense_replace") or 0))))

@@ -1,0 +1,71 @@
+"""What config.json says, read the engine's way: DeepSeek's latent cache widths and gate rules,
+Mistral's sliding window bounding the context, and every option the engine does not implement
+refused at start naming its field and value."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, MistralConfig
+
+from shardserve.config import EngineConfig, ModelConfig
+from shardserve.core import SamplingParams
+from shardserve.distributed.layout import LayoutError
+from shardserve.launch.checks import check_context
+from shardserve.scheduler.engine_core import EngineCore
+
+
+def config_dict(tiny_model, arch: str) -> dict:
+    path, _ = tiny_model(arch)
+    with open(f"{path}/config.json") as f:
+        return json.load(f)
+
+
+def test_latent_cache_is_one_vector_per_token(tiny_model):
+    cfg = ModelConfig.from_dict(config_dict(tiny_model, "deepseek_v3"))
+    assert (cfg.num_kv_heads, cfg.kv_widths) == (1, (16 + 8, 0))  # kv_lora_rank + qk_rope_head_dim, no V
+    assert cfg.kv_values_per_token(1, cfg.num_layers) == 2 * 24
+    assert cfg.mlp_only_layers == (0,) and cfg.shared_expert_intermediate_size == 32
+    assert (cfg.router.scoring, cfg.router.groups, cfg.router.correction_bias) == ("sigmoid", "top2", True)
+    v2 = ModelConfig.from_dict(config_dict(tiny_model, "deepseek_v2"))
+    assert v2.mla.q_lora_rank is None and (v2.router.scoring, v2.router.groups) == ("softmax", "max")
+    core = EngineCore(EngineConfig(model=tiny_model("deepseek_v3")[0], num_pages=8, page_size=4, show_progress=False))
+    assert tuple(core.runner.pool.k.shape) == (2, 32, 1, 24) and core.runner.pool.v.numel() == 0
+
+
+@pytest.mark.parametrize("arch,key,value,named", [
+    ("deepseek_v3", "rope_parameters", {"rope_type": "longrope", "rope_theta": 1e4}, "rope_type 'longrope'"),
+    ("deepseek_v2", "topk_method", "noaux_tc", "topk_method 'noaux_tc'"),
+    ("deepseek_v3", "scoring_func", "softmax", "scoring_func 'softmax'"),
+    ("deepseek_v3", "moe_layer_freq", 2, "moe_layer_freq 2"),
+    ("deepseek_v3", "n_group", 3, "n_group 3 does not divide n_routed_experts 8"),
+    ("mixtral", "hidden_act", "gelu", "hidden_act 'gelu'"),
+    ("deepseek_v3", "quantization_config", {"quant_method": "fp8"}, "quantization_config 'fp8'"),
+])
+def test_unimplemented_options_are_refused_by_name(tiny_model, arch, key, value, named):
+    d = config_dict(tiny_model, arch) | {key: value}
+    with pytest.raises(ValueError, match=named):
+        ModelConfig.from_dict(d)
+
+
+def test_mistral_sliding_window_bounds_the_context(tmp_path):
+    torch.manual_seed(0)
+    cfg = MistralConfig(vocab_size=301, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512, sliding_window=32)
+    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
+    model.save_pretrained(tmp_path)
+    mc = ModelConfig.from_dir(str(tmp_path))
+    assert mc.context_limit == (32, "sliding_window: sliding-window attention is not implemented")
+    with pytest.raises(LayoutError, match=r"--max-model-len 64 exceeds .* 32 tokens \(sliding_window"):
+        check_context(EngineConfig(max_model_len=64), mc)
+    core = EngineCore(EngineConfig(model=str(tmp_path), show_progress=False))
+    assert core.max_model_len == 32
+    prompt = list(range(5, 25))  # 20 + 12 new = the window: windowed and full attention agree
+    req = core.add_request("a", prompt, SamplingParams(max_tokens=12, temperature=0))
+    while core.has_unfinished():
+        core.step()
+    with torch.no_grad():
+        ref = model.generate(torch.tensor([prompt]), max_new_tokens=12, min_new_tokens=12, do_sample=False)
+    assert req.output_token_ids == ref[0, 20:].tolist()
