@@ -100,3 +100,26 @@ def test_bench_dist_context_ring_bytes_follow_from_the_page_layout(capsys):
     assert cp2["work_max_over_mean"] < cp2["work_max_over_mean_contiguous"]
     assert [r["longest_prompt"] for r in runs] == [300, 604]  # 19 pages per rank, 4 tokens out
     assert "pool" in cp2["refusal"] and summary["prefill_seconds"].keys() == {"1", "2"}
+
+
+def test_bench_dist_latent_dp_attention_holds_a_pool_per_rank(capsys):
+    """The latent cache is one head: TP 4 keeps every token on every rank, DP attention 4 keeps
+    each replica's own; with the same pool per rank, DP attention admits 4x the tokens and this
+    workload (6 x 25 tokens, 2 pages each, against 4-page pools) runs at once where TP 4 queues it."""
+    argv = ["bench", "dist", "--mode", "latent", "--layers", "2", "--hidden", "64", "--heads", "4",
+            "--intermediate", "96", "--vocab", "301", "--num-prompts", "6", "--prompt-len", "20",
+            "--new-tokens", str(NEW), "--sizes", "4", "--kv-cache-memory", "96K"]
+    assert main(argv) == 0
+    lines = [json.loads(line) for line in capsys.readouterr().out.splitlines() if line.startswith("{")]
+    runs = {r["layout"]: r for r in lines if r["layout"] in ("tensor", "dp_attention")}
+    tp, dpa = runs["tensor"], runs["dp_attention"]
+    assert tp["same_tokens"] and dpa["same_tokens"]
+    assert tp["kv_bytes_per_token_per_rank"] == 2 * (128 + 32) * 4  # layers x (kv_lora_rank + rope) x fp32
+    assert (tp["kv_pages_per_rank"], dpa["kv_pages_per_rank"]) == (4, 4)
+    assert (tp["server_kv_tokens"], dpa["server_kv_tokens"]) == (64, 256)
+    assert tp["steps"] >= 2 * dpa["steps"] and dpa["preemptions"] == 0  # TP 4: two requests at a time
+    assert min(tp["all_reduce_MB_per_step"]) > 0 and max(tp["all_to_all_MB_per_step"]) == 0
+    assert min(dpa["all_to_all_MB_per_step"]) > 0 and max(dpa["all_reduce_MB_per_step"]) == 0
+    compare = next(r for r in lines if r["layout"] == "compare")
+    assert compare["tokens_per_rank_dp_attention_over_tensor"] == 4.0
+    assert [r["context"] for r in lines if r["layout"] == "decode_cost"] == [16, 128, 1024, 8192]

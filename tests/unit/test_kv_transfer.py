@@ -21,9 +21,10 @@ SECRET = b"test-secret-0123456789"
 HEADS, KV_HEADS, DIM, LAYERS = 6, 3, 4, 3
 
 
-def pool(pages: int, page_size: int, kv_heads: int, fill: bool) -> list[tuple[torch.Tensor, torch.Tensor]]:
+def pool(pages: int, page_size: int, kv_heads: int, fill: bool, widths: tuple[int, int] = (DIM, DIM)):
     make = torch.randn if fill else torch.zeros
-    return [(make(pages * page_size, kv_heads, DIM), make(pages * page_size, kv_heads, DIM)) for _ in range(LAYERS)]
+    return [(make(pages * page_size, kv_heads, widths[0]), make(pages * page_size, kv_heads, widths[1]))
+            for _ in range(LAYERS)]
 
 
 def free_ports(n: int) -> list[int]:
@@ -49,17 +50,19 @@ def test_sender_heads_each_head_once():
     assert sender_heads(KV_HEADS, ranges, 1, (1, 2)) == (0, 0)  # rank 0 sends head 1
 
 
-@pytest.mark.parametrize("p_tp, d_tp", [(1, 3), (2, 1), (2, 3)])
-def test_prompt_kv_moves_layer_by_layer_and_resplits(p_tp, d_tp):
+# The last case is latent attention's pool: one KV head every rank holds, K 24 wide, V empty.
+@pytest.mark.parametrize("p_tp, d_tp, kv_heads, widths", [(1, 3, KV_HEADS, (DIM, DIM)), (2, 1, KV_HEADS, (DIM, DIM)),
+                                                          (2, 3, KV_HEADS, (DIM, DIM)), (2, 3, 1, (24, 0))])
+def test_prompt_kv_moves_layer_by_layer_and_resplits(p_tp, d_tp, kv_heads, widths):
     p_ps, d_ps, tokens = 4, 8, 27  # different page sizes too: pages are addressed by position
     p_pages, d_pages = [5, 2, 7, 1, 3, 0, 6], [3, 1, 0, 2]  # any order: the page tables say
     ports = free_ports(d_tp)
     notify = zmq.Context.instance().socket(zmq.PULL)
     notify_port = notify.bind_to_random_port("tcp://127.0.0.1")
     # The prefill instance's pools, full heads then each rank's slice (replicated heads agree).
-    full = pool(8, p_ps, KV_HEADS, fill=True)
-    d_shards = [head_shard(HEADS, KV_HEADS, d_tp, r) for r in range(d_tp)]
-    d_pools = [pool(4, d_ps, s.num_kv, fill=False) for s in d_shards]
+    full = pool(8, p_ps, kv_heads, fill=True, widths=widths)
+    d_shards = [head_shard(HEADS, kv_heads, d_tp, r) for r in range(d_tp)]
+    d_pools = [pool(4, d_ps, s.num_kv, fill=False, widths=widths) for s in d_shards]
     receivers = [KVReceiver(d_pools[r], d_ps, d_shards[r].kv_start, f"tcp://127.0.0.1:{ports[r]}", SECRET,
                             f"tcp://127.0.0.1:{notify_port}", r, ctx=zmq.Context()) for r in range(d_tp)]
     # (a context each: one ZAP handler per context, as one receiver per process has)
@@ -67,11 +70,11 @@ def test_prompt_kv_moves_layer_by_layer_and_resplits(p_tp, d_tp):
     senders = []
     try:
         for r in range(p_tp):
-            s = head_shard(HEADS, KV_HEADS, p_tp, r)
+            s = head_shard(HEADS, kv_heads, p_tp, r)
             views = [(k[:, s.kv_start:s.kv_end], v[:, s.kv_start:s.kv_end]) for k, v in full]
             sender = KVSender(SECRET, 5.0)
             senders.append(sender)
-            ship = KVShipper(sender, views, p_ps, HEADS, KV_HEADS, p_tp, r, torch.device("cpu"))
+            ship = KVShipper(sender, views, p_ps, HEADS, kv_heads, p_tp, r, torch.device("cpu"))
             for start, n in [(0, 16), (16, 11)]:  # two prefill chunks
                 entry = PlanEntry("room-1", start, list(range(n)), 0, [], start + n == tokens)
                 assert ship.plan([entry], {"room-1": p_pages}, {"room-1": target})
@@ -92,13 +95,13 @@ def test_prompt_kv_moves_layer_by_layer_and_resplits(p_tp, d_tp):
             for layer in range(LAYERS):
                 for got, want in zip(d_pools[r][layer], full[layer]):
                     torch.testing.assert_close(got[dst], want[src][:, s.kv_start:s.kv_end], rtol=0, atol=0)
-        # Every head crossed once: bytes = layers x 2 x tokens x heads x dim x 4 (float32).
+        # Each decode rank got each of its heads once: bytes = layers x tokens x heads x (K + V
+        # width) x 4 (float32); a head several decode ranks hold (the latent: all) goes to each.
         for sender in senders:
             sender.close()
-        assert sum(s.stats.bytes for s in senders) == LAYERS * 2 * tokens * KV_HEADS * DIM * 4
+        wanted = LAYERS * tokens * sum(s.num_kv for s in d_shards) * sum(widths) * 4
+        assert sum(s.stats.bytes for s in senders) == wanted == sum(rc.bytes for rc in receivers)
         assert all(s.stats.requests == 1 and s.stats.failed == 0 for s in senders if s.stats.bytes)
-        replicated = sum(s.num_kv for s in d_shards) - KV_HEADS  # a head two decode ranks hold arrives twice
-        assert sum(rc.bytes for rc in receivers) == LAYERS * 2 * tokens * (KV_HEADS + replicated) * DIM * 4
     finally:
         for rc in receivers:
             rc.close()

@@ -9,8 +9,9 @@ the ranks' schedules in agreement), every rank's counts on every group it belong
 rank's peak memory while loading. All requests are admitted before the first step, so the step
 and call counts are the same every run. `--mode bubble` is the pipeline's throughput benchmark
 (bench/bubble.py); `--mode expert` is expert parallelism under data-parallel attention beside
-tensor parallelism, with hot-expert replicas (bench/expert.py); `--mode context` is context parallelism
-on one long prompt: tokens, ring bytes, per-rank attention work, longest prompt, prefill time
+tensor parallelism, with hot-expert replicas (bench/expert.py); `--mode latent` is a DeepSeek-shaped
+model's latent cache under TP against data-parallel attention (bench/latent.py); `--mode context` is
+context parallelism on one long prompt: tokens, ring bytes, per-rank attention work, longest prompt, prefill time
 (bench/context.py).
 """
 
@@ -29,7 +30,7 @@ from shardserve.core import SamplingParams
 # large enough that a half-size micro-batch costs about half a full one on a CPU (see bubble.py).
 _BASE = dict(layers=4, hidden=512, heads=8, kv_heads=4, intermediate=1536, vocab=1024, num_prompts=8,
              prompt_len=64, new_tokens=16)
-SHAPES = {"tensor": _BASE, "pipeline": _BASE, "expert": _BASE,
+SHAPES = {"tensor": _BASE, "pipeline": _BASE, "expert": _BASE, "latent": _BASE,
           "context": _BASE | dict(num_prompts=1, prompt_len=2048, new_tokens=4),
           "bubble": _BASE | dict(layers=8, hidden=1024, heads=16, intermediate=4096, prompt_len=128)}
 
@@ -40,7 +41,8 @@ def fill_defaults(args: argparse.Namespace) -> None:
         if getattr(args, flag) is None:
             setattr(args, flag, value)
     if args.kv_cache_memory is None:
-        args.kv_cache_memory = (512 if args.mode == "bubble" else 64) * 2**20
+        # latent: small enough that one pool cannot hold the whole workload (the point of that mode)
+        args.kv_cache_memory = {"bubble": 512, "latent": 1}.get(args.mode, 64) * 2**20
 
 
 def one_run(path: str, size: int, args: argparse.Namespace, prompts: list[list[int]]) -> tuple[dict, list]:
@@ -85,6 +87,10 @@ def run_dist(args: argparse.Namespace) -> int:
         from shardserve.bench.expert import run_expert
 
         return run_expert(args)
+    if args.mode == "latent":
+        from shardserve.bench.latent import run_latent
+
+        return run_latent(args)
     if args.mode == "context":
         from shardserve.bench.context import run_context
 

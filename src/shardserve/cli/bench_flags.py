@@ -126,10 +126,11 @@ def add_dist_args(p: argparse.ArgumentParser) -> None:
         p.add_argument(f"--{flag.replace('_', '-')}", type=positive_int, default=None, help=text)
     p.add_argument("--page-size", type=positive_int, default=16)
     p.add_argument("--kv-cache-memory", type=memory_amount, default=None,
-                   help="bytes of KV cache per rank (default 64M; bubble: 512M)")
-    p.add_argument("--mode", choices=["tensor", "pipeline", "bubble", "expert", "context"], default="tensor",
+                   help="bytes of KV cache per rank (default 64M; bubble: 512M; latent: 1M)")
+    p.add_argument("--mode", choices=["tensor", "pipeline", "bubble", "expert", "latent", "context"], default="tensor",
                    help="which layout to vary (bubble: pipeline micro-batches against one, and TP, on throughput; "
                         "expert: EP under data-parallel attention beside TP, and redundant experts; "
+                        "latent: a DeepSeek-shaped model's latent KV cache under TP against data-parallel attention; "
                         "context: --cp-size on one long prompt, --prompt-len default 2048, --new-tokens 4)")
     p.add_argument("--experts", type=positive_int, default=8, help="expert mode: experts per MoE layer")
     p.add_argument("--top-k", type=positive_int, default=2, help="expert mode: experts per token")

@@ -243,13 +243,13 @@ class KVReceiver:
                 self.notify.send(encode(KVArrived(room=head.room, rank=self.rank)))
 
     def _write(self, h: KVFrame, kb, vb) -> None:
-        k_cache, v_cache = self.kv_views[h.layer]
-        shape = (h.count, h.h1 - h.h0, k_cache.shape[-1])
         where = slots(h.pages, self.page_size, h.start, h.count, h.start // self.page_size)
         local = slice(h.h0 - self.kv_start, h.h1 - self.kv_start)
-        where = where.to(k_cache.device)
-        k_cache[where, local] = torch.frombuffer(kb, dtype=k_cache.dtype).view(shape).to(k_cache.device)
-        v_cache[where, local] = torch.frombuffer(vb, dtype=v_cache.dtype).view(shape).to(v_cache.device)
+        for cache, data in zip(self.kv_views[h.layer], (kb, vb)):
+            if cache.shape[-1] == 0:  # latent attention's V: zero wide, nothing travels
+                continue
+            rows = torch.frombuffer(data, dtype=cache.dtype).view(h.count, h.h1 - h.h0, cache.shape[-1])
+            cache[where.to(cache.device), local] = rows.to(cache.device)
         self.bytes += len(kb) + len(vb)
 
 
