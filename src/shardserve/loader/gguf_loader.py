@@ -25,6 +25,14 @@ from gguf.quants import dequantize
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerFast
 
+from shardserve.loader.gguf_deepseek import (
+    CORRECTION_BIAS,
+    DEEPSEEK2_LAYER_TENSORS,
+    SPLIT_KV_B,
+    deepseek2_config,
+    deepseek2_rope_scaling,
+    merged_kv_b,
+)
 from shardserve.loader.gguf_names import (
     GGUF_ARCH_KEY_TO_HF_CONFIG,
     GGUF_ARCH_TO_HF_MODEL,
@@ -42,6 +50,7 @@ from shardserve.loader.source import LazySource
 _LAYER_TENSOR_RE = re.compile(r"blk\.(?P<layer>\d+)\.(?P<stem>\w+)\.(?P<kind>weight|bias)")
 
 TensorLoader = Callable[[], torch.Tensor]
+LAYER_TENSORS = GGUF_LAYER_TENSOR_TO_HF | DEEPSEEK2_LAYER_TENSORS
 
 
 # ----------------------------------------------------------------------------- reader
@@ -145,6 +154,13 @@ def _config_from_reader(reader: GGUFReader) -> dict:
     if (scaling := _rope_scaling(reader, arch)) is not None:
         config["rope_scaling"] = scaling
     config.update(_moe_config(reader, arch))
+    if arch == "deepseek2":
+        def value(suffix: str) -> Any:
+            return _field_value(reader, f"{arch}.{suffix}")
+
+        config.update(deepseek2_config(value))
+        if "rope_scaling" in config:
+            config["rope_scaling"] = deepseek2_rope_scaling(config["rope_scaling"], value)
     return config
 
 
@@ -214,9 +230,18 @@ def _expert_loader(tensor: ReaderTensor, expert: int) -> TensorLoader:
 
 
 def _layer_entries(
-    tensor: ReaderTensor, layer: str, stem: str, kind: str, config: dict
+    tensor: ReaderTensor, layer: str, stem: str, kind: str, config: dict, tensors: dict[str, ReaderTensor]
 ) -> Iterator[tuple[str, TensorLoader]]:
     prefix = f"model.layers.{layer}."
+    if stem == CORRECTION_BIAS:
+        yield f"{prefix}mlp.gate.e_score_correction_bias", _whole_tensor_loader(tensor, None, None)
+        return
+    if stem in SPLIT_KV_B:  # the pair is one HF tensor, yielded once (with k_b)
+        if stem == SPLIT_KV_B[0]:
+            k_b, v_b = tensor, tensors[f"blk.{layer}.{SPLIT_KV_B[1]}.weight"]
+            yield f"{prefix}self_attn.kv_b_proj.weight", lambda: merged_kv_b(
+                _dequantize_to_torch(k_b.data, k_b.tensor_type), _dequantize_to_torch(v_b.data, v_b.tensor_type))
+        return
     if stem in GGUF_STACKED_EXPERT_TENSOR_TO_HF:
         proj = GGUF_STACKED_EXPERT_TENSOR_TO_HF[stem]
         for expert in range(tensor.data.shape[0]):
@@ -225,17 +250,21 @@ def _layer_entries(
     # HF's shared_expert_gate is Linear(hidden, 1); llama.cpp stores it as a flat vector.
     shape = (1, -1) if stem == "ffn_gate_inp_shexp" else None
     loader = _whole_tensor_loader(tensor, _llama_rope_heads(config, stem), shape)
-    yield f"{prefix}{GGUF_LAYER_TENSOR_TO_HF[stem]}.{kind}", loader
+    yield f"{prefix}{LAYER_TENSORS[stem]}.{kind}", loader
 
 
-def _tensor_entries(tensor: ReaderTensor, config: dict) -> Iterator[tuple[str, TensorLoader]]:
+LAYER_STEMS = frozenset(LAYER_TENSORS) | frozenset(GGUF_STACKED_EXPERT_TENSOR_TO_HF) | {CORRECTION_BIAS, *SPLIT_KV_B}
+
+
+def _tensor_entries(tensor: ReaderTensor, config: dict,
+                    tensors: dict[str, ReaderTensor]) -> Iterator[tuple[str, TensorLoader]]:
     if tensor.name in GGUF_GLOBAL_TENSOR_TO_HF:
         yield GGUF_GLOBAL_TENSOR_TO_HF[tensor.name], _whole_tensor_loader(tensor, None, None)
         return
     match = _LAYER_TENSOR_RE.fullmatch(tensor.name)
     stem = match["stem"] if match else None
-    if match and (stem in GGUF_LAYER_TENSOR_TO_HF or stem in GGUF_STACKED_EXPERT_TENSOR_TO_HF):
-        yield from _layer_entries(tensor, match["layer"], stem, match["kind"], config)
+    if match and stem in LAYER_STEMS:
+        yield from _layer_entries(tensor, match["layer"], stem, match["kind"], config, tensors)
         return
     # Unknown (e.g. rope_freqs.weight): pass through under its GGUF name so the caller can
     # report it as unexpected rather than silently dropping it.
@@ -251,8 +280,9 @@ def iter_gguf_tensors(path: str) -> Iterator[tuple[str, Callable[[], torch.Tenso
     """
     reader = _open_reader(path)
     config = _config_from_reader(reader)
+    tensors = {t.name: t for t in reader.tensors}
     for tensor in reader.tensors:
-        yield from _tensor_entries(tensor, config)
+        yield from _tensor_entries(tensor, config, tensors)
 
 
 def _quantized_loader(tensor: ReaderTensor, config: dict) -> Callable[[], QuantWeight] | None:
@@ -261,7 +291,7 @@ def _quantized_loader(tensor: ReaderTensor, config: dict) -> Callable[[], QuantW
     match = _LAYER_TENSOR_RE.fullmatch(tensor.name)
     if int(tensor.tensor_type) not in FORMATS or tensor.data.ndim != 2 or (match and match["kind"] != "weight"):
         return None
-    if match and match["stem"] not in GGUF_LAYER_TENSOR_TO_HF:
+    if match and match["stem"] not in LAYER_TENSORS:
         return None
     rope_heads = _llama_rope_heads(config, match["stem"]) if match else None
     cols = int(tensor.shape[0])  # GGUF lists dims innermost first
@@ -287,9 +317,10 @@ def gguf_sources(path: str, keep_quantized: bool) -> list[LazySource]:
     MoE tensor expert by expert)."""
     reader = _open_reader(path)
     config = _config_from_reader(reader)
+    tensors = {t.name: t for t in reader.tensors}
     out = []
     for tensor in reader.tensors:
-        entries = list(_tensor_entries(tensor, config))
+        entries = list(_tensor_entries(tensor, config, tensors))
         match = _LAYER_TENSOR_RE.fullmatch(tensor.name)
         if keep_quantized and match and match["stem"] in GGUF_STACKED_EXPERT_TENSOR_TO_HF \
                 and int(tensor.tensor_type) in FORMATS:

@@ -9,6 +9,7 @@ GGUF_ARCH_TO_HF_MODEL: dict[str, tuple[str, str]] = {
     "qwen3": ("qwen3", "Qwen3ForCausalLM"),
     "qwen2moe": ("qwen2_moe", "Qwen2MoeForCausalLM"),
     "qwen3moe": ("qwen3_moe", "Qwen3MoeForCausalLM"),
+    "deepseek2": ("deepseek_v2", "DeepseekV2ForCausalLM"),  # or V3: gguf_deepseek.deepseek2_config says
 }
 
 MOE_ARCHS = frozenset({"qwen2moe", "qwen3moe"})

@@ -1,0 +1,110 @@
+"""GGUF's deepseek2 architecture round trip: the tiny DeepSeek-V3 and V2 written as llama.cpp's
+converter lays them out (V3 the current way: MLA key lengths and kv_b_proj split into a
+transposed k_b and v_b; V2 the older way: per-head key lengths and kv_b whole), read back by the
+engine: greedy tokens equal to transformers', logits within 1e-4."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import gguf
+import numpy as np
+import pytest
+import torch
+from gguf_util import finish
+from test_equivalence import hf_reference, prompts, run_engine
+
+from shardserve.config import ModelConfig
+from shardserve.loader.gguf_loader import read_gguf_config
+
+LAYER = {"attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm", "attn_q": "self_attn.q_proj",
+         "attn_q_a": "self_attn.q_a_proj", "attn_q_a_norm": "self_attn.q_a_layernorm", "attn_q_b": "self_attn.q_b_proj",
+         "attn_kv_a_mqa": "self_attn.kv_a_proj_with_mqa", "attn_kv_a_norm": "self_attn.kv_a_layernorm",
+         "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
+         "ffn_down": "mlp.down_proj", "ffn_gate_inp": "mlp.gate", "ffn_gate_shexp": "mlp.shared_experts.gate_proj",
+         "ffn_up_shexp": "mlp.shared_experts.up_proj", "ffn_down_shexp": "mlp.shared_experts.down_proj"}
+
+
+def write_deepseek2(model, path: str, split_kv_b: bool) -> None:
+    cfg, sd = model.config, {k: v.numpy() for k, v in model.state_dict().items()}
+    w = gguf.GGUFWriter(path, "deepseek2")
+    w.add_block_count(cfg.num_hidden_layers)
+    w.add_context_length(cfg.max_position_embeddings)
+    w.add_embedding_length(cfg.hidden_size)
+    w.add_feed_forward_length(cfg.intermediate_size)
+    w.add_head_count(cfg.num_attention_heads)
+    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    w.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
+    w.add_vocab_size(cfg.vocab_size)
+    w.add_rope_dimension_count(cfg.qk_rope_head_dim)
+    w.add_kv_lora_rank(cfg.kv_lora_rank)
+    if cfg.q_lora_rank:
+        w.add_q_lora_rank(cfg.q_lora_rank)
+    if split_kv_b:  # multi-query attention over the latent, per-head sizes apart
+        w.add_head_count_kv(1)
+        w.add_key_length(cfg.kv_lora_rank + cfg.qk_rope_head_dim)
+        w.add_value_length(cfg.kv_lora_rank)
+        w.add_key_length_mla(cfg.qk_nope_head_dim + cfg.qk_rope_head_dim)
+        w.add_value_length_mla(cfg.v_head_dim)
+    else:
+        w.add_head_count_kv(cfg.num_attention_heads)
+        w.add_key_length(cfg.qk_nope_head_dim + cfg.qk_rope_head_dim)
+        w.add_value_length(cfg.v_head_dim)
+    w.add_leading_dense_block_count(cfg.first_k_dense_replace)
+    w.add_expert_count(cfg.n_routed_experts)
+    w.add_expert_used_count(cfg.num_experts_per_tok)
+    w.add_expert_feed_forward_length(cfg.moe_intermediate_size)
+    w.add_expert_shared_count(cfg.n_shared_experts)
+    w.add_expert_weights_scale(cfg.routed_scaling_factor)
+    if cfg.norm_topk_prob:
+        w.add_expert_weights_norm(True)
+    w.add_expert_group_count(cfg.n_group)
+    w.add_expert_group_used_count(cfg.topk_group)
+    sigmoid = cfg.model_type == "deepseek_v3"
+    w.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID if sigmoid else gguf.ExpertGatingFuncType.SOFTMAX)
+    rope = cfg.rope_parameters
+    if rope.get("rope_type", "default") == "yarn":
+        w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+        w.add_rope_scaling_factor(rope["factor"])
+        w.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
+        w.add_rope_scaling_yarn_log_mul(0.1 * rope["mscale_all_dim"])
+    w.add_tensor("token_embd.weight", sd["model.embed_tokens.weight"])
+    w.add_tensor("output_norm.weight", sd["model.norm.weight"])
+    w.add_tensor("output.weight", sd["lm_head.weight"])
+    h, nope, v = cfg.num_attention_heads, cfg.qk_nope_head_dim, cfg.v_head_dim
+    for i in range(cfg.num_hidden_layers):
+        pre = f"model.layers.{i}."
+        for stem, hf in LAYER.items():
+            if f"{pre}{hf}.weight" in sd:
+                w.add_tensor(f"blk.{i}.{stem}.weight", sd[f"{pre}{hf}.weight"])
+        kv_b = sd[f"{pre}self_attn.kv_b_proj.weight"]
+        if split_kv_b:
+            per_head = kv_b.reshape(h, nope + v, -1)
+            w.add_tensor(f"blk.{i}.attn_k_b.weight", np.ascontiguousarray(per_head[:, :nope].transpose(0, 2, 1)))
+            w.add_tensor(f"blk.{i}.attn_v_b.weight", np.ascontiguousarray(per_head[:, nope:]))
+        else:
+            w.add_tensor(f"blk.{i}.attn_kv_b.weight", kv_b)
+        if f"{pre}mlp.experts.gate_up_proj" in sd:
+            inter, gate_up = cfg.moe_intermediate_size, sd[f"{pre}mlp.experts.gate_up_proj"]
+            w.add_tensor(f"blk.{i}.ffn_gate_exps.weight", np.ascontiguousarray(gate_up[:, :inter]))
+            w.add_tensor(f"blk.{i}.ffn_up_exps.weight", np.ascontiguousarray(gate_up[:, inter:]))
+            w.add_tensor(f"blk.{i}.ffn_down_exps.weight", sd[f"{pre}mlp.experts.down_proj"])
+        if f"{pre}mlp.gate.e_score_correction_bias" in sd:
+            w.add_tensor(f"blk.{i}.exp_probs_b.bias", sd[f"{pre}mlp.gate.e_score_correction_bias"])
+    finish(w)
+
+
+@pytest.mark.parametrize("arch,split", [("deepseek_v3", True), ("deepseek_v2", False)])
+def test_deepseek2_gguf_matches_transformers(tiny_model, tmp_path, arch, split):
+    hf_path, model = tiny_model(arch)
+    path = str(tmp_path / f"{arch}.gguf")
+    write_deepseek2(model, path, split)
+    got, want = ModelConfig.from_dict(read_gguf_config(path)), ModelConfig.from_dir(hf_path)
+    assert got.rms_norm_eps == pytest.approx(want.rms_norm_eps)  # GGUF keeps it as float32
+    assert dataclasses.replace(got, rms_norm_eps=want.rms_norm_eps) == want
+    batch = prompts(model.config.vocab_size)
+    tokens, logits, _ = run_engine(path, batch)
+    for p, toks, lg in zip(batch, tokens, logits):
+        ref_tokens, ref_logits = hf_reference(model, p)
+        assert toks == ref_tokens
+        torch.testing.assert_close(lg, ref_logits, atol=1e-4, rtol=1e-4)
