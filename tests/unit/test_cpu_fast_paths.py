@@ -49,6 +49,8 @@ def random_case(heads, kv_of_q, dim, page_size, lens, seed=0):
     (4, (0, 1, 2, 3), 32, 4),                  # no grouping
     (5, (0, 0, 0, 1, 1), 24, 3),               # uneven groups (a TP rank's share), scalar path
     (2, (0, 0), 16, 1),                        # one-token pages
+    (8, (0,) * 8, 576, 16),                    # latent attention: one cache head, 256 + 256 + 64 chunks
+    (3, (0, 0, 0), 48, 4),                     # 32 + 16
 ])
 def test_kernel_matches_reference(heads, kv_of_q, dim, page_size):
     lens = [1, 2, page_size, page_size + 1, 37, 200]

@@ -4,10 +4,11 @@
  * tokens, read in place from the pages named by its block table: no gather, no padding.
  * Work is split by sequence, so a page's K/V block is fetched from memory once for every
  * query head that reads it (GQA); the threads of torch's OpenMP pool share the sequences.
- * Head dims of 16, 32, 64, 128 and 256 take a path written with GCC/clang vector extensions
- * as wide as the target's registers (16 floats with AVX-512, else 8: a wider vector type on an
- * AVX2 target is lowered through the stack and runs several times slower); others take a
- * plain loop.
+ * Head dims that are multiples of 16 take a path written with GCC/clang vector extensions as
+ * wide as the target's registers (16 floats with AVX-512, else 8: a wider vector type on an
+ * AVX2 target is lowered through the stack and runs several times slower), in chunks of 256,
+ * 128, .. 16 (latent attention's 576 = 256 + 256 + 64), so the accumulators stay in registers;
+ * other dims take a plain loop.
  *
  * Layouts (row-major): q [B, q_stride] with heads [H, D] at the start of each row;
  * k_cache, v_cache [slots, Hkv, D]; block_tables [B, max_pages]; out [B, H, D].
@@ -76,7 +77,7 @@ static inline vf transpose_sum(const vf a[VW]) {
  * (via the switches below), so accumulators stay in registers instead of a stack array. */
 static inline __attribute__((always_inline)) void
 scores_vec(const float *q, const float *k, int64_t n, int64_t row_stride, float scale, float *scores,
-           const int nv) {
+           const int nv, int add) {
     vf qv[MAX_D / VW], acc[VW];
     int64_t t = 0;
     for (int c = 0; c < nv; ++c) qv[c] = loadv(q + VW * c) * scale;
@@ -86,14 +87,15 @@ scores_vec(const float *q, const float *k, int64_t n, int64_t row_stride, float 
             acc[r] = qv[0] * loadv(kr);
             for (int c = 1; c < nv; ++c) acc[r] += qv[c] * loadv(kr + VW * c);
         }
-        storev(scores + t, transpose_sum(acc));
+        vf sum = transpose_sum(acc);
+        storev(scores + t, add ? loadv(scores + t) + sum : sum);
     }
     for (; t < n; ++t, k += row_stride) {
         vf a = qv[0] * loadv(k);
         for (int c = 1; c < nv; ++c) a += qv[c] * loadv(k + VW * c);
         float s = 0.f;
         for (int i = 0; i < VW; ++i) s += a[i];
-        scores[t] = s;
+        scores[t] = add ? scores[t] + s : s;
     }
 }
 
@@ -117,15 +119,44 @@ values_vec(const float *p, const float *v, int64_t n, int64_t row_stride, float 
     for (int c = 0; c < nv; ++c) storev(out + VW * c, acc[c] + acc2[c]);
 }
 
+/* The largest vector chunk (256, 128, .. 16 floats) of `rest` floats, rest a multiple of 16. */
+static inline int64_t chunk_of(int64_t rest) {
+    int64_t c = 256;
+    while (c > rest) c /= 2;
+    return c;
+}
+
+/* scores[t] (+)= scale * q . k_t over one chunk of c dims; the switch makes nv a constant. */
+static void scores_chunk(const float *q, const float *k, int64_t n, int64_t row_stride, float scale, float *scores,
+                         int64_t c, int add) {
+    switch (c) {
+    case 256: scores_vec(q, k, n, row_stride, scale, scores, 256 / VW, add); return;
+    case 128: scores_vec(q, k, n, row_stride, scale, scores, 128 / VW, add); return;
+    case 64: scores_vec(q, k, n, row_stride, scale, scores, 64 / VW, add); return;
+    case 32: scores_vec(q, k, n, row_stride, scale, scores, 32 / VW, add); return;
+    default: scores_vec(q, k, n, row_stride, scale, scores, 16 / VW, add); return;
+    }
+}
+
+static void values_chunk(const float *p, const float *v, int64_t n, int64_t row_stride, float *out, int64_t c) {
+    switch (c) {
+    case 256: values_vec(p, v, n, row_stride, out, 256 / VW); return;
+    case 128: values_vec(p, v, n, row_stride, out, 128 / VW); return;
+    case 64: values_vec(p, v, n, row_stride, out, 64 / VW); return;
+    case 32: values_vec(p, v, n, row_stride, out, 32 / VW); return;
+    default: values_vec(p, v, n, row_stride, out, 16 / VW); return;
+    }
+}
+
 /* scores[t] = scale * q . k_t for the n rows of one page, rows `row_stride` floats apart. */
 static void page_scores(const float *q, const float *k, int64_t n, int64_t row_stride, int64_t D,
                         float scale, float *scores) {
-    switch (D) {
-    case 64: scores_vec(q, k, n, row_stride, scale, scores, 64 / VW); return;
-    case 128: scores_vec(q, k, n, row_stride, scale, scores, 128 / VW); return;
-    case 32: scores_vec(q, k, n, row_stride, scale, scores, 32 / VW); return;
-    case 16: scores_vec(q, k, n, row_stride, scale, scores, 16 / VW); return;
-    case 256: scores_vec(q, k, n, row_stride, scale, scores, 256 / VW); return;
+    if (D % 16 == 0) {
+        for (int64_t off = 0, c; off < D; off += c) {
+            c = chunk_of(D - off);
+            scores_chunk(q + off, k + off, n, row_stride, scale, scores, c, off > 0);
+        }
+        return;
     }
     for (int64_t t = 0; t < n; ++t, k += row_stride) {
         float s = 0.f;
@@ -136,12 +167,12 @@ static void page_scores(const float *q, const float *k, int64_t n, int64_t row_s
 
 /* out += sum_t p[t] * v_t over the n rows of one page. */
 static void page_values(const float *p, const float *v, int64_t n, int64_t row_stride, int64_t D, float *out) {
-    switch (D) {
-    case 64: values_vec(p, v, n, row_stride, out, 64 / VW); return;
-    case 128: values_vec(p, v, n, row_stride, out, 128 / VW); return;
-    case 32: values_vec(p, v, n, row_stride, out, 32 / VW); return;
-    case 16: values_vec(p, v, n, row_stride, out, 16 / VW); return;
-    case 256: values_vec(p, v, n, row_stride, out, 256 / VW); return;
+    if (D % 16 == 0) {
+        for (int64_t off = 0, c; off < D; off += c) {
+            c = chunk_of(D - off);
+            values_chunk(p, v + off, n, row_stride, out + off, c);
+        }
+        return;
     }
     for (int64_t t = 0; t < n; ++t, v += row_stride)
         for (int64_t i = 0; i < D; ++i) out[i] += p[t] * v[i];
@@ -174,8 +205,17 @@ static inline void prefetch_rows(const float *page, int64_t r0, int64_t r1, int6
  * per page would fill the miss queue and stall. scores holds (b1 - b0) * H * max_len floats. */
 static void block_item(const float *q, int64_t q_stride, const float *k_cache, const float *v_cache,
                        const int64_t *table, const int64_t *lens, int64_t b0, int64_t b1, const int64_t *kv_of_q,
-                       float *out, float *lse, int64_t kv0, int64_t kv1, int64_t H, int64_t Hkv, int64_t D,
-                       int64_t page_size, float scale, float *scores, int64_t max_len) {
+                       float *out, float *lse, int64_t kv0, int64_t kv1, int64_t hpart, int64_t hparts, int64_t H,
+                       int64_t Hkv, int64_t D, int64_t page_size, float scale, float *scores, int64_t max_len) {
+    /* This item's query heads: those reading kv heads [kv0, kv1), and of them the hpart-th of
+     * hparts even slices (hparts > 1 only with one kv head per item). */
+    unsigned char take[H];
+    int64_t group = 0, seen = 0;
+    for (int64_t h = 0; h < H; ++h) group += kv_of_q[h] >= kv0 && kv_of_q[h] < kv1;
+    for (int64_t h = 0; h < H; ++h) {
+        take[h] = kv_of_q[h] >= kv0 && kv_of_q[h] < kv1;
+        if (take[h]) take[h] = seen++ * hparts / group == hpart;
+    }
     int64_t longest = 0, lb = b0; /* the longest row prefetches: it reads every page */
     for (int64_t b = b0; b < b1; ++b)
         if (lens[b] > longest) { longest = lens[b]; lb = b; }
@@ -183,7 +223,7 @@ static void block_item(const float *q, int64_t q_stride, const float *k_cache, c
         const float *cache = values ? v_cache : k_cache;
         int64_t stride = Hkv * D, block = page_size * stride, npages = (longest + page_size - 1) / page_size;
         int64_t heads = 0;
-        for (int64_t h = 0; h < H; ++h) heads += kv_of_q[h] >= kv0 && kv_of_q[h] < kv1;
+        for (int64_t h = 0; h < H; ++h) heads += take[h];
         for (int64_t pg = 0, t0 = 0; pg < npages; ++pg, t0 += page_size) {
             const float *page = cache + table[pg] * block, *next = pg + 1 < npages ? cache + table[pg + 1] * block : 0;
             for (int64_t b = b0; b < b1; ++b) {
@@ -191,7 +231,7 @@ static void block_item(const float *q, int64_t q_stride, const float *k_cache, c
                 float *sc = scores + (b - b0) * H * max_len;
                 if (n <= 0) continue;
                 for (int64_t h = 0, j = 0; h < H; ++h) {
-                    if (kv_of_q[h] < kv0 || kv_of_q[h] >= kv1) continue;
+                    if (!take[h]) continue;
                     if (next && b == lb)
                         prefetch_rows(next, j * page_size / heads, (j + 1) * page_size / heads, stride, kv0 * D,
                                       (kv1 - kv0) * D);
@@ -208,7 +248,7 @@ static void block_item(const float *q, int64_t q_stride, const float *k_cache, c
         for (int64_t b = b0; b < b1; ++b) {
             int64_t len = lens[b];
             for (int64_t h = 0; h < H; ++h) {
-                if (kv_of_q[h] < kv0 || kv_of_q[h] >= kv1) continue;
+                if (!take[h]) continue;
                 memset(out + b * H * D + h * D, 0, sizeof(float) * D);
                 /* No keys: the sum of exps is 0. Stored on its own branch, as a constant, since
                  * under -ffast-math computing it (log of 0, 1/0) is not guaranteed to give -inf. */
@@ -247,20 +287,27 @@ int paged_decode_f32(const float *q, int64_t q_stride, const float *k_cache, con
     int64_t nblocks = row_blocks(block_tables, max_pages, B, starts), rows = 1; /* the largest block's */
     for (int64_t i = 0; i < nblocks; ++i) rows = starts[i + 1] - starts[i] > rows ? starts[i + 1] - starts[i] : rows;
     /* A whole block per item reads its pages contiguously; with fewer blocks than threads x 2,
-     * items are (block, kv head) so every thread has work. */
-    int64_t per_seq = nblocks < 2 * num_threads ? Hkv : 1;
+     * items are (block, kv head) so every thread has work, and with still too few (one kv head
+     * for many query heads: latent attention at batch 1), (block, kv head, slice of its heads).
+     * Each head's arithmetic is the same whichever item computes it. */
+    int64_t per_seq = nblocks < 2 * num_threads ? Hkv : 1, hparts = 1;
+    if (per_seq == Hkv && nblocks * Hkv < 2 * num_threads) {
+        hparts = (2 * num_threads + nblocks * Hkv - 1) / (nblocks * Hkv);
+        if (hparts > H / Hkv) hparts = H / Hkv > 0 ? H / Hkv : 1;
+    }
     int failed = 0;
 #pragma omp parallel num_threads(num_threads) reduction(| : failed)
     {
         float *scores = malloc(sizeof(float) * (size_t)(rows * max_len * H + 1));
         if (!scores) failed = 1;
 #pragma omp for schedule(dynamic, 1)
-        for (int64_t item = 0; item < nblocks * per_seq; ++item) {
+        for (int64_t item = 0; item < nblocks * per_seq * hparts; ++item) {
             if (!scores) continue;
-            int64_t blk = item / per_seq, part = item % per_seq, b0 = starts[blk];
+            int64_t blk = item / (per_seq * hparts), part = item / hparts % per_seq, b0 = starts[blk];
             int64_t kv0 = per_seq == 1 ? 0 : part, kv1 = per_seq == 1 ? Hkv : part + 1;
             block_item(q, q_stride, k_cache, v_cache, block_tables + b0 * max_pages, context_lens, b0, starts[blk + 1],
-                       kv_of_q, out, lse, kv0, kv1, H, Hkv, D, page_size, scale, scores, max_len);
+                       kv_of_q, out, lse, kv0, kv1, item % hparts, hparts, H, Hkv, D, page_size, scale, scores,
+                       max_len);
         }
         free(scores);
     }
