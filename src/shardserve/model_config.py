@@ -87,6 +87,7 @@ class RouterConfig:
     renormalize: bool = False
     scaling: float = 1.0
     correction_bias: bool = False  # V3's e_score_correction_bias, added for choosing only
+    float32: bool = False  # the gate's weight and logits in float32 whatever the dtype (DeepSeek's)
 
 
 @dataclass(frozen=True)
@@ -256,11 +257,12 @@ def _deepseek(d: dict[str, Any], model_type: str) -> dict[str, Any]:
     v3 = model_type == "deepseek_v3"
     if v3:
         router = RouterConfig("sigmoid", "top2", groups, int(d.get("topk_group") or 1),
-                              bool(d.get("norm_topk_prob", True)), float(d.get("routed_scaling_factor", 1.0)), True)
+                              bool(d.get("norm_topk_prob", True)), float(d.get("routed_scaling_factor", 1.0)), True,
+                              float32=True)
     else:  # transformers' V2 never renormalises; nor does a V2 checkpoint ask it to
         grouped = d.get("topk_method") == "group_limited_greedy"
         router = RouterConfig("softmax", "max" if grouped else "none", groups, int(d.get("topk_group") or 1),
-                              False, float(d.get("routed_scaling_factor", 1.0)))
+                              False, float(d.get("routed_scaling_factor", 1.0)), float32=True)
     q_lora = d.get("q_lora_rank")
     mla = LatentAttentionConfig(int(q_lora) if q_lora else None, int(d["kv_lora_rank"]), int(d["qk_nope_head_dim"]),
                                 int(d["qk_rope_head_dim"]), int(d["v_head_dim"]),

@@ -35,6 +35,20 @@ def test_latent_cache_is_one_vector_per_token(tiny_model):
     assert tuple(core.runner.pool.k.shape) == (2, 32, 1, 24) and core.runner.pool.v.numel() == 0
 
 
+def test_deepseek_gate_stays_float32_in_bfloat16(tiny_model):
+    """As transformers keeps it: the routing of a bf16 model is chosen from float32 logits."""
+    path, model = tiny_model("deepseek_v3")
+    core = EngineCore(EngineConfig(model=path, dtype="bfloat16", num_pages=16, page_size=4, show_progress=False))
+    gate = core.runner.model.layers[1].mlp.gate
+    assert gate.e_score_correction_bias.dtype == torch.float32
+    assert gate.weight.dtype == torch.float32 if gate.quant is None else gate.quant[0][1].name.startswith("F32")
+    x = torch.randn(5, 48, dtype=torch.bfloat16)
+    weights, experts = gate.route(x)
+    ref_w, ref_e = model.model.layers[1].mlp.gate(x.float())[1:]
+    assert weights.dtype == torch.bfloat16
+    assert sorted(map(sorted, experts.tolist())) == sorted(map(sorted, ref_e.tolist()))
+
+
 @pytest.mark.parametrize("arch,key,value,named", [
     ("deepseek_v3", "rope_parameters", {"rope_type": "longrope", "rope_theta": 1e4}, "rope_type 'longrope'"),
     ("deepseek_v2", "topk_method", "noaux_tc", "topk_method 'noaux_tc'"),

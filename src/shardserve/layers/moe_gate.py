@@ -6,6 +6,9 @@ top-k experts and their weights from its logits (model_config.RouterConfig says 
   highest scores compete; the weights times `routed_scaling_factor`.
 - DeepSeek-V3: sigmoid scores; choosing adds `e_score_correction_bias` and ranks groups by their
   two best biased scores; the weights are the unbiased scores, renormalised, then scaled.
+
+DeepSeek's gates run in float32 whatever the model's dtype (their checkpoints keep the gate in
+float32, and a bf16 gate would choose other experts for near ties).
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ from shardserve.model_config import RouterConfig
 
 class MoEGate(ReplicatedLinear):
     def __init__(self, hidden: int, num_experts: int, top_k: int, rule: RouterConfig, dtype, device):
-        super().__init__(hidden, num_experts, False, dtype, device)
+        super().__init__(hidden, num_experts, False, torch.float32 if rule.float32 else dtype, device)
         self.top_k, self.rule, self.num_experts = top_k, rule, num_experts
         self.e_score_correction_bias = None
         if rule.correction_bias:
@@ -30,7 +33,8 @@ class MoEGate(ReplicatedLinear):
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(weights, experts) of each token's top-k, both [n, k]; weights in x's dtype."""
-        rule, logits = self.rule, self(x).float()
+        rule = self.rule
+        logits = self(x.float() if rule.float32 else x).float()
         scores = logits.sigmoid() if rule.scoring == "sigmoid" else F.softmax(logits, dim=-1)
         choice = scores if self.e_score_correction_bias is None else scores + self.e_score_correction_bias
         if rule.groups != "none":
