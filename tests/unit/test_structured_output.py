@@ -216,3 +216,15 @@ def test_stop_string_ends_a_constrained_output(llm):
         assert re.fullmatch(r"(ab|cd){3,6}x", f.text) and f.finish_reason == "stop"
         cut = f.text.find("cd")
         assert s.finish_reason == "stop" and s.text == (f.text[:cut] if cut >= 0 else f.text)
+
+
+@pytest.mark.parametrize("arch", ["deepseek_v3", "mixtral"])
+def test_json_schema_on_latent_attention_and_mixtral(tiny_model, arch):
+    """The grammar masks the sampler's rows whatever the architecture (latent attention's cache,
+    DeepSeek's and Mixtral's gates), with sampled logprobs beside them."""
+    with LLM(tiny_model(arch)[0], **ENGINE) as one:
+        outs = one.generate(["Hello"] * 4, sampled(StructuredOutputsParams(json=SCHEMA), seeds=range(4), logprobs=1),
+                            use_tqdm=False)
+    for o in outs:
+        check_schema(o.text)
+        assert o.finish_reason == "stop" and len(o.outputs[0].logprobs) == len(o.outputs[0].token_ids)
