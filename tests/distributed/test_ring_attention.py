@@ -114,3 +114,26 @@ def test_zigzag_balances_causal_work():
     flat = [causal_pairs(pos[r * n // ranks:(r + 1) * n // ranks], pos) for r in range(ranks)]
     assert sum(zig) == sum(flat) == n * (n + 1) // 2
     assert max(zig) * ranks / sum(zig) < 1.01 and max(flat) * ranks / sum(flat) > 1.7
+
+
+LATENT = 24  # latent attention's cached vector: keys and values at once
+
+
+def latent_ring_on_rank(comm) -> tuple:
+    g = torch.Generator().manual_seed(3)
+    q, kv = torch.randn(37, H, LATENT, generator=g), torch.randn(37, 1, LATENT, generator=g)
+    idx = zigzag_index(37, comm.size, comm.rank)
+    keys = kv[idx]
+    out, _ = ring_attention(comm, q[idx], keys, keys, idx, idx, SCALE)  # the same tensor as values
+    return idx, out, comm.traffic_report()["ring"]["MB"]
+
+
+def test_latent_ring_ships_each_block_once():
+    """Values that are the keys travel once: a hop's bytes are the latent rows and positions."""
+    per_rank = run_ranks(latent_ring_on_rank, 2)
+    g = torch.Generator().manual_seed(3)
+    q, kv = torch.randn(37, H, LATENT, generator=g), torch.randn(37, 1, LATENT, generator=g)
+    want = reference(q, kv, kv)
+    for idx, out, mb in per_rank:
+        torch.testing.assert_close(out, want[idx], rtol=1e-5, atol=1e-5)
+        assert round(mb * 1e6) == len(idx) * (LATENT * 4 + 8)  # its own block, sent on the one hop
