@@ -105,3 +105,17 @@ def test_no_prefix_cache_flag(tiny_model):
         while core.has_unfinished():
             core.step()
         assert r.num_cached_tokens == 0
+
+
+@pytest.mark.parametrize("arch", ["deepseek_v2", "deepseek_v3"])
+def test_latent_prefill_decompressed(tiny_model, arch, monkeypatch):
+    """SDPA prefill (not batch-invariant) decompresses K/V from the latents: whole chunks, later
+    chunks over cached context (7-token budget), still equal to transformers."""
+    from shardserve.layers.latent_attention import LatentAttention
+
+    calls = []
+    prefill = LatentAttention._prefill
+    monkeypatch.setattr(LatentAttention, "_prefill", lambda self, *a: calls.append(a[-1].kv_slots is None)
+                        or prefill(self, *a))
+    check(tiny_model, arch, batch_invariant=False, max_num_batched_tokens=7)
+    assert True in calls and False in calls  # chunks alone and chunks over earlier context

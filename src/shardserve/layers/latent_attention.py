@@ -11,8 +11,13 @@ V are never decompressed: for head h,
 so attention is multi-query attention over [c | k_rope] with the query [W_uk^T q_nope | q_rope],
 the values being the cached vectors themselves (their rotary tail is dropped from the output),
 then W_uv per head. Every attention path (SDPA, the CPU paged kernel, ring attention) takes it
-as it is. The cost: prefill scores run over kv_lora_rank + rope dims per head instead of
-qk_nope + rope (the README measures where that matters).
+as it is, and decodes always run so.
+
+A prefill chunk run by SDPA (not the batch-invariant paged path, which must be a decode's
+arithmetic) is cheaper decompressed, as SGLang and vLLM prefill: its context's latents (fresh, or
+gathered from the cache) go through W_uk and W_uv once, then ordinary causal attention with
+qk_nope + rope dims per head scores and v dims values, instead of kv_lora_rank + rope for both
+(the README measures it).
 
 Under tensor parallelism the query heads split as usual; every rank computes and caches the
 whole latent (it is one head, replicated): that duplication is what data-parallel attention
@@ -21,10 +26,14 @@ removes.
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from shardserve.attention.context import ContextAttention, ContextMetadata
+from shardserve.attention.metadata import AttentionMetadata, PrefillChunk
 from shardserve.attention.torch_backend import TorchAttention
 from shardserve.distributed.communicator import Communicator
 from shardserve.layers.attention import ForwardContext
@@ -90,7 +99,8 @@ class LatentAttention(nn.Module):
                                             dtype, device)
         self.o_proj = RowParallelLinear(cfg.num_heads * self.vd, cfg.hidden_size, cfg.attention_bias, comm, dtype,
                                         device, in_range=heads(self.vd))
-        scale = qk**-0.5 * (cfg.rope_scaling.softmax_scale_factor if cfg.rope_scaling is not None else 1.0)
+        self.scale = scale = qk**-0.5 * (cfg.rope_scaling.softmax_scale_factor if cfg.rope_scaling is not None
+                                         else 1.0)
         width = self.lora + self.rope
         self.backend = TorchAttention(self.h, 1, width, scale, shard.kv_of_q, device)
         self.context = ContextAttention(width, scale, self.backend.kv_index)
@@ -113,8 +123,32 @@ class LatentAttention(nn.Module):
         query = torch.cat((q_latent, q_rope), dim=-1)
         key = torch.cat((latent.unsqueeze(1), k_rope), dim=-1)  # [t, 1, lora + rope]: what is cached
         cache, _ = ctx.kv_caches[self.layer_idx]
-        backend = self.context if isinstance(ctx.attn, ContextMetadata) else self.backend
+        meta, backend = ctx.attn, self.context if isinstance(ctx.attn, ContextMetadata) else self.backend
+        decompress = isinstance(meta, AttentionMetadata) and meta.paged_prefill is None and bool(meta.prefills)
+        if decompress:  # the backend writes every row's cache and runs the decodes only
+            meta = dataclasses.replace(meta, prefills=[])
         # Values are the cached vectors themselves: the same tensor is passed as both.
-        o = backend.forward(query, key, key, cache, cache, ctx.attn)[..., : self.lora]
-        o = torch.bmm(o.transpose(0, 1), self.kv_b_proj.w_uv.transpose(1, 2))  # [h, t, v]
-        return self.o_proj(o.transpose(0, 1).reshape(t, self.h * self.vd))
+        o = backend.forward(query, key, key, cache, cache, meta)[..., : self.lora]
+        o = torch.bmm(o.transpose(0, 1), self.kv_b_proj.w_uv.transpose(1, 2)).transpose(0, 1)  # [t, h, v]
+        if decompress:
+            for c in ctx.attn.prefills:
+                rows = slice(c.start, c.start + c.q_len)
+                o[rows] = self._prefill(q_nope[rows], q_rope[rows], key[rows, 0], cache, c)
+        return self.o_proj(o.reshape(t, self.h * self.vd))
+
+    def _prefill(self, q_nope: torch.Tensor, q_rope: torch.Tensor, fresh: torch.Tensor, cache: torch.Tensor,
+                 c: PrefillChunk) -> torch.Tensor:
+        """One chunk's attention with K and V decompressed from its context's latents: [q, h, v]."""
+        ctx = fresh if c.kv_slots is None else cache.index_select(0, c.kv_slots.reshape(-1))[:, 0]  # [s, lora + rope]
+        latent, k_rope = ctx.split([self.lora, self.rope], -1)
+        k_nope = torch.einsum("sc,hnc->hsn", latent, self.kv_b_proj.w_uk)
+        v = torch.einsum("sc,hvc->hsv", latent, self.kv_b_proj.w_uv)
+        k = torch.cat((k_nope, k_rope.unsqueeze(0).expand(self.h, -1, -1)), dim=-1)
+        q = torch.cat((q_nope, q_rope), dim=-1).transpose(0, 1)  # [h, q, nope + rope]
+        # Values padded to the keys' width: SDPA's CPU flash kernel wants them equal (it falls to
+        # the math path, scores materialised, otherwise: 6x slower at 2,048 tokens). And 4-D
+        # inputs: 3-D ones take the math path too.
+        v = F.pad(v, (0, k.shape[-1] - self.vd)) if k.shape[-1] > self.vd else v
+        o = F.scaled_dot_product_attention(q[None], k[None], v[None], attn_mask=c.mask, is_causal=c.mask is None,
+                                           scale=self.scale)
+        return o[0, ..., : self.vd].transpose(0, 1)
