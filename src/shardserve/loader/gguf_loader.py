@@ -154,6 +154,8 @@ def _config_from_reader(reader: GGUFReader) -> dict:
     if (scaling := _rope_scaling(reader, arch)) is not None:
         config["rope_scaling"] = scaling
     config.update(_moe_config(reader, arch))
+    if arch == "llama" and config.get("num_experts"):  # llama.cpp writes Mixtral as llama with experts
+        config.update(architectures=["MixtralForCausalLM"], model_type="mixtral")
     if arch == "deepseek2":
         def value(suffix: str) -> Any:
             return _field_value(reader, f"{arch}.{suffix}")
@@ -202,7 +204,7 @@ def _unpermute_llama_rope_rows(weight: torch.Tensor, n_heads: int) -> torch.Tens
 
 def _llama_rope_heads(config: dict, stem: str) -> int | None:
     """Head count whose rows to un-permute for this llama tensor, or None if not Q/K."""
-    if config["model_type"] != "llama":
+    if config["model_type"] not in ("llama", "mixtral"):  # the ones llama.cpp converts as llama
         return None
     if stem == "attn_q":
         return config["num_attention_heads"]

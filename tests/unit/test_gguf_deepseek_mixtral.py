@@ -1,7 +1,8 @@
 """GGUF's deepseek2 architecture round trip: the tiny DeepSeek-V3 and V2 written as llama.cpp's
 converter lays them out (V3 the current way: MLA key lengths and kv_b_proj split into a
 transposed k_b and v_b; V2 the older way: per-head key lengths and kv_b whole), read back by the
-engine: greedy tokens equal to transformers', logits within 1e-4."""
+engine: greedy tokens equal to transformers', logits within 1e-4. And Mixtral, which llama.cpp
+writes as `llama` with stacked experts."""
 
 from __future__ import annotations
 
@@ -101,6 +102,49 @@ def test_deepseek2_gguf_matches_transformers(tiny_model, tmp_path, arch, split):
     write_deepseek2(model, path, split)
     got, want = ModelConfig.from_dict(read_gguf_config(path)), ModelConfig.from_dir(hf_path)
     assert got.rms_norm_eps == pytest.approx(want.rms_norm_eps)  # GGUF keeps it as float32
+    assert dataclasses.replace(got, rms_norm_eps=want.rms_norm_eps) == want
+    batch = prompts(model.config.vocab_size)
+    tokens, logits, _ = run_engine(path, batch)
+    for p, toks, lg in zip(batch, tokens, logits):
+        ref_tokens, ref_logits = hf_reference(model, p)
+        assert toks == ref_tokens
+        torch.testing.assert_close(lg, ref_logits, atol=1e-4, rtol=1e-4)
+
+
+def _permute(w: np.ndarray, heads: int) -> np.ndarray:
+    """llama.cpp's rotary row order for llama-architecture q/k."""
+    return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def test_mixtral_gguf_matches_transformers(tiny_model, tmp_path):
+    """llama.cpp writes Mixtral as `llama` with stacked experts (and q/k rows permuted)."""
+    from gguf_util import gguf_writer
+
+    hf_path, model = tiny_model("mixtral")
+    cfg, sd = model.config, {k: v.numpy() for k, v in model.state_dict().items()}
+    path = str(tmp_path / "mixtral.gguf")
+    w = gguf_writer(path, "llama", cfg)
+    w.add_expert_count(cfg.num_local_experts)
+    w.add_expert_used_count(cfg.num_experts_per_tok)
+    w.add_tensor("token_embd.weight", sd["model.embed_tokens.weight"])
+    w.add_tensor("output_norm.weight", sd["model.norm.weight"])
+    w.add_tensor("output.weight", sd["lm_head.weight"])
+    for i in range(cfg.num_hidden_layers):
+        pre = f"model.layers.{i}."
+        w.add_tensor(f"blk.{i}.attn_norm.weight", sd[f"{pre}input_layernorm.weight"])
+        w.add_tensor(f"blk.{i}.ffn_norm.weight", sd[f"{pre}post_attention_layernorm.weight"])
+        w.add_tensor(f"blk.{i}.attn_q.weight", _permute(sd[f"{pre}self_attn.q_proj.weight"], cfg.num_attention_heads))
+        w.add_tensor(f"blk.{i}.attn_k.weight", _permute(sd[f"{pre}self_attn.k_proj.weight"], cfg.num_key_value_heads))
+        w.add_tensor(f"blk.{i}.attn_v.weight", sd[f"{pre}self_attn.v_proj.weight"])
+        w.add_tensor(f"blk.{i}.attn_output.weight", sd[f"{pre}self_attn.o_proj.weight"])
+        moe = f"{pre}mlp."  # (in memory; the saved file says block_sparse_moe)
+        w.add_tensor(f"blk.{i}.ffn_gate_inp.weight", sd[f"{moe}gate.weight"])
+        inter, gate_up = cfg.intermediate_size, sd[f"{moe}experts.gate_up_proj"]
+        w.add_tensor(f"blk.{i}.ffn_gate_exps.weight", np.ascontiguousarray(gate_up[:, :inter]))
+        w.add_tensor(f"blk.{i}.ffn_up_exps.weight", np.ascontiguousarray(gate_up[:, inter:]))
+        w.add_tensor(f"blk.{i}.ffn_down_exps.weight", sd[f"{moe}experts.down_proj"])
+    finish(w)
+    got, want = ModelConfig.from_dict(read_gguf_config(path)), ModelConfig.from_dir(hf_path)
     assert dataclasses.replace(got, rms_norm_eps=want.rms_norm_eps) == want
     batch = prompts(model.config.vocab_size)
     tokens, logits, _ = run_engine(path, batch)
