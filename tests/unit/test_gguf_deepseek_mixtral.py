@@ -12,7 +12,7 @@ import gguf
 import numpy as np
 import pytest
 import torch
-from gguf_util import finish
+from gguf_util import finish, gguf_writer
 from test_equivalence import hf_reference, prompts, run_engine
 
 from shardserve.config import ModelConfig
@@ -28,27 +28,18 @@ LAYER = {"attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
 
 def write_deepseek2(model, path: str, split_kv_b: bool) -> None:
     cfg, sd = model.config, {k: v.numpy() for k, v in model.state_dict().items()}
-    w = gguf.GGUFWriter(path, "deepseek2")
-    w.add_block_count(cfg.num_hidden_layers)
-    w.add_context_length(cfg.max_position_embeddings)
-    w.add_embedding_length(cfg.hidden_size)
-    w.add_feed_forward_length(cfg.intermediate_size)
-    w.add_head_count(cfg.num_attention_heads)
-    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
-    w.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
-    w.add_vocab_size(cfg.vocab_size)
+    # Split kv_b: multi-query attention over the latent (one KV head), per-head sizes apart.
+    w = gguf_writer(path, "deepseek2", cfg, kv_heads=1 if split_kv_b else None)
     w.add_rope_dimension_count(cfg.qk_rope_head_dim)
     w.add_kv_lora_rank(cfg.kv_lora_rank)
     if cfg.q_lora_rank:
         w.add_q_lora_rank(cfg.q_lora_rank)
-    if split_kv_b:  # multi-query attention over the latent, per-head sizes apart
-        w.add_head_count_kv(1)
+    if split_kv_b:
         w.add_key_length(cfg.kv_lora_rank + cfg.qk_rope_head_dim)
         w.add_value_length(cfg.kv_lora_rank)
         w.add_key_length_mla(cfg.qk_nope_head_dim + cfg.qk_rope_head_dim)
         w.add_value_length_mla(cfg.v_head_dim)
     else:
-        w.add_head_count_kv(cfg.num_attention_heads)
         w.add_key_length(cfg.qk_nope_head_dim + cfg.qk_rope_head_dim)
         w.add_value_length(cfg.v_head_dim)
     w.add_leading_dense_block_count(cfg.first_k_dense_replace)
@@ -95,11 +86,8 @@ def write_deepseek2(model, path: str, split_kv_b: bool) -> None:
     finish(w)
 
 
-@pytest.mark.parametrize("arch,split", [("deepseek_v3", True), ("deepseek_v2", False)])
-def test_deepseek2_gguf_matches_transformers(tiny_model, tmp_path, arch, split):
-    hf_path, model = tiny_model(arch)
-    path = str(tmp_path / f"{arch}.gguf")
-    write_deepseek2(model, path, split)
+def assert_round_trip(path: str, hf_path: str, model) -> None:
+    """The file reads back as the checkpoint's config, and the engine on it equals transformers."""
     got, want = ModelConfig.from_dict(read_gguf_config(path)), ModelConfig.from_dir(hf_path)
     assert got.rms_norm_eps == pytest.approx(want.rms_norm_eps)  # GGUF keeps it as float32
     assert dataclasses.replace(got, rms_norm_eps=want.rms_norm_eps) == want
@@ -111,6 +99,14 @@ def test_deepseek2_gguf_matches_transformers(tiny_model, tmp_path, arch, split):
         torch.testing.assert_close(lg, ref_logits, atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.parametrize("arch,split", [("deepseek_v3", True), ("deepseek_v2", False)])
+def test_deepseek2_gguf_matches_transformers(tiny_model, tmp_path, arch, split):
+    hf_path, model = tiny_model(arch)
+    path = str(tmp_path / f"{arch}.gguf")
+    write_deepseek2(model, path, split)
+    assert_round_trip(path, hf_path, model)
+
+
 def _permute(w: np.ndarray, heads: int) -> np.ndarray:
     """llama.cpp's rotary row order for llama-architecture q/k."""
     return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
@@ -118,8 +114,6 @@ def _permute(w: np.ndarray, heads: int) -> np.ndarray:
 
 def test_mixtral_gguf_matches_transformers(tiny_model, tmp_path):
     """llama.cpp writes Mixtral as `llama` with stacked experts (and q/k rows permuted)."""
-    from gguf_util import gguf_writer
-
     hf_path, model = tiny_model("mixtral")
     cfg, sd = model.config, {k: v.numpy() for k, v in model.state_dict().items()}
     path = str(tmp_path / "mixtral.gguf")
@@ -144,11 +138,4 @@ def test_mixtral_gguf_matches_transformers(tiny_model, tmp_path):
         w.add_tensor(f"blk.{i}.ffn_up_exps.weight", np.ascontiguousarray(gate_up[:, inter:]))
         w.add_tensor(f"blk.{i}.ffn_down_exps.weight", sd[f"{moe}experts.down_proj"])
     finish(w)
-    got, want = ModelConfig.from_dict(read_gguf_config(path)), ModelConfig.from_dir(hf_path)
-    assert dataclasses.replace(got, rms_norm_eps=want.rms_norm_eps) == want
-    batch = prompts(model.config.vocab_size)
-    tokens, logits, _ = run_engine(path, batch)
-    for p, toks, lg in zip(batch, tokens, logits):
-        ref_tokens, ref_logits = hf_reference(model, p)
-        assert toks == ref_tokens
-        torch.testing.assert_close(lg, ref_logits, atol=1e-4, rtol=1e-4)
+    assert_round_trip(path, hf_path, model)
