@@ -129,6 +129,7 @@ class ModelConfig:
         archs = d.get("architectures") or []
         if not archs:
             raise ValueError("config.json has no 'architectures' entry")
+        d = _HF_DEFAULTS.get(d.get("model_type", ""), {}) | d
         _refuse_unimplemented(d)
         heads = int(d["num_attention_heads"])
         hidden = int(d["hidden_size"])
@@ -227,11 +228,23 @@ def _sliding_window(d: dict[str, Any]) -> int | None:
     return int(window) if window and d.get("use_sliding_window", True) else None
 
 
+# What transformers' config classes assume for a key a config.json leaves out, where it changes
+# the arithmetic (a trimmed DeepSeek config must route as transformers would, not as 1 group).
+_HF_DEFAULTS: dict[str, dict[str, Any]] = {
+    "deepseek_v2": dict(first_k_dense_replace=0, q_lora_rank=1536, n_shared_experts=2, routed_scaling_factor=1.0,
+                        topk_method="greedy", norm_topk_prob=False, n_routed_experts=64),
+    "deepseek_v3": dict(first_k_dense_replace=3, q_lora_rank=1536, n_shared_experts=1, routed_scaling_factor=2.5,
+                        n_group=8, topk_group=4, norm_topk_prob=True, n_routed_experts=256),
+}
+
 # (field, the values the engine implements) for every model type; checked before anything else.
 _IMPLEMENTED: dict[str, list[tuple[str, tuple]]] = {
     "": [("hidden_act", (None, "silu")), ("quantization_config", (None,))],
+    # transformers' V2 never renormalises and always rotates interleaved pairs, DeepSeek's own code
+    # would do as these say: two readings of one checkpoint, so neither is guessed.
     "deepseek_v2": [("topk_method", (None, "greedy", "group_limited_greedy")), ("scoring_func", (None, "softmax")),
-                    ("moe_layer_freq", (None, 1))],
+                    ("moe_layer_freq", (None, 1)), ("norm_topk_prob", (None, False)),
+                    ("rope_interleave", (None, True))],
     "deepseek_v3": [("topk_method", (None, "noaux_tc")), ("scoring_func", (None, "sigmoid")),
                     ("moe_layer_freq", (None, 1))],
 }
@@ -259,7 +272,7 @@ def _deepseek(d: dict[str, Any], model_type: str) -> dict[str, Any]:
         router = RouterConfig("sigmoid", "top2", groups, int(d.get("topk_group") or 1),
                               bool(d.get("norm_topk_prob", True)), float(d.get("routed_scaling_factor", 1.0)), True,
                               float32=True)
-    else:  # transformers' V2 never renormalises; nor does a V2 checkpoint ask it to
+    else:  # (norm_topk_prob is refused above: transformers' V2 ignores it)
         grouped = d.get("topk_method") == "group_limited_greedy"
         router = RouterConfig("softmax", "max" if grouped else "none", groups, int(d.get("topk_group") or 1),
                               False, float(d.get("routed_scaling_factor", 1.0)), float32=True)

@@ -57,11 +57,22 @@ def test_deepseek_gate_stays_float32_in_bfloat16(tiny_model):
     ("deepseek_v3", "n_group", 3, "n_group 3 does not divide n_routed_experts 8"),
     ("mixtral", "hidden_act", "gelu", "hidden_act 'gelu'"),
     ("deepseek_v3", "quantization_config", {"quant_method": "fp8"}, "quantization_config 'fp8'"),
+    ("deepseek_v2", "norm_topk_prob", True, "norm_topk_prob True"),  # transformers ignores it, DeepSeek's code not
+    ("deepseek_v2", "rope_interleave", False, "rope_interleave False"),
 ])
 def test_unimplemented_options_are_refused_by_name(tiny_model, arch, key, value, named):
     d = config_dict(tiny_model, arch) | {key: value}
     with pytest.raises(ValueError, match=named):
         ModelConfig.from_dict(d)
+
+
+def test_left_out_deepseek_keys_take_transformers_defaults(tiny_model):
+    """A trimmed V3 config routes as transformers' class would read it (8 groups, 4 chosen, x 2.5),
+    not as one group."""
+    d = {k: v for k, v in config_dict(tiny_model, "deepseek_v3").items()
+         if k not in ("n_group", "topk_group", "routed_scaling_factor", "norm_topk_prob")}
+    router = ModelConfig.from_dict(d).router
+    assert (router.n_group, router.topk_group, router.scaling, router.renormalize) == (8, 4, 2.5, True)
 
 
 def test_mistral_sliding_window_bounds_the_context(tmp_path):

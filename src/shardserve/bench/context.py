@@ -112,13 +112,13 @@ def run_size(path: str, size: int, args: argparse.Namespace, prompt: list[int], 
     return {"tokens": list(tokens), "steps": steps, "ring": groups, "limits": limits, "runs": runs}
 
 
-def model_shape(path: str) -> tuple[int, int, int]:
-    """(layers, KV heads, head dim) from the checkpoint's config.json."""
-    with open(os.path.join(path, "config.json")) as f:
-        cfg = json.load(f)
-    heads = cfg["num_attention_heads"]
-    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
-    return cfg["num_hidden_layers"], cfg.get("num_key_value_heads", heads), head_dim
+def model_shape(path: str) -> tuple[int, int]:
+    """(layers, values of one token's ring block per layer: K and V of every KV head; latent
+    attention's one cached vector, which travels once)."""
+    from shardserve.model_config import ModelConfig
+
+    mc = ModelConfig.from_dir(path)
+    return mc.num_layers, mc.kv_values_per_token(mc.num_kv_heads, 1)
 
 
 def run_context(args: argparse.Namespace) -> int:
@@ -134,8 +134,8 @@ def run_context(args: argparse.Namespace) -> int:
             cfg["max_position_embeddings"] = max(sizes) * pages * p + p  # longer than any N's pools hold
             with open(os.path.join(path, "config.json"), "w") as f:
                 json.dump(cfg, f)
-        layers, kv_heads, head_dim = model_shape(path)
-        key_bytes = 2 * kv_heads * head_dim * itemsize + POS_BYTES
+        layers, values = model_shape(path)
+        key_bytes = values * itemsize + POS_BYTES
         g = torch.Generator().manual_seed(0)
         prompt = torch.randint(args.vocab if args.model is None else 1000, (length,), generator=g).tolist()
         first, lines = None, []

@@ -129,7 +129,8 @@ def run_latent(args: argparse.Namespace) -> int:
         path = os.path.join(tmp, "deepseek")
         latent_model(args, path)
         mc = ModelConfig.from_dir(path)
-        per_token = mc.kv_values_per_token(1, mc.num_layers) * 4
+        itemsize = torch.empty(0, dtype=getattr(torch, args.dtype)).element_size()
+        per_token = mc.kv_values_per_token(1, mc.num_layers) * itemsize
         g = torch.Generator().manual_seed(0)
         prompts = [torch.randint(args.vocab, (args.prompt_len,), generator=g).tolist() for _ in range(args.num_prompts)]
         one, first = run_layout(path, prompts, args)
@@ -142,7 +143,7 @@ def run_latent(args: argparse.Namespace) -> int:
             records[name] = rec
             print(json.dumps(rec), flush=True)
     head = LATENT["qk_nope_head_dim"] + LATENT["qk_rope_head_dim"] + LATENT["v_head_dim"]  # one head's K and V
-    mha = mc.num_layers * mc.num_heads * head * 4 // size
+    mha = mc.num_layers * mc.num_heads * head * itemsize // size
     print(json.dumps({"mode": "latent", "layout": "compare", "ranks": size,
                       "tokens_per_rank_dp_attention_over_tensor":
                           round(records["dp_attention"]["kv_tokens_per_rank"]

@@ -33,11 +33,13 @@ def check_speculative(cfg: EngineConfig, layout: Layout, ckpt: Checkpoint) -> No
     if draft_cfg.vocab_size != target_cfg.vocab_size:
         raise LayoutError(f"--speculative-model {draft.name}: its vocabulary has {draft_cfg.vocab_size} tokens, the "
                           f"target's {target_cfg.vocab_size}; a draft must share the target's tokenizer")
-    longest = min(cfg.max_model_len or target_cfg.max_position_embeddings, target_cfg.max_position_embeddings)
-    if draft_cfg.max_position_embeddings < longest:
-        raise LayoutError(f"--speculative-model {draft.name}: it takes {draft_cfg.max_position_embeddings} positions, "
-                          f"sequences here may reach {longest}; give --max-model-len "
-                          f"{draft_cfg.max_position_embeddings} or less, or a draft of the target's context length")
+    limit, draft_limit = target_cfg.context_limit[0], draft_cfg.context_limit[0]
+    longest = min(cfg.max_model_len or limit, limit)
+    if draft_limit < longest:
+        window = " (its sliding_window)" if draft_cfg.context_limit[1] != "max_position_embeddings" else ""
+        raise LayoutError(f"--speculative-model {draft.name}: it takes {draft_limit} positions{window}, sequences "
+                          f"here may reach {longest}; give --max-model-len {draft_limit} or less, or a draft of the "
+                          f"target's context length")
     if spec.draft_tp == "same":
         try:
             layout.check_model(draft_cfg.num_layers, draft_cfg.num_heads, draft_cfg.num_experts)

@@ -291,7 +291,7 @@ int paged_decode_f32(const float *q, int64_t q_stride, const float *k_cache, con
      * for many query heads: latent attention at batch 1), (block, kv head, slice of its heads).
      * Each head's arithmetic is the same whichever item computes it. */
     int64_t per_seq = nblocks < 2 * num_threads ? Hkv : 1, hparts = 1;
-    if (per_seq == Hkv && nblocks * Hkv < 2 * num_threads) {
+    if (per_seq == Hkv && nblocks > 0 && num_threads > 1 && nblocks * Hkv < 2 * num_threads) {
         hparts = (2 * num_threads + nblocks * Hkv - 1) / (nblocks * Hkv);
         if (hparts > H / Hkv) hparts = H / Hkv > 0 ? H / Hkv : 1;
     }
