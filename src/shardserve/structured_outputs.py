@@ -18,6 +18,25 @@ KINDS = ("json", "json_object", "regex", "grammar", "choice")
 # Compact JSON: flexible whitespace would let a model pad its output with blanks until max_tokens.
 JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 _MAX_MESSAGE = 300
+# An integer the schema leaves unbounded gets at most 18 digits (every such value fits a 64-bit
+# integer): a small model at temperature 0 can repeat a digit until max_tokens, and then the
+# output is no JSON at all. A schema's own minimum or maximum replaces the bound.
+INTEGER_BOUND = 10**18 - 1
+_BOUNDS = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum")
+
+
+def bounded_integers(schema):
+    """`schema` with INTEGER_BOUND on each integer subschema that has no bound of its own (a copy:
+    the caller's dict is left as it is)."""
+    if isinstance(schema, list):
+        return [bounded_integers(s) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {k: bounded_integers(v) if k not in ("enum", "const", "default", "examples") else v
+           for k, v in schema.items()}
+    if schema.get("type") == "integer" and not any(b in schema for b in _BOUNDS):
+        out.update(minimum=-INTEGER_BOUND, maximum=INTEGER_BOUND)
+    return out
 
 
 @dataclass
@@ -59,7 +78,7 @@ class StructuredOutputsParams:
         """(kind, text): what the compiled grammar depends on, as a cache key. A schema keeps its
         own key order: properties are generated in the order the schema lists them."""
         if self.json is not None:
-            return "json", _json.dumps(self.json)
+            return "json", _json.dumps(bounded_integers(self.json))
         if self.json_object:
             return "json", '{"type": "object"}'
         if self.choice is not None:

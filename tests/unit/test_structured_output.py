@@ -228,3 +228,21 @@ def test_json_schema_on_latent_attention_and_mixtral(tiny_model, arch):
     for o in outs:
         check_schema(o.text)
         assert o.finish_reason == "stop" and len(o.outputs[0].logprobs) == len(o.outputs[0].token_ids)
+
+
+def test_unbounded_integer_cannot_run_away(llm, tiny_model):
+    """A schema's unbounded integer holds at most 18 digits, so a model pushed to repeat a digit
+    (logit_bias on "1") still closes the object; the schema's own bounds replace that limit."""
+    tok = load_tokenizer(resolve_checkpoint(tiny_model("llama")[0]))
+    one = tok.encode("1", add_special_tokens=False)
+    assert len(one) == 1
+    schema = {"type": "object", "properties": {"population": {"type": "integer"}}, "required": ["population"]}
+    params = SamplingParams(max_tokens=60, temperature=0, logit_bias={one[0]: 100},
+                            structured_outputs=StructuredOutputsParams(json=schema))
+    out = llm.generate(["Hello"], params, use_tqdm=False)[0]
+    assert out.finish_reason == "stop" and json.loads(out.text) == {"population": int("1" * 18)}
+    assert "minimum" not in schema["properties"]["population"]  # the caller's schema is untouched
+    own = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 10**12}}}
+    params = SamplingParams(max_tokens=60, temperature=0, logit_bias={one[0]: 100},
+                            structured_outputs=StructuredOutputsParams(json=own | {"required": ["n"]}))
+    assert json.loads(llm.generate(["Hello"], params, use_tqdm=False)[0].text) == {"n": int("1" * 12)}
