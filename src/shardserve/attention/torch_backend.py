@@ -42,7 +42,9 @@ class TorchAttention:
 
     def forward(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata) -> torch.Tensor:
         """q: [T, H, d]; k, v: [T, Hkv, d]; caches: [slots, Hkv, d]. Returns [T, H, d]. One cache
-        passed as both (latent attention: the values are the keys) is written and read once."""
+        passed as both (latent attention: the values are the keys) is written and read once. With
+        no prefill chunks in `meta`, q may hold only the decode rows (latent attention prefills
+        apart) and the result has as many."""
         k_cache.index_copy_(0, meta.slot_mapping, k)
         if v_cache is not k_cache:
             v_cache.index_copy_(0, meta.slot_mapping, v)

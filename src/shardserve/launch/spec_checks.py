@@ -33,10 +33,10 @@ def check_speculative(cfg: EngineConfig, layout: Layout, ckpt: Checkpoint) -> No
     if draft_cfg.vocab_size != target_cfg.vocab_size:
         raise LayoutError(f"--speculative-model {draft.name}: its vocabulary has {draft_cfg.vocab_size} tokens, the "
                           f"target's {target_cfg.vocab_size}; a draft must share the target's tokenizer")
-    limit, draft_limit = target_cfg.context_limit[0], draft_cfg.context_limit[0]
+    (limit, _), (draft_limit, draft_field) = target_cfg.context_limit, draft_cfg.context_limit
     longest = min(cfg.max_model_len or limit, limit)
     if draft_limit < longest:
-        window = " (its sliding_window)" if draft_cfg.context_limit[1] != "max_position_embeddings" else ""
+        window = " (its sliding_window)" if draft_field != "max_position_embeddings" else ""
         raise LayoutError(f"--speculative-model {draft.name}: it takes {draft_limit} positions{window}, sequences "
                           f"here may reach {longest}; give --max-model-len {draft_limit} or less, or a draft of the "
                           f"target's context length")

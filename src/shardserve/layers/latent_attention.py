@@ -119,17 +119,21 @@ class LatentAttention(nn.Module):
         if self.interleaved:
             q_rope, k_rope = deinterleave(q_rope), deinterleave(k_rope)
         q_rope, k_rope = apply_rotary(q_rope.contiguous(), k_rope.contiguous(), *ctx.rope)
-        q_latent = torch.bmm(q_nope.transpose(0, 1), self.kv_b_proj.w_uk).transpose(0, 1)  # [t, h, lora]
-        query = torch.cat((q_latent, q_rope), dim=-1)
-        key = torch.cat((latent.unsqueeze(1), k_rope), dim=-1)  # [t, 1, lora + rope]: what is cached
         cache, _ = ctx.kv_caches[self.layer_idx]
         meta, backend = ctx.attn, self.context if isinstance(ctx.attn, ContextMetadata) else self.backend
         decompress = isinstance(meta, AttentionMetadata) and meta.paged_prefill is None and bool(meta.prefills)
+        # The rows attended absorbed: all of them, or only the decodes when prefill decompresses (the
+        # W_uk and W_uv products of prefill rows would be thrown away).
+        n = meta.num_decode if decompress else t
+        q_latent = torch.bmm(q_nope[:n].transpose(0, 1), self.kv_b_proj.w_uk).transpose(0, 1)  # [n, h, lora]
+        query = torch.cat((q_latent, q_rope[:n]), dim=-1)
+        key = torch.cat((latent.unsqueeze(1), k_rope), dim=-1)  # [t, 1, lora + rope]: what is cached
         if decompress:  # the backend writes every row's cache and runs the decodes only
             meta = dataclasses.replace(meta, prefills=[])
         # Values are the cached vectors themselves: the same tensor is passed as both.
-        o = backend.forward(query, key, key, cache, cache, meta)[..., : self.lora]
-        o = torch.bmm(o.transpose(0, 1), self.kv_b_proj.w_uv.transpose(1, 2)).transpose(0, 1)  # [t, h, v]
+        o_latent = backend.forward(query, key, key, cache, cache, meta)[..., : self.lora]
+        o = q_nope.new_empty(t, self.h, self.vd)
+        o[:n] = torch.bmm(o_latent.transpose(0, 1), self.kv_b_proj.w_uv.transpose(1, 2)).transpose(0, 1)
         if decompress:
             for c in ctx.attn.prefills:
                 rows = slice(c.start, c.start + c.q_len)
