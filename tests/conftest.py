@@ -138,3 +138,14 @@ def close_draft(tiny_model, tmp_path_factory) -> str:
     model.save_pretrained(path)
     save_tiny_tokenizer(path, model.config.vocab_size)
     return path
+
+
+@pytest.fixture(scope="session")
+def tiny_tok(tmp_path_factory):
+    """The tiny BPE tokenizer (tiny_tokenizer.py) with its tool-use chat template."""
+    from tiny_tokenizer import save_tiny_tokenizer
+    from transformers import AutoTokenizer
+
+    path = str(tmp_path_factory.mktemp("tok"))
+    save_tiny_tokenizer(path, 301)
+    return AutoTokenizer.from_pretrained(path)

@@ -31,7 +31,9 @@ CHAT_TEMPLATE = TOOLS_TEMPLATE + (
 )
 
 
-def save_tiny_tokenizer(path: str, vocab_size: int) -> None:
+def save_tiny_tokenizer(path: str, vocab_size: int, added: list[str] | None = None) -> None:
+    """`added`: more tokens, each one token of its own text (not special: decoding keeps them), as
+    Qwen3's `<think>` is."""
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
@@ -39,6 +41,7 @@ def save_tiny_tokenizer(path: str, vocab_size: int) -> None:
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
     tok.train_from_iterator(CORPUS, trainer)
     assert tok.get_vocab_size() <= vocab_size
+    tok.add_tokens(added or [])
     # No eos token: random tiny models would stop at random places; tests set stops explicitly.
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, chat_template=CHAT_TEMPLATE)
     fast.save_pretrained(path)

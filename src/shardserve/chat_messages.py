@@ -55,6 +55,29 @@ def render_chat(tok, messages: list[dict], tools: list[dict] | None = None, opti
     return text
 
 
+def template_facts(tok) -> dict:
+    """What the server reads about the model's chat template at start (the tokenizer worker reports
+    it): the template's text, from which it tells the tool-call format, and whether the template
+    shows tool definitions at all."""
+    template = getattr(tok, "chat_template", None) if tok is not None else None
+    if isinstance(template, dict):  # named templates: the default one renders chats
+        template = template.get("default") or next(iter(template.values()), None)
+    if not template:
+        return {"chat_template": "", "renders_tools": False, "prompt_end": ""}
+    probe = [{"role": "user", "content": "hi"}]
+    tool = [{"type": "function", "function": {"name": "shardserve_probe", "description": "probe",
+                                              "parameters": {"type": "object", "properties": {}}}}]
+    try:
+        renders = "shardserve_probe" in render_chat(tok, probe, tool)
+    except Exception:  # a template that fails on tools does not render them
+        renders = False
+    try:  # how a prompt ends where the model's answer begins (a thinking template opens <think> there)
+        prompt_end = render_chat(tok, probe)[-64:]
+    except Exception:  # a template that cannot render a plain chat fails each request, saying why
+        prompt_end = ""
+    return {"chat_template": template, "renders_tools": renders, "prompt_end": prompt_end}
+
+
 class ChatMessageError(ValueError):
     """A message the chat template cannot be given; `param` names it (e.g. messages.1.content)."""
 

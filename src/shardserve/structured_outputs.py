@@ -42,13 +42,21 @@ def bounded_integers(schema):
 @dataclass
 class StructuredOutputsParams:
     """Set exactly one field. `json`: a JSON schema (a dict or its JSON text); `json_object`: True
-    for any JSON object; `regex`; `grammar` (GBNF/EBNF, or Lark); `choice`: one of these strings."""
+    for any JSON object; `regex`; `grammar` (GBNF/EBNF, or Lark); `choice`: one of these strings.
+
+    `thinking` (set by the server for a reasoning model, as vLLM applies structured outputs after
+    the reasoning): "opened", the output begins inside a thinking section that runs free up to
+    `</think>`; "optional", it may begin with a free `<think>...</think>`; the spec holds after it.
+    `thinking_tokens`: the tags are tokens of their own (Qwen3's, R1's), which a grammar names as
+    tokens, not text (the tokenizer worker sets it; see THINKING)."""
 
     json: dict | str | None = None
     json_object: bool | None = None
     regex: str | None = None
     grammar: str | None = None
     choice: list[str] | None = None
+    thinking: str | None = None
+    thinking_tokens: bool = False
 
     def __post_init__(self) -> None:
         given = [k for k in KINDS if getattr(self, k) not in (None, False)]
@@ -72,25 +80,37 @@ class StructuredOutputsParams:
         if choice is not None and not (isinstance(choice, list) and choice and all(isinstance(c, str) and c
                                                                                     for c in choice)):
             raise ValueError("SamplingParams.structured_outputs.choice must be a list of non-empty strings")
+        if self.thinking not in THINKING or "-" in (self.thinking or ""):
+            raise ValueError("SamplingParams.structured_outputs.thinking must be None, 'opened' or 'optional'")
         grammar_of(*self.key())  # compiles (cached) or raises
 
-    def key(self) -> tuple[str, str]:
-        """(kind, text): what the compiled grammar depends on, as a cache key. A schema keeps its
-        own key order: properties are generated in the order the schema lists them."""
+    def key(self) -> tuple[str, str, str | None]:
+        """(kind, text, how thinking precedes it): what the compiled grammar depends on, as a cache key. A schema
+        keeps its own key order: properties are generated in the order the schema lists them."""
         if self.json is not None:
-            return "json", _json.dumps(bounded_integers(self.json))
-        if self.json_object:
-            return "json", '{"type": "object"}'
-        if self.choice is not None:
-            return "choice", _json.dumps(self.choice)
-        return ("regex", self.regex) if self.regex is not None else ("grammar", self.grammar)
+            kind, text = "json", _json.dumps(bounded_integers(self.json))
+        elif self.json_object:
+            kind, text = "json", '{"type": "object"}'
+        elif self.choice is not None:
+            kind, text = "choice", _json.dumps(self.choice)
+        else:
+            kind, text = ("regex", self.regex) if self.regex is not None else ("grammar", self.grammar)
+        return kind, text, (f"{self.thinking}-tokens" if self.thinking_tokens else self.thinking)
 
     def describe(self) -> str:
         return next(k for k in KINDS if getattr(self, k) not in (None, False))
 
 
+# The thinking before the answer: where the tags are text, a lazy lexeme (it ends at the first
+# `</think>`); where they are tokens (llguidance keeps added tokens out of text lexemes), by name.
+THINKING = {None: None, "opened": 'start: thought @answer\nthought[lazy]: /(.|\\n)*<\\/think>/',
+            "optional": 'start: thought? @answer\nthought[lazy]: /<think>(.|\\n)*<\\/think>/',
+            "opened-tokens": 'start: thought @answer\nthought: TEXT </think>\nTEXT: /(.|\\n)*/',
+            "optional-tokens": 'start: thought? @answer\nthought: <think> TEXT </think>\nTEXT: /(.|\\n)*/'}
+
+
 @lru_cache(maxsize=256)
-def grammar_of(kind: str, text: str) -> str:
+def grammar_of(kind: str, text: str, thinking: str | None = None) -> str:
     """The llguidance grammar for one spec, checked (tokenizer-independent checks: syntax, schema
     features, references); ValueError with a one-line message when it cannot be compiled."""
     from llguidance import LLMatcher, grammar_from
@@ -103,12 +123,23 @@ def grammar_of(kind: str, text: str) -> str:
             grammar = LLMatcher.grammar_from_lark("start: " + " | ".join(_json.dumps(c) for c in _json.loads(text)))
         else:
             grammar = grammar_from(kind, text)
+        if thinking is not None:
+            grammar = _after_thinking(grammar, THINKING[thinking])
         is_error, messages = LLMatcher.validate_grammar_with_warnings(grammar)
     except (ValueError, TypeError, RuntimeError) as e:
         is_error, messages = True, [str(e)]
     if is_error:
         raise ValueError(f"SamplingParams.structured_outputs: invalid {what}: {one_line(messages[0])}")
     return grammar
+
+
+def _after_thinking(grammar: str, lark: str) -> str:
+    """`grammar` (one llguidance grammar) preceded by the thinking that `lark` allows."""
+    inner = _json.loads(grammar)
+    if len(inner["grammars"]) != 1:  # references between grammars would shift
+        raise ValueError("a spec of several grammars cannot follow a model's thinking")
+    inner["grammars"][0]["name"] = "answer"
+    return _json.dumps({**inner, "grammars": [{"lark_grammar": lark}] + inner["grammars"]})
 
 
 def one_line(message: str) -> str:

@@ -38,8 +38,8 @@ def server(tmp_path_factory):
     AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).save_pretrained(path)
     save_tiny_tokenizer(path, 301)
     log = str(tmp_path_factory.mktemp("logs") / "server.log")
-    server = Server("--model", path, "--tool-call-parser", "hermes", "--num-pages", "512", "--page-size", "16",
-                    log_path=log)
+    # No --tool-call-parser: the chat template's <tool_call> tags name the hermes format.
+    server = Server("--model", path, "--num-pages", "512", "--page-size", "16", log_path=log)
     server.model_path = path
     yield server
     code, left = server.stop()
@@ -131,6 +131,10 @@ def test_required_is_enforced_at_temperature_1(client):
             else:
                 assert call.function.name == "now" and json.loads(call.function.arguments) == {}
     assert seen
+
+
+def test_the_format_comes_from_the_chat_template(server):
+    assert "the chat template names the hermes format, so --tool-call-parser hermes is used" in server.read_log()
 
 
 def test_auto_and_none(client, tok, server):

@@ -157,16 +157,6 @@ def test_random_outputs_never_crash_and_stream_the_same_for_every_split(kind):
             assert stream(parser, pieces)[:2] == first, (text, pieces)
 
 
-@pytest.fixture(scope="module")
-def tiny_tok(tmp_path_factory):
-    from tiny_tokenizer import save_tiny_tokenizer
-    from transformers import AutoTokenizer
-
-    path = str(tmp_path_factory.mktemp("tok"))
-    save_tiny_tokenizer(path, 301)
-    return AutoTokenizer.from_pretrained(path)
-
-
 TOOLS = [{"name": "get_weather", "parameters": {"type": "object", "properties": {"city": {"enum": ["Paris", "Rome"]}},
                                                 "required": ["city"]}},
          {"name": "now"}]
@@ -218,6 +208,14 @@ def chat_request(**fields):
     return ChatRequest(messages=[{"role": "user", "content": "hi"}], **fields)
 
 
+def tool_use(body, parser: str | None, detected: str | None = None, renders_tools: bool = True):
+    """What the chat request's tool fields ask for, on a server started with --tool-call-parser `parser`
+    whose chat template names `detected`."""
+    from shardserve.server.tools import ToolFormat, chat_tool_use
+
+    return chat_tool_use(body, ToolFormat(parser, detected, renders_tools))
+
+
 OPENAI_TOOLS = [{"type": "function", "function": f} for f in TOOLS]
 
 
@@ -230,7 +228,6 @@ OPENAI_TOOLS = [{"type": "function", "function": f} for f in TOOLS]
 ])
 def test_tool_requests_refused(fields, parser, param, says):
     from shardserve.server.errors import APIError
-    from shardserve.server.tools import tool_use
 
     with pytest.raises(APIError) as e:
         tool_use(chat_request(**fields), parser)
@@ -239,7 +236,6 @@ def test_tool_requests_refused(fields, parser, param, says):
 
 def test_tool_choice_modes():
     from shardserve.core import SamplingParams
-    from shardserve.server.tools import tool_use
 
     assert tool_use(chat_request(), None).parser is None
     none = tool_use(chat_request(tools=OPENAI_TOOLS, tool_choice="none"), None)  # no parser needed
@@ -266,10 +262,50 @@ def test_tool_choice_modes():
         [{**TOOLS[0], "strict": True}], text=True)
 
 
+def test_forced_calls_need_no_parser_and_the_template_names_one():
+    """'required' and named calls are a grammar's, so they serve without --tool-call-parser (in the hermes format
+    unless the template names another); 'auto' reads calls back with the flag's parser, else the template's."""
+    from shardserve.server.tools import ToolFormat
+
+    required = tool_use(chat_request(tools=OPENAI_TOOLS, tool_choice="required"), None)
+    assert required.grammar == get_parser("hermes").grammar(TOOLS, parallel=True) and required.tools == OPENAI_TOOLS
+    assert required.message('<tool_call>\n{"name": "now", "arguments": {}}\n</tool_call>')[1]
+    named = tool_use(chat_request(tools=OPENAI_TOOLS, tool_choice={"type": "function", "function": {"name": "now"}}),
+                     None, detected="llama3_json")
+    assert named.grammar == get_parser("llama3_json").grammar([TOOLS[1]], parallel=False)
+    assert tool_use(chat_request(tools=OPENAI_TOOLS), None, detected="hermes").parser is get_parser("hermes")
+    assert tool_use(chat_request(tools=OPENAI_TOOLS), "llama3_json", detected="hermes").parser is get_parser(
+        "llama3_json")  # the flag wins
+    # A template that cannot show tools: forced calls go on without showing them; 'auto' sends them (the
+    # tokenizer refuses them, naming tools, as test_template_without_tools_is_refused shows).
+    unseen = tool_use(chat_request(tools=OPENAI_TOOLS, tool_choice="required"), None, renders_tools=False)
+    assert unseen.tools is None and unseen.grammar == required.grammar
+    assert tool_use(chat_request(tools=OPENAI_TOOLS), "hermes", renders_tools=False).tools == OPENAI_TOOLS
+    qwen = "{%- if tools %}<tools>{{ tools }}</tools> answer in <tool_call></tool_call>{%- endif %}"
+    llama = "{%- if tools %}{{ tools }}{%- endif %}<|start_header_id|>ipython<|end_header_id|><|python_tag|>"
+    assert ToolFormat.of(None, qwen, True).parser == "hermes"
+    assert ToolFormat.of(None, llama, True).parser == "llama3_json"
+    assert ToolFormat.of(None, "{{ messages }}", False).parser is None
+    assert ToolFormat.of("llama3_json", qwen, True).parser == "llama3_json"
+
+
+def test_template_facts(tiny_tok):
+    from shardserve.chat_messages import template_facts
+
+    facts = template_facts(tiny_tok)
+    assert facts["renders_tools"] and "<tool_call>" in facts["chat_template"]
+    tiny_tok.chat_template, saved = "{% for m in messages %}{{ m['content'] }}{% endfor %}", tiny_tok.chat_template
+    try:
+        assert template_facts(tiny_tok) == {"chat_template": tiny_tok.chat_template, "renders_tools": False,
+                                            "prompt_end": "hi"}
+    finally:
+        tiny_tok.chat_template = saved
+    assert template_facts(None) == {"chat_template": "", "renders_tools": False, "prompt_end": ""}
+
+
 def test_tool_grammar_conflicts_and_bad_schemas():
     from shardserve.core import SamplingParams
     from shardserve.server.errors import APIError
-    from shardserve.server.tools import tool_use
     from shardserve.structured_outputs import StructuredOutputsParams
 
     required = tool_use(chat_request(tools=OPENAI_TOOLS, tool_choice="required"), "hermes")

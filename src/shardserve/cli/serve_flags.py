@@ -8,6 +8,7 @@ import os
 from shardserve.cli.flags import non_negative_int, port_number, positive_float, positive_int
 from shardserve.config import DISAGGREGATION_MODES
 from shardserve.openai_errors import API_KEY_ENV
+from shardserve.server.reasoning import PARSERS as REASONING_PARSERS
 from shardserve.server.tool_parsers import PARSERS
 
 
@@ -31,7 +32,11 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-stop-length", type=positive_int, default=256, help="longest stop string, in characters")
     g.add_argument("--tool-call-parser", choices=sorted(PARSERS), default=None,
                    help="how the model writes tool calls (hermes: Hermes/Qwen <tool_call> tags; llama3_json: Llama "
-                        "3's JSON); chat requests with tools need one")
+                        "3's JSON); default: the one the chat template names, if any. 'auto' tool choice needs "
+                        "one; 'required' and named functions are enforced by grammar without")
+    g.add_argument("--reasoning-parser", choices=REASONING_PARSERS, default=None,
+                   help="split a thinking model's <think>...</think> off its answer (qwen3, deepseek_r1): "
+                        "reasoning_content on chat, reasoning items on responses, thinking blocks on messages")
     g.add_argument("--trust-request-chat-template", action="store_true",
                    help="run a chat_template that a request sends (a template that loops stalls a tokenizer "
                         "worker, so only trusted clients should reach a server started with this)")

@@ -22,7 +22,9 @@ from shardserve.server.protocol import (
     TokenizeRequest,
     error_body,
 )
+from shardserve.server.reasoning import Reasoning
 from shardserve.server.request_params import chat_options, template_fields_given
+from shardserve.server.tools import ToolFormat
 
 log = logging.getLogger(__name__)
 
@@ -44,7 +46,8 @@ class ServerState:
     max_stop_strings: int = 16
     max_stop_length: int = 256  # characters per stop string
     vocab_size: int | None = None  # logit_bias ids are checked against it (the engine checks again)
-    tool_call_parser: str | None = None  # --tool-call-parser: how the model's tool calls are read back
+    tool_format: ToolFormat = field(default_factory=ToolFormat)  # how the model's tool calls are read back
+    reasoning: Reasoning = field(default_factory=Reasoning)  # --reasoning-parser: thinking split off the answer
     # --trust-request-chat-template: a request's own Jinja template runs in a tokenizer worker, and one
     # that loops would stall it, so (as in vLLM) only a server started with this flag runs them.
     trust_request_chat_template: bool = False

@@ -37,6 +37,8 @@ from shardserve.router.replicas import router_child
 from shardserve.server.app import ServerState, build_app
 from shardserve.server.client import EngineClient
 from shardserve.server.metrics import Metrics
+from shardserve.server.reasoning import Reasoning
+from shardserve.server.tools import ToolFormat
 
 log = logging.getLogger("shardserve.launch")
 
@@ -81,7 +83,8 @@ def serve(args: argparse.Namespace, plan: Deployment) -> int:
             others.append(router_child(ep, policy, cfg.page_size, cfg.enable_prefix_cache, layout.dp_attention))
         grid = LocalGrid(cfg, layout, node, ep, ckpt.name, others, torchrun=env is not None)
         infos = grid.start(args.startup_timeout)
-        return run_http(args, ckpt.name.removesuffix(".gguf"), infos["scheduler-0"], ep, grid, sock, defaults)
+        return run_http(args, ckpt.name.removesuffix(".gguf"), infos["scheduler-0"] | infos["tokenizer-0"], ep,
+                        grid, sock, defaults)
     except LaunchError as e:
         print(f"shardserve: error: {e}", file=sys.stderr)
         return e.exit_code
@@ -121,7 +124,9 @@ def run_http(args, default_name: str, info: dict, ep: Endpoints, grid: LocalGrid
                         metrics_require_key=args.metrics_require_key, max_prompts=args.max_prompts,
                         max_stop_strings=args.max_stop_strings, max_stop_length=args.max_stop_length,
                         vocab_size=info.get("limits", {}).get("vocab_size"),
-                        tool_call_parser=args.tool_call_parser,
+                        tool_format=ToolFormat.of(args.tool_call_parser, info["chat_template"],
+                                                  info["renders_tools"]),
+                        reasoning=Reasoning.of(args.reasoning_parser, info["prompt_end"]),
                         trust_request_chat_template=args.trust_request_chat_template,
                         disaggregation_mode=args.disaggregation_mode,
                         bootstrap_port=args.disaggregation_bootstrap_port or args.port + 1)

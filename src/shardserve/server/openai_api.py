@@ -19,7 +19,7 @@ from shardserve.server.generation import Choice, collect, stream_choices, usage
 from shardserve.server.logprobs import as_token_ids, chat_logprobs, completion_logprobs, prompt_logprobs
 from shardserve.server.protocol import ChatMessage, ChatRequest, CompletionRequest, error_body
 from shardserve.server.request_params import chat_options, check_scheduling, sampling_params
-from shardserve.server.tools import ToolUse, finish_reason, tool_use
+from shardserve.server.tools import ToolUse, chat_tool_use, finish_reason
 
 
 def chat_messages(messages: list[ChatMessage]) -> list[dict]:
@@ -173,7 +173,7 @@ class OpenAIHandlers:
         if body.top_logprobs is not None and not body.logprobs:
             raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
         top = (body.top_logprobs or 0) if body.logprobs else None
-        tools = tool_use(body, self.s.tool_call_parser)
+        tools = chat_tool_use(body, self.s.tool_format, self.s.reasoning)
         # Without max_tokens the scheduler gives whatever context the prompt leaves (min_tokens till then).
         params = tools.constrain(sampling_params(body, self.s.sampling_defaults, max_tokens or max(1, body.min_tokens),
                                                  top, body.prompt_logprobs, self.s.vocab_size, self.s.max_model_len))

@@ -1,26 +1,32 @@
-"""Tools on chat completions: `tools`, `tool_choice` and `parallel_tool_calls` as OpenAI defines them.
+"""Tools as OpenAI defines them: `tools`, `tool_choice` and `parallel_tool_calls` (chat completions;
+the Responses and Messages APIs translate theirs into the same shape).
 
 - The tool definitions go to the chat template (the model's own template decides how a model sees
   them), unless `tool_choice` is "none", which sends none.
-- The output is read back with the server's `--tool-call-parser` (tool_parsers.py) into
-  `tool_calls`, with finish_reason "tool_calls" (as vLLM: whenever the output holds a call);
-  streamed, as argument deltas.
+- The output is read back with `--tool-call-parser` (tool_parsers.py), or the parser the chat
+  template names (ToolFormat), into `tool_calls`, with finish_reason "tool_calls" (as vLLM:
+  whenever the output holds a call); streamed, as argument deltas.
 - "required" and a named function are enforced, not hoped for: a grammar in the parser's format
-  built from the functions' parameter schemas constrains the output token by token (structured
-  outputs). So is `strict: true` on a function under "auto": text, or calls that match their schemas.
+  (hermes where no parser is known) built from the functions' parameter schemas constrains the
+  output token by token (structured outputs), so they need no flag. So is `strict: true` on a
+  function under "auto": text, or calls that match their schemas.
 - `parallel_tool_calls: false`: at most one call (the grammar's, or the first one parsed).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import logging
 import re
 from dataclasses import dataclass
 
 from shardserve.core import SamplingParams
 from shardserve.server.errors import APIError
+from shardserve.server.reasoning import Reasoning
 from shardserve.server.tool_parsers import PARSERS, get_parser
 from shardserve.structured_outputs import StructuredOutputsParams
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -32,9 +38,14 @@ class ToolUse:
     grammar: str | None = None  # a Lark grammar for structured outputs
     parallel: bool = True
     why: tuple[str, str] = ("", "")  # (field, what) asks for the grammar
+    reasoning: Reasoning = Reasoning()  # the thinking before the answer, split off first
 
     def constrain(self, params: SamplingParams) -> SamplingParams:
-        """params with the tool-call grammar as their structured output."""
+        """params with the tool-call grammar as their structured output; any structured output holds
+        after the model's thinking."""
+        return self.reasoning.constrain(self._with_grammar(params))
+
+    def _with_grammar(self, params: SamplingParams) -> SamplingParams:
         if self.grammar is None:
             return params
         field, what = self.why
@@ -50,13 +61,17 @@ class ToolUse:
         return dataclasses.replace(params, structured_outputs=spec)
 
     def message(self, text: str) -> tuple[dict, bool]:
-        """The non-streaming answer's message, and whether it calls tools."""
+        """The non-streaming answer's message (with `reasoning_content` where the model thought),
+        and whether it calls tools."""
+        reasoning, text = self.reasoning.parse(text)
+        thought = {"reasoning_content": reasoning} if reasoning is not None else {}
         if self.parser is None:
-            return {"role": "assistant", "content": text}, False
+            return {"role": "assistant", "content": text, **thought}, False
         content, calls = self.parser.parse(text)
         if not calls:
-            return {"role": "assistant", "content": text}, False
-        return {"role": "assistant", "content": content, "tool_calls": calls if self.parallel else calls[:1]}, True
+            return {"role": "assistant", "content": text, **thought}, False
+        calls = calls if self.parallel else calls[:1]
+        return {"role": "assistant", "content": content, "tool_calls": calls, **thought}, True
 
     def stream(self) -> ToolStream:
         return ToolStream(self)
@@ -67,12 +82,20 @@ def finish_reason(reason: str | None, called: bool) -> str | None:
 
 
 class ToolStream:
-    """One choice's text deltas -> chat chunk deltas (content, or tool-call deltas)."""
+    """One choice's text deltas -> chat chunk deltas: reasoning_content, content, or tool-call deltas
+    (the Responses and Messages APIs turn these into their own events)."""
 
     def __init__(self, use: ToolUse):
         self.p, self.parallel, self.called = (use.parser() if use.parser else None), use.parallel, False
+        self.thinking = use.reasoning.stream()
 
     def deltas(self, text: str, finished: bool) -> list[dict]:
+        out = []
+        for kind, part in self.thinking.feed(text, finished):
+            out += [{"reasoning_content": part}] if kind == "reasoning" else self._answer(part, False)
+        return out + (self._answer("", True) if finished else [])
+
+    def _answer(self, text: str, finished: bool) -> list[dict]:
         if self.p is None:
             return [{"content": text}] if text else []
         out = self.p.feed(text) + (self.p.finish() if finished else [])
@@ -82,29 +105,81 @@ class ToolStream:
         return out
 
 
-def tool_use(body, parser_name: str | None) -> ToolUse:
-    """Checks the request's tool fields (400 naming the field at fault) and says what they ask for."""
-    tools, choice = body.tools or [], body.tool_choice
+@dataclass(frozen=True)
+class ToolFormat:
+    """How this server reads tool calls back: `--tool-call-parser`, else the format the model's chat
+    template names (`<tool_call>` tags: hermes, Llama 3's `<|python_tag|>`: llama3_json), else none.
+    `renders_tools`: whether the template shows the model tool definitions at all."""
+
+    flag: str | None = None
+    detected: str | None = None
+    renders_tools: bool = True
+
+    @classmethod
+    def of(cls, flag: str | None, template: str, renders_tools: bool) -> ToolFormat:
+        detected = next((name for marker, name in TEMPLATE_MARKERS if marker in template), None)
+        fmt = cls(flag, detected, renders_tools)
+        if flag is None:
+            log.info("tool calls: %s", f"the chat template names the {detected} format, so --tool-call-parser "
+                     f"{detected} is used" if detected else "no --tool-call-parser and the chat template names "
+                     "no format: tool_choice 'required' and named functions use the hermes format (enforced by "
+                     "grammar); 'auto' needs the flag")
+        if not renders_tools:
+            log.info("tool calls: the chat template does not render tool definitions: 'required' and named "
+                     "functions are still enforced by grammar, but the model does not see the definitions")
+        return fmt
+
+    @property
+    def parser(self) -> str | None:
+        return self.flag or self.detected
+
+
+# A chat template that writes these markers tells the model to call tools in that parser's format.
+TEMPLATE_MARKERS = (("<tool_call>", "hermes"), ("<|python_tag|>", "llama3_json"))
+GRAMMAR_FORMAT = "hermes"  # 'required' and named calls without a known format: the grammar imposes this one
+
+
+def chat_tool_use(body, fmt: ToolFormat, reasoning: Reasoning = Reasoning()) -> ToolUse:
+    """tool_use for a chat completions request."""
+    choice = body.tool_choice
+    named = None if choice is None or isinstance(choice, str) else {"name": choice.function.name}
+    tools = [t.model_dump(exclude_none=True) for t in body.tools] if body.tools else None
+    return tool_use(tools, named or choice, body.parallel_tool_calls, fmt, reasoning)
+
+
+def tool_use(tools: list[dict] | None, choice: str | dict | None, parallel: bool | None,
+             fmt: ToolFormat, reasoning: Reasoning = Reasoning()) -> ToolUse:
+    """Checks a request's tools (OpenAI's chat shape), tool choice ("none", "auto", "required" or
+    {"name": function}) and parallel_tool_calls (400 naming the field at fault), and says what they
+    ask for. Every API's tool fields come here in that shape; `reasoning`: the server's parser."""
+    return dataclasses.replace(_tool_use(tools, choice, parallel, fmt), reasoning=reasoning)
+
+
+def _tool_use(tools: list[dict] | None, choice: str | dict | None, parallel: bool | None,
+              fmt: ToolFormat) -> ToolUse:
+    tools = tools or []
     choice = choice if choice is not None else "auto" if tools else "none"
-    named = None if isinstance(choice, str) else choice.function.name
+    named = choice["name"] if isinstance(choice, dict) else None
     if not tools:
         if choice in ("none", "auto"):
             return ToolUse()
         raise APIError(400, f"tool_choice {choice if named is None else named!r} needs tools", param="tool_choice")
     if choice == "none":  # as if no tools were offered
         return ToolUse()
-    if parser_name is None:
-        raise APIError(400, f"tools need a tool-call parser, and this server has none: start it with "
-                            f"--tool-call-parser {{{','.join(PARSERS)}}} (the one for the model's format)",
-                       param="tools")
-    functions = [t.function.model_dump(exclude_none=True) for t in tools]
+    functions = [t["function"] for t in tools]
     names = [f["name"] for f in functions]
     if len(set(names)) < len(names):
         raise APIError(400, "tools must have distinct function names", param="tools")
     if named is not None and named not in names:
         raise APIError(400, f"tool_choice names the function {named!r}, which is not among the tools",
                        param="tool_choice")
-    parser, parallel = get_parser(parser_name), body.parallel_tool_calls is not False
+    forced = named is not None or choice == "required"
+    if fmt.parser is None and not forced:
+        raise APIError(400, f"tool_choice 'auto' needs a tool-call parser, and neither this server nor its model's "
+                            f"chat template names one: start it with --tool-call-parser {{{','.join(PARSERS)}}} "
+                            f"(the one for the model's format), or ask for tool_choice 'required' or a named "
+                            f"function, which a grammar enforces", param="tools")
+    parser, parallel = get_parser(fmt.parser or GRAMMAR_FORMAT), parallel is not False
     grammar, why = None, ("", "")
     if named is not None:
         grammar, why = parser.grammar([functions[names.index(named)]], parallel=False), \
@@ -113,5 +188,7 @@ def tool_use(body, parser_name: str | None) -> ToolUse:
         grammar, why = parser.grammar(functions, parallel=parallel), ("tool_choice", "tool_choice 'required'")
     elif any(f.get("strict") for f in functions):
         grammar, why = parser.grammar(functions, parallel=parallel, text=True), ("tools", "a strict function")
-    return ToolUse(parser, [t.model_dump(exclude_none=True) for t in tools], grammar, parallel and named is None,
-                   why)
+    # A template that cannot show the definitions would refuse them (ToolsIgnored): a forced call
+    # needs none, its grammar carries the schemas.
+    shown = tools if fmt.renders_tools or not forced else None
+    return ToolUse(parser, shown, grammar, parallel and named is None, why)

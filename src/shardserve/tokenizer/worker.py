@@ -8,11 +8,12 @@ polling both inboxes.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 
 import zmq
 
-from shardserve.chat_messages import ToolsIgnored, render_chat
+from shardserve.chat_messages import ToolsIgnored, render_chat, template_facts
 from shardserve.ipc.child import run_child
 from shardserve.ipc.messages.api import (
     DetokenizeOut,
@@ -39,6 +40,8 @@ class Tokenizer:
 
     def __init__(self, tokenizer, to_scheduler: zmq.Socket, to_api: zmq.Socket):
         self.tok, self.to_scheduler, self.to_api = tokenizer, to_scheduler, to_api
+        added = {t.content for t in getattr(tokenizer, "added_tokens_decoder", {}).values()}
+        self.think_tokens = {"<think>", "</think>"} <= added  # Qwen3's and R1's tags are tokens
 
     def encode(self, text: str | None, messages: list[dict] | None, add_special: bool,
                tools: list[dict] | None = None, chat_options: dict | None = None) -> list[int]:
@@ -51,8 +54,11 @@ class Tokenizer:
 
     def tokenized(self, msg: GenerateReq) -> TokenizedReq:
         """The prompt as the engine takes it (`truncate_prompt_tokens`), with `bad_words` as
-        token sequences (the engine has no tokenizer)."""
-        params = msg.params
+        token sequences and thinking tags named as tokens where they are (the engine has no
+        tokenizer)."""
+        params, spec = msg.params, msg.params.structured_outputs
+        if spec is not None and spec.thinking is not None and self.think_tokens:
+            params.structured_outputs = dataclasses.replace(spec, thinking_tokens=True)
         if params.bad_words:
             if self.tok is None:
                 raise ValueError("bad_words need the model's tokenizer")
@@ -119,7 +125,7 @@ def tokenizer_main(model: str | None, ep: Endpoints, index: int, detokenize: boo
         handlers = {pull(ctx, ep.tokenizer(index)): worker.handle}
         if detokenize:
             handlers[pull(ctx, ep.detokenizer)] = _detok_handler(Detokenizer(tok), to_api)
-        return (lambda: _serve(handlers)), {}
+        return (lambda: _serve(handlers)), template_facts(tok)
 
     run_child(f"tokenizer-{index}", ep.ready, setup)
 
