@@ -1,4 +1,5 @@
-"""The OpenAI error body every HTTP failure answers with, shared by the server and the router.
+"""The OpenAI error body every HTTP failure answers with (Anthropic's on its Messages routes), shared
+by the server and the router.
 
 It sits at the bottom of the package (imports nothing of it), so the standalone router can answer
 bad input exactly as the server does without importing the server.
@@ -25,5 +26,15 @@ def bearer_ok(authorization: str | None, key: str) -> bool:
     return hmac.compare_digest((authorization or "").encode(), f"Bearer {key}".encode())
 
 
-def unauthorized_body() -> dict:
-    return error_body("invalid or missing API key: send 'Authorization: Bearer <key>'", 401, code="invalid_api_key")
+def key_ok(headers, key: str) -> bool:
+    """Whether a request carries the key: `Authorization: Bearer key`, or `x-api-key: key` as
+    Anthropic's clients send it."""
+    return bearer_ok(headers.get("authorization"), key) or hmac.compare_digest(
+        (headers.get("x-api-key") or "").encode(), key.encode())
+
+
+def unauthorized_body(anthropic: bool = False) -> dict:
+    message = "invalid or missing API key: send 'Authorization: Bearer <key>' or 'x-api-key: <key>'"
+    if anthropic:
+        return {"type": "error", "error": {"type": "authentication_error", "message": message}}
+    return error_body(message, 401, code="invalid_api_key")

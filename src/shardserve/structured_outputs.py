@@ -48,7 +48,8 @@ class StructuredOutputsParams:
     the reasoning): "opened", the output begins inside a thinking section that runs free up to
     `</think>`; "optional", it may begin with a free `<think>...</think>`; the spec holds after it.
     `thinking_tokens`: the tags are tokens of their own (Qwen3's, R1's), which a grammar names as
-    tokens, not text (the tokenizer worker sets it; see THINKING)."""
+    tokens, not text (the tokenizer worker sets it; see THINKING). `thinking_budget`: at most this
+    many tokens of thinking, then `</think>` (tags as tokens only)."""
 
     json: dict | str | None = None
     json_object: bool | None = None
@@ -57,6 +58,7 @@ class StructuredOutputsParams:
     choice: list[str] | None = None
     thinking: str | None = None
     thinking_tokens: bool = False
+    thinking_budget: int | None = None
 
     def __post_init__(self) -> None:
         given = [k for k in KINDS if getattr(self, k) not in (None, False)]
@@ -82,6 +84,10 @@ class StructuredOutputsParams:
             raise ValueError("SamplingParams.structured_outputs.choice must be a list of non-empty strings")
         if self.thinking not in THINKING or "-" in (self.thinking or ""):
             raise ValueError("SamplingParams.structured_outputs.thinking must be None, 'opened' or 'optional'")
+        budget = self.thinking_budget
+        if budget is not None and not (self.thinking and isinstance(budget, int) and budget >= 1):
+            raise ValueError("SamplingParams.structured_outputs.thinking_budget must be an integer >= 1, with "
+                             "thinking")
         grammar_of(*self.key())  # compiles (cached) or raises
 
     def key(self) -> tuple[str, str, str | None]:
@@ -95,7 +101,10 @@ class StructuredOutputsParams:
             kind, text = "choice", _json.dumps(self.choice)
         else:
             kind, text = ("regex", self.regex) if self.regex is not None else ("grammar", self.grammar)
-        return kind, text, (f"{self.thinking}-tokens" if self.thinking_tokens else self.thinking)
+        thinking = f"{self.thinking}-tokens" if self.thinking_tokens else self.thinking
+        if self.thinking_budget is not None:
+            thinking += f"/{self.thinking_budget}"
+        return kind, text, thinking
 
     def describe(self) -> str:
         return next(k for k in KINDS if getattr(self, k) not in (None, False))
@@ -105,8 +114,9 @@ class StructuredOutputsParams:
 # `</think>`); where they are tokens (llguidance keeps added tokens out of text lexemes), by name.
 THINKING = {None: None, "opened": 'start: thought @answer\nthought[lazy]: /(.|\\n)*<\\/think>/',
             "optional": 'start: thought? @answer\nthought[lazy]: /<think>(.|\\n)*<\\/think>/',
-            "opened-tokens": 'start: thought @answer\nthought: TEXT </think>\nTEXT: /(.|\\n)*/',
-            "optional-tokens": 'start: thought? @answer\nthought: <think> TEXT </think>\nTEXT: /(.|\\n)*/'}
+            "opened-tokens": 'start: thought @answer\nthought: text </think>\ntext{budget}: /(.|\\n)*/',
+            "optional-tokens": 'start: thought? @answer\nthought: <think> text </think>\ntext{budget}: /(.|\\n)*/'}
+ANY_TEXT = "(.|\n)*"  # the answer's spec where only the thinking is bounded
 
 
 @lru_cache(maxsize=256)
@@ -124,7 +134,9 @@ def grammar_of(kind: str, text: str, thinking: str | None = None) -> str:
         else:
             grammar = grammar_from(kind, text)
         if thinking is not None:
-            grammar = _after_thinking(grammar, THINKING[thinking])
+            form, _, budget = thinking.partition("/")
+            grammar = _after_thinking(grammar, THINKING[form].replace("{budget}", f"[max_tokens={budget}]"
+                                                                      if budget else ""))
         is_error, messages = LLMatcher.validate_grammar_with_warnings(grammar)
     except (ValueError, TypeError, RuntimeError) as e:
         is_error, messages = True, [str(e)]
@@ -134,8 +146,12 @@ def grammar_of(kind: str, text: str, thinking: str | None = None) -> str:
 
 
 def _after_thinking(grammar: str, lark: str) -> str:
-    """`grammar` (one llguidance grammar) preceded by the thinking that `lark` allows."""
-    inner = _json.loads(grammar)
+    """`grammar` (one llguidance grammar: its JSON form, or Lark text) preceded by the thinking that
+    `lark` allows."""
+    try:
+        inner = _json.loads(grammar)
+    except ValueError:  # Lark text, as llguidance's lark and choice forms are
+        inner = {"grammars": [{"lark_grammar": grammar}]}
     if len(inner["grammars"]) != 1:  # references between grammars would shift
         raise ValueError("a spec of several grammars cannot follow a model's thinking")
     inner["grammars"][0]["name"] = "answer"

@@ -11,10 +11,13 @@ from fastapi.responses import JSONResponse, Response
 
 from shardserve.http_common import answer_errors, cancel_on_disconnect, require_api_key
 from shardserve.ipc.messages.api import DetokenizeReq, ErrorOut, TokenizeReq
+from shardserve.server.anthropic_api import MessagesHandlers
+from shardserve.server.anthropic_api import error_response as anthropic_error_response
+from shardserve.server.anthropic_protocol import CountTokensRequest, MessagesRequest
 from shardserve.server.client import EngineClient
 from shardserve.server.errors import APIError, parse_body
 from shardserve.server.metrics import Metrics
-from shardserve.server.openai_api import OpenAIHandlers, chat_messages
+from shardserve.server.openai_api import OpenAIHandlers
 from shardserve.server.protocol import (
     ChatRequest,
     CompletionRequest,
@@ -25,6 +28,7 @@ from shardserve.server.protocol import (
 from shardserve.server.reasoning import Reasoning
 from shardserve.server.request_params import chat_options, template_fields_given
 from shardserve.server.tools import ToolFormat
+from shardserve.server.turns import chat_messages
 
 log = logging.getLogger(__name__)
 
@@ -57,7 +61,7 @@ class ServerState:
 
 def build_app(state: ServerState) -> FastAPI:
     app = FastAPI(title="shardserve", docs_url=None, redoc_url=None)
-    api = OpenAIHandlers(state)
+    api, anthropic = OpenAIHandlers(state), MessagesHandlers(state)
 
     @app.on_event("startup")
     async def _start() -> None:
@@ -86,6 +90,23 @@ def build_app(state: ServerState) -> FastAPI:
         prefill = prefill_address(state, request.headers.get(PREFILL_HEADER))
         body = await parse_body(request, ChatRequest, state.max_body)
         return await cancel_on_disconnect(request, api.chat(body, prefill))
+
+    @app.post("/v1/messages")
+    async def messages(request: Request):
+        try:
+            prefill = prefill_address(state, request.headers.get(PREFILL_HEADER))
+            body = await parse_body(request, MessagesRequest, state.max_body)
+            return await cancel_on_disconnect(request, anthropic.create(body, prefill))
+        except APIError as e:
+            return anthropic_error_response(e)
+
+    @app.post("/v1/messages/count_tokens")
+    async def count_tokens(request: Request):
+        try:
+            body = await parse_body(request, CountTokensRequest, state.max_body)
+            return await anthropic.count_tokens(body)
+        except APIError as e:
+            return anthropic_error_response(e)
 
     @app.get("/disaggregation")
     async def disaggregation():

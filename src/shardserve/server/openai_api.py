@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import time
 from collections.abc import AsyncIterator
@@ -10,38 +9,15 @@ from collections.abc import AsyncIterator
 import msgspec
 from fastapi.responses import StreamingResponse
 
-from shardserve.chat_messages import ChatMessageError, normalize_messages
-from shardserve.core import SamplingParams
 from shardserve.ipc.messages.api import DetokenizeOut, DetokenizeReq, GenerateReq, TextOut
 from shardserve.server.client import EngineClient
 from shardserve.server.errors import APIError
 from shardserve.server.generation import Choice, collect, stream_choices, usage
 from shardserve.server.logprobs import as_token_ids, chat_logprobs, completion_logprobs, prompt_logprobs
-from shardserve.server.protocol import ChatMessage, ChatRequest, CompletionRequest, error_body
-from shardserve.server.request_params import chat_options, check_scheduling, sampling_params
-from shardserve.server.tools import ToolUse, chat_tool_use, finish_reason
-
-
-def chat_messages(messages: list[ChatMessage]) -> list[dict]:
-    """The conversation as the chat template reads it (chat_messages.py), or a 400 naming the
-    message part at fault."""
-    try:
-        return normalize_messages([m.model_dump() for m in messages])
-    except ChatMessageError as e:
-        raise APIError(400, str(e), param=e.param) from None
-
-
-def fan_out(prompts: list[dict], params: SamplingParams, n: int, request_id: str | None = None,
-            **extra) -> list[GenerateReq]:
-    """prompts x n sub-requests, choice index = prompt * n + sample; sample i gets seed + i. A
-    client's request_id prefixes each engine id (which stays unique should the client reuse it)."""
-    reqs = []
-    for p in prompts:
-        for i in range(n):
-            one = dataclasses.replace(params, seed=params.sample_seed(i))
-            rid = f"{request_id}-{EngineClient.new_rid()}" if request_id else EngineClient.new_rid()
-            reqs.append(GenerateReq(rid=rid, params=one, **p, **extra))
-    return reqs
+from shardserve.server.protocol import ChatRequest, CompletionRequest, error_body
+from shardserve.server.request_params import sampling_params
+from shardserve.server.tools import ToolUse, finish_reason
+from shardserve.server.turns import admit, chat_turn, fan_out
 
 
 def completion_prompts(prompt) -> list[dict]:
@@ -60,33 +36,10 @@ class OpenAIHandlers:
     def __init__(self, state):
         self.s = state
 
-    def _admit(self, body, count: int) -> None:
-        s = self.s
-        if body.model is not None and body.model != s.model_name:
-            raise APIError(404, f"the model {body.model!r} does not exist; this server serves {s.model_name!r}",
-                           param="model")
-        if not 1 <= body.n <= s.max_n:
-            raise APIError(400, f"n must be between 1 and {s.max_n}, got {body.n}", param="n")
-        if count // body.n > s.max_prompts:
-            raise APIError(400, f"{count // body.n} prompts exceed the limit of {s.max_prompts} per request "
-                                f"(--max-prompts)", param="prompt")
-        stops = [body.stop] if isinstance(body.stop, str) else body.stop or []
-        if len(stops) > s.max_stop_strings:
-            raise APIError(400, f"{len(stops)} stop strings exceed the limit of {s.max_stop_strings} "
-                                f"(--max-stop-strings)", param="stop")
-        if any(len(x) > s.max_stop_length for x in stops):
-            raise APIError(400, f"a stop string longer than {s.max_stop_length} characters (--max-stop-length)",
-                           param="stop")
-        if body.stream_options is not None and not body.stream:
-            raise APIError(400, "stream_options is only allowed with stream: true", param="stream_options")
-        check_scheduling(body)
-        if s.client.num_active + count > s.max_queued:
-            raise APIError(503, "the server is at its queue limit; retry later", headers={"Retry-After": "1"})
-
     async def completions(self, body: CompletionRequest, prefill: str = ""):
         """`prefill` (a decode instance): the prefill instance that computes each prompt."""
         prompts = completion_prompts(body.prompt)
-        self._admit(body, len(prompts) * body.n)
+        admit(self.s, body, len(prompts) * body.n)
         if body.best_of is not None and body.best_of != body.n:
             raise APIError(400, f"best_of ({body.best_of}) other than n ({body.n}) is not supported: ask for n "
                                 f"samples with logprobs and rank them", param="best_of")
@@ -165,22 +118,7 @@ class OpenAIHandlers:
             yield {**base, "choices": [], "usage": usage(choices, body.n)}
 
     async def chat(self, body: ChatRequest, prefill: str = ""):
-        self._admit(body, body.n)
-        field = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
-        max_tokens = getattr(body, field)
-        if max_tokens is not None and max_tokens < 1:
-            raise APIError(400, f"{field} must be >= 1, got {max_tokens}", param=field)
-        if body.top_logprobs is not None and not body.logprobs:
-            raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
-        top = (body.top_logprobs or 0) if body.logprobs else None
-        tools = chat_tool_use(body, self.s.tool_format, self.s.reasoning)
-        # Without max_tokens the scheduler gives whatever context the prompt leaves (min_tokens till then).
-        params = tools.constrain(sampling_params(body, self.s.sampling_defaults, max_tokens or max(1, body.min_tokens),
-                                                 top, body.prompt_logprobs, self.s.vocab_size, self.s.max_model_len))
-        messages = chat_messages(body.messages)
-        reqs = fan_out([{"messages": messages, "tools": tools.tools}], params, body.n, body.request_id,
-                       auto_max_tokens=max_tokens is None, prefill=prefill,
-                       chat_options=chat_options(body, messages, self.s.trust_request_chat_template))
+        reqs, tools = chat_turn(self.s, body, prefill)
         meta = {"id": f"chatcmpl-{body.request_id or EngineClient.new_rid()}", "created": int(time.time()),
                 "model": self.s.model_name}
         if body.stream:

@@ -61,7 +61,9 @@ class RefusedField(Exception):
         self.field, self.message = field, message
 
 
-class _Sampling(BaseModel):
+class Refusing(BaseModel):
+    """A request body: nulls read as absent, `not_honoured` fields refused unless they ask for nothing."""
+
     model_config = STRICT
     not_honoured: ClassVar[dict[str, tuple[tuple, str]]] = NOT_HONOURED
 
@@ -79,6 +81,8 @@ class _Sampling(BaseModel):
                 raise RefusedField(name, f"{name!r} is not supported: {why}")
         return {k: v for k, v in data.items() if v is not None and k not in cls.not_honoured}
 
+
+class _Sampling(Refusing):
     model: str | None = None
     n: int = 1
     # None: the model's generation defaults (see loader/generation_config.py), else SamplingParams'.
@@ -227,6 +231,9 @@ class ChatRequest(_Sampling, ChatTemplateFields):
     tools: list[ToolDefinition] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
+    # A reasoning model's thinking held to at most this many tokens, then </think> (by grammar;
+    # the Messages API's thinking.budget_tokens comes here).
+    thinking_budget: int | None = Field(None, ge=1)
 
 
 class TokenizeRequest(ChatTemplateFields):

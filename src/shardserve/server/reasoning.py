@@ -22,6 +22,7 @@ import dataclasses
 from dataclasses import dataclass
 
 from shardserve.core import SamplingParams
+from shardserve.structured_outputs import ANY_TEXT, StructuredOutputsParams
 
 START, END = "<think>", "</think>"
 PARSERS = ("qwen3", "deepseek_r1")
@@ -49,12 +50,15 @@ class Reasoning:
         """Whether the output begins inside the thinking."""
         return self.name == "deepseek_r1" or (self.name == "qwen3" and self.template_opens)
 
-    def constrain(self, params: SamplingParams) -> SamplingParams:
-        """params whose structured output (if any) holds after the thinking, not over it."""
+    def constrain(self, params: SamplingParams, budget: int | None = None) -> SamplingParams:
+        """params whose structured output (if any) holds after the thinking, not over it; `budget`:
+        at most that many tokens of thinking (a grammar then holds the whole output)."""
         spec = params.structured_outputs
-        if self.name is None or spec is None:
+        if self.name is None or (spec is None and budget is None):
             return params
-        thinking = dataclasses.replace(spec, thinking="opened" if self.opened else "optional")
+        spec = spec if spec is not None else StructuredOutputsParams(regex=ANY_TEXT)
+        thinking = dataclasses.replace(spec, thinking="opened" if self.opened else "optional",
+                                       thinking_budget=budget)
         return dataclasses.replace(params, structured_outputs=thinking)
 
     def stream(self) -> ReasoningStream:

@@ -39,11 +39,12 @@ class ToolUse:
     parallel: bool = True
     why: tuple[str, str] = ("", "")  # (field, what) asks for the grammar
     reasoning: Reasoning = Reasoning()  # the thinking before the answer, split off first
+    thinking_budget: int | None = None  # at most this many tokens of thinking (the Messages API's)
 
     def constrain(self, params: SamplingParams) -> SamplingParams:
         """params with the tool-call grammar as their structured output; any structured output holds
         after the model's thinking."""
-        return self.reasoning.constrain(self._with_grammar(params))
+        return self.reasoning.constrain(self._with_grammar(params), self.thinking_budget)
 
     def _with_grammar(self, params: SamplingParams) -> SamplingParams:
         if self.grammar is None:

@@ -57,6 +57,9 @@ class Tokenizer:
         token sequences and thinking tags named as tokens where they are (the engine has no
         tokenizer)."""
         params, spec = msg.params, msg.params.structured_outputs
+        if spec is not None and spec.thinking_budget is not None and not self.think_tokens:
+            raise ValueError("a thinking budget needs <think> and </think> as tokens of the model's vocabulary, "
+                             "and this model's tokenizer has no such tokens")
         if spec is not None and spec.thinking is not None and self.think_tokens:
             params.structured_outputs = dataclasses.replace(spec, thinking_tokens=True)
         if params.bad_words:
