@@ -37,6 +37,10 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--reasoning-parser", choices=REASONING_PARSERS, default=None,
                    help="split a thinking model's <think>...</think> off its answer (qwen3, deepseek_r1): "
                         "reasoning_content on chat, reasoning items on responses, thinking blocks on messages")
+    g.add_argument("--responses-max-stored", type=non_negative_int, default=1024,
+                   help="responses kept for GET /v1/responses/{id} and previous_response_id (oldest dropped first)")
+    g.add_argument("--responses-max-stored-bytes", type=non_negative_int, default=64 * 2**20,
+                   help="bytes of stored responses and their conversations (oldest dropped first)")
     g.add_argument("--trust-request-chat-template", action="store_true",
                    help="run a chat_template that a request sends (a template that loops stalls a tokenizer "
                         "worker, so only trusted clients should reach a server started with this)")

@@ -27,6 +27,9 @@ from shardserve.server.protocol import (
 )
 from shardserve.server.reasoning import Reasoning
 from shardserve.server.request_params import chat_options, template_fields_given
+from shardserve.server.response_store import ResponseStore
+from shardserve.server.responses_api import ResponsesHandlers
+from shardserve.server.responses_protocol import ResponsesRequest
 from shardserve.server.tools import ToolFormat
 from shardserve.server.turns import chat_messages
 
@@ -52,6 +55,7 @@ class ServerState:
     vocab_size: int | None = None  # logit_bias ids are checked against it (the engine checks again)
     tool_format: ToolFormat = field(default_factory=ToolFormat)  # how the model's tool calls are read back
     reasoning: Reasoning = field(default_factory=Reasoning)  # --reasoning-parser: thinking split off the answer
+    responses: ResponseStore = field(default_factory=ResponseStore)  # stored responses (--responses-max-stored*)
     # --trust-request-chat-template: a request's own Jinja template runs in a tokenizer worker, and one
     # that loops would stall it, so (as in vLLM) only a server started with this flag runs them.
     trust_request_chat_template: bool = False
@@ -62,6 +66,7 @@ class ServerState:
 def build_app(state: ServerState) -> FastAPI:
     app = FastAPI(title="shardserve", docs_url=None, redoc_url=None)
     api, anthropic = OpenAIHandlers(state), MessagesHandlers(state)
+    responses = ResponsesHandlers(state, state.responses)
 
     @app.on_event("startup")
     async def _start() -> None:
@@ -90,6 +95,24 @@ def build_app(state: ServerState) -> FastAPI:
         prefill = prefill_address(state, request.headers.get(PREFILL_HEADER))
         body = await parse_body(request, ChatRequest, state.max_body)
         return await cancel_on_disconnect(request, api.chat(body, prefill))
+
+    @app.post("/v1/responses")
+    async def create_response(request: Request):
+        prefill = prefill_address(state, request.headers.get(PREFILL_HEADER))
+        body = await parse_body(request, ResponsesRequest, state.max_body)
+        return await cancel_on_disconnect(request, responses.create(body, prefill))
+
+    @app.get("/v1/responses/{response_id}")
+    async def get_response(response_id: str):
+        return responses.get(response_id)
+
+    @app.delete("/v1/responses/{response_id}")
+    async def delete_response(response_id: str):
+        return responses.delete(response_id)
+
+    @app.post("/v1/responses/{response_id}/cancel")
+    async def cancel_response(response_id: str):
+        return responses.cancel(response_id)
 
     @app.post("/v1/messages")
     async def messages(request: Request):

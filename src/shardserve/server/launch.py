@@ -38,6 +38,7 @@ from shardserve.server.app import ServerState, build_app
 from shardserve.server.client import EngineClient
 from shardserve.server.metrics import Metrics
 from shardserve.server.reasoning import Reasoning
+from shardserve.server.response_store import ResponseStore
 from shardserve.server.tools import ToolFormat
 
 log = logging.getLogger("shardserve.launch")
@@ -127,6 +128,7 @@ def run_http(args, default_name: str, info: dict, ep: Endpoints, grid: LocalGrid
                         tool_format=ToolFormat.of(args.tool_call_parser, info["chat_template"],
                                                   info["renders_tools"]),
                         reasoning=Reasoning.of(args.reasoning_parser, info["prompt_end"]),
+                        responses=ResponseStore(args.responses_max_stored, args.responses_max_stored_bytes),
                         trust_request_chat_template=args.trust_request_chat_template,
                         disaggregation_mode=args.disaggregation_mode,
                         bootstrap_port=args.disaggregation_bootstrap_port or args.port + 1)
