@@ -170,3 +170,16 @@ def test_cancel_and_unknown_ids(client, server):
         client.responses.cancel(r.id)
     assert "background" in str(e.value)
     assert httpx.delete(server.url + "/v1/responses/resp_nothing").status_code == 404
+
+
+def test_metrics_count_each_endpoint(client, server):
+    client.responses.create(model="scripted", input="Hi", max_output_tokens=2)
+    with pytest.raises(openai.BadRequestError):
+        client.responses.create(model="scripted", input="Hi", background=True)
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve("resp_unknown")
+    text = httpx.get(server.url + "/metrics").text
+    ok = [line for line in text.splitlines() if line.startswith("shardserve_http_requests_total{")]
+    assert any('endpoint="/v1/responses",status="200"' in line for line in ok), ok
+    assert any('endpoint="/v1/responses",status="400"' in line for line in ok), ok
+    assert any('endpoint="/v1/responses/{response_id}",status="404"' in line for line in ok), ok

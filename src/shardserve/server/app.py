@@ -74,6 +74,13 @@ def build_app(state: ServerState) -> FastAPI:
 
     require_api_key(app, state.api_key, state.metrics_require_key)
 
+    @app.middleware("http")
+    async def _count(request: Request, call_next):
+        response = await call_next(request)
+        route = request.scope.get("route")
+        state.metrics.http.labels(getattr(route, "path", "unmatched"), str(response.status_code)).inc()
+        return response
+
     @app.exception_handler(APIError)
     async def _api_error(_, e: APIError):
         return e.response()

@@ -13,6 +13,8 @@ class Metrics:
     def __init__(self):
         r = self.registry = CollectorRegistry()
         self.running = Gauge("shardserve_num_requests_running", "Requests being generated", registry=r)
+        self.http = Counter("shardserve_http_requests", "HTTP requests answered, by endpoint (the route, e.g. "
+                            "/v1/responses/{response_id}) and status", ["endpoint", "status"], registry=r)
         self.waiting = Gauge("shardserve_num_requests_waiting", "Requests waiting to be scheduled", registry=r)
         self.pages_used = Gauge("shardserve_kv_pages_used", "KV cache pages in use", registry=r)
         self.pages_total = Gauge("shardserve_kv_pages_total", "KV cache pages in the pool", registry=r)
