@@ -18,24 +18,40 @@ KINDS = ("json", "json_object", "regex", "grammar", "choice")
 # Compact JSON: flexible whitespace would let a model pad its output with blanks until max_tokens.
 JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 _MAX_MESSAGE = 300
-# An integer the schema leaves unbounded gets at most 18 digits (every such value fits a 64-bit
-# integer): a small model at temperature 0 can repeat a digit until max_tokens, and then the
-# output is no JSON at all. A schema's own minimum or maximum replaces the bound.
+# So that a small model cannot run a structured output on to max_tokens (where it is no JSON at
+# all), two defaults bound what a schema leaves open:
+# - an integer without bounds of its own gets at most 18 digits (every such value fits a 64-bit
+#   integer): at temperature 0 a model can repeat a digit forever; the schema's own minimum or
+#   maximum replaces the bound;
+# - an object that lists `properties` and says nothing of others takes no others
+#   (additionalProperties false), as xgrammar's strict mode, vLLM's default, reads such a schema:
+#   a model can otherwise add properties forever; `"additionalProperties": true` (or a schema of
+#   them, or patternProperties) keeps JSON Schema's own default.
 INTEGER_BOUND = 10**18 - 1
 _BOUNDS = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum")
+_OPEN_OBJECT = ("additionalProperties", "patternProperties", "unevaluatedProperties")
+_LITERAL = ("enum", "const", "default", "examples")  # values, not schemas
+_NAMED = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
 
 
-def bounded_integers(schema):
-    """`schema` with INTEGER_BOUND on each integer subschema that has no bound of its own (a copy:
-    the caller's dict is left as it is)."""
+def bounded_schema(schema):
+    """`schema` with those defaults (a copy: the caller's dict is left as it is)."""
     if isinstance(schema, list):
-        return [bounded_integers(s) for s in schema]
+        return [bounded_schema(s) for s in schema]
     if not isinstance(schema, dict):
         return schema
-    out = {k: bounded_integers(v) if k not in ("enum", "const", "default", "examples") else v
-           for k, v in schema.items()}
+    out = {}
+    for k, v in schema.items():
+        if k in _LITERAL:
+            out[k] = v
+        elif k in _NAMED and isinstance(v, dict):  # name -> schema: a property may be called "type"
+            out[k] = {name: bounded_schema(sub) for name, sub in v.items()}
+        else:
+            out[k] = bounded_schema(v)
     if schema.get("type") == "integer" and not any(b in schema for b in _BOUNDS):
         out.update(minimum=-INTEGER_BOUND, maximum=INTEGER_BOUND)
+    if isinstance(schema.get("properties"), dict) and not any(k in schema for k in _OPEN_OBJECT):
+        out["additionalProperties"] = False
     return out
 
 
@@ -94,7 +110,7 @@ class StructuredOutputsParams:
         """(kind, text, how thinking precedes it): what the compiled grammar depends on, as a cache key. A schema
         keeps its own key order: properties are generated in the order the schema lists them."""
         if self.json is not None:
-            kind, text = "json", _json.dumps(bounded_integers(self.json))
+            kind, text = "json", _json.dumps(bounded_schema(self.json))
         elif self.json_object:
             kind, text = "json", '{"type": "object"}'
         elif self.choice is not None:

@@ -246,3 +246,21 @@ def test_unbounded_integer_cannot_run_away(llm, tiny_model):
     params = SamplingParams(max_tokens=60, temperature=0, logit_bias={one[0]: 100},
                             structured_outputs=StructuredOutputsParams(json=own | {"required": ["n"]}))
     assert json.loads(llm.generate(["Hello"], params, use_tqdm=False)[0].text) == {"n": int("1" * 12)}
+
+
+def test_listed_properties_only_unless_the_schema_opens_the_object(llm, tiny_model):
+    """An object schema that lists properties and says nothing of others takes no others (xgrammar's strict mode,
+    vLLM's default), so a model pushed to add more (logit_bias on ",") still closes it; additionalProperties true
+    keeps JSON Schema's default, and the model goes on."""
+    tok = load_tokenizer(resolve_checkpoint(tiny_model("llama")[0]))
+    (comma,) = tok.encode(",", add_special_tokens=False)
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"]}
+    params = SamplingParams(max_tokens=40, temperature=0, logit_bias={comma: 100},
+                            structured_outputs=StructuredOutputsParams(json=schema))
+    out = llm.generate(["Hello"], params, use_tqdm=False)[0]
+    assert out.finish_reason == "stop" and set(json.loads(out.text)) == {"ok"}
+    assert "additionalProperties" not in schema  # the caller's schema is untouched
+    opened = SamplingParams(max_tokens=40, temperature=0, logit_bias={comma: 100},
+                            structured_outputs=StructuredOutputsParams(json=schema | {"additionalProperties": True}))
+    text = llm.generate(["Hello"], opened, use_tqdm=False)[0].text
+    assert text.startswith('{"ok": ') and text[len('{"ok": '):].lstrip("truefals").startswith(",")
