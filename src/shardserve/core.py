@@ -36,6 +36,11 @@ class SamplingParams:
     `bad_words` (each word's last token banned where the output ends in the rest of it; the
     tokenizer's holder fills `bad_words_token_ids`, see `update_from_tokenizer`) and
     `truncate_prompt_tokens` (keep only the prompt's last N tokens, see `truncate`).
+
+    `pooling` ("last" or "mean") makes the request an embedding: the prompt's final hidden states
+    (after the model's last norm), the last token's or their mean, come back with its one output
+    token (max_tokens must be 1; the token is not part of the answer). Like prompt_logprobs, such
+    a request skips the prefix cache: cached tokens have no hidden states.
     """
 
     n: int = 1
@@ -62,6 +67,7 @@ class SamplingParams:
     bad_words: list[str] | None = None
     bad_words_token_ids: list[list[int]] | None = None  # set by update_from_tokenizer
     truncate_prompt_tokens: int | None = None
+    pooling: str | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -126,6 +132,8 @@ class SamplingParams:
             (self.truncate_prompt_tokens is None or (_is_int(self.truncate_prompt_tokens)
                                                      and self.truncate_prompt_tokens >= 1),
              "truncate_prompt_tokens", "must be None or an integer >= 1"),
+            (self.pooling in (None, "last", "mean") and (self.pooling is None or self.max_tokens == 1), "pooling",
+             "must be None, 'last' or 'mean' (an embedding, with max_tokens 1)"),
         ]
 
     def update_from_tokenizer(self, tok) -> None:
@@ -213,6 +221,19 @@ class Request:
     # after its first token. Decode side: the prefill sampler's random state after that token.
     transfer: Any = field(default=None, repr=False, compare=False)
     rng_state: bytes = field(default=b"", repr=False, compare=False)
+    # With params.pooling. Sampling rank: the pooled hidden states so far (a float32 sum, or the
+    # last row) over prompt positions [0, pooled_upto). Leader: the embedding, once complete.
+    pool: Any = field(default=None, repr=False, compare=False)
+    pooled_upto: int = 0
+    embedding: list[float] | None = field(default=None, repr=False, compare=False)
+
+    @property
+    def computes_prompt(self) -> bool:
+        """Whether every prompt token must be computed here (no prefix cache): its prompt is scored
+        or pooled."""
+        p = self.params
+        return p.pooling is not None or (p.prompt_logprobs is not None
+                                         and len(self.prompt_logprobs) < len(self.prompt_token_ids))
 
     def __post_init__(self) -> None:
         if self.params.prompt_logprobs is not None and not self.prompt_logprobs:
@@ -260,6 +281,7 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     num_cached_tokens: int = 0
     prompt_logprobs: list[dict] | None = None  # with SamplingParams.prompt_logprobs; see Request
+    embedding: list[float] | None = None  # with SamplingParams.pooling: the pooled hidden states
 
     @property
     def text(self) -> str:
@@ -310,3 +332,17 @@ class Batch:
                     out.append((req, offset + p0 - start, p0, p1 - p0))
             offset += n
         return out
+
+
+@dataclass
+class EmbeddingOutput:
+    embedding: list[float]
+
+
+@dataclass
+class EmbeddingRequestOutput:
+    """What `LLM.embed` returns per prompt (vLLM's shape: `.outputs.embedding`)."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    outputs: EmbeddingOutput

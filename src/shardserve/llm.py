@@ -11,7 +11,7 @@ from tqdm import tqdm
 
 from shardserve.chat_messages import check_template_options, normalize_messages, render_chat
 from shardserve.config import EngineConfig
-from shardserve.core import CompletionOutput, RequestOutput, SamplingParams
+from shardserve.core import CompletionOutput, EmbeddingOutput, EmbeddingRequestOutput, RequestOutput, SamplingParams
 from shardserve.distributed.layout import Layout
 from shardserve.engine_backends import LocalBackend, ProcessBackend
 from shardserve.ipc.messages.api import TokenOut
@@ -22,6 +22,7 @@ from shardserve.launch.grid import run_other_node
 from shardserve.launch.nodes import NodeSpec
 from shardserve.loader.generation_config import generation_defaults
 from shardserve.loader.model_path import resolve_checkpoint
+from shardserve.loader.pooling import pooling_of
 from shardserve.loader.tokenizer import load_tokenizer
 from shardserve.logs import use_log_level
 from shardserve.router.policy import resolve_policy
@@ -71,7 +72,7 @@ class LLM:
                  load_balance_method: str | None = None, isolated: bool = False,
                  generation_config: str = "auto", nnodes: int = 1, node_rank: int = 0, dist_init_addr: str = "",
                  dist_secret_file: str | None = None, log_level: str | None = None,
-                 startup_timeout: float = 600.0, **kwargs):
+                 startup_timeout: float = 600.0, pooling: str | None = None, **kwargs):
         if log_level is not None:  # this process's and its workers'; no load bar above info
             use_log_level(log_level)
             kwargs.setdefault("show_progress", log_level in ("debug", "info"))
@@ -94,6 +95,7 @@ class LLM:
             self.exit_code = run_other_node(self.config, self.layout, self.node, ckpt.name, startup_timeout)
             return
         self.generation_defaults, _ = generation_defaults(ckpt, generation_config)
+        self.pooling = pooling_of(ckpt, pooling)
         self.tokenizer = load_tokenizer(ckpt)
         tok = self.tokenizer
         if self.layout.world > 1 or isolated:
@@ -158,6 +160,19 @@ class LLM:
         backend.add([(s.rid, ids, s.params) for ids, g in zip(encoded, groups) for s in g])
         self._run(groups, use_tqdm)
         return [self._output(p, ids, g) for p, ids, g in zip(prompts, encoded, groups)]
+
+    def embed(self, prompts: Prompt | Sequence[Prompt], dimensions: int | None = None,
+              use_tqdm: bool = True) -> list[EmbeddingRequestOutput]:
+        """Each prompt's embedding (self.pooling: the last token's or the mean of the prompt's final
+        hidden states, normalized where the model is; `dimensions` truncates a Matryoshka model's)."""
+        pool = self.pooling
+        if pool.mode is None:
+            raise ValueError(pool.why_not)
+        if dimensions is not None and (why := pool.check_dimensions(dimensions, self.limits.hidden_size)):
+            raise ValueError(why)
+        outs = self.generate(prompts, SamplingParams(max_tokens=1, temperature=0, pooling=pool.mode), use_tqdm)
+        return [EmbeddingRequestOutput(o.request_id, o.prompt_token_ids,
+                                       EmbeddingOutput(pool.finish(o.embedding, dimensions))) for o in outs]
 
     def chat(self, messages: list[dict] | list[list[dict]],
              sampling_params: SamplingParams | None = None, use_tqdm: bool = True,
@@ -265,7 +280,7 @@ class LLM:
             comps.append(CompletionOutput(i, text, s.token_ids, s.out.finish_reason, s.out.stop_reason,
                                           s.logprobs if s.params.logprobs is not None else None))
         return RequestOutput(samples[0].rid, prompt if isinstance(prompt, str) else None, ids, comps,
-                             samples[0].out.cached_tokens, samples[0].prompt_logprobs)
+                             samples[0].out.cached_tokens, samples[0].prompt_logprobs, samples[0].out.embedding)
 
     @property
     def limits(self):

@@ -10,7 +10,7 @@ from __future__ import annotations
 import contextlib
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
@@ -48,6 +48,8 @@ class StepInputs:
     prefills: list[tuple[list[int], int, int]]  # (pages, tokens, context length after them)
     logit_rows: list[int]  # rows that need logits (sampled, then prompt-scored)
     context: ContextStep | None = None  # context parallelism: this rank's rows (then the above are unused)
+    hidden_rows: list[int] = field(default_factory=list)  # rows whose final hidden states are pooled
+    hidden: torch.Tensor | None = None  # filled by forward on the last stage: those rows, float32
 
 
 class ModelRunner:
@@ -206,6 +208,9 @@ class ModelRunner:
             return out
         if cp:
             return self._context_logits(out, cp)
+        if step.hidden_rows:  # embeddings: the final-normed hidden states themselves
+            keep = torch.tensor(step.hidden_rows, dtype=torch.long, device=self.device)
+            step.hidden = out.index_select(0, keep).float()
         # Only rows that sample (or score a prompt) need logits: the LM head is the largest matmul.
         rows = torch.tensor(step.logit_rows, dtype=torch.long, device=self.device)
         return self.model.compute_logits(out.index_select(0, rows))

@@ -111,7 +111,7 @@ class EngineCore:
     @property
     def limits(self) -> RequestLimits:
         return RequestLimits(self.vocab_size, self.max_model_len, self.allocator.num_pages, self.cfg.page_size,
-                             self.decode is not None, self.allocator.parts)
+                             self.decode is not None, self.allocator.parts, self.model_cfg.hidden_size)
 
     def check_request(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
         self.limits.check(prompt_token_ids, params)
@@ -287,6 +287,8 @@ class EngineCore:
             if req.finished:  # aborted while its micro-batch was in flight
                 continue
             req.prompt_logprobs.extend(entries)
+            if req.request_id in result.embeddings:
+                req.embedding = result.embeddings[req.request_id]
             if tok is not None:
                 outputs.append(self._take_tokens(req, [*toks, tok], [*lps, lp], k in ended))
                 if self.spec is not None:

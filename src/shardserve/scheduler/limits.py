@@ -17,6 +17,7 @@ class RequestLimits:
     page_size: int
     has_tokenizer: bool
     parts: int = 1
+    hidden_size: int = 0  # an embedding's width
 
     def check(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
         """Raise ValueError if the request can never run; nothing is truncated silently."""
@@ -41,6 +42,9 @@ class RequestLimits:
                              f"{self.parts} context-parallel ranks' pools, which hold {self.num_pages // self.parts}")
         if pages > self.num_pages:
             raise ValueError(f"request needs {pages} KV pages but the pool holds {self.num_pages}")
+        if params.pooling is not None and self.parts > 1:
+            raise ValueError("embeddings are not supported under context parallelism (the prompt's rows lie on "
+                             "several ranks): serve them with --cp-size 1")
         if params.stop and not self.has_tokenizer:
             raise ValueError("stop strings need a tokenizer")
         if params.structured_outputs is not None and not self.has_tokenizer:

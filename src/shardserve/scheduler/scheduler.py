@@ -72,9 +72,8 @@ class Scheduler:
         while self.waiting and budget > 0 and len(self.running) < self.max_running and len(entries) < max_seqs:
             req = self.waiting[0]
             tokens = req.all_token_ids
-            # Cached tokens are never computed, so a request scoring its prompt cannot use them.
-            scores_prompt = (req.params.prompt_logprobs is not None
-                             and len(req.prompt_logprobs) < len(req.prompt_token_ids))
+            # Cached tokens are never computed, so a request scoring or pooling its prompt cannot use them.
+            scores_prompt = req.computes_prompt
             req.pages = [] if scores_prompt else self.alloc.match_prefix(tokens)
             req.pages_synced = 0
             req.num_computed_tokens = len(req.pages) * self.page_size

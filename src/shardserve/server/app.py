@@ -11,10 +11,12 @@ from fastapi.responses import JSONResponse, Response
 
 from shardserve.http_common import answer_errors, cancel_on_disconnect, require_api_key
 from shardserve.ipc.messages.api import DetokenizeReq, ErrorOut, TokenizeReq
+from shardserve.loader.pooling import Pooling
 from shardserve.server.anthropic_api import MessagesHandlers
 from shardserve.server.anthropic_api import error_response as anthropic_error_response
 from shardserve.server.anthropic_protocol import CountTokensRequest, MessagesRequest
 from shardserve.server.client import EngineClient
+from shardserve.server.embeddings import EmbeddingRequest, embeddings
 from shardserve.server.errors import APIError, parse_body
 from shardserve.server.metrics import Metrics
 from shardserve.server.openai_api import OpenAIHandlers
@@ -56,6 +58,8 @@ class ServerState:
     tool_format: ToolFormat = field(default_factory=ToolFormat)  # how the model's tool calls are read back
     reasoning: Reasoning = field(default_factory=Reasoning)  # --reasoning-parser: thinking split off the answer
     responses: ResponseStore = field(default_factory=ResponseStore)  # stored responses (--responses-max-stored*)
+    pooling: Pooling = field(default_factory=lambda: Pooling("last"))  # how /v1/embeddings pools (--pooling)
+    hidden_size: int = 0  # an embedding's full width
     # --trust-request-chat-template: a request's own Jinja template runs in a tokenizer worker, and one
     # that loops would stall it, so (as in vLLM) only a server started with this flag runs them.
     trust_request_chat_template: bool = False
@@ -102,6 +106,11 @@ def build_app(state: ServerState) -> FastAPI:
         prefill = prefill_address(state, request.headers.get(PREFILL_HEADER))
         body = await parse_body(request, ChatRequest, state.max_body)
         return await cancel_on_disconnect(request, api.chat(body, prefill))
+
+    @app.post("/v1/embeddings")
+    async def embed(request: Request):
+        body = await parse_body(request, EmbeddingRequest, state.max_body)
+        return await cancel_on_disconnect(request, embeddings(state, body))
 
     @app.post("/v1/responses")
     async def create_response(request: Request):

@@ -30,6 +30,7 @@ class Choice:
     stop_reason: str | int | None = None
     prompt_tokens: int = 0
     cached_tokens: int = 0
+    embedding: list[float] | None = None  # an embedding request's pooled hidden states
 
     def add(self, out: TextOut) -> None:
         self.text += out.text
@@ -40,6 +41,7 @@ class Choice:
         self.prompt_tokens, self.cached_tokens = out.prompt_tokens, out.cached_tokens
         if out.finished:
             self.finish_reason, self.stop_reason = out.finish_reason, out.stop_reason
+            self.embedding = out.embedding
 
 
 async def stream_choices(client: EngineClient, metrics: Metrics, reqs: list[GenerateReq],

@@ -32,6 +32,7 @@ from shardserve.launch.process_tree import ByName, Child
 from shardserve.launch.torchrun import run_rank_here, torchrun_env, torchrun_layout
 from shardserve.loader.generation_config import describe, generation_defaults
 from shardserve.loader.model_path import resolve_checkpoint
+from shardserve.loader.pooling import pooling_of
 from shardserve.router.policy import resolve_policy
 from shardserve.router.replicas import router_child
 from shardserve.server.app import ServerState, build_app
@@ -84,8 +85,8 @@ def serve(args: argparse.Namespace, plan: Deployment) -> int:
             others.append(router_child(ep, policy, cfg.page_size, cfg.enable_prefix_cache, layout.dp_attention))
         grid = LocalGrid(cfg, layout, node, ep, ckpt.name, others, torchrun=env is not None)
         infos = grid.start(args.startup_timeout)
-        return run_http(args, ckpt.name.removesuffix(".gguf"), infos["scheduler-0"] | infos["tokenizer-0"], ep,
-                        grid, sock, defaults)
+        info = infos["scheduler-0"] | infos["tokenizer-0"] | {"pooling": pooling_of(ckpt, args.pooling)}
+        return run_http(args, ckpt.name.removesuffix(".gguf"), info, ep, grid, sock, defaults)
     except LaunchError as e:
         print(f"shardserve: error: {e}", file=sys.stderr)
         return e.exit_code
@@ -129,6 +130,7 @@ def run_http(args, default_name: str, info: dict, ep: Endpoints, grid: LocalGrid
                                                   info["renders_tools"]),
                         reasoning=Reasoning.of(args.reasoning_parser, info["prompt_end"]),
                         responses=ResponseStore(args.responses_max_stored, args.responses_max_stored_bytes),
+                        pooling=info["pooling"], hidden_size=info["limits"]["hidden_size"],
                         trust_request_chat_template=args.trust_request_chat_template,
                         disaggregation_mode=args.disaggregation_mode,
                         bootstrap_port=args.disaggregation_bootstrap_port or args.port + 1)

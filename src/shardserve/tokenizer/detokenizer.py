@@ -47,7 +47,7 @@ class Detokenizer:
             stop_reason=out.stop_reason, logprobs=self._name_tokens(out.logprobs, skip),
             prompt_logprobs=self._name_tokens(out.prompt_logprobs, skip),
             prompt_tokens=out.prompt_tokens,
-            completion_tokens=len(s.inc.ids), cached_tokens=out.cached_tokens,
+            completion_tokens=len(s.inc.ids), cached_tokens=out.cached_tokens, embedding=out.embedding,
         )
 
     def _name_tokens(self, logprobs: list[dict] | None, skip: bool) -> list[dict] | None:

@@ -57,6 +57,7 @@ class TokenOut(Msg):
     prompt_logprobs: list[dict] | None = None  # with the first token, when the request asked
     prompt_tokens: int = 0
     cached_tokens: int = 0
+    embedding: list[float] | None = None  # SamplingParams.pooling: with the last output
 
 
 class TokenBatch(Msg):
@@ -75,6 +76,7 @@ class TextOut(Msg):
     prompt_tokens: int = 0
     completion_tokens: int = 0
     cached_tokens: int = 0
+    embedding: list[float] | None = None
 
 
 class TextBatch(Msg):

@@ -80,6 +80,7 @@ class StepResult(Msg):
     # accepted, emitted before `tokens`' token, and their logprobs.
     accepted: list[list[int]] = []
     accepted_logprobs: list[list[dict | None]] = []
+    embeddings: dict[str, list[float]] = {}  # pooling requests whose prompt is complete: request id -> embedding
 
 
 class StageTraffic(Msg):

@@ -1,0 +1,73 @@
+"""/v1/embeddings: a decoder model's pooled final hidden states (loader/pooling.py says which), on the
+same engine as generation: each input is an engine request that computes its prompt and pools it
+(SamplingParams.pooling), batched with whatever else runs."""
+
+from __future__ import annotations
+
+import base64
+import struct
+from typing import Literal
+
+from pydantic import Field
+
+from shardserve.core import SamplingParams
+from shardserve.server.errors import APIError
+from shardserve.server.generation import collect
+from shardserve.server.protocol import Refusing
+from shardserve.server.turns import fan_out
+
+
+class EmbeddingRequest(Refusing):
+    model: str | None = None
+    input: str | list[str] | list[int] | list[list[int]]
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: int | None = Field(None, ge=1)
+    user: str | None = None  # an end-user id for abuse monitoring: nothing to do with it here
+
+
+def _inputs(given) -> list[dict]:
+    if isinstance(given, str):
+        items = [{"text": given}]
+    elif given and all(isinstance(t, int) for t in given):
+        items = [{"token_ids": given}]
+    else:
+        items = [{"text": x} if isinstance(x, str) else {"token_ids": x} for x in given]
+    for i, item in enumerate(items):
+        if not (item.get("text") or item.get("token_ids")):
+            raise APIError(400, f"input {i} is empty", param="input")
+    if not items:
+        raise APIError(400, "the input is empty", param="input")
+    return items
+
+
+def _encoded(vec: list[float], fmt: str) -> list[float] | str:
+    """OpenAI's base64 form: the float32 values, little-endian."""
+    return vec if fmt == "float" else base64.b64encode(struct.pack(f"<{len(vec)}f", *vec)).decode()
+
+
+async def embeddings(s, body: EmbeddingRequest) -> dict:
+    """`s`: the ServerState."""
+    if s.disaggregation_mode != "null":
+        raise APIError(400, "embeddings are served by a colocated server, not a prefill or decode instance")
+    if body.model is not None and body.model != s.model_name:
+        raise APIError(404, f"the model {body.model!r} does not exist; this server serves {s.model_name!r}",
+                       param="model")
+    pool = s.pooling
+    if pool.mode is None:
+        raise APIError(400, f"this server cannot embed: {pool.why_not}")
+    if body.dimensions is not None and (why := pool.check_dimensions(body.dimensions, s.hidden_size)):
+        raise APIError(400, why, param="dimensions")
+    items = _inputs(body.input)
+    if len(items) > s.max_prompts:
+        raise APIError(400, f"{len(items)} inputs exceed the limit of {s.max_prompts} per request (--max-prompts)",
+                       param="input")
+    if s.client.num_active + len(items) > s.max_queued:
+        raise APIError(503, "the server is at its queue limit; retry later", headers={"Retry-After": "1"})
+    reqs = fan_out(items, SamplingParams(max_tokens=1, temperature=0, pooling=pool.mode), 1)
+    choices = await collect(s.client, s.metrics, reqs, s.request_timeout)
+    data = [{"object": "embedding", "index": i,
+             "embedding": _encoded(pool.finish(c.embedding, body.dimensions), body.encoding_format)}
+            for i, c in enumerate(choices)]
+    tokens = sum(c.prompt_tokens for c in choices)
+    return {"object": "list", "data": data, "model": s.model_name,
+            "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}
