@@ -19,10 +19,15 @@ THINK_TAGS = ["<think>", "</think>"]  # single tokens, as in Qwen3 and DeepSeek-
 SCRIPT = "<think>Rome?</think>Paris."
 
 
-def save_scripted_model(path: str, script: str = SCRIPT, vocab: int = 301, scale: float = 30.0) -> list[int]:
-    """Writes the model and tokenizer to `path`; returns the script's token ids (EOS included)."""
+def save_scripted_model(path: str, script: str = SCRIPT, vocab: int = 301, scale: float = 30.0,
+                        chat_template: str | None = None) -> list[int]:
+    """Writes the model and tokenizer to `path`; returns the script's token ids (EOS included).
+    `chat_template` replaces the tiny one (its generation prompt must still end in a newline)."""
     save_tiny_tokenizer(path, vocab, added=THINK_TAGS)
     tok = AutoTokenizer.from_pretrained(path)
+    if chat_template is not None:
+        tok.chat_template = chat_template
+        tok.save_pretrained(path)
     eos = tok.convert_tokens_to_ids("<|im_end|>")
     start = tok.encode("\n", add_special_tokens=False)
     ids = tok.encode(script, add_special_tokens=False) + [eos]

@@ -1,5 +1,6 @@
 """Embeddings (LLM.embed, SamplingParams.pooling) against transformers' final hidden states: last-token and mean
-pooling, normalized, within 1e-4, at TP 1 and 2, over chunked prefill and beside a generation in the same batch."""
+pooling, normalized, within 1e-4, at TP 1 and 2 and PP 2, over chunked prefill and beside a generation in the
+same batch."""
 
 from __future__ import annotations
 
@@ -19,13 +20,15 @@ def reference(path: str, mode: str) -> list[torch.Tensor]:
     return [torch.nn.functional.normalize(h[-1] if mode == "last" else h.mean(0), dim=0) for h in hidden]
 
 
-@pytest.mark.parametrize("tp", [1, 2])
-@pytest.mark.parametrize("mode", ["last", "mean"])
-def test_embeddings_match_transformers(tiny_model, mode, tp):
+LAYOUTS = [("last", 1, 1), ("mean", 1, 1), ("last", 2, 1), ("mean", 2, 1), ("mean", 1, 2)]
+
+
+@pytest.mark.parametrize("mode,tp,pp", LAYOUTS, ids=[f"{m}-tp{t}-pp{p}" for m, t, p in LAYOUTS])
+def test_embeddings_match_transformers(tiny_model, mode, tp, pp):
     path, _ = tiny_model("qwen3")
     want = reference(path, mode)
     # 8 tokens a step: the 23-token prompt pools over three chunks.
-    with LLM(path, tp_size=tp, pooling=mode, num_pages=64, page_size=8, max_num_batched_tokens=8,
+    with LLM(path, tp_size=tp, pp_size=pp, pooling=mode, num_pages=64, page_size=8, max_num_batched_tokens=8,
              show_progress=False) as llm:
         got = llm.embed(PROMPTS, use_tqdm=False)
         # An embedding and a generation share the engine, and the embedding is no different for it.

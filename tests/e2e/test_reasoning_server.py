@@ -10,6 +10,7 @@ import openai
 import pytest
 from scripted_model import save_scripted_model
 from server_util import Server
+from tiny_tokenizer import CHAT_TEMPLATE
 
 ASK = [{"role": "user", "content": "What is the capital of France?"}]
 
@@ -51,3 +52,26 @@ def test_structured_output_holds_after_the_thinking(client):
     message = r.choices[0].message
     assert message.reasoning_content == "Rome?"
     assert json.loads(message.content)["city"] in ("Paris", "Rome") and r.choices[0].finish_reason == "stop"
+
+
+def test_a_template_that_opens_the_thinking(tmp_path_factory):
+    """A Qwen3-Thinking-style template writes <think> into the prompt itself (probed once at start), so the output
+    begins inside the thinking; the model writes only "Rome?</think>Paris.". A structured output waits for the
+    thinking's end there too."""
+    path = str(tmp_path_factory.mktemp("opened"))
+    save_scripted_model(path, script="Rome?</think>Paris.", chat_template=CHAT_TEMPLATE.replace(
+        "<|im_start|>assistant\n{% endif %}", "<|im_start|>assistant\n<think>\n{% endif %}"))
+    server = Server("--model", path, "--reasoning-parser", "qwen3", "--num-pages", "128", "--page-size", "16",
+                    log_path=str(tmp_path_factory.mktemp("logs") / "server.log"))
+    try:
+        client = openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0)
+        r = client.chat.completions.create(model=None, messages=ASK, temperature=0, max_tokens=32)
+        assert r.choices[0].message.reasoning_content == "Rome?" and r.choices[0].message.content == "Paris."
+        schema = {"type": "object", "properties": {"city": {"enum": ["Paris", "Rome"]}}, "required": ["city"]}
+        r = client.chat.completions.create(model=None, messages=ASK, temperature=0, max_tokens=32, response_format={
+            "type": "json_schema", "json_schema": {"name": "city", "schema": schema}})
+        assert r.choices[0].message.reasoning_content == "Rome?"
+        assert json.loads(r.choices[0].message.content)["city"] in ("Paris", "Rome")
+    finally:
+        code, left = server.stop()
+    assert left == [] and code == 0, server.read_log()[-3000:]
