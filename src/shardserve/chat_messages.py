@@ -60,8 +60,8 @@ def template_facts(tok) -> dict:
     it): the template's text, from which it tells the tool-call format, and whether the template
     shows tool definitions at all."""
     template = getattr(tok, "chat_template", None) if tok is not None else None
-    if isinstance(template, dict):  # named templates: the default one renders chats
-        template = template.get("default") or next(iter(template.values()), None)
+    if isinstance(template, dict):  # named templates (default, tool_use, ...): each may name the tool format
+        template = "\n".join(t for t in template.values() if isinstance(t, str))
     if not template:
         return {"chat_template": "", "renders_tools": False, "prompt_end": ""}
     probe = [{"role": "user", "content": "hi"}]

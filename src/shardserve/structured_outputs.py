@@ -32,12 +32,16 @@ _BOUNDS = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum")
 _OPEN_OBJECT = ("additionalProperties", "patternProperties", "unevaluatedProperties")
 _LITERAL = ("enum", "const", "default", "examples")  # values, not schemas
 _NAMED = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+_COMBINED = ("allOf", "anyOf", "oneOf")
 
 
-def bounded_schema(schema):
-    """`schema` with those defaults (a copy: the caller's dict is left as it is)."""
+def bounded_schema(schema, closable: bool = True):
+    """`schema` with those defaults (a copy: the caller's dict is left as it is). An object is
+    closed only where closing it cannot narrow what it accepts: not as a branch of allOf, anyOf
+    or oneOf (whose other branches may list other properties), not beside them, and not where
+    `required` names a property it does not list."""
     if isinstance(schema, list):
-        return [bounded_schema(s) for s in schema]
+        return [bounded_schema(s, closable) for s in schema]
     if not isinstance(schema, dict):
         return schema
     out = {}
@@ -47,10 +51,12 @@ def bounded_schema(schema):
         elif k in _NAMED and isinstance(v, dict):  # name -> schema: a property may be called "type"
             out[k] = {name: bounded_schema(sub) for name, sub in v.items()}
         else:
-            out[k] = bounded_schema(v)
+            out[k] = bounded_schema(v, closable=k not in _COMBINED)
     if schema.get("type") == "integer" and not any(b in schema for b in _BOUNDS):
         out.update(minimum=-INTEGER_BOUND, maximum=INTEGER_BOUND)
-    if isinstance(schema.get("properties"), dict) and not any(k in schema for k in _OPEN_OBJECT):
+    listed = schema.get("properties")
+    if (closable and isinstance(listed, dict) and not any(k in schema for k in _OPEN_OBJECT + _COMBINED)
+            and set(schema.get("required") or ()) <= set(listed)):
         out["additionalProperties"] = False
     return out
 

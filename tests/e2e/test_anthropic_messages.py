@@ -48,6 +48,9 @@ def test_text_and_thinking_blocks(client):
     assert r.usage.output_tokens == 9  # 8 tokens and EOS
     counted = client.messages.count_tokens(model="scripted", messages=ASK)
     assert counted.input_tokens == r.usage.input_tokens + r.usage.cache_read_input_tokens > 5
+    thinking = client.messages.count_tokens(model="scripted", messages=ASK,
+                                            thinking={"type": "enabled", "budget_tokens": 1024})
+    assert thinking.input_tokens == counted.input_tokens
 
 
 def test_stop_sequences_and_max_tokens(client):
@@ -99,6 +102,9 @@ def test_tool_use_round_trip(client):
             {"role": "user", "content": [{"type": "tool_result", "tool_use_id": call.id, "content": "22 C, sunny"}]}]
     final = client.messages.create(model="scripted", max_tokens=32, messages=ASK + turn, tools=[WEATHER])
     assert final.stop_reason == "end_turn" and final.content[-1].text == "Paris."
+    cut = client.messages.create(model="scripted", max_tokens=12, messages=ASK, tools=[WEATHER],
+                                 tool_choice={"type": "any"}, extra_body=greedy)
+    assert cut.stop_reason == "max_tokens"  # a call cut off is no tool use
     longer = client.messages.count_tokens(model="scripted", messages=ASK + turn, tools=[WEATHER])
     assert longer.input_tokens > client.messages.count_tokens(model="scripted", messages=ASK).input_tokens + 20
 

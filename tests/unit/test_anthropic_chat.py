@@ -89,3 +89,40 @@ def test_answers_as_blocks():
     assert stop_reason("stop", 7, False) == ("end_turn", None)  # a stop token is the end of the turn
     assert stop_reason("length", None, False) == ("max_tokens", None)
     assert stop_reason("stop", None, True) == ("tool_use", None)
+
+
+def test_review_cases():
+    """Text before a tool result, a budget without 'enabled', malformed tools and blocks: 400s naming the field,
+    never 500s; a call cut off by max_tokens is no tool use."""
+    ask = [{"role": "user", "content": "Hi"}]
+    with pytest.raises(APIError) as e:
+        chat(messages=[{"role": "user", "content": [{"type": "text", "text": "x"},
+                                                    {"type": "tool_result", "tool_use_id": "t"}]}])
+    assert e.value.param == "messages.0.content.1"
+    with pytest.raises(APIError) as e:
+        chat(messages=ask, thinking={"type": "adaptive", "budget_tokens": 4})
+    assert e.value.param == "thinking.budget_tokens"
+    for bad in ({"tools": 5}, {"tools": [{"type": ["x"]}]}):
+        with pytest.raises((RefusedField, ValueError)):  # pydantic's ValidationError is a ValueError
+            MessagesRequest.model_validate({"model": "m", "max_tokens": 1, "messages": ask, **bad})
+    with pytest.raises(RefusedField) as e:
+        MessagesRequest.model_validate({"model": "m", "max_tokens": 1, "messages": [
+            {"role": "user", "content": [{"type": ["text"]}]}]})
+    assert e.value.field == "messages.0.content.0"
+    with pytest.raises(RefusedField) as e:
+        MessagesRequest.model_validate({"model": "m", "max_tokens": 1, "messages": [
+            {"role": "user", "content": [{"type": "text"}]}]})
+    assert e.value.field == "messages.0.content.0.text"
+    assert stop_reason("length", None, True) == ("max_tokens", None)
+
+
+def test_prefill_and_disabled_thinking_are_not_thinking():
+    from shardserve.server.turns import reasoning_for
+
+    r1 = Reasoning("deepseek_r1")
+    prefill = chat(r1, messages=[{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "The"}])
+    assert reasoning_for(r1, prefill).name is None  # the continuation is the message's own text
+    opens = Reasoning("qwen3", template_opens=True)
+    off = chat(opens, messages=[{"role": "user", "content": "Hi"}], thinking={"type": "disabled"})
+    assert not reasoning_for(opens, off).opened and reasoning_for(opens, off).name == "qwen3"
+    assert reasoning_for(opens, chat(opens, messages=[{"role": "user", "content": "Hi"}])).opened

@@ -20,6 +20,8 @@ CASES = [  # parser, template opens <think>, output -> (reasoning, answer)
     ("deepseek_r1", False, "still thinking </thi", ("still thinking </thi", "")),
     ("deepseek_r1", False, "<think>a</think>b</think>c", ("a", "b</think>c")),
     (None, False, "<think>a</think>b", (None, "<think>a</think>b")),
+    ("deepseek_r1", False, "</think>\n\nNo thought.", (None, "No thought.")),  # empty: none, whole or streamed
+    ("qwen3", False, "   ", (None, "   ")),
 ]
 
 
@@ -31,7 +33,7 @@ def test_split_whole_and_streamed(name, opens, text, want):
         s = parser.stream()
         parts = [p for i in range(0, len(text), step) for p in s.feed(text[i:i + step])] + s.feed("", final=True)
         reasoning = "".join(t for k, t in parts if k == "reasoning")
-        assert (reasoning if s.thought else None, "".join(t for k, t in parts if k == "content")) == want
+        assert (reasoning or None, "".join(t for k, t in parts if k == "content")) == want
         if want[0]:  # what may be a tag is held back, never streamed as the wrong kind
             assert all("</think>" not in t and "<think>" not in t for k, t in parts if k == "reasoning")
 

@@ -77,3 +77,23 @@ def test_store_bounds():
     store.put({"id": "huge", "pad": "x" * 3000}, [])  # larger than the whole store: not stored
     assert store.get("huge") is None and store.get("big") is not None
     assert store.delete("big") and not store.delete("big") and store.get("big") is None
+
+
+def test_reasoning_items_belong_to_the_next_assistant_turn():
+    with pytest.raises(APIError) as e:
+        input_messages([{"type": "reasoning", "summary": []}, {"role": "user", "content": "x"}])
+    assert e.value.param == "input.0"
+    with pytest.raises(APIError):
+        input_messages([{"role": "user", "content": "x"}, {"type": "reasoning", "summary": []}])
+    body = ResponsesRequest.model_validate({"input": "x", "stream_options": {"include_obfuscation": False}})
+    with pytest.raises(APIError) as e:
+        to_chat(body, [])
+    assert e.value.param == "stream_options"
+
+
+def test_a_call_cut_off_is_not_carried_on():
+    from shardserve.server.responses_chat import call_item, message_item, reasoning_item
+
+    items = [message_item("m", "Let me see."), reasoning_item("r", "hmm"),
+             call_item("f", "call_1", "f", '{"x": ', status="incomplete")]
+    assert as_history(items) == [{"role": "assistant", "content": "Let me see."}]

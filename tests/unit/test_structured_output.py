@@ -264,3 +264,16 @@ def test_listed_properties_only_unless_the_schema_opens_the_object(llm, tiny_mod
                             structured_outputs=StructuredOutputsParams(json=schema | {"additionalProperties": True}))
     text = llm.generate(["Hello"], opened, use_tqdm=False)[0].text
     assert text.startswith('{"ok": ') and text[len('{"ok": '):].lstrip("truefals").startswith(",")
+
+
+def test_objects_are_closed_only_where_that_narrows_nothing():
+    from shardserve.structured_outputs import bounded_schema
+
+    both = {"allOf": [{"properties": {"a": {}}, "required": ["a"]}, {"properties": {"b": {}}, "required": ["b"]}]}
+    assert bounded_schema(both) == both  # closing either branch would refuse every object
+    unlisted = {"type": "object", "properties": {"a": {}}, "required": ["a", "z"]}
+    assert bounded_schema(unlisted) == unlisted
+    nested = bounded_schema({"anyOf": [{"properties": {"o": {"type": "object", "properties": {"q": {}}}}}]})
+    assert "additionalProperties" not in nested["anyOf"][0]
+    assert nested["anyOf"][0]["properties"]["o"]["additionalProperties"] is False
+    StructuredOutputsParams(json=both)  # compiles

@@ -63,11 +63,12 @@ class MessagesHandlers:
                 "stop_sequence": sequence, "usage": usage(c)}
 
     async def count_tokens(self, body: CountTokensRequest) -> dict:
-        chat = to_chat(body.model_copy(update={"max_tokens": body.max_tokens or 1}), self.s.reasoning)
+        budget = body.thinking.budget_tokens if body.thinking is not None else None
+        chat = to_chat(body.model_copy(update={"max_tokens": body.max_tokens or (budget or 0) + 1}), self.s.reasoning)
         if chat.model != self.s.model_name:
             raise APIError(404, f"the model {chat.model!r} does not exist; this server serves "
                                 f"{self.s.model_name!r}", param="model")
-        tools: ToolUse = chat_tool_use(chat, self.s.tool_format, self.s.reasoning)
+        tools: ToolUse = chat_tool_use(chat, self.s.tool_format)
         messages = chat_messages(chat.messages)
         reply = await self.s.client.call(TokenizeReq(
             rid=EngineClient.new_rid(), text=None, messages=messages, tools=tools.tools,

@@ -69,9 +69,9 @@ def _messages(msg, i: int) -> list[dict]:
     out, texts = [], []
     for j, block in enumerate(msg.content):
         if isinstance(block, ToolResultBlock):
-            if texts:
-                out.append({"role": "user", "content": "\n".join(texts)})
-                texts = []
+            if texts:  # as Anthropic requires: the results answer the calls just before them
+                raise APIError(400, "tool_result blocks come first in a user message, before any text",
+                               param=f"{where}.{j}")
             answer = _text(block.content)
             out.append({"role": "tool", "tool_call_id": block.tool_use_id,
                         "content": f"Error: {answer}" if block.is_error else answer})
@@ -127,6 +127,9 @@ def _template_kwargs(body: MessagesRequest, reasoning: Reasoning) -> dict | None
     thinking = body.thinking
     if thinking is None:
         return kwargs or None
+    if thinking.budget_tokens is not None and thinking.type != "enabled":
+        raise APIError(400, f"thinking.budget_tokens goes with type 'enabled', not {thinking.type!r}",
+                       param="thinking.budget_tokens")
     if thinking.type == "disabled":
         kwargs.setdefault("enable_thinking", False)
         return kwargs
@@ -159,11 +162,11 @@ def tool_use_id(call_id: str) -> str:
 
 
 def stop_reason(finish: str | None, stopped_by: str | int | None, called: bool) -> tuple[str, str | None]:
-    """(stop_reason, stop_sequence) from the engine's finish."""
-    if called:
-        return "tool_use", None
+    """(stop_reason, stop_sequence) from the engine's finish (a call cut off by max_tokens is no call)."""
     if finish == "length":
         return "max_tokens", None
+    if called:
+        return "tool_use", None
     if isinstance(stopped_by, str):
         return "stop_sequence", stopped_by
     return "end_turn", None

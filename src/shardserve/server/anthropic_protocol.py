@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from shardserve.server.protocol import STRICT, RefusedField, Refusing
 
@@ -82,8 +82,14 @@ def _blocks(content: Any, where: str) -> Any:
     out = []
     for i, block in enumerate(content):
         kind = block.get("type") if isinstance(block, dict) else None
+        kind = kind if isinstance(kind, str) else None
         if kind in BLOCKS:
-            out.append(BLOCKS[kind].model_validate(block))
+            try:
+                out.append(BLOCKS[kind].model_validate(block))
+            except ValidationError as e:  # named from the message down, as every 400 is
+                err = e.errors()[0]
+                field = ".".join(str(p) for p in (where, i, *err["loc"]))
+                raise RefusedField(field, f"invalid field {field!r}: {err['msg']}") from None
         else:
             why = WHY_NOT.get(kind, f"choose from {', '.join(BLOCKS)}")
             raise RefusedField(f"{where}.{i}", f"content block type {kind!r} is not supported: {why}")
@@ -176,7 +182,8 @@ class MessagesRequest(Refusing):
             data["messages"] = [
                 {**m, "content": _blocks(m.get("content"), f"messages.{i}.content")} if isinstance(m, dict) else m
                 for i, m in enumerate(data["messages"])]
-        for i, tool in enumerate(data.get("tools") or []):
+        tools = data.get("tools")
+        for i, tool in enumerate(tools if isinstance(tools, list) else []):
             kind = tool.get("type") if isinstance(tool, dict) else None
             if kind not in (None, "custom"):
                 server = isinstance(kind, str) and kind.startswith(SERVER_TOOL_PREFIXES)
@@ -204,6 +211,14 @@ class MessagesRequest(Refusing):
 
 
 class CountTokensRequest(MessagesRequest):
-    """POST /v1/messages/count_tokens: a Messages body without max_tokens."""
+    """POST /v1/messages/count_tokens: a Messages body without max_tokens or what only shapes the
+    answer (which counting the prompt would ignore)."""
+
+    not_honoured: ClassVar[dict[str, tuple[tuple, str]]] = {
+        **MessagesRequest.not_honoured,
+        "stream": ((False,), "counting tokens makes no answer to stream"),
+        **{name: ((), "it shapes the answer, and counting tokens makes none") for name in (
+            "temperature", "top_p", "top_k", "stop_sequences", "metadata")},
+    }
 
     max_tokens: int | None = Field(None, ge=1)

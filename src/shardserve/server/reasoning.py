@@ -65,11 +65,10 @@ class Reasoning:
         return ReasoningStream(self.name is not None, self.opened)
 
     def parse(self, text: str) -> tuple[str | None, str]:
-        """(reasoning, or None where the output has none; the answer)."""
-        s = self.stream()
-        parts = s.feed(text, final=True)
+        """(reasoning, or None where the output has none, as a stream sends none; the answer)."""
+        parts = self.stream().feed(text, final=True)
         reasoning = "".join(t for kind, t in parts if kind == "reasoning")
-        return (reasoning if s.thought else None), "".join(t for kind, t in parts if kind == "content")
+        return (reasoning or None), "".join(t for kind, t in parts if kind == "content")
 
 
 class ReasoningStream:

@@ -36,6 +36,8 @@ def new_id(prefix: str) -> str:
 
 def to_chat(body: ResponsesRequest, history: list[dict]) -> tuple[ChatRequest, list[dict]]:
     """(the chat request, this request's input as chat messages)."""
+    if body.stream_options is not None and not body.stream:
+        raise APIError(400, "stream_options is only allowed with stream: true", param="stream_options")
     new = input_messages(body.input)
     system = [{"role": "system", "content": body.instructions}] if body.instructions else []
     fields = {"model": body.model, "messages": system + history + new, "max_tokens": body.max_output_tokens,
@@ -77,6 +79,7 @@ def input_messages(items: str | list[dict]) -> list[dict]:
     for i, item in enumerate(items):
         where = f"input.{i}"
         kind = item.get("type", "message" if "role" in item else None) if isinstance(item, dict) else None
+        kind = kind if isinstance(kind, str) else None
         if kind not in ITEM_KEYS:
             raise APIError(400, f"input item type {kind!r} is not supported: give messages, function_call, "
                                 f"function_call_output or reasoning items", param=f"{where}.type")
@@ -86,6 +89,10 @@ def input_messages(items: str | list[dict]) -> list[dict]:
         if kind == "reasoning":
             thought = _reasoning(item, where)
             continue
+        belongs = kind == "function_call" or (kind == "message" and item.get("role") == "assistant")
+        if thought is not None and not belongs:
+            raise APIError(400, "a reasoning item comes just before the assistant message or function call it "
+                                "belongs to", param=f"input.{i - 1}")
         if kind == "function_call":
             call = {"id": _string(item, "call_id", where), "type": "function",
                     "function": {"name": _string(item, "name", where), "arguments": _string(item, "arguments", where)}}
@@ -96,6 +103,9 @@ def input_messages(items: str | list[dict]) -> list[dict]:
             out.append(_output(item, where) if kind == "function_call_output" else _message(item, where))
         if out[-1]["role"] == "assistant" and thought is not None:
             out[-1]["reasoning_content"], thought = thought, None
+    if thought is not None:
+        raise APIError(400, "a reasoning item comes just before the assistant message or function call it "
+                            "belongs to", param=f"input.{len(items) - 1}")
     return out
 
 
@@ -172,6 +182,11 @@ def call_item(item_id: str, call_id: str, name: str, arguments: str, status: str
 
 
 def as_history(items: list[dict]) -> list[dict]:
-    """Output items as the chat messages a continuing response is rendered with."""
+    """Output items as the chat messages a continuing response is rendered with. A call cut off by
+    max_output_tokens (status incomplete: its arguments may not parse) is not carried on, nor the
+    thinking before it."""
+    kept = [item for item in items if not (item["type"] == "function_call" and item["status"] == "incomplete")]
+    while kept and kept[-1]["type"] == "reasoning":
+        kept.pop()
     return input_messages([{k: v for k, v in item.items() if k in ITEM_KEYS[item["type"]] and k != "status"}
-                           for item in items]) if items else []
+                           for item in kept]) if kept else []

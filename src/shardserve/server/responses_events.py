@@ -69,12 +69,13 @@ class Items:
         if self.kind is None:
             return []
         where = {"item_id": self.item_id, "output_index": self.index}
+        status = "completed" if complete else "incomplete"
         if self.kind == "function_call":
-            item = call_item(self.item_id, self.call["call_id"], self.call["name"], self.text)
+            item = call_item(self.item_id, self.call["call_id"], self.call["name"], self.text, status)
             out = [{"type": "response.function_call_arguments.done", **where, "arguments": self.text,
                     "name": self.call["name"]}]
         elif self.kind == "reasoning":
-            item = reasoning_item(self.item_id, self.text)
+            item = {**reasoning_item(self.item_id, self.text), "status": status}
             out = [{"type": "response.reasoning_text.done", **where, "content_index": 0, "text": self.text},
                    self._part("response.content_part.done", self.text)]
         else:

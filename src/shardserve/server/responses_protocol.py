@@ -86,11 +86,13 @@ class ResponsesRequest(Refusing):
         for key, (_, why) in ReasoningConfig.not_honoured.items():
             if isinstance(reasoning, dict) and reasoning.get(key) is not None:
                 raise RefusedField(f"reasoning.{key}", f"reasoning.{key} is not supported: {why}")
-        for i, tool in enumerate(data.get("tools") or []):
+        tools = data.get("tools")
+        for i, tool in enumerate(tools if isinstance(tools, list) else []):
             kind = tool.get("type") if isinstance(tool, dict) else None
+            kind = kind if isinstance(kind, str) else None
             if kind != "function":
-                why = "built-in tools run on OpenAI's servers" if kind in BUILT_IN or isinstance(kind, str) and \
-                    kind.startswith(BUILT_IN) else "only function tools are"
+                built_in = kind is not None and kind.startswith(BUILT_IN)
+                why = "built-in tools run on OpenAI's servers" if built_in else "only function tools are"
                 raise RefusedField(f"tools.{i}", f"tool type {kind!r} is not supported: {why}")
         return data
 

@@ -12,6 +12,7 @@ from shardserve.ipc.messages.api import GenerateReq
 from shardserve.server.client import EngineClient
 from shardserve.server.errors import APIError
 from shardserve.server.protocol import ChatMessage, ChatRequest
+from shardserve.server.reasoning import Reasoning
 from shardserve.server.request_params import chat_options, check_scheduling, sampling_params
 from shardserve.server.tools import ToolUse, chat_tool_use
 
@@ -63,6 +64,16 @@ def admit(s, body, count: int) -> None:
         raise APIError(503, "the server is at its queue limit; retry later", headers={"Retry-After": "1"})
 
 
+def reasoning_for(reasoning: Reasoning, body: ChatRequest) -> Reasoning:
+    """The server's parser as this request's prompt leaves it: a continued message (a prefill) is
+    its own text, not thinking; `enable_thinking: false` closes the thinking in the prompt."""
+    if body.continue_final_message:
+        return Reasoning()
+    if (body.chat_template_kwargs or {}).get("enable_thinking") is False:
+        return dataclasses.replace(reasoning, template_opens=False)
+    return reasoning
+
+
 def chat_turn(s, body: ChatRequest, prefill: str = "") -> tuple[list[GenerateReq], ToolUse]:
     """A chat request's engine sub-requests (n of them) and what its tools (and the server's
     reasoning parser) make of the output."""
@@ -74,7 +85,7 @@ def chat_turn(s, body: ChatRequest, prefill: str = "") -> tuple[list[GenerateReq
     if body.top_logprobs is not None and not body.logprobs:
         raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
     top = (body.top_logprobs or 0) if body.logprobs else None
-    tools = chat_tool_use(body, s.tool_format, s.reasoning)
+    tools = chat_tool_use(body, s.tool_format, reasoning_for(s.reasoning, body))
     if body.thinking_budget is not None:
         if s.reasoning.name is None:
             raise APIError(400, "a thinking budget needs a reasoning model: start the server with --reasoning-parser",
