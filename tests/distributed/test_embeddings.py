@@ -1,5 +1,5 @@
 """Embeddings (LLM.embed, SamplingParams.pooling) against transformers' final hidden states: last-token and mean
-pooling, normalized, within 1e-4, at TP 1 and 2 and PP 2, over chunked prefill and beside a generation in the
+pooling, normalized, within 1e-4, at TP 1 and 2, PP 2 and DP 2, over chunked prefill and beside a generation in the
 same batch."""
 
 from __future__ import annotations
@@ -20,16 +20,17 @@ def reference(path: str, mode: str) -> list[torch.Tensor]:
     return [torch.nn.functional.normalize(h[-1] if mode == "last" else h.mean(0), dim=0) for h in hidden]
 
 
-LAYOUTS = [("last", 1, 1), ("mean", 1, 1), ("last", 2, 1), ("mean", 2, 1), ("mean", 1, 2)]
+LAYOUTS = [("last", 1, 1, 1), ("mean", 1, 1, 1), ("last", 2, 1, 1), ("mean", 2, 1, 1), ("mean", 1, 2, 1),
+           ("last", 1, 1, 2)]
 
 
-@pytest.mark.parametrize("mode,tp,pp", LAYOUTS, ids=[f"{m}-tp{t}-pp{p}" for m, t, p in LAYOUTS])
-def test_embeddings_match_transformers(tiny_model, mode, tp, pp):
+@pytest.mark.parametrize("mode,tp,pp,dp", LAYOUTS, ids=[f"{m}-tp{t}-pp{p}-dp{d}" for m, t, p, d in LAYOUTS])
+def test_embeddings_match_transformers(tiny_model, mode, tp, pp, dp):
     path, _ = tiny_model("qwen3")
     want = reference(path, mode)
     # 8 tokens a step: the 23-token prompt pools over three chunks.
-    with LLM(path, tp_size=tp, pp_size=pp, pooling=mode, num_pages=64, page_size=8, max_num_batched_tokens=8,
-             show_progress=False) as llm:
+    with LLM(path, tp_size=tp, pp_size=pp, dp_size=dp, pooling=mode, num_pages=64, page_size=8,
+             max_num_batched_tokens=8, show_progress=False) as llm:
         got = llm.embed(PROMPTS, use_tqdm=False)
         # An embedding and a generation share the engine, and the embedding is no different for it.
         mixed = llm.generate([PROMPTS[0], PROMPTS[1]], [SamplingParams(max_tokens=6, temperature=0),
