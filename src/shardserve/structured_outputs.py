@@ -20,14 +20,17 @@ JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separ
 _MAX_MESSAGE = 300
 # So that a small model cannot run a structured output on to max_tokens (where it is no JSON at
 # all), two defaults bound what a schema leaves open:
-# - an integer without bounds of its own gets at most 18 digits (every such value fits a 64-bit
-#   integer): at temperature 0 a model can repeat a digit forever; the schema's own minimum or
-#   maximum replaces the bound;
+# - a number or integer without bounds of its own gets at most 18 digits before the point (every
+#   such integer fits in 64 bits): at temperature 0 a model can repeat a digit forever; the
+#   schema's own minimum or maximum replaces the bound;
+# - a number without a multipleOf of its own gets at most 10 digits after the point (multipleOf
+#   1e-10; llguidance takes no finer step), and so no exponent;
 # - an object that lists `properties` and says nothing of others takes no others
 #   (additionalProperties false), as xgrammar's strict mode, vLLM's default, reads such a schema:
 #   a model can otherwise add properties forever; `"additionalProperties": true` (or a schema of
 #   them, or patternProperties) keeps JSON Schema's own default.
 INTEGER_BOUND = 10**18 - 1
+FRACTION_DIGITS = 10
 _BOUNDS = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum")
 _OPEN_OBJECT = ("additionalProperties", "patternProperties", "unevaluatedProperties")
 _LITERAL = ("enum", "const", "default", "examples")  # values, not schemas
@@ -52,8 +55,12 @@ def bounded_schema(schema, closable: bool = True):
             out[k] = {name: bounded_schema(sub) for name, sub in v.items()}
         else:
             out[k] = bounded_schema(v, closable=k not in _COMBINED)
-    if schema.get("type") == "integer" and not any(b in schema for b in _BOUNDS):
+    kinds = schema.get("type")
+    kinds = {kinds} if isinstance(kinds, str) else set(kinds) if isinstance(kinds, list) else set()
+    if kinds & {"integer", "number"} and not any(b in schema for b in _BOUNDS):
         out.update(minimum=-INTEGER_BOUND, maximum=INTEGER_BOUND)
+    if "number" in kinds and "multipleOf" not in schema:
+        out["multipleOf"] = 10.0**-FRACTION_DIGITS
     listed = schema.get("properties")
     if (closable and isinstance(listed, dict) and not any(k in schema for k in _OPEN_OBJECT + _COMBINED)
             and set(schema.get("required") or ()) <= set(listed)):

@@ -277,3 +277,24 @@ def test_objects_are_closed_only_where_that_narrows_nothing():
     assert "additionalProperties" not in nested["anyOf"][0]
     assert nested["anyOf"][0]["properties"]["o"]["additionalProperties"] is False
     StructuredOutputsParams(json=both)  # compiles
+
+
+def test_unbounded_number_cannot_run_away(llm, tiny_model):
+    """A number holds at most 18 digits before the point and 10 after (multipleOf 1e-10), so a model pushed to
+    repeat a digit, and to take the point when it may, still closes the object; the schema's own multipleOf
+    replaces the step."""
+    tok = load_tokenizer(resolve_checkpoint(tiny_model("llama")[0]))
+    (one,) = tok.encode("1", add_special_tokens=False)
+    (point,) = tok.encode(".", add_special_tokens=False)
+    bias = {one: 100, point: 50}
+
+    def number(spec: dict) -> str:
+        schema = {"type": "object", "properties": {"v": spec}, "required": ["v"]}
+        params = SamplingParams(max_tokens=60, temperature=0, logit_bias=bias,
+                                structured_outputs=StructuredOutputsParams(json=schema))
+        out = llm.generate(["Hello"], params, use_tqdm=False)[0]
+        assert out.finish_reason == "stop" and isinstance(json.loads(out.text)["v"], float), out.text
+        return out.text.removeprefix('{"v": ').removesuffix("}")
+
+    assert number({"type": "number"}) == "1" * 18 + "." + "1" * 10
+    assert number({"type": "number", "multipleOf": 0.01}) == "1" * 18 + ".11"
