@@ -359,3 +359,11 @@ def test_offline_chat_renders_tools_as_the_server_does(tiny_model):
 
     with pytest.raises(ToolsIgnored, match="does not render tool definitions"):
         render_chat(Plain(), convo, tools)
+
+
+def test_tool_grammars_bound_their_arguments():
+    """A forced call's arguments get structured outputs' bounds: an open integer cannot run on, nor extra keys."""
+    fn = {"name": "f", "parameters": {"type": "object", "properties": {"n": {"type": "integer"}}}}
+    grammar = get_parser("hermes").grammar([fn])
+    assert '"maximum": 999999999999999999' in grammar and '"additionalProperties": false' in grammar
+    assert "additionalProperties" not in fn["parameters"]  # the request's schema is untouched

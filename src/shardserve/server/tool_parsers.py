@@ -19,7 +19,7 @@ from __future__ import annotations
 import json
 import uuid
 
-from shardserve.structured_outputs import JSON_OPTIONS
+from shardserve.structured_outputs import JSON_OPTIONS, bounded_schema
 
 ARG_KEYS = ("arguments", "parameters")
 
@@ -203,9 +203,11 @@ class _Stream:
     def grammar(cls, functions: list[dict], parallel: bool = True, text: bool = False) -> str:
         """A Lark grammar (llguidance's, JSON schemas inlined with %json) that only calls of these functions
         ({name, parameters} each) in this parser's format match: one, or with `parallel` one or more; with
-        `text`, plain text instead (hermes: text before the calls), as tool_choice auto allows."""
+        `text`, plain text instead (hermes: text before the calls), as tool_choice auto allows. The
+        parameter schemas get structured outputs' bounds (structured_outputs.bounded_schema)."""
         fns = [{"type": "object", "required": ["name", cls.args], "additionalProperties": False,
-                "properties": {"name": {"const": f["name"]}, cls.args: f.get("parameters") or {"type": "object"}}}
+                "properties": {"name": {"const": f["name"]},
+                               cls.args: bounded_schema(f.get("parameters") or {"type": "object"})}}
                for f in functions]
         schema = json.dumps({"x-guidance": JSON_OPTIONS, "anyOf": fns})
         more = f" ({json.dumps(cls.sep)} call)*" if parallel else ""
