@@ -123,6 +123,19 @@ def test_structured_output_and_thinking_budget(client):
     assert r.content[0].thinking == "" and r.content[1].text == "Paris."
 
 
+def test_parse_with_a_pydantic_model(client):
+    """The SDK's messages.parse(output_format=Model) sends the model's schema as output_config.format."""
+    from typing import Literal
+
+    from pydantic import BaseModel
+
+    class City(BaseModel):
+        city: Literal["Paris", "Rome"]
+
+    r = client.messages.parse(model="scripted", max_tokens=40, messages=ASK, output_format=City)
+    assert r.parsed_output.city in ("Paris", "Rome") and r.content[0].thinking == "Rome?"
+
+
 def test_raw_http_sampling_fields(server):
     """Older clients send temperature, top_p and top_k: honoured (top_k 1 is greedy at any temperature)."""
     r = post(server, "/v1/messages", {"model": "scripted", "max_tokens": 32, "messages": ASK, "temperature": 1,

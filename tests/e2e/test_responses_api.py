@@ -83,6 +83,19 @@ def test_text_format_json_schema(client):
     assert r.output[0].content[0].text == "Rome?"  # the thinking is not held to the schema
 
 
+def test_parse_with_a_pydantic_model(client):
+    """The SDK's responses.parse(text_format=Model) sends the model's schema as text.format json_schema."""
+    from typing import Literal
+
+    from pydantic import BaseModel
+
+    class City(BaseModel):
+        city: Literal["Paris", "Rome"]
+
+    r = client.responses.parse(model="scripted", input=ASK, text_format=City, temperature=0)
+    assert r.output_parsed.city in ("Paris", "Rome")
+
+
 def test_previous_response_id_retrieve_and_delete(client, server):
     first = client.responses.create(model="scripted", input="Hi", instructions="Be brief.")
     second = client.responses.create(model="scripted", input="And Italy?", previous_response_id=first.id)
