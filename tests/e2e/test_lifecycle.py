@@ -170,23 +170,51 @@ def test_disconnect_mid_stream_aborts_the_request(deep_server):
     assert after["engine_requests_finished"] - before["engine_requests_finished"] == 1
 
 
+# The agent APIs: the tiny model has no EOS, so without ignore_eos (which they do not take) it runs on.
+AGENT_APIS = [("/v1/messages", {"max_tokens": 480, "messages": [{"role": "user", "content": "hi"}]},
+               "content_block_delta", "message_stop"),
+              ("/v1/responses", {"max_output_tokens": 480, "input": "hi"}, "response.output_text.delta",
+               "response.completed")]
+
+
+@pytest.mark.parametrize("endpoint, body, delta, final", AGENT_APIS, ids=["messages", "responses"])
+def test_disconnect_mid_stream_of_the_agent_apis(deep_server, endpoint, body, delta, final):
+    url = deep_server.url
+    model = httpx.get(url + "/v1/models").json()["data"][0]["id"]
+    before = wait_idle(url)
+    with httpx.stream("POST", url + endpoint, json={**body, "model": model, "stream": True}, timeout=30) as r:
+        lines, events = r.iter_lines(), []  # next(), not a loop's break, which would close the stream
+        while events.count(delta) < 3:
+            events.append(next(lines).removeprefix("event: "))
+        # The state the test is about: text has streamed and the response is still being generated.
+        assert final not in events and "error" not in events, events
+        wait_running(url, 1)
+    after = wait_idle(url)
+    assert after["engine_steps"] - before["engine_steps"] < 480 / 2, (before, after)
+    assert after["engine_requests_finished"] - before["engine_requests_finished"] == 1
+
+
 @pytest.mark.parametrize("endpoint, body", [
-    ("/v1/completions", {"prompt": [5, 6, 7], "max_tokens": 480}),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "n": 2, "max_tokens": 480}),
+    ("/v1/completions", {"prompt": [5, 6, 7], "max_tokens": 480, "ignore_eos": True}),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "n": 2, "max_tokens": 480,
+                              "ignore_eos": True}),
+    *[(endpoint, body) for endpoint, body, _, _ in AGENT_APIS],
 ])
 def test_disconnect_of_a_non_streaming_request_aborts_it(deep_server, endpoint, body):
     tiny_server = deep_server
     url = tiny_server.url
     before = wait_idle(url)
     aborted = tiny_server.read_log().count("its request was aborted")
-    payload = json.dumps({**body, "ignore_eos": True}).encode()
+    if endpoint == "/v1/messages":
+        body = {**body, "model": httpx.get(url + "/v1/models").json()["data"][0]["id"]}
+    payload = json.dumps(body).encode()
     with socket.create_connection(("127.0.0.1", tiny_server.port)) as conn:
         conn.sendall(f"POST {endpoint} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
                      f"Content-Length: {len(payload)}\r\n\r\n".encode() + payload)
         wait_running(url, body.get("n", 1))  # generating: now leave
     after = wait_idle(url)
     # Aborted, not finished: far fewer steps than the generation needed, and every page back.
-    assert after["engine_steps"] - before["engine_steps"] < body["max_tokens"] / 2, (before, after)
+    assert after["engine_steps"] - before["engine_steps"] < 480 / 2, (before, after)
     assert after["engine_requests_finished"] - before["engine_requests_finished"] == body.get("n", 1)
     # This request's own abort, not an earlier test's on the same server.
     wait_for_log(tiny_server, "its request was aborted", aborted + 1)
