@@ -251,18 +251,33 @@ def test_model_defaults_then_sigint_with_requests_in_flight(tiny_model, tmp_path
     def whole() -> None:
         results["whole"] = httpx.post(server.url + "/v1/completions", json={**long, "n": 2}, timeout=30)
 
-    threads = [threading.Thread(target=streamed), threading.Thread(target=whole)]
+    model = httpx.get(server.url + "/v1/models").json()["data"][0]["id"]
+
+    def agent(name: str, endpoint: str, body: dict) -> None:  # the agent APIs' streams end in their own error
+        with httpx.stream("POST", server.url + endpoint, json={**body, "stream": True}, timeout=30) as r:
+            results[name] = [line for line in r.iter_lines() if line]
+
+    threads = [threading.Thread(target=streamed), threading.Thread(target=whole),
+               threading.Thread(target=agent, args=("responses", "/v1/responses", {
+                   "input": "hi", "max_output_tokens": 480})),
+               threading.Thread(target=agent, args=("messages", "/v1/messages", {
+                   "model": model, "max_tokens": 480, "messages": [{"role": "user", "content": "hi"}]}))]
     for t in threads:
         t.start()
-    wait_running(server.url, 3)  # all three generating: the state the Ctrl-C must cut off
+    wait_running(server.url, 5)  # all five generating: the state the Ctrl-C must cut off
     code, left = server.stop(signal.SIGINT)
     for t in threads:
         t.join(10)
     log = server.read_log()
     assert code == 0 and left == [], (code, left)
-    assert "shutting down: 2 requests in flight cut off" in log
+    assert "shutting down: 4 requests in flight cut off" in log
     assert "Traceback" not in log and "CancelledError" not in log, log[-3000:]
     assert results["whole"].status_code == 503
     assert results["whole"].json()["error"]["message"] == "the server is shutting down"
     events = results["stream"]
     assert events[-1] == "data: [DONE]" and "the server is shutting down" in events[-2], events[-3:]
+    failed = json.loads(results["responses"][-1].removeprefix("data: "))
+    assert failed["type"] == "response.failed" and failed["response"]["status"] == "failed"
+    assert failed["response"]["error"]["message"] == "the server is shutting down"
+    error = json.loads(results["messages"][-1].removeprefix("data: "))
+    assert error == {"type": "error", "error": {"type": "overloaded_error", "message": "the server is shutting down"}}
