@@ -9,10 +9,9 @@ event. Errors are in Anthropic's shape (`{"type": "error", "error": {"type", "me
 
 from __future__ import annotations
 
-import json
 from collections.abc import AsyncIterator
 
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse
 
 from shardserve.ipc.messages.api import ErrorOut, TokenizeReq
 from shardserve.server.anthropic_chat import content_blocks, stop_reason, to_chat, tool_use_id
@@ -21,6 +20,7 @@ from shardserve.server.client import EngineClient
 from shardserve.server.errors import APIError
 from shardserve.server.generation import Choice, collect, stream_choices
 from shardserve.server.request_params import chat_options
+from shardserve.server.sse import named, sse
 from shardserve.server.tools import ToolUse, chat_tool_use
 from shardserve.server.turns import chat_messages, chat_turn
 
@@ -55,7 +55,8 @@ class MessagesHandlers:
         meta = {"id": f"msg_{EngineClient.new_rid()}", "type": "message", "role": "assistant",
                 "model": self.s.model_name}
         if body.stream:
-            return await _sse(self._events(reqs, meta, tools, display))
+            return await sse(self._events(reqs, meta, tools, display), named,
+                             lambda e: named(anthropic_error(e.status, e.message)))
         (c,) = await collect(self.s.client, self.s.metrics, reqs, self.s.request_timeout)
         message, called = tools.message(c.text)
         reason, sequence = stop_reason(c.finish_reason, c.stop_reason, called)
@@ -139,28 +140,3 @@ class _Blocks:
         out = [self._delta({"type": "signature_delta", "signature": ""})] if self.open == "thinking" else []
         self.open = None
         return out + [{"type": "content_block_stop", "index": self.index}]
-
-
-async def _sse(events: AsyncIterator[dict]) -> StreamingResponse:
-    """Waits for the first event so a refused request is still an HTTP error, not a stream."""
-    try:
-        first = await anext(events)
-    except StopAsyncIteration:
-        first = None
-
-    async def body():
-        try:
-            if first is not None:
-                yield _event(first)
-            async for event in events:
-                yield _event(event)
-        except APIError as e:
-            yield _event(anthropic_error(e.status, e.message))
-        finally:
-            await events.aclose()  # a disconnect lands here: abort what is still running
-
-    return StreamingResponse(body(), media_type="text/event-stream")
-
-
-def _event(event: dict) -> str:
-    return f"event: {event['type']}\ndata: {json.dumps(event)}\n\n"

@@ -14,7 +14,7 @@ from shardserve.core import SamplingParams
 from shardserve.server.errors import APIError
 from shardserve.server.generation import collect
 from shardserve.server.protocol import Refusing
-from shardserve.server.turns import fan_out
+from shardserve.server.turns import completion_prompts, fan_out
 
 
 class EmbeddingRequest(Refusing):
@@ -23,21 +23,6 @@ class EmbeddingRequest(Refusing):
     encoding_format: Literal["float", "base64"] = "float"
     dimensions: int | None = Field(None, ge=1)
     user: str | None = None  # an end-user id for abuse monitoring: nothing to do with it here
-
-
-def _inputs(given) -> list[dict]:
-    if isinstance(given, str):
-        items = [{"text": given}]
-    elif given and all(isinstance(t, int) for t in given):
-        items = [{"token_ids": given}]
-    else:
-        items = [{"text": x} if isinstance(x, str) else {"token_ids": x} for x in given]
-    for i, item in enumerate(items):
-        if not (item.get("text") or item.get("token_ids")):
-            raise APIError(400, f"input {i} is empty", param="input")
-    if not items:
-        raise APIError(400, "the input is empty", param="input")
-    return items
 
 
 def _encoded(vec: list[float], fmt: str) -> list[float] | str:
@@ -57,7 +42,7 @@ async def embeddings(s, body: EmbeddingRequest) -> dict:
         raise APIError(400, f"this server cannot embed: {pool.why_not}")
     if body.dimensions is not None and (why := pool.check_dimensions(body.dimensions, s.hidden_size)):
         raise APIError(400, why, param="dimensions")
-    items = _inputs(body.input)
+    items = completion_prompts(body.input, "input")
     if len(items) > s.max_prompts:
         raise APIError(400, f"{len(items)} inputs exceed the limit of {s.max_prompts} per request (--max-prompts)",
                        param="input")

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import time
 from collections.abc import AsyncIterator
 
@@ -16,20 +15,9 @@ from shardserve.server.generation import Choice, collect, stream_choices, usage
 from shardserve.server.logprobs import as_token_ids, chat_logprobs, completion_logprobs, prompt_logprobs
 from shardserve.server.protocol import ChatRequest, CompletionRequest, error_body
 from shardserve.server.request_params import sampling_params
+from shardserve.server.sse import data, sse
 from shardserve.server.tools import ToolUse, finish_reason
-from shardserve.server.turns import admit, chat_turn, fan_out
-
-
-def completion_prompts(prompt) -> list[dict]:
-    if isinstance(prompt, str):
-        prompts = [{"text": prompt}]
-    elif prompt and all(isinstance(t, int) for t in prompt):
-        prompts = [{"token_ids": prompt}]
-    else:
-        prompts = [{"text": p} if isinstance(p, str) else {"token_ids": p} for p in prompt]
-    if not prompts or any(not (p.get("text") or p.get("token_ids")) for p in prompts):
-        raise APIError(400, "the prompt is empty", param="prompt")
-    return prompts
+from shardserve.server.turns import admit, chat_turn, completion_prompts, fan_out
 
 
 class OpenAIHandlers:
@@ -172,25 +160,7 @@ class OpenAIHandlers:
 
     @staticmethod
     async def _sse(chunks: AsyncIterator[dict]) -> StreamingResponse:
-        """Waits for the first chunk so a refused request is still an HTTP error, not a stream."""
-        try:
-            first = await anext(chunks)
-        except StopAsyncIteration:
-            first = None
-
-        async def events():
-            try:
-                if first is not None:
-                    yield f"data: {json.dumps(first)}\n\n"
-                async for chunk in chunks:
-                    yield f"data: {json.dumps(chunk)}\n\n"
-            except APIError as e:
-                yield f"data: {json.dumps(error_body(e.message, e.status, e.param))}\n\n"
-            finally:
-                await chunks.aclose()  # a disconnect lands here: abort what is still running
-            yield "data: [DONE]\n\n"
-
-        return StreamingResponse(events(), media_type="text/event-stream")
+        return await sse(chunks, data, lambda e: data(error_body(e.message, e.status, e.param)), "data: [DONE]\n\n")
 
 
 def _most(a: int | None, b: int | None) -> int | None:

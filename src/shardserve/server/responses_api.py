@@ -11,11 +11,8 @@ sequence_number; a failure mid-stream is response.failed.
 
 from __future__ import annotations
 
-import json
 import time
 from collections.abc import AsyncIterator
-
-from fastapi.responses import StreamingResponse
 
 from shardserve.server.errors import APIError
 from shardserve.server.generation import Choice, stream_choices
@@ -23,6 +20,7 @@ from shardserve.server.response_store import ResponseStore
 from shardserve.server.responses_chat import as_history, new_id, output_items, to_chat
 from shardserve.server.responses_events import Items
 from shardserve.server.responses_protocol import ResponsesRequest
+from shardserve.server.sse import numbered, sse
 from shardserve.server.tools import ToolUse
 from shardserve.server.turns import chat_turn
 
@@ -44,7 +42,9 @@ class ResponsesHandlers:
         reqs, tools = chat_turn(self.s, chat, prefill)
         head = self._head(body)
         if body.stream:
-            return await _sse(self._events(reqs, tools, head, body, history + new))
+            frame = numbered()
+            return await sse(self._events(reqs, tools, head, body, history + new), frame, lambda e: frame(
+                {"type": "error", "code": str(e.status), "message": e.message, "param": e.param}))
         c, thinking = Choice(), Thinking(tools)
         async for _, out in stream_choices(self.s.client, self.s.metrics, reqs, self.s.request_timeout):
             c.add(out)
@@ -142,31 +142,3 @@ class Thinking:
         self.stream.feed(out.text, out.finished)
         if before in ("start", "reasoning") and self.stream.thought:
             self.tokens += len(out.new_ids)
-
-
-async def _sse(events: AsyncIterator[dict]) -> StreamingResponse:
-    """Waits for the first event so a refused request is still an HTTP error, not a stream; numbers
-    the events (sequence_number)."""
-    try:
-        first = await anext(events)
-    except StopAsyncIteration:
-        first = None
-
-    async def body():
-        n = 0
-        try:
-            pending = [first] if first is not None else []
-            async for event in _chain(pending, events):
-                yield f"event: {event['type']}\ndata: {json.dumps({**event, 'sequence_number': n})}\n\n"
-                n += 1
-        finally:
-            await events.aclose()  # a disconnect lands here: abort what is still running
-
-    return StreamingResponse(body(), media_type="text/event-stream")
-
-
-async def _chain(first: list[dict], rest: AsyncIterator[dict]) -> AsyncIterator[dict]:
-    for event in first:
-        yield event
-    async for event in rest:
-        yield event

@@ -26,6 +26,19 @@ def chat_messages(messages: list[ChatMessage]) -> list[dict]:
         raise APIError(400, str(e), param=e.param) from None
 
 
+def completion_prompts(prompt, param: str = "prompt") -> list[dict]:
+    """A completions prompt (or embeddings input, `param`): text, token ids, or a list of either."""
+    if isinstance(prompt, str):
+        prompts = [{"text": prompt}]
+    elif prompt and all(isinstance(t, int) for t in prompt):
+        prompts = [{"token_ids": prompt}]
+    else:
+        prompts = [{"text": p} if isinstance(p, str) else {"token_ids": p} for p in prompt]
+    if not prompts or any(not (p.get("text") or p.get("token_ids")) for p in prompts):
+        raise APIError(400, f"the {param} is empty", param=param)
+    return prompts
+
+
 def fan_out(prompts: list[dict], params: SamplingParams, n: int, request_id: str | None = None,
             **extra) -> list[GenerateReq]:
     """prompts x n sub-requests, choice index = prompt * n + sample; sample i gets seed + i. A
