@@ -226,6 +226,7 @@ class Request:
     pool: Any = field(default=None, repr=False, compare=False)
     pooled_upto: int = 0
     embedding: list[float] | None = field(default=None, repr=False, compare=False)
+    error: str | None = None  # why it failed alone (finish_reason "error"): a fault in its rows or its grammar
 
     @property
     def computes_prompt(self) -> bool:
@@ -269,6 +270,7 @@ class CompletionOutput:
     finish_reason: str | None
     stop_reason: str | int | None = None
     logprobs: list[dict] | None = None
+    error: str | None = None  # with finish_reason "error": why this request failed (the others went on)
 
 
 @dataclass

@@ -277,8 +277,10 @@ class LLM:
             text = self._decode(s.token_ids, s.params.skip_special_tokens)
             if s.out.text_cut is not None:
                 text = text[: s.out.text_cut]
+            if s.out.error is not None:
+                log.warning("request %s failed alone: %s", s.rid, s.out.error)
             comps.append(CompletionOutput(i, text, s.token_ids, s.out.finish_reason, s.out.stop_reason,
-                                          s.logprobs if s.params.logprobs is not None else None))
+                                          s.logprobs if s.params.logprobs is not None else None, s.out.error))
         return RequestOutput(samples[0].rid, prompt if isinstance(prompt, str) else None, ids, comps,
                              samples[0].out.cached_tokens, samples[0].prompt_logprobs, samples[0].out.embedding)
 

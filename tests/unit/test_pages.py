@@ -54,6 +54,23 @@ def test_shared_page_freed_by_last_reference() -> None:
     assert alloc.num_used == 0
 
 
+def test_a_failed_request_leaves_the_prefix_cache_what_only_it_holds() -> None:
+    """release(forget_from=k): the pages a failed request computed itself may hold what went wrong and are no
+    longer served; those it took from the cache stay."""
+    alloc = PageAllocator(8, PAGE)
+    tokens = list(range(13))
+    first = alloc.allocate(2)
+    alloc.register(tokens[:8], first, 8, [])
+    failing = alloc.match_prefix(tokens)  # shares the first two pages, then computes its own
+    assert failing == first
+    own = alloc.allocate(2)
+    alloc.register(tokens, failing + own, 12, [])
+    alloc.release(first)
+    alloc.release(failing + own, forget_from=len(failing))
+    assert alloc.match_prefix(tokens) == first  # its own full page is forgotten, the shared ones are not
+    assert alloc.num_used == 2
+
+
 def test_allocation_failure_takes_nothing() -> None:
     alloc = PageAllocator(5, PAGE)
     held = alloc.allocate(3)

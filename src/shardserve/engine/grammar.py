@@ -47,6 +47,8 @@ class Guide:
         self._lltok = None
         self._words, self._own_eos = (vocab_size + 31) // 32, []  # mask words per row; llguidance's EOS
         self._templates: OrderedDict[tuple[str, str], Any] = OrderedDict()
+        # Requests whose matcher raised this step (request id -> why): they fail alone, the batch goes on.
+        self.failures: dict[str, str] = {}
 
     def _tokenizer(self):
         if self._lltok is None:
@@ -91,14 +93,20 @@ class Guide:
         if not rows:
             return logits
         bits = torch.empty((len(rows), self._words), dtype=torch.int32)
+        complete = np.zeros(len(rows), dtype=np.bool_)
         for j, (_, r) in enumerate(rows):
-            r.matcher.unsafe_compute_mask_ptr(bits[j].data_ptr(), self._words * 4)
+            try:
+                r.matcher.unsafe_compute_mask_ptr(bits[j].data_ptr(), self._words * 4)
+                complete[j] = r.matcher.is_accepting()
+            except Exception as e:  # this request fails; its row bans nothing meanwhile
+                self._failed(r, e)
+                bits[j] = -1
         # Bit t of the row's words (little-endian) is token t: unpacked, the complement is the ban.
         banned = np.unpackbits(np.invert(bits.numpy()).view(np.uint8), axis=1, count=self.vocab,
                                bitorder="little").view(np.bool_)
         # EOS: llguidance's stand-in never; the request's own only where the grammar is complete.
         banned[:, self._own_eos] = True
-        ok = np.array([r.matcher.is_accepting() and not r.params.ignore_eos for _, r in rows])
+        ok = complete & np.array([not r.params.ignore_eos for _, r in rows])
         for eos in {r.eos_token_ids for _, r in rows}:  # one set in practice: the leader's
             js = [j for j, (_, r) in enumerate(rows) if r.eos_token_ids == eos]
             banned[np.ix_(js, [e for e in eos if e < self.vocab])] = ~ok[js, None]
@@ -117,15 +125,26 @@ class Guide:
             m = r.matcher
             if m is None:
                 continue
+            try:
+                refused = not (tok in r.eos_token_ids or m.is_stopped()) and not m.consume_token(tok)
+            except Exception as e:
+                self._failed(r, e)
+                continue
             if tok in r.eos_token_ids or m.is_stopped():
                 ended.append(i)
-            elif not m.consume_token(tok):
+            elif refused:
                 log.warning("request %s: its grammar refused token %d (%s); ending it", r.request_id, tok,
                             one_line(m.get_error()))
                 ended.append(i)
             elif m.is_stopped():
                 ended.append(i)
         return ended
+
+
+    def _failed(self, req: Request, e: Exception) -> None:
+        why = f"the grammar engine failed on this request: {one_line(str(e)) or type(e).__name__}"
+        log.error("request %s: %s", req.request_id, why)
+        self.failures[req.request_id] = why
 
 
 class _Broken:

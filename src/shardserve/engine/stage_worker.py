@@ -29,6 +29,7 @@ from shardserve.engine.grammar import Guide
 from shardserve.engine.kv_shipper import KVShipper
 from shardserve.engine.model_runner import ModelRunner, StepInputs
 from shardserve.engine.sampler import Sampler, score_prompt
+from shardserve.engine.step_rows import embeddings, finite_rows, pooled_rows
 from shardserve.engine.verify import verify
 from shardserve.ipc.messages.disagg import KVTarget
 from shardserve.ipc.messages.plan import PlanRequest, StepPlan, StepResult
@@ -92,7 +93,7 @@ class StageWorker:
         self.plans += 1
         self.empty_plans += not plan.entries
         step = self._inputs(plan)
-        pooled = self._pooling(plan, step) if self.samples else []
+        pooled = pooled_rows(plan.entries, self.sampling, step) if self.samples else []
         hidden = None
         if not self.stage.first:
             hidden = self.link.recv(len(step.positions), self.hidden_size, self.runner.dtype, self.runner.device)
@@ -106,7 +107,7 @@ class StageWorker:
         if not self.samples:
             return None
         result = self._sample(plan, out)
-        result.embeddings = self._embeddings(pooled, step.hidden)
+        result.embeddings = embeddings(pooled, step.hidden)
         return result
 
     def _draft_forward(self, plan: StepPlan) -> torch.Tensor | None:
@@ -186,44 +187,10 @@ class StageWorker:
         step.logit_rows = sample_rows + score_rows
         return step
 
-    def _pooling(self, plan: StepPlan, step: StepInputs) -> list[tuple[Request, int, int]]:
-        """Embedding requests' rows in this step: step.hidden_rows gets them; returns (request,
-        first position, end position) per request, in row order. Positions pooled before a
-        preemption are not pooled again."""
-        out, offset = [], 0
-        for e in plan.entries:
-            req, n = self.sampling.get(e.rid), len(e.token_ids)
-            mode = req.params.pooling if req is not None else None
-            size = len(req.prompt_token_ids) if req is not None else 0
-            if mode == "mean":
-                p0, p1 = max(e.start, req.pooled_upto), min(e.start + n, size)
-            elif mode == "last" and req.pooled_upto < size <= e.start + n:
-                p0, p1 = size - 1, size
-            else:
-                p0 = p1 = 0
-            if p1 > p0:
-                step.hidden_rows.extend(range(offset + p0 - e.start, offset + p1 - e.start))
-                out.append((req, p0, p1))
-            offset += n
-        return out
-
-    @staticmethod
-    def _embeddings(pooled: list[tuple[Request, int, int]], hidden: torch.Tensor | None) -> dict[str, list[float]]:
-        """Each pooled request's sum (mean pooling) or last row so far; the complete ones' embeddings."""
-        done, row = {}, 0
-        for req, p0, p1 in pooled:
-            rows = hidden[row : row + p1 - p0]
-            row += p1 - p0
-            mean = req.params.pooling == "mean"
-            req.pool = rows.sum(0) + (req.pool if req.pool is not None and mean else 0) if mean else rows[-1]
-            req.pooled_upto = p1
-            if p1 == len(req.prompt_token_ids):
-                done[req.request_id] = (req.pool / p1 if mean else req.pool).tolist()
-        return done
-
     def _sample(self, plan: StepPlan, logits: torch.Tensor) -> StepResult:
         sampled = [e for e in plan.entries if e.sample]
         row = sum(e.num_draft + 1 for e in sampled)
+        logits, failed = finite_rows(logits, row, sampled)
         if row == len(sampled):
             tokens, logprobs, ended = self._sample_rows(logits[:row], [self.sampling[e.rid] for e in sampled])
             accepted = ([], [])
@@ -236,8 +203,11 @@ class StageWorker:
                 scored.append(score_prompt(logits[row : row + e.score_count], req.prompt_token_ids,
                                            req.params.prompt_logprobs, e.score_first))
                 row += e.score_count
+        if self.guide.failures:  # a matcher that raised fails its request alone
+            failed |= {k: self.guide.failures[e.rid] for k, e in enumerate(sampled) if e.rid in self.guide.failures}
+            self.guide.failures.clear()
         return StepResult(mb=plan.mb, tokens=tokens, logprobs=logprobs, prompt_logprobs=scored, ended=ended,
-                          accepted=accepted[0], accepted_logprobs=accepted[1])
+                          accepted=accepted[0], accepted_logprobs=accepted[1], failed=failed)
 
     def _sample_rows(self, logits: torch.Tensor, reqs: list[Request]) -> tuple[list[int], list, list[int]]:
         """One token per request from its one row (the batched sampler)."""

@@ -152,10 +152,15 @@ class PageAllocator:
         taken = {p: iter(self.allocate(n, p)) for p, n in enumerate(need) if n}
         return [next(taken[p]) for p in parts]
 
-    def release(self, pages: list[int]) -> None:
+    def release(self, pages: list[int], forget_from: int | None = None) -> None:
         """Drop one reference to each page; later pages go to the queue first so they are evicted
-        before the earlier (more widely shared) pages of the same prefix."""
-        for page in reversed(pages):
+        before the earlier (more widely shared) pages of the same prefix. `forget_from`: a failed
+        request's first page of its own computing; from there on its KV may be wrong, so those
+        pages leave the prefix cache (those it took from the cache stay)."""
+        for i in range(len(pages) - 1, -1, -1):
+            page = pages[i]
+            if forget_from is not None and i >= forget_from:
+                self._forget(page)
             self.refs[page] -= 1
             if self.refs[page] == 0:
                 self.pools[self.part_of(page)][page] = None

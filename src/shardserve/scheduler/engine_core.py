@@ -289,7 +289,11 @@ class EngineCore:
             req.prompt_logprobs.extend(entries)
             if req.request_id in result.embeddings:
                 req.embedding = result.embeddings[req.request_id]
-            if tok is not None:
+            if sample and k in result.failed:  # this request alone: its token is void, the batch goes on
+                req.error = result.failed[k]
+                self._end(req, "error")
+                outputs.append(StepOutput(req, [], True))
+            elif tok is not None:
                 outputs.append(self._take_tokens(req, [*toks, tok], [*lps, lp], k in ended))
                 if self.spec is not None:
                     self.spec.settle(req, len(toks), len(outputs[-1].new_token_ids))

@@ -52,5 +52,5 @@ def token_out(o: StepOutput) -> TokenOut:
         # Complete by the first sampled token, and sent with it only.
         prompt_logprobs=(r.prompt_logprobs if p.prompt_logprobs is not None
                          and len(r.output_token_ids) == len(o.new_token_ids) else None),
-        embedding=r.embedding if o.finished else None,
+        embedding=r.embedding if o.finished else None, error=r.error if o.finished else None,
     )

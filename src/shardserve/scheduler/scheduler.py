@@ -117,7 +117,9 @@ class Scheduler:
             self.running.remove(req)
         elif req.status is Status.WAITING and req in self.waiting:
             self.waiting.remove(req)
-        self.alloc.release(req.pages)
+        # A failed request's own KV may be what went wrong: it is not served to later prompts.
+        failed = req.num_cached_tokens // self.page_size if reason == "error" else None
+        self.alloc.release(req.pages, forget_from=failed)
         req.pages = []
         req.status = Status.FINISHED
         req.finish_reason = reason

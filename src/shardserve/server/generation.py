@@ -73,6 +73,8 @@ async def stream_choices(client: EngineClient, metrics: Metrics, reqs: list[Gene
             if item.finished:
                 del pending[item.rid]
                 client.release(item.rid)
+            if item.error is not None:  # this request alone failed (engine, grammar, detokenizer)
+                raise APIError(500, item.error)
             yield index, item
     finally:
         for rid in pending:

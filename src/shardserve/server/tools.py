@@ -15,6 +15,7 @@ the Responses and Messages APIs translate theirs into the same shape).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import re
@@ -68,7 +69,8 @@ class ToolUse:
         thought = {"reasoning_content": reasoning} if reasoning is not None else {}
         if self.parser is None:
             return {"role": "assistant", "content": text, **thought}, False
-        content, calls = self.parser.parse(text)
+        with parser_faults(self.parser):
+            content, calls = self.parser.parse(text)
         if not calls:
             return {"role": "assistant", "content": text, **thought}, False
         calls = calls if self.parallel else calls[:1]
@@ -76,6 +78,19 @@ class ToolUse:
 
     def stream(self) -> ToolStream:
         return ToolStream(self)
+
+
+@contextlib.contextmanager
+def parser_faults(parser: type | None):
+    """A parser that raises on one output fails that request with a 500 naming it, not the server."""
+    try:
+        yield
+    except APIError:
+        raise
+    except Exception as e:
+        name = getattr(parser, "__name__", "reasoning").lower()
+        raise APIError(500, f"the {name} output parser failed on this output: "
+                            f"{' '.join(str(e).split()) or type(e).__name__}") from None
 
 
 def finish_reason(reason: str | None, called: bool) -> str | None:
@@ -92,9 +107,10 @@ class ToolStream:
 
     def deltas(self, text: str, finished: bool) -> list[dict]:
         out = []
-        for kind, part in self.thinking.feed(text, finished):
-            out += [{"reasoning_content": part}] if kind == "reasoning" else self._answer(part, False)
-        return out + (self._answer("", True) if finished else [])
+        with parser_faults(type(self.p) if self.p is not None else None):
+            for kind, part in self.thinking.feed(text, finished):
+                out += [{"reasoning_content": part}] if kind == "reasoning" else self._answer(part, False)
+            return out + (self._answer("", True) if finished else [])
 
     def _answer(self, text: str, finished: bool) -> list[dict]:
         if self.p is None:

@@ -25,6 +25,16 @@ class Detokenizer:
         self.tok = tokenizer
         self.streams: dict[str, _Stream] = {}
 
+    def feed_safely(self, out: TokenOut) -> TextOut:
+        """feed, or where decoding this request raised, a TextOut carrying why (the API fails that
+        request and aborts it; the batch's others go on)."""
+        try:
+            return self.feed(out)
+        except Exception as e:
+            self.streams.pop(out.rid, None)
+            why = f"detokenizing this request's output failed: {' '.join(str(e).split()) or type(e).__name__}"
+            return TextOut(rid=out.rid, text="", new_ids=[], finished=False, error=why)
+
     def _decode(self, ids: list[int], skip: bool) -> str:
         return self.tok.decode(ids, skip_special_tokens=skip) if self.tok is not None else ""
 
@@ -48,6 +58,7 @@ class Detokenizer:
             prompt_logprobs=self._name_tokens(out.prompt_logprobs, skip),
             prompt_tokens=out.prompt_tokens,
             completion_tokens=len(s.inc.ids), cached_tokens=out.cached_tokens, embedding=out.embedding,
+            error=out.error,
         )
 
     def _name_tokens(self, logprobs: list[dict] | None, skip: bool) -> list[dict] | None:

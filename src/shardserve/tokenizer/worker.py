@@ -136,7 +136,7 @@ def tokenizer_main(model: str | None, ep: Endpoints, index: int, detokenize: boo
 def _detok_handler(detok: Detokenizer, to_api: zmq.Socket):
     def handle(msg) -> None:
         if isinstance(msg, TokenBatch):
-            send(to_api, TextBatch(items=[detok.feed(o) for o in msg.items]))
+            send(to_api, TextBatch(items=[detok.feed_safely(o) for o in msg.items]))
 
     return handle
 

@@ -58,6 +58,7 @@ class TokenOut(Msg):
     prompt_tokens: int = 0
     cached_tokens: int = 0
     embedding: list[float] | None = None  # SamplingParams.pooling: with the last output
+    error: str | None = None  # finish_reason "error": why this request failed alone
 
 
 class TokenBatch(Msg):
@@ -77,6 +78,7 @@ class TextOut(Msg):
     completion_tokens: int = 0
     cached_tokens: int = 0
     embedding: list[float] | None = None
+    error: str | None = None  # the request failed alone (engine, grammar or detokenizer): why
 
 
 class TextBatch(Msg):

@@ -81,6 +81,7 @@ class StepResult(Msg):
     accepted: list[list[int]] = []
     accepted_logprobs: list[list[dict | None]] = []
     embeddings: dict[str, list[float]] = {}  # pooling requests whose prompt is complete: request id -> embedding
+    failed: dict[int, str] = {}  # sampled entries (by position) that failed alone, and why: their token is void
 
 
 class StageTraffic(Msg):
