@@ -220,6 +220,32 @@ def test_disconnect_of_a_non_streaming_request_aborts_it(deep_server, endpoint, 
     wait_for_log(tiny_server, "its request was aborted", aborted + 1)
 
 
+def test_request_timeout_ends_a_long_request_and_frees_its_pages(tiny_model, tmp_path):
+    """--request-timeout: a request running longer ends with a 504 naming the flag (a stream, with its error
+    event), is aborted in the engine (far fewer steps than its length, every page back), and a short one is
+    untouched."""
+    path, _ = tiny_model("llama", 24)
+    server = Server("--model", path, *DEEP, "--num-pages", "256", "--request-timeout", "1",
+                    log_path=str(tmp_path / "log"))
+    try:
+        url = server.url
+        before = wait_idle(url)
+        long = {"prompt": [5, 6, 7], "max_tokens": 480, "ignore_eos": True}
+        r = httpx.post(url + "/v1/completions", json=long, timeout=30)
+        assert r.status_code == 504 and "--request-timeout 1 s" in r.json()["error"]["message"], r.text
+        after = wait_idle(url)
+        assert after["engine_steps"] - before["engine_steps"] < 480, (before, after)  # stopped, not finished
+        with httpx.stream("POST", url + "/v1/completions", json={**long, "stream": True}, timeout=30) as s:
+            events = [line for line in s.iter_lines() if line]
+        assert events[-1] == "data: [DONE]" and "--request-timeout" in events[-2], events[-3:]
+        wait_idle(url)
+        short = httpx.post(url + "/v1/completions", json={"prompt": [5, 6], "max_tokens": 2}, timeout=30)
+        assert short.status_code == 200 and short.json()["usage"]["completion_tokens"] == 2
+    finally:
+        code, left = server.stop()
+    assert code == 0 and left == []
+
+
 def wait_for_log(server: Server, text: str, count: int, timeout: float = 10) -> None:
     deadline = time.monotonic() + timeout
     while server.read_log().count(text) < count:

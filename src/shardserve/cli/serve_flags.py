@@ -37,6 +37,9 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--reasoning-parser", choices=REASONING_PARSERS, default=None,
                    help="split a thinking model's <think>...</think> off its answer (qwen3, deepseek_r1): "
                         "reasoning_content on chat, reasoning items on responses, thinking blocks on messages")
+    g.add_argument("--request-timeout", type=positive_float, default=None,
+                   help="seconds a request may run in all; longer, it ends with a 504 (or the stream's error) and "
+                        "its pages are freed (default: no limit)")
     g.add_argument("--pooling", choices=("last", "mean"), default=None,
                    help="how /v1/embeddings pools the prompt's final hidden states (default: the checkpoint's "
                         "sentence-transformers config, else the last token, normalized)")

@@ -18,6 +18,7 @@ from shardserve.server.anthropic_protocol import CountTokensRequest, MessagesReq
 from shardserve.server.client import EngineClient
 from shardserve.server.embeddings import EmbeddingRequest, embeddings
 from shardserve.server.errors import APIError, parse_body
+from shardserve.server.generation import Timeouts
 from shardserve.server.metrics import Metrics
 from shardserve.server.openai_api import OpenAIHandlers
 from shardserve.server.protocol import (
@@ -47,7 +48,7 @@ class ServerState:
     max_n: int = 16
     max_queued: int = 1024
     max_body: int = 8 * 2**20
-    request_timeout: float = 600.0
+    request_timeout: Timeouts = field(default_factory=Timeouts)  # engine silence, and --request-timeout
     sampling_defaults: dict = field(default_factory=dict)  # the model's, for fields a request leaves out
     api_key: str = field(default="", repr=False)  # "" = open; never printed
     metrics_require_key: bool = False  # also guard /health and /metrics

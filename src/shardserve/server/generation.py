@@ -18,6 +18,15 @@ from shardserve.server.errors import APIError
 from shardserve.server.metrics import Metrics
 
 
+@dataclass(frozen=True)
+class Timeouts:
+    """How long a request may wait for the engine's next output (`silence`: a stalled engine), and
+    how long it may run in all (`total`, --request-timeout; None: no limit)."""
+
+    silence: float = 600.0
+    total: float | None = None
+
+
 @dataclass
 class Choice:
     """What one choice accumulated (for non-streaming answers and usage)."""
@@ -45,7 +54,7 @@ class Choice:
 
 
 async def stream_choices(client: EngineClient, metrics: Metrics, reqs: list[GenerateReq],
-                         timeout: float) -> AsyncIterator[tuple[int, TextOut]]:
+                         timeout: Timeouts) -> AsyncIterator[tuple[int, TextOut]]:
     queue: asyncio.Queue = asyncio.Queue()
     pending = {r.rid: i for i, r in enumerate(reqs)}
     start = time.monotonic()
@@ -54,10 +63,15 @@ async def stream_choices(client: EngineClient, metrics: Metrics, reqs: list[Gene
         for r in reqs:
             await client.submit(r, queue)
         while pending:
+            left = timeout.total - (time.monotonic() - start) if timeout.total is not None else timeout.silence
             try:
-                item = await asyncio.wait_for(queue.get(), timeout)
+                item = await asyncio.wait_for(queue.get(), min(timeout.silence, max(left, 0.0)))
             except asyncio.TimeoutError:
-                raise APIError(500, f"no output from the engine for {timeout:.0f} s") from None
+                if timeout.total is not None and time.monotonic() - start >= timeout.total:
+                    # The finally below aborts what still runs: its pages go back.
+                    raise APIError(504, f"the request ran longer than --request-timeout {timeout.total:g} s; "
+                                        f"its generation was stopped") from None
+                raise APIError(500, f"no output from the engine for {timeout.silence:.0f} s") from None
             if isinstance(item, ErrorOut):
                 raise APIError(item.status, item.message, item.param)
             now = time.monotonic()
@@ -81,7 +95,8 @@ async def stream_choices(client: EngineClient, metrics: Metrics, reqs: list[Gene
             await client.abort(rid)
 
 
-async def collect(client: EngineClient, metrics: Metrics, reqs: list[GenerateReq], timeout: float) -> list[Choice]:
+async def collect(client: EngineClient, metrics: Metrics, reqs: list[GenerateReq],
+                  timeout: Timeouts) -> list[Choice]:
     choices = [Choice() for _ in reqs]
     async for i, out in stream_choices(client, metrics, reqs, timeout):
         choices[i].add(out)

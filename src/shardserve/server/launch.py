@@ -37,6 +37,7 @@ from shardserve.router.policy import resolve_policy
 from shardserve.router.replicas import router_child
 from shardserve.server.app import ServerState, build_app
 from shardserve.server.client import EngineClient
+from shardserve.server.generation import Timeouts
 from shardserve.server.metrics import Metrics
 from shardserve.server.reasoning import Reasoning
 from shardserve.server.response_store import ResponseStore
@@ -130,6 +131,7 @@ def run_http(args, default_name: str, info: dict, ep: Endpoints, grid: LocalGrid
                                                   info["renders_tools"]),
                         reasoning=Reasoning.of(args.reasoning_parser, info["prompt_end"]),
                         responses=ResponseStore(args.responses_max_stored, args.responses_max_stored_bytes),
+                        request_timeout=Timeouts(total=args.request_timeout),
                         pooling=info["pooling"], hidden_size=info["limits"]["hidden_size"],
                         trust_request_chat_template=args.trust_request_chat_template,
                         disaggregation_mode=args.disaggregation_mode,
