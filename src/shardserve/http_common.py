@@ -17,7 +17,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from shardserve.openai_errors import error_body, key_ok, unauthorized_body
+from shardserve.openai_errors import ANTHROPIC_PATHS, error_body, key_ok, unauthorized_body
 
 log = logging.getLogger(__name__)
 
@@ -74,7 +74,7 @@ def require_api_key(app: FastAPI, api_key: str, metrics_require_key: bool = Fals
     async def _auth(request: Request, call_next):
         guarded = metrics_require_key or request.url.path not in OPEN_PATHS
         if api_key and guarded and not key_ok(request.headers, api_key):
-            anthropic = request.url.path.startswith("/v1/messages")
+            anthropic = request.url.path.startswith(ANTHROPIC_PATHS)
             return JSONResponse(unauthorized_body(anthropic), 401, headers={"WWW-Authenticate": "Bearer"})
         return await call_next(request)
 

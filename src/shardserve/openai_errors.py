@@ -10,6 +10,7 @@ from __future__ import annotations
 import hmac
 
 API_KEY_ENV = "SHARDSERVE_API_KEY"
+ANTHROPIC_PATHS = "/v1/messages"  # routes whose errors take Anthropic's shape (a path prefix)
 _KINDS = {400: "invalid_request_error", 401: "invalid_request_error", 404: "not_found_error",
           413: "invalid_request_error", 500: "internal_error", 502: "bad_gateway", 503: "service_unavailable",
           504: "gateway_timeout"}

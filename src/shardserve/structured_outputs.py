@@ -111,7 +111,7 @@ class StructuredOutputsParams:
         if choice is not None and not (isinstance(choice, list) and choice and all(isinstance(c, str) and c
                                                                                     for c in choice)):
             raise ValueError("SamplingParams.structured_outputs.choice must be a list of non-empty strings")
-        if self.thinking not in THINKING or "-" in (self.thinking or ""):
+        if self.thinking not in (None, "opened", "optional"):  # the "-tokens" forms are the worker's to set
             raise ValueError("SamplingParams.structured_outputs.thinking must be None, 'opened' or 'optional'")
         budget = self.thinking_budget
         if budget is not None and not (self.thinking and isinstance(budget, int) and budget >= 1):

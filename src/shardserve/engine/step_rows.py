@@ -38,7 +38,10 @@ def embeddings(pooled: list[tuple[Request, int, int]], hidden: torch.Tensor | No
         rows = hidden[row : row + p1 - p0]
         row += p1 - p0
         mean = req.params.pooling == "mean"
-        req.pool = rows.sum(0) + (req.pool if req.pool is not None and mean else 0) if mean else rows[-1]
+        if mean:
+            req.pool = rows.sum(0) if req.pool is None else req.pool + rows.sum(0)
+        else:
+            req.pool = rows[-1]
         req.pooled_upto = p1
         if p1 == len(req.prompt_token_ids):
             done[req.request_id] = (req.pool / p1 if mean else req.pool).tolist()

@@ -73,8 +73,8 @@ class Scheduler:
             req = self.waiting[0]
             tokens = req.all_token_ids
             # Cached tokens are never computed, so a request scoring or pooling its prompt cannot use them.
-            scores_prompt = req.computes_prompt
-            req.pages = [] if scores_prompt else self.alloc.match_prefix(tokens)
+            computes_prompt = req.computes_prompt
+            req.pages = [] if computes_prompt else self.alloc.match_prefix(tokens)
             req.pages_synced = 0
             req.num_computed_tokens = len(req.pages) * self.page_size
             n = min(req.num_tokens - req.num_computed_tokens, budget)
@@ -84,7 +84,7 @@ class Scheduler:
                 break
             if req.num_preemptions == 0:
                 req.num_cached_tokens = req.num_computed_tokens
-                if not scores_prompt:
+                if not computes_prompt:
                     self.alloc.record_lookup(len(tokens), req.num_computed_tokens)
             self.waiting.popleft()
             req.status = Status.RUNNING

@@ -22,7 +22,7 @@ from shardserve.server.generation import Choice, collect, stream_choices
 from shardserve.server.request_params import chat_options
 from shardserve.server.sse import named, sse
 from shardserve.server.tools import ToolUse, chat_tool_use
-from shardserve.server.turns import chat_messages, chat_turn
+from shardserve.server.turns import chat_messages, chat_turn, check_model
 
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
                404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error", 503: "overloaded_error"}
@@ -66,9 +66,7 @@ class MessagesHandlers:
     async def count_tokens(self, body: CountTokensRequest) -> dict:
         budget = body.thinking.budget_tokens if body.thinking is not None else None
         chat = to_chat(body.model_copy(update={"max_tokens": body.max_tokens or (budget or 0) + 1}), self.s.reasoning)
-        if chat.model != self.s.model_name:
-            raise APIError(404, f"the model {chat.model!r} does not exist; this server serves "
-                                f"{self.s.model_name!r}", param="model")
+        check_model(self.s, chat.model)
         tools: ToolUse = chat_tool_use(chat, self.s.tool_format)
         messages = chat_messages(chat.messages)
         reply = await self.s.client.call(TokenizeReq(
@@ -105,7 +103,7 @@ class _Blocks:
 
     def __init__(self, display: str | None):
         self.display, self.started = display, False
-        self.index, self.open, self.call = -1, None, None  # the open block's kind, and tool call index
+        self.index, self.open = -1, None  # the open block's index and kind
 
     def feed(self, delta: dict) -> list[dict]:
         if "reasoning_content" in delta:

@@ -12,6 +12,7 @@ from fastapi.responses import JSONResponse, Response
 from shardserve.http_common import answer_errors, cancel_on_disconnect, require_api_key
 from shardserve.ipc.messages.api import DetokenizeReq, ErrorOut, TokenizeReq
 from shardserve.loader.pooling import Pooling
+from shardserve.openai_errors import ANTHROPIC_PATHS
 from shardserve.server.anthropic_api import MessagesHandlers
 from shardserve.server.anthropic_api import error_response as anthropic_error_response
 from shardserve.server.anthropic_protocol import CountTokensRequest, MessagesRequest
@@ -87,8 +88,9 @@ def build_app(state: ServerState) -> FastAPI:
         return response
 
     @app.exception_handler(APIError)
-    async def _api_error(_, e: APIError):
-        return e.response()
+    async def _api_error(request: Request, e: APIError):
+        """Each API's own error shape: Anthropic's on its Messages routes, OpenAI's elsewhere."""
+        return anthropic_error_response(e) if request.url.path.startswith(ANTHROPIC_PATHS) else e.response()
 
     @app.exception_handler(RequestValidationError)
     async def _validation(_, e: RequestValidationError):
@@ -133,20 +135,14 @@ def build_app(state: ServerState) -> FastAPI:
 
     @app.post("/v1/messages")
     async def messages(request: Request):
-        try:
-            prefill = prefill_address(state, request.headers.get(PREFILL_HEADER))
-            body = await parse_body(request, MessagesRequest, state.max_body)
-            return await cancel_on_disconnect(request, anthropic.create(body, prefill))
-        except APIError as e:
-            return anthropic_error_response(e)
+        prefill = prefill_address(state, request.headers.get(PREFILL_HEADER))
+        body = await parse_body(request, MessagesRequest, state.max_body)
+        return await cancel_on_disconnect(request, anthropic.create(body, prefill))
 
     @app.post("/v1/messages/count_tokens")
     async def count_tokens(request: Request):
-        try:
-            body = await parse_body(request, CountTokensRequest, state.max_body)
-            return await anthropic.count_tokens(body)
-        except APIError as e:
-            return anthropic_error_response(e)
+        body = await parse_body(request, CountTokensRequest, state.max_body)
+        return await anthropic.count_tokens(body)
 
     @app.get("/disaggregation")
     async def disaggregation():

@@ -14,7 +14,7 @@ from shardserve.core import SamplingParams
 from shardserve.server.errors import APIError
 from shardserve.server.generation import collect
 from shardserve.server.protocol import Refusing
-from shardserve.server.turns import completion_prompts, fan_out
+from shardserve.server.turns import check_model, check_queue, completion_prompts, fan_out
 
 
 class EmbeddingRequest(Refusing):
@@ -34,9 +34,7 @@ async def embeddings(s, body: EmbeddingRequest) -> dict:
     """`s`: the ServerState."""
     if s.disaggregation_mode != "null":
         raise APIError(400, "embeddings are served by a colocated server, not a prefill or decode instance")
-    if body.model is not None and body.model != s.model_name:
-        raise APIError(404, f"the model {body.model!r} does not exist; this server serves {s.model_name!r}",
-                       param="model")
+    check_model(s, body.model)
     pool = s.pooling
     if pool.mode is None:
         raise APIError(400, f"this server cannot embed: {pool.why_not}")
@@ -46,8 +44,7 @@ async def embeddings(s, body: EmbeddingRequest) -> dict:
     if len(items) > s.max_prompts:
         raise APIError(400, f"{len(items)} inputs exceed the limit of {s.max_prompts} per request (--max-prompts)",
                        param="input")
-    if s.client.num_active + len(items) > s.max_queued:
-        raise APIError(503, "the server is at its queue limit; retry later", headers={"Retry-After": "1"})
+    check_queue(s, len(items))
     reqs = fan_out(items, SamplingParams(max_tokens=1, temperature=0, pooling=pool.mode), 1)
     choices = await collect(s.client, s.metrics, reqs, s.request_timeout)
     data = [{"object": "embedding", "index": i,

@@ -52,12 +52,23 @@ def fan_out(prompts: list[dict], params: SamplingParams, n: int, request_id: str
     return reqs
 
 
+def check_model(s, model: str | None) -> None:
+    """A request naming a model must name this server's (`s`: the ServerState)."""
+    if model is not None and model != s.model_name:
+        raise APIError(404, f"the model {model!r} does not exist; this server serves {s.model_name!r}",
+                       param="model")
+
+
+def check_queue(s, count: int) -> None:
+    """Room for `count` more engine requests under --max-queued-requests, else a 503 at once."""
+    if s.client.num_active + count > s.max_queued:
+        raise APIError(503, "the server is at its queue limit; retry later", headers={"Retry-After": "1"})
+
+
 def admit(s, body, count: int) -> None:
     """The checks every generating request passes first; `s`: the ServerState, `count`: its
     sub-requests."""
-    if body.model is not None and body.model != s.model_name:
-        raise APIError(404, f"the model {body.model!r} does not exist; this server serves {s.model_name!r}",
-                       param="model")
+    check_model(s, body.model)
     if not 1 <= body.n <= s.max_n:
         raise APIError(400, f"n must be between 1 and {s.max_n}, got {body.n}", param="n")
     if count // body.n > s.max_prompts:
@@ -73,8 +84,7 @@ def admit(s, body, count: int) -> None:
     if body.stream_options is not None and not body.stream:
         raise APIError(400, "stream_options is only allowed with stream: true", param="stream_options")
     check_scheduling(body)
-    if s.client.num_active + count > s.max_queued:
-        raise APIError(503, "the server is at its queue limit; retry later", headers={"Retry-After": "1"})
+    check_queue(s, count)
 
 
 def reasoning_for(reasoning: Reasoning, body: ChatRequest) -> Reasoning:
