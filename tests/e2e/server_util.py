@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -11,6 +12,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
 
 import httpx
 
@@ -173,3 +175,20 @@ class LongStream:
     def assert_failed(self, timeout: float = 30) -> None:
         """The stream ended (within `timeout`) in an error, not by finishing its tokens."""
         assert self.ended_in_error(timeout), self.events[-3:]
+
+
+@contextlib.contextmanager
+def scripted_server(tmp_path_factory, *flags: str) -> Iterator[Server]:
+    """A live server on the scripted model (scripted_model.py: it always answers "<think>Rome?</think>Paris.")
+    with --reasoning-parser qwen3 and these flags; on exit, it must stop cleanly and leave no process."""
+    from scripted_model import save_scripted_model
+
+    path = str(tmp_path_factory.mktemp("scripted"))
+    save_scripted_model(path)
+    server = Server("--model", path, "--reasoning-parser", "qwen3", "--num-pages", "256", "--page-size", "16",
+                    *flags, log_path=str(tmp_path_factory.mktemp("logs") / "server.log"))
+    try:
+        yield server
+    finally:
+        code, left = server.stop()
+    assert left == [] and code == 0, server.read_log()[-3000:]

@@ -8,8 +8,7 @@ from __future__ import annotations
 import anthropic
 import httpx
 import pytest
-from scripted_model import save_scripted_model
-from server_util import Server
+from server_util import scripted_server
 
 KEY = "sk-test-messages"
 ASK = [{"role": "user", "content": "What is the capital of France?"}]
@@ -20,14 +19,8 @@ WEATHER = {"name": "get_weather", "description": "The weather in a city",
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    path = str(tmp_path_factory.mktemp("scripted"))
-    save_scripted_model(path)
-    log = str(tmp_path_factory.mktemp("logs") / "server.log")
-    server = Server("--model", path, "--reasoning-parser", "qwen3", "--api-key", KEY, "--num-pages", "256",
-                    "--page-size", "16", "--served-model-name", "scripted", log_path=log)
-    yield server
-    code, left = server.stop()
-    assert left == [] and code == 0, server.read_log()[-3000:]
+    with scripted_server(tmp_path_factory, "--api-key", KEY, "--served-model-name", "scripted") as server:
+        yield server
 
 
 @pytest.fixture(scope="module")

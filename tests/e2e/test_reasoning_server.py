@@ -9,7 +9,7 @@ import json
 import openai
 import pytest
 from scripted_model import save_scripted_model
-from server_util import Server
+from server_util import Server, scripted_server
 from tiny_tokenizer import CHAT_TEMPLATE
 
 ASK = [{"role": "user", "content": "What is the capital of France?"}]
@@ -17,14 +17,8 @@ ASK = [{"role": "user", "content": "What is the capital of France?"}]
 
 @pytest.fixture(scope="module")
 def client(tmp_path_factory):
-    path = str(tmp_path_factory.mktemp("scripted"))
-    save_scripted_model(path)
-    log = str(tmp_path_factory.mktemp("logs") / "server.log")
-    server = Server("--model", path, "--reasoning-parser", "qwen3", "--num-pages", "256", "--page-size", "16",
-                    log_path=log)
-    yield openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0)
-    code, left = server.stop()
-    assert left == [] and code == 0, server.read_log()[-3000:]
+    with scripted_server(tmp_path_factory) as server:
+        yield openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0)
 
 
 def test_reasoning_content_whole_and_streamed(client):

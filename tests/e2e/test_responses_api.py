@@ -11,8 +11,7 @@ import httpx
 import jsonschema
 import openai
 import pytest
-from scripted_model import save_scripted_model
-from server_util import Server
+from server_util import scripted_server
 
 ASK = "What is the capital of France?"
 WEATHER = {"type": "function", "name": "get_weather", "description": "The weather in a city",
@@ -22,14 +21,8 @@ WEATHER = {"type": "function", "name": "get_weather", "description": "The weathe
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    path = str(tmp_path_factory.mktemp("scripted"))
-    save_scripted_model(path)
-    log = str(tmp_path_factory.mktemp("logs") / "server.log")
-    server = Server("--model", path, "--reasoning-parser", "qwen3", "--num-pages", "256", "--page-size", "16",
-                    "--served-model-name", "scripted", "--responses-max-stored", "4", log_path=log)
-    yield server
-    code, left = server.stop()
-    assert left == [] and code == 0, server.read_log()[-3000:]
+    with scripted_server(tmp_path_factory, "--served-model-name", "scripted", "--responses-max-stored", "4") as server:
+        yield server
 
 
 @pytest.fixture(scope="module")
