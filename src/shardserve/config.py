@@ -26,9 +26,11 @@ def torch_dtype(name: str) -> torch.dtype:
     return getattr(torch, name)
 
 
-# Decode attention: "cpu" = the C kernel reading pages in place (CPU, float32), "torch" = page
-# gather + SDPA (any device and dtype), "auto" = cpu where it applies and builds, else torch.
-ATTENTION_BACKENDS = ("auto", "torch", "cpu")
+# Attention backends (attention/select.py chooses): "cpu" = the C kernel reading pages in place
+# (CPU, float32), "triton" = paged Triton kernels (GPU, or the CPU under Triton's interpreter),
+# "torch" = page gather + SDPA (any device and dtype), "auto" = cpu on the CPU where it applies,
+# triton on a GPU where Triton imports, else torch.
+ATTENTION_BACKENDS = ("auto", "torch", "cpu", "triton")
 # "null": an ordinary server. "prefill": computes prompts for decode instances and ships their
 # KV; "decode": takes requests (through `shardserve router --prefill .. --decode ..`), has a
 # prefill instance compute each prompt, and generates the rest.

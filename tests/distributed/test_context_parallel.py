@@ -40,10 +40,10 @@ def reference(tiny_model):
     return get
 
 
-# (arch, cp, tp, decode attention): CP 2, 3 and 4; CP 2 x TP 2 on both architectures, one of them
-# with the gather-based decode attention instead of the C kernel.
+# (arch, cp, tp, attention backend): CP 2, 3 and 4; CP 2 x TP 2 on both architectures, one of them
+# with the gather-based decode attention instead of the C kernel; CP 2 over the Triton kernels.
 MATRIX = [("llama", 2, 1, "auto"), ("llama", 3, 1, "auto"), ("qwen3", 4, 1, "auto"), ("llama", 2, 2, "auto"),
-          ("qwen3", 2, 2, "torch")]
+          ("qwen3", 2, 2, "torch"), ("llama", 2, 1, "triton")]
 
 
 @pytest.mark.slow

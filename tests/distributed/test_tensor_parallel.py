@@ -70,3 +70,15 @@ def test_smollm2_tp_answers_paris_with_tp1_tokens(smollm2_path, smollm2_answer, 
         out = llm.chat(SMOLLM2_QUESTION, greedy, use_tqdm=False)
     assert "Paris" in out.text
     assert out.token_ids == smollm2_answer.token_ids
+
+
+@pytest.mark.parametrize("tp", [2, 3])
+def test_tp_through_the_triton_backend(reference, tp):
+    """The Triton paged kernels (under the interpreter here) at TP 2 and at TP 3, where a KV head
+    is replicated and query groups are uneven (one head per kernel program)."""
+    path, batch, hf, _, _ = reference("llama")
+    with LLM(path, tp_size=tp, num_pages=64, page_size=8, attention_backend="triton", show_progress=False) as llm:
+        outs = [o.token_ids for o in llm.generate(batch, GREEDY, use_tqdm=False)]
+        attention = {info["attention"] for info in llm.worker_info.values()}
+    assert outs == hf
+    assert attention == {"triton (interpreted on the CPU)"}

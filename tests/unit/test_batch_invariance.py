@@ -109,7 +109,8 @@ def test_the_setting_is_honoured_or_refused(tiny_model) -> None:
     path, _ = tiny_model("llama")
     on = EngineCore(EngineConfig(model=path, show_progress=False, num_pages=32)).runner
     off = EngineCore(EngineConfig(model=path, show_progress=False, num_pages=32, batch_invariant=False)).runner
-    assert on.paged_prefill and not off.paged_prefill and on.decode_attention == off.decode_attention == "cpu"
-    with pytest.raises(ValueError, match="batch_invariant needs the CPU attention kernel .* torch"):
+    assert on.attention.name == off.attention.name == "cpu"
+    assert on.attention.batch_invariant and not off.attention.batch_invariant
+    with pytest.raises(ValueError, match="--batch-invariant needs the CPU attention kernel .* torch"):
         EngineCore(EngineConfig(model=path, show_progress=False, num_pages=32, attention_backend="torch",
                                 batch_invariant=True))

@@ -9,8 +9,10 @@ import torch.nn.functional as F
 
 from shardserve import native
 from shardserve.attention import cpu_kernel
+from shardserve.attention.backend import Heads
+from shardserve.attention.cpu_backend import CpuBackend
 from shardserve.attention.metadata import build_metadata
-from shardserve.attention.torch_backend import TorchAttention
+from shardserve.attention.torch_backend import TorchBackend
 from shardserve.config import EngineConfig
 from shardserve.layers.linear import PackedLinear
 from shardserve.layers.moe import SparseMoE
@@ -142,12 +144,12 @@ def test_backends_agree_on_a_mixed_batch():
     g = torch.Generator().manual_seed(1)
     q = torch.randn(t, heads, dim, generator=g)
     k, v = torch.randn(t, 2, dim, generator=g), torch.randn(t, 2, dim, generator=g)
-    att = TorchAttention(heads, 2, dim, dim**-0.5, kv_of_q)
+    att = Heads(heads, 2, dim, dim**-0.5, kv_of_q)
     outs, caches = [], []
-    for paged in (False, True):
-        meta = build_metadata(ps, decodes, prefills, torch.device("cpu"), paged_decode=paged)
+    for backend in (TorchBackend(), CpuBackend(batch_invariant=False)):
+        meta = backend.prepare(ps, decodes, prefills, torch.device("cpu"))
         kcc, vcc = kc.clone(), vc.clone()
-        outs.append(att.forward(q, k, v, kcc, vcc, meta))
+        outs.append(backend.forward(att, q, k, v, kcc, vcc, meta))
         caches.append((kcc, vcc))
     torch.testing.assert_close(outs[0], outs[1], atol=1e-5, rtol=1e-5)
     assert torch.equal(caches[0][0], caches[1][0]) and torch.equal(caches[0][1], caches[1][1])
@@ -168,9 +170,9 @@ def test_a_missing_compiler_is_a_clear_error(monkeypatch):
 def test_backend_choice(tiny_model):
     path, _ = tiny_model("llama")
     base = dict(model=path, show_progress=False, num_pages=64)
-    assert EngineCore(EngineConfig(**base)).runner.paged_decode
-    assert not EngineCore(EngineConfig(**base, attention_backend="torch")).runner.paged_decode
-    with pytest.raises(ValueError, match="attention_backend 'cpu' needs a CPU device and float32"):
+    assert EngineCore(EngineConfig(**base)).runner.attention.name == "cpu"
+    assert EngineCore(EngineConfig(**base, attention_backend="torch")).runner.attention.name == "torch"
+    with pytest.raises(ValueError, match="--attention-backend cpu needs a CPU device and float32, got cpu and bf"):
         EngineCore(EngineConfig(**base, dtype="bfloat16", attention_backend="cpu"))
     with pytest.raises(ValueError, match="attention_backend must be one of"):
         EngineConfig(**base, attention_backend="flash")

@@ -61,7 +61,7 @@ def test_matches_transformers(tiny_model, arch):
 def test_torch_attention_backend(tiny_model, arch):
     """The gather + SDPA decode path (the one CUDA and half precision use) on the CPU too."""
     core = check(tiny_model, arch, attention_backend="torch")
-    assert not core.runner.paged_decode
+    assert core.runner.attention.name == "torch"
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3_moe", "deepseek_v2"])

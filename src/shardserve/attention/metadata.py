@@ -1,17 +1,20 @@
-"""Per-step attention inputs, built once per step and shared by every layer.
+"""Per-step attention inputs, built once per step by the runner's backend and shared by every layer.
 
 The batch is flat: the first `num_decode` tokens are one-token decodes, the rest are prefill
-chunks laid end to end. Decodes are described one of two ways, chosen by the engine:
+chunks laid end to end. Each backend's `prepare` (attention/backend.py) asks for the description
+its kernels read:
 - `paged`: each decode's block table and context length, for a kernel that reads the pages in
-  place (the CPU C kernel);
+  place (the CPU C kernel, Triton's);
 - `decode_groups`: decodes grouped by context length, each group with padded cache slots for a
-  page gather + one SDPA call (so a 30-token context is not padded to 500).
-A prefill chunk with no earlier context attends to its own fresh K/V; one with context (a later
-chunk, or a prefix-cache hit) lists the cache slots of its whole context. Where decodes are
-`paged`, prefill tokens are too (`paged_prefill`): each attends, by the same kernel as a decode,
-to the cache up to its own position, so a token's attention is the same arithmetic whether it is
-decoded, prefilled in one chunk or several, or follows a prefix that came from the cache (the
-batch invariance the engine's greedy outputs rest on; EngineConfig.batch_invariant).
+  page gather + one SDPA call (so a 30-token context is not padded to 500);
+- `extend`: every prefill chunk's block table, for a kernel that attends over the pool in place
+  once the chunk's own K/V are written (Triton's);
+- otherwise a prefill chunk with no earlier context attends to its own fresh K/V, and one with
+  context (a later chunk, or a prefix-cache hit) lists the cache slots of its whole context.
+Where prefill tokens are described as decodes (`paged_prefill`), each attends, by the same kernel
+as a decode, to the cache up to its own position, so a token's attention is the same arithmetic
+whether it is decoded, prefilled in one chunk or several, or follows a prefix that came from the
+cache (the batch invariance the engine's greedy outputs rest on; EngineConfig.batch_invariant).
 """
 
 from __future__ import annotations
@@ -44,10 +47,23 @@ class DecodeGroup:
 
 @dataclass
 class PagedDecode:
-    """Every decode's pages: block_tables [B, max_pages] (unused entries 0) and context_lens [B]."""
+    """Every decode's pages: block_tables [B, max_pages] (unused entries 0), context_lens [B], and
+    the longest context (known on the host, so no kernel launch waits to read it)."""
 
     block_tables: torch.Tensor
     context_lens: torch.Tensor
+    max_len: int = 0
+
+
+@dataclass
+class PagedExtend:
+    """Every prefill chunk's pages: block_tables [C, max_pages], q_starts [C + 1] (rows of q, from 0
+    at the first chunk), kv_lens [C] (context through the chunk), and the longest chunk."""
+
+    block_tables: torch.Tensor
+    q_starts: torch.Tensor
+    kv_lens: torch.Tensor
+    max_q: int
 
 
 @dataclass
@@ -59,6 +75,7 @@ class AttentionMetadata:
     page_size: int = 0
     paged: PagedDecode | None = None
     paged_prefill: PagedDecode | None = None  # rows num_decode.. : each prefill token as a decode
+    extend: PagedExtend | None = None  # rows num_decode.. : every chunk by its block table
 
 
 # A decode joins the current group while its context is at least this fraction of the group's
@@ -109,7 +126,7 @@ def _paged(decodes: list[tuple[list[int], int]], page_size: int,
     lens = torch.tensor([n for _, n in decodes], dtype=torch.long)
     last = lens - 1
     new_slots = table.gather(1, (last // page_size)[:, None]).squeeze(1) * page_size + last % page_size
-    return PagedDecode(table.to(device), lens.to(device)), new_slots
+    return PagedDecode(table.to(device), lens.to(device), int(lens.max())), new_slots
 
 
 def _slots(pages: torch.Tensor, length: int, page_size: int) -> torch.Tensor:
@@ -124,12 +141,14 @@ def build_metadata(
     device: torch.device,
     paged_decode: bool = False,
     paged_prefill: bool = False,
+    extend: bool = False,
 ) -> AttentionMetadata:
     """decodes: (pages, context length including the new token), in batch order;
     prefills: (pages, chunk length, context length through the chunk's last token).
     `paged_decode` describes decodes by block table instead of by padded groups, `paged_prefill`
-    (with it) prefill tokens too."""
+    (with it) prefill tokens too, and `extend` (with it) prefill chunks by block table."""
     paged_prefill = paged_prefill and paged_decode
+    extend = extend and paged_decode and not paged_prefill
     slot_parts: list[torch.Tensor] = []
     groups: list[DecodeGroup] = []
     paged = None
@@ -143,7 +162,7 @@ def build_metadata(
     for pages, q_len, kv_len in prefills:
         ctx = _slots(torch.tensor(pages, dtype=torch.long), kv_len, page_size)
         slot_parts.append(ctx[kv_len - q_len :])
-        if kv_len == q_len or paged_prefill:  # paged: no slots or mask, see _paged_prefill
+        if kv_len == q_len or paged_prefill or extend:  # paged: no slots or mask
             chunks.append(PrefillChunk(start, q_len, kv_len, None, None))
         else:
             pos = torch.arange(kv_len - q_len, kv_len)
@@ -154,7 +173,16 @@ def build_metadata(
     # collectives with zero tokens) writes no slot.
     slots = torch.cat(slot_parts).to(device) if slot_parts else torch.zeros(0, dtype=torch.long, device=device)
     pp = _paged_prefill(prefills, page_size, device) if prefills and paged_prefill else None
-    return AttentionMetadata(slots, len(decodes), groups, chunks, page_size, paged, pp)
+    ext = _extend(prefills, page_size, device) if prefills and extend else None
+    return AttentionMetadata(slots, len(decodes), groups, chunks, page_size, paged, pp, ext)
+
+
+def _extend(prefills: list[tuple[list[int], int, int]], page_size: int, device: torch.device) -> PagedExtend:
+    table = _block_table([(pages, kv_len) for pages, _, kv_len in prefills], page_size)
+    q_lens = [q_len for _, q_len, _ in prefills]
+    starts = torch.tensor([0, *q_lens]).cumsum(0)
+    kv_lens = torch.tensor([kv_len for _, _, kv_len in prefills])
+    return PagedExtend(table.to(device), starts.to(device), kv_lens.to(device), max(q_lens))
 
 
 def _paged_prefill(prefills: list[tuple[list[int], int, int]], page_size: int, device: torch.device) -> PagedDecode:
@@ -162,4 +190,4 @@ def _paged_prefill(prefills: list[tuple[list[int], int, int]], page_size: int, d
     table = _block_table([(pages, kv_len) for pages, _, kv_len in prefills], page_size)
     q_lens = torch.tensor([q_len for _, q_len, _ in prefills])
     lens = torch.cat([torch.arange(kv_len - q_len + 1, kv_len + 1) for _, q_len, kv_len in prefills])
-    return PagedDecode(table.repeat_interleave(q_lens, dim=0).to(device), lens.to(device))
+    return PagedDecode(table.repeat_interleave(q_lens, dim=0).to(device), lens.to(device), int(lens.max()))

@@ -203,7 +203,7 @@ def run_offline(args: argparse.Namespace, engine: dict) -> int:
     warm_up(llm, hf, low)
     result: dict = {"ours": None, "transformers": None, "ratio_output_tps": None, "batch1": None,
                     "torch_threads": torch.get_num_threads(),
-                    "decode_attention": llm.worker_info["scheduler-0"]["decode_attention"]}
+                    "attention": llm.worker_info["scheduler-0"]["attention"]}
     result["ours"], ours_tokens = run_ours(llm, wl)
     peer = {"transformers": "transformers", "vllm": "vLLM"}.get(args.compare)
     if hf is not None:
@@ -217,7 +217,7 @@ def run_offline(args: argparse.Namespace, engine: dict) -> int:
         result["greedy_match"] = greedy_match(ours_tokens, peer_tokens)
     print(f"workload: {len(wl.prompts)} requests, prompts {args.min_prompt}-{args.max_prompt} tokens, "
           f"outputs {args.min_output}-{args.max_output} tokens, ignore_eos, greedy, dtype {args.dtype}, "
-          f"{result['torch_threads']} torch threads, decode attention {result['decode_attention']}")
+          f"{result['torch_threads']} torch threads, attention {result['attention']}")
     print_table(result["ours"], theirs, peer or "transformers")
     if theirs:
         m = result["greedy_match"]

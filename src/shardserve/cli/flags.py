@@ -182,8 +182,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="file holding the deployment secret that keys the channels between nodes (node 0 writes a "
                         "new one if it is missing; copy it to the other nodes); or set SHARDSERVE_DIST_SECRET")
     g.add_argument("--attention-backend", choices=ATTENTION_BACKENDS, default="auto",
-                   help="decode attention: cpu = C kernel over the pages (CPU float32), torch = gather + SDPA, "
-                        "auto = cpu where it applies")
+                   help="attention: cpu = C kernel over the pages (CPU float32), triton = paged Triton kernels "
+                        "(GPU; on the CPU under Triton's interpreter, for tests), torch = gather + SDPA, "
+                        "auto = cpu on the CPU where it applies, triton on a GPU where Triton imports")
     g.add_argument("--batch-invariant", action=argparse.BooleanOptionalAction, default=None,
                    help="greedy results independent of the batch and the prefix cache: prefill tokens attend by the "
                         "CPU decode kernel (default: wherever it runs; --batch-invariant requires it, "

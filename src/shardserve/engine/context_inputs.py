@@ -54,10 +54,10 @@ class ContextSplit:
     """Turns plans into this context rank's rows; remembers which of each request's pages are its own."""
 
     def __init__(self, comm: Communicator, pages_per_part: int, page_size: int, device: torch.device,
-                 first_stage: bool, kernel: bool):
+                 first_stage: bool):
         self.comm, self.me, self.parts = comm, comm.rank, comm.size
         self.per, self.p, self.device = pages_per_part, page_size, device
-        self.first, self.kernel = first_stage, kernel
+        self.first = first_stage
         self.own: dict[str, tuple[list[int], list[int]]] = {}  # rid -> (page indexes, local pages), ascending
 
     def forget(self, rid: str) -> None:
@@ -153,7 +153,7 @@ class ContextSplit:
         meta = ContextMetadata(self.comm, torch.tensor(rows.slots, dtype=torch.long, device=dev),
                                None if every else torch.tensor(rows.write_rows, dtype=torch.long, device=dev),
                                num_decode, table.to(dev), torch.tensor(rows.lens, dtype=torch.long, device=dev),
-                               rows.chunks, self.p, self.kernel)
+                               max(rows.lens, default=0), rows.chunks, self.p)
         wanted = rows.sample + rows.score
         counts, order, seen = [0] * self.parts, [], [0] * self.parts
         for owner, _ in wanted:

@@ -15,8 +15,9 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from shardserve.attention import cpu_kernel
-from shardserve.attention.metadata import build_metadata
+from shardserve.attention.backend import AttentionBackend
+from shardserve.attention.context import ContextBackend
+from shardserve.attention.select import choose_backend
 from shardserve.config import EngineConfig, ModelConfig
 from shardserve.distributed.expert_placement import PlacementPlan, load_counts
 from shardserve.distributed.groups import ParallelGroups, single_process_groups
@@ -64,6 +65,9 @@ class ModelRunner:
         self.comm, self.control = groups.tensor, groups.control
         self.device = pick_device(cfg.device, groups.local_rank)
         self.dtype = cfg.torch_dtype
+        # Chosen once, before any weight loads; the layers call whichever it is.
+        backend = choose_backend(cfg.attention_backend, self.device, self.dtype, cfg.batch_invariant)
+        self.attention: AttentionBackend = ContextBackend(backend) if groups.context.size > 1 else backend
         cls = model_class(model_cfg.architecture)
         self.placements = self._placement_plan()
         # Progress for the steps that take seconds, from one rank (the others do the same).
@@ -88,11 +92,6 @@ class ModelRunner:
                            model_cfg.kv_widths, self.dtype, self.device)
         # Indexed by global layer number; other stages' layers have no cache here.
         self.kv_views = [None] * st.start + self.pool.layer_views() + [None] * (model_cfg.num_layers - st.end)
-        self.paged_decode = self._pick_attention(cfg.attention_backend)
-        if cfg.batch_invariant and not self.paged_decode:
-            raise ValueError(f"batch_invariant needs the CPU attention kernel (a CPU device, float32, "
-                             f"attention_backend auto or cpu), got {self.device}, {cfg.dtype}, {cfg.attention_backend}")
-        self.paged_prefill = self.paged_decode and cfg.batch_invariant is not False
 
     def _placement_plan(self) -> PlacementPlan | None:
         """Where MoE experts live over the expert group: None without expert parallelism (tensor
@@ -135,12 +134,6 @@ class ModelRunner:
                         seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
         return round(sum(seen.values()) / 1e6, 1)
 
-    @property
-    def decode_attention(self) -> str:
-        """Which decode attention runs: 'cpu' (the C kernel) or 'torch' (gather + SDPA). Prefill
-        tokens attend by the C kernel too where `paged_prefill` (batch-invariant)."""
-        return "cpu" if self.paged_decode else "torch"
-
     def _pick_quantization(self, ckpt: Checkpoint) -> str:
         """What the loader offers the layers: "auto" (a GGUF's blocks), "int8", or "none"."""
         choice = self.cfg.quantization
@@ -161,24 +154,6 @@ class ModelRunner:
         log.warning("GGUF weights are expanded to %s: %s", self.cfg.dtype, why)
         return "none"
 
-    def _pick_attention(self, choice: str) -> bool:
-        """Whether decodes use the CPU C kernel (True) or gather + SDPA (False)."""
-        if choice == "torch":
-            return False
-        if not cpu_kernel.supports(self.device, self.dtype):
-            if choice == "cpu":
-                raise ValueError(f"attention_backend 'cpu' needs a CPU device and float32, got {self.device} "
-                                 f"and {self.cfg.dtype}")
-            return False
-        try:
-            cpu_kernel.load()
-        except cpu_kernel.KernelUnavailable as e:
-            if choice == "cpu":
-                raise
-            log.warning("decode attention falls back to torch SDPA: %s", e)
-            return False
-        return True
-
     def _pages_from_budget(self, num_kv_heads: int) -> int:
         """`kv_cache_memory` <= 1 is a fraction of free device memory; above 1 it is bytes."""
         budget = self.cfg.kv_cache_memory
@@ -198,9 +173,8 @@ class ModelRunner:
         residual stream to send on, or on the last stage the logits of `step.logit_rows`.
         `after_layer(i)` runs once layer i has (disaggregated prefill: its KV leaves then)."""
         cp = step.context
-        meta = cp.meta if cp else build_metadata(self.cfg.page_size, step.decodes, step.prefills, self.device,
-                                                 self.paged_decode, self.paged_prefill)
-        ctx = ForwardContext(self.kv_views, meta, after_layer=after_layer)
+        meta = cp.meta if cp else self.attention.prepare(self.cfg.page_size, step.decodes, step.prefills, self.device)
+        ctx = ForwardContext(self.kv_views, meta, self.attention, after_layer=after_layer)
         pos = torch.tensor(step.positions, dtype=torch.long, device=self.device)
         ids = torch.tensor(step.token_ids, dtype=torch.long, device=self.device) if self.stage.first else None
         out = self.model(ids, pos, ctx, hidden)

@@ -50,7 +50,7 @@ class StageWorker:
         self.stage, self.hidden_size = stage, model_cfg.hidden_size
         self.samples = stage.last and groups.tensor.rank == 0 and groups.context.rank == 0
         r = self.runner
-        self.split = (ContextSplit(groups.context, r.num_pages, cfg.page_size, r.device, stage.first, r.paged_decode)
+        self.split = (ContextSplit(groups.context, r.num_pages, cfg.page_size, r.device, stage.first)
                       if groups.context.size > 1 else None)
         self.link = (StageLink(groups.pipeline, stage, cfg.dist_timeout, self.micro_batches)
                      if stage.count > 1 else None)
@@ -253,7 +253,7 @@ class StageWorker:
         construction and weight loading (the KV pool is allocated untouched), so layouts compare."""
         r = self.runner
         return {"peak_load_rss_mb": round(peak_rss_mb(), 1), "anon_rss_mb": round(anon_rss_mb(), 1),
-                "decode_attention": r.decode_attention, "layers": [r.stage.start, r.stage.end],
+                "attention": r.attention.describe(), "layers": [r.stage.start, r.stage.end],
                 "num_pages": r.num_pages, "weight_mb": r.weight_mb,
                 "draft_weight_mb": self.draft.weight_mb if self.draft is not None else 0.0}
 

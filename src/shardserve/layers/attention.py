@@ -9,9 +9,9 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from shardserve.attention.context import ContextAttention, ContextMetadata
+from shardserve.attention.backend import AttentionBackend, Heads
+from shardserve.attention.context import ContextMetadata
 from shardserve.attention.metadata import AttentionMetadata
-from shardserve.attention.torch_backend import TorchAttention
 from shardserve.config import ModelConfig
 from shardserve.distributed.communicator import Communicator
 from shardserve.layers.linear import RowParallelLinear, qkv_linear
@@ -22,10 +22,12 @@ from shardserve.layers.sharding import head_shard
 
 @dataclass
 class ForwardContext:
-    """Per-step inputs every layer may read: the KV cache views and the attention metadata."""
+    """Per-step inputs every layer may read: the KV cache views, the attention metadata and the
+    backend that reads it (the model runner's, chosen once)."""
 
     kv_caches: list[tuple[torch.Tensor, torch.Tensor]]  # per layer: ([slots, Hkv, d], same)
     attn: AttentionMetadata | ContextMetadata  # the latter under context parallelism
+    backend: AttentionBackend
     rope: tuple[torch.Tensor, torch.Tensor] | None = None  # cos, sin of this step's positions
     # Called with each layer's index once it has run (a prefill instance ships that layer's KV).
     after_layer: Callable[[int], None] | None = None
@@ -46,8 +48,7 @@ class SelfAttention(nn.Module):
                                         in_range=o_range)
         self.q_norm = RMSNorm(self.d, cfg.rms_norm_eps, dtype, device) if qk_norm else None
         self.k_norm = RMSNorm(self.d, cfg.rms_norm_eps, dtype, device) if qk_norm else None
-        self.backend = TorchAttention(self.hq, self.hkv, self.d, self.d**-0.5, shard.kv_of_q, device)
-        self.context = ContextAttention(self.d, self.d**-0.5, self.backend.kv_index)
+        self.heads = Heads(self.hq, self.hkv, self.d, self.d**-0.5, shard.kv_of_q, device)
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         t = x.shape[0]
@@ -57,6 +58,5 @@ class SelfAttention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rotary(q, k, *ctx.rope)
         k_cache, v_cache = ctx.kv_caches[self.layer_idx]
-        backend = self.context if isinstance(ctx.attn, ContextMetadata) else self.backend
-        o = backend.forward(q, k, v, k_cache, v_cache, ctx.attn)
+        o = ctx.backend.forward(self.heads, q, k, v, k_cache, v_cache, ctx.attn)
         return self.o_proj(o.reshape(t, self.hq * self.d))

@@ -18,7 +18,6 @@ from collections.abc import Sequence
 import torch
 
 from shardserve.attention import cpu_kernel
-from shardserve.attention.metadata import AttentionMetadata
 from shardserve.layers import kernels
 from shardserve.layers.attention import ForwardContext, SelfAttention
 from shardserve.layers.linear import PackedLinear
@@ -70,11 +69,11 @@ class DecodeLoop:
     def __init__(self, layers: Sequence[torch.nn.Module], lib: ctypes.CDLL, attn_fn: int):
         first = layers[0].self_attn
         self.layers, self.lib, self.attn_fn = list(layers), lib, attn_fn
-        self.kv_index = first.backend.kv_index
+        self.kv_index = first.heads.kv_index
         mlp = layers[0].mlp
         self.dims = Dims(hidden=first.o_proj.out_features, hq=first.hq, hkv=first.hkv, d=first.d,
                          inter=mlp.down_proj.end - mlp.down_proj.start, eps=layers[0].input_layernorm.eps,
-                         scale=first.backend.scale, kv_of_q=self.kv_index.data_ptr())
+                         scale=first.heads.scale, kv_of_q=self.kv_index.data_ptr())
         self._table: ctypes.Array | None = None
         self._key = 0
 
@@ -91,7 +90,8 @@ class DecodeLoop:
 
     def applies(self, x: torch.Tensor, ctx: ForwardContext) -> bool:
         meta = ctx.attn
-        return (isinstance(meta, AttentionMetadata) and meta.paged is not None and not meta.prefills
+        # The C loop calls the C attention kernel: only where the runner's backend is that one.
+        return (ctx.backend.name == "cpu" and meta.paged is not None and not meta.prefills
                 and not meta.decode_groups and meta.num_decode == x.shape[0]
                 and ctx.after_layer is None and x.dtype == torch.float32)
 

@@ -32,9 +32,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from shardserve.attention.context import ContextAttention, ContextMetadata
-from shardserve.attention.metadata import AttentionMetadata, PrefillChunk
-from shardserve.attention.torch_backend import TorchAttention
+from shardserve.attention.backend import Heads
+from shardserve.attention.metadata import PrefillChunk
 from shardserve.distributed.communicator import Communicator
 from shardserve.layers.attention import ForwardContext
 from shardserve.layers.linear import ColumnParallelLinear, ReplicatedLinear, RowParallelLinear, copy_into, make_param
@@ -102,8 +101,7 @@ class LatentAttention(nn.Module):
         self.scale = scale = qk**-0.5 * (cfg.rope_scaling.softmax_scale_factor if cfg.rope_scaling is not None
                                          else 1.0)
         width = self.lora + self.rope
-        self.backend = TorchAttention(self.h, 1, width, scale, shard.kv_of_q, device)
-        self.context = ContextAttention(width, scale, self.backend.kv_index)
+        self.heads = Heads(self.h, 1, width, scale, shard.kv_of_q, device)
 
     def _query(self, x: torch.Tensor) -> torch.Tensor:
         if self.q_proj is not None:
@@ -120,8 +118,8 @@ class LatentAttention(nn.Module):
             q_rope, k_rope = deinterleave(q_rope), deinterleave(k_rope)
         q_rope, k_rope = apply_rotary(q_rope.contiguous(), k_rope.contiguous(), *ctx.rope)
         cache, _ = ctx.kv_caches[self.layer_idx]
-        meta, backend = ctx.attn, self.context if isinstance(ctx.attn, ContextMetadata) else self.backend
-        decompress = isinstance(meta, AttentionMetadata) and meta.paged_prefill is None and bool(meta.prefills)
+        meta, backend = ctx.attn, ctx.backend
+        decompress = backend.sdpa_prefills(meta)
         # The rows attended absorbed: all of them, or only the decodes when prefill decompresses (the
         # W_uk and W_uv products of prefill rows would be thrown away).
         n = meta.num_decode if decompress else t
@@ -131,7 +129,7 @@ class LatentAttention(nn.Module):
         if decompress:  # the backend writes every row's cache and runs the decodes only
             meta = dataclasses.replace(meta, prefills=[])
         # Values are the cached vectors themselves: the same tensor is passed as both.
-        o_latent = backend.forward(query, key, key, cache, cache, meta)[..., : self.lora]
+        o_latent = backend.forward(self.heads, query, key, key, cache, cache, meta)[..., : self.lora]
         o = q_nope.new_empty(t, self.h, self.vd)
         o[:n] = torch.bmm(o_latent.transpose(0, 1), self.kv_b_proj.w_uv.transpose(1, 2)).transpose(0, 1)
         if decompress:

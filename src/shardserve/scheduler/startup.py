@@ -37,7 +37,7 @@ def mib(n: int) -> str:
 
 def startup_summary(engine: EngineCore) -> str:
     """E.g. 'rank 0 of 1: device cpu, dtype float32, quantization none (float32 weights), 1 thread
-    per rank, decode attention cpu; KV cache 256 pages x 8 tokens (2048 tokens), 1.0 MiB on this
+    per rank, attention cpu; KV cache 256 pages x 8 tokens (2048 tokens), 1.0 MiB on this
     rank (4096 bytes a page); context length 512 tokens (the model's limit)'."""
     r, cfg, groups = engine.runner, engine.cfg, engine.runner.groups
     kv_bytes = r.pool.k.nbytes + r.pool.v.nbytes
@@ -48,8 +48,7 @@ def startup_summary(engine: EngineCore) -> str:
     spread = f" over {groups.context.size} context ranks" if groups.context.size > 1 else ""
     weights = weights_text(r.quantization, cfg.dtype, engine.ckpt.is_gguf)
     return (f"{rank_text(groups)}: device {r.device}, dtype {cfg.dtype}, {weights}, "
-            f"{plural(torch.get_num_threads(), 'thread')} per rank, decode attention {r.decode_attention}"
-            f"{' (prefill too: batch-invariant)' if r.paged_prefill else ''}; "
+            f"{plural(torch.get_num_threads(), 'thread')} per rank, attention {r.attention.describe()}; "
             f"KV cache {pages} pages x {cfg.page_size} tokens ({pages * cfg.page_size} tokens{spread}), "
             f"{mib(kv_bytes)} on this rank ({kv_bytes // max(1, r.num_pages)} bytes a page); "
             f"context length {engine.max_model_len} tokens ({context})")
