@@ -17,6 +17,8 @@ if TYPE_CHECKING:
     import torch
 
 DTYPES = ("float32", "bfloat16", "float16")  # names; `torch_dtype` maps them (torch imported only then)
+# "auto" is resolved to one of DTYPES before any rank starts (loader/weights.resolve_dtype).
+DTYPE_CHOICES = ("auto", *DTYPES)
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}  # sizes known without importing torch
 
 
@@ -113,7 +115,7 @@ class EngineConfig:
     """The knobs of one engine instance (one rank). Defaults suit a CPU run of a small model."""
 
     model: str | None = None
-    dtype: str = "float32"
+    dtype: str = "auto"  # see DTYPE_CHOICES
     device: str | None = None
     page_size: int = 16
     num_pages: int | None = None
@@ -158,7 +160,7 @@ class EngineConfig:
         if isinstance(self.speculative_config, dict):
             object.__setattr__(self, "speculative_config", SpeculativeConfig.from_dict(self.speculative_config))
         checks = [
-            (self.dtype in DTYPES, "dtype", f"must be one of {sorted(DTYPES)}"),
+            (self.dtype in DTYPE_CHOICES, "dtype", f"must be one of {sorted(DTYPE_CHOICES)}"),
             (self.page_size >= 1, "page_size", "must be >= 1"),
             (self.num_pages is None or self.num_pages >= 1, "num_pages", "must be >= 1"),
             (self.threads is None or self.threads >= 1, "threads", "must be >= 1"),
@@ -180,4 +182,6 @@ class EngineConfig:
 
     @property
     def torch_dtype(self) -> torch.dtype:
+        if self.dtype == "auto":
+            raise ValueError("dtype 'auto' is resolved against the checkpoint first (loader/weights.resolve_dtype)")
         return torch_dtype(self.dtype)

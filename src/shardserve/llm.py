@@ -24,6 +24,7 @@ from shardserve.loader.generation_config import generation_defaults
 from shardserve.loader.model_path import resolve_checkpoint
 from shardserve.loader.pooling import pooling_of
 from shardserve.loader.tokenizer import load_tokenizer
+from shardserve.loader.weights import resolve_dtype
 from shardserve.logs import use_log_level
 from shardserve.router.policy import resolve_policy
 from shardserve.scheduler.startup import startup_summary, use_threads
@@ -86,8 +87,8 @@ class LLM:
         if kwargs.get("disaggregation_mode", "null") != "null":
             raise ValueError("disaggregation_mode is for servers (`shardserve serve --disaggregation-mode ...` "
                              "behind `shardserve router --prefill .. --decode ..`), not the offline LLM")
-        self.config = EngineConfig(model=model, **kwargs)
         ckpt = resolve_checkpoint(model)
+        self.config = resolve_dtype(EngineConfig(model=model, **kwargs), ckpt)
         check_deployment(Deployment(self.config, self.layout, self.node), ckpt)  # as the server checks it
         self._backend = None
         if node_rank > 0:

@@ -17,6 +17,26 @@ def pick_device(requested: str | None = None, local_rank: int = 0) -> torch.devi
     return torch.device("cpu")
 
 
+def pick_dtype(requested: str, checkpoint: str, device: torch.device, gguf: bool) -> tuple[str, str]:
+    """The dtype a rank computes in, and why. `auto` (vLLM's meaning, but a float32 checkpoint
+    stays float32): on a GPU the checkpoint's own dtype, float16 where the GPU lacks bfloat16;
+    on the CPU float32, the precision its kernels (paged attention, the C decode loop, the
+    quantized products) run in. A GGUF's floats are float32 on the CPU, bfloat16 on a GPU."""
+    gpu_bf16 = device.type == "cuda" and torch.cuda.is_bf16_supported()
+    if requested == "bfloat16" and device.type == "cuda" and not gpu_bf16:
+        raise ValueError(f"--dtype bfloat16: {torch.cuda.get_device_name(device)} has no bfloat16; use float16")
+    if requested != "auto":
+        return requested, "asked"
+    if device.type != "cuda":
+        return "float32", "auto: the CPU kernels run in float32"
+    own = "bfloat16" if gguf else checkpoint
+    if own not in ("float32", "bfloat16", "float16"):
+        own = "bfloat16"
+    if own == "bfloat16" and not gpu_bf16:
+        return "float16", f"auto: the checkpoint's bfloat16, which {torch.cuda.get_device_name(device)} lacks"
+    return own, "auto: a GGUF's floats" if gguf else "auto: the checkpoint's own"
+
+
 def collective_backend(device: torch.device) -> str:
     """NCCL for GPU tensors, gloo otherwise (gloo also carries control messages everywhere)."""
     return "nccl" if device.type == "cuda" else "gloo"

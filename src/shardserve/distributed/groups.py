@@ -78,8 +78,14 @@ def init_distributed(layout: Layout, rank: int, master: str, device: torch.devic
     timeout = timedelta(seconds=timeout_s)
     backend = collective_backend(device)
     init = master if "://" in master else f"tcp://{master}"
+    eager = {}
+    if device.type == "cuda":
+        # The rank's own GPU before any allocation that names none, and NCCL's communicators made
+        # now, eagerly: PyTorch documents batch_isend_irecv hangs over lazily made ones.
+        torch.cuda.set_device(device)
+        eager = {"device_id": device}
     dist.init_process_group("gloo" if backend == "gloo" else "cpu:gloo,cuda:nccl", init_method=init, rank=rank,
-                            world_size=layout.world, timeout=timeout)
+                            world_size=layout.world, timeout=timeout, **eager)
     comms = {kind: Communicator(name=kind) for kind in _KINDS}
     # Every rank creates every group in this one order, members or not (torch requires it).
     for kind, members in layout.creation_order():

@@ -161,24 +161,30 @@ def check_kv_budget(cfg: EngineConfig, layout: Layout, model_cfg: ModelConfig) -
         raise LayoutError(kv_budget_message(cfg.kv_cache_memory, cfg.kv_cache_memory, per_page, cfg.page_size))
 
 
-def check_device(device: str | None, layout: Layout) -> None:
-    """--device naming something this torch or machine lacks (a CUDA device on a CPU-only build)."""
-    if device is None or device == "cpu":
-        return
+def check_device(device: str | None, layout: Layout, cuda_devices: int | None = None) -> None:
+    """--device naming something this torch or machine lacks (a CUDA device on a CPU-only build),
+    or a layout the GPUs cannot hold: two ranks on one GPU (NCCL cannot join them), more ranks
+    than GPUs. `cuda_devices` stands in for torch's count (tests)."""
     import torch
 
+    if device is None and (cuda_devices or 0) == 0 and not torch.cuda.is_available():
+        return  # the CPU
     try:
-        dev = torch.device(device)
+        dev = torch.device(device or "cuda")
     except RuntimeError:
         raise ValueError(f"--device {device!r} is not a torch device (e.g. cpu, cuda, cuda:1)") from None
     if dev.type != "cuda":
         return
-    if torch.version.cuda is None:
+    if cuda_devices is None and torch.version.cuda is None:
         raise ValueError(f"--device {device}: this torch ({torch.__version__}) is a CPU-only build; use --device "
                          f"cpu, or install a CUDA build of torch")
-    found = torch.cuda.device_count()
-    needed = dev.index + 1 if dev.index is not None else layout.ranks_per_node
+    found = torch.cuda.device_count() if cuda_devices is None else cuda_devices
+    ranks = layout.ranks_per_node
+    flag = f"--device {device}" if device else f"the default device (cuda: {found} visible)"
+    if dev.index is not None and ranks > 1:
+        raise ValueError(f"--device {device} puts all {ranks} ranks of this machine on one GPU, which NCCL cannot "
+                         f"join; use --device cuda (rank i on cuda:i)")
+    needed = dev.index + 1 if dev.index is not None else ranks
     if found < needed:
-        raise ValueError(f"--device {device}: {needed} CUDA device{'s' if needed > 1 else ''} needed "
-                         f"({layout.ranks_per_node} rank{'s' if layout.ranks_per_node > 1 else ''} on this "
-                         f"machine), {found} visible")
+        raise ValueError(f"{flag}: {needed} CUDA device{'s' if needed > 1 else ''} needed "
+                         f"({ranks} rank{'s' if ranks > 1 else ''} on this machine), {found} visible")

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import dataclasses
+import logging
 from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
 from tqdm import tqdm
 
-from shardserve.config import ModelConfig
+from shardserve.config import EngineConfig, ModelConfig
 from shardserve.loader.model_path import Checkpoint
 from shardserve.loader.source import Int8Source, TensorSource
 
@@ -21,6 +23,19 @@ def read_model_config(ckpt: Checkpoint) -> ModelConfig:
 
         return ModelConfig.from_dict(read_gguf_config(ckpt.path))
     return ModelConfig.from_dir(ckpt.path)
+
+
+def resolve_dtype(cfg: EngineConfig, ckpt: Checkpoint, model_cfg: ModelConfig | None = None) -> EngineConfig:
+    """`cfg` with --dtype auto replaced by the dtype the ranks compute in (platform.pick_dtype),
+    said once; done where the deployment is checked, so every rank receives a concrete dtype."""
+    if cfg.dtype != "auto":
+        return cfg
+    from shardserve.platform import pick_device, pick_dtype  # torch: imported only when resolving
+
+    own = (model_cfg or read_model_config(ckpt)).torch_dtype
+    dtype, why = pick_dtype(cfg.dtype, own, pick_device(cfg.device), ckpt.is_gguf)
+    logging.getLogger(__name__).info("dtype %s (%s)", dtype, why)
+    return dataclasses.replace(cfg, dtype=dtype)
 
 
 def checkpoint_sources(ckpt: Checkpoint, quantization: str = "none") -> tuple[Iterable[TensorSource], int]:

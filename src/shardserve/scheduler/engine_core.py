@@ -22,7 +22,7 @@ from shardserve.ipc.messages.reports import Stats
 from shardserve.kvcache.pages import PageAllocator
 from shardserve.loader.generation_config import eos_ids
 from shardserve.loader.model_path import Checkpoint, resolve_checkpoint
-from shardserve.loader.weights import read_model_config
+from shardserve.loader.weights import read_model_config, resolve_dtype
 from shardserve.scheduler.engine_stats import engine_stats, running_status
 from shardserve.scheduler.finish import finish_reason
 from shardserve.scheduler.limits import RequestLimits
@@ -66,10 +66,10 @@ class EngineCore:
                  results: Callable[[int], list] | None = None, tokenizer=None, secret: bytes = b""):
         """`tokenizer`: its EOS id ends generations too, and structured outputs may use it;
         `secret` keys a prefill instance's KV channels (disaggregation)."""
-        self.cfg = cfg
         groups = groups or single_process_groups()
         self.ckpt: Checkpoint = resolve_checkpoint(cfg.model)
         self.model_cfg = read_model_config(self.ckpt)
+        self.cfg = cfg = resolve_dtype(cfg, self.ckpt, self.model_cfg)  # already done by a launcher
         self.worker = StageWorker(cfg, self.ckpt, self.model_cfg, groups, secret)
         if self.worker.guide is not None:  # this rank samples: structured outputs may use its tokenizer
             self.worker.guide.hf_tokenizer = tokenizer

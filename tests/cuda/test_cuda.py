@@ -1,0 +1,87 @@
+"""On a GPU (marker `cuda`; skipped without one): the Triton kernels compiled for the device
+against a float64 reference, and whole tiny models in bfloat16 and float32 against transformers
+on the same GPU. scripts/gpu_check.sh runs these; the CPU suite covers the same kernel source
+under Triton's interpreter (tests/unit/test_triton_attention.py)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytestmark = [pytest.mark.cuda,
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")]
+GPU = torch.device("cuda", 0)
+
+
+def _reference(q, kc, vc, row, n, q_pos, kv_of_q, ps, scale):
+    pos = torch.arange(n, device=q.device)
+    slots = row[pos // ps] * ps + pos % ps
+    k, v = kc[slots][:, kv_of_q].double(), vc[slots][:, kv_of_q].double()
+    s = torch.einsum("thd,nhd->htn", q.double(), k) * scale
+    s = s.masked_fill(~(pos[None, :] <= q_pos[:, None])[None], float("-inf"))
+    return torch.einsum("htn,nhd->thd", torch.softmax(s, -1), v), torch.logsumexp(s, -1).T
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+@pytest.mark.parametrize("heads,hkv,dim,ps,lens", [(8, 8, 64, 16, [1, 16, 17, 700]), (32, 8, 128, 16, [5, 3000]),
+                                                   (12, 4, 64, 32, [0, 33])])
+def test_kernels_on_the_gpu(dtype, tol, heads, hkv, dim, ps, lens):
+    from shardserve.attention.backend import Heads
+    from shardserve.attention.select import triton_kernels
+
+    tk = triton_kernels(GPU)
+    g = torch.Generator(device=GPU).manual_seed(0)
+    width = max(-(-n // ps) for n in lens + [1])
+    pages = len(lens) * width + 2
+    kc = torch.randn(pages * ps, hkv, dim, device=GPU, generator=g).to(dtype)
+    vc = torch.randn(pages * ps, hkv, dim, device=GPU, generator=g).to(dtype)
+    table = torch.randperm(pages, device=GPU, generator=g)[: len(lens) * width].view(len(lens), width)
+    info = Heads(heads, hkv, dim, dim**-0.5, tuple(i // (heads // hkv) for i in range(heads)), GPU)
+    q = torch.randn(len(lens), heads, dim, device=GPU, generator=g).to(dtype)
+    lse = torch.empty(len(lens), heads, device=GPU)
+    out = tk.paged_decode(q, kc, vc, table, torch.tensor(lens, device=GPU), info.kv_index, info.group, ps,
+                          info.scale, tk.decode_splits(max(lens)), lse=lse)
+    for b, n in enumerate(lens):
+        if n:
+            ref, ref_lse = _reference(q[b : b + 1], kc, vc, table[b], n, torch.tensor([n - 1], device=GPU),
+                                      info.kv_index, ps, info.scale)
+            torch.testing.assert_close(out[b].double(), ref[0], atol=tol, rtol=tol)
+            torch.testing.assert_close(lse[b].double(), ref_lse[0], atol=tol, rtol=tol)
+    chunks = [(n, n) for n in lens if n] + [(min(40, n), n) for n in lens if n]  # fresh, and after a prefix
+    t = sum(c for c, _ in chunks)
+    tables = torch.cat([table[[i for i, n in enumerate(lens) if n]]] * 2)
+    qq = torch.randn(t, heads, dim, device=GPU, generator=g).to(dtype)
+    out, lse = torch.empty_like(qq), torch.empty(t, heads, device=GPU)
+    starts = torch.tensor([0] + [c for c, _ in chunks], device=GPU).cumsum(0)
+    tk.paged_extend(qq, kc, vc, tables, starts, torch.tensor([n for _, n in chunks], device=GPU), info.kv_index,
+                    max(c for c, _ in chunks), ps, info.scale, out, lse)
+    for c, (m, n) in enumerate(chunks):
+        rows = slice(int(starts[c]), int(starts[c + 1]))
+        ref, ref_lse = _reference(qq[rows], kc, vc, tables[c], n, torch.arange(n - m, n, device=GPU), info.kv_index,
+                                  ps, info.scale)
+        torch.testing.assert_close(out[rows].double(), ref, atol=tol, rtol=tol)
+        torch.testing.assert_close(lse[rows].double(), ref_lse, atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "qwen3_moe"])
+def test_tiny_models_match_transformers_on_the_gpu(tiny_model, arch, dtype):
+    from shardserve.config import EngineConfig
+    from shardserve.core import SamplingParams
+    from shardserve.scheduler.engine_core import EngineCore
+
+    path, model = tiny_model(arch)
+    ref_model = model.to(device=GPU, dtype=getattr(torch, dtype))
+    g = torch.Generator().manual_seed(7)
+    batch = [torch.randint(model.config.vocab_size, (n,), generator=g).tolist() for n in (1, 7, 40)]
+    core = EngineCore(EngineConfig(model=path, show_progress=False, num_pages=64, dtype=dtype, device="cuda"))
+    assert core.runner.attention.name == "triton"
+    reqs = [core.add_request(str(i), p, SamplingParams(max_tokens=16, temperature=0)) for i, p in enumerate(batch)]
+    while core.has_unfinished():
+        core.step()
+    with torch.no_grad():
+        for p, r in zip(batch, reqs):
+            ref = ref_model.generate(torch.tensor([p], device=GPU), max_new_tokens=16, min_new_tokens=16,
+                                     do_sample=False)[0, len(p):].tolist()
+            assert r.output_token_ids == ref
+    model.to(device="cpu", dtype=torch.float32)
