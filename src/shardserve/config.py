@@ -19,7 +19,10 @@ if TYPE_CHECKING:
 DTYPES = ("float32", "bfloat16", "float16")  # names; `torch_dtype` maps them (torch imported only then)
 # "auto" is resolved to one of DTYPES before any rank starts (loader/weights.resolve_dtype).
 DTYPE_CHOICES = ("auto", *DTYPES)
-DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}  # sizes known without importing torch
+# Sizes known without importing torch. "auto" counts as float32, an upper bound (it is float32 on
+# the CPU, the checkpoint's own on a GPU): the API process checks a deployment before any rank
+# has resolved it (resolving needs torch, which that process never loads).
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "auto": 4}
 
 
 def torch_dtype(name: str) -> torch.dtype:

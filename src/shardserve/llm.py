@@ -88,8 +88,9 @@ class LLM:
             raise ValueError("disaggregation_mode is for servers (`shardserve serve --disaggregation-mode ...` "
                              "behind `shardserve router --prefill .. --decode ..`), not the offline LLM")
         ckpt = resolve_checkpoint(model)
-        self.config = resolve_dtype(EngineConfig(model=model, **kwargs), ckpt)
-        check_deployment(Deployment(self.config, self.layout, self.node), ckpt)  # as the server checks it
+        config = EngineConfig(model=model, **kwargs)
+        check_deployment(Deployment(config, self.layout, self.node), ckpt)  # as the server checks it
+        self.config = resolve_dtype(config, ckpt)
         self._backend = None
         if node_rank > 0:
             # Another machine's share of the grid: serve its ranks until node 0 shuts down.

@@ -37,6 +37,17 @@ def pick_dtype(requested: str, checkpoint: str, device: torch.device, gguf: bool
     return own, "auto: a GGUF's floats" if gguf else "auto: the checkpoint's own"
 
 
+def triton_module(name: str, device: torch.device):
+    """Import a module of Triton kernels for `device`. On the CPU they run under Triton's
+    interpreter, which must be on before the kernels are defined; raises ImportError without Triton."""
+    import importlib
+    import os
+
+    if device.type == "cpu":
+        os.environ["TRITON_INTERPRET"] = "1"
+    return importlib.import_module(name)
+
+
 def collective_backend(device: torch.device) -> str:
     """NCCL for GPU tensors, gloo otherwise (gloo also carries control messages everywhere)."""
     return "nccl" if device.type == "cuda" else "gloo"

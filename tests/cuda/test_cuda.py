@@ -85,3 +85,26 @@ def test_tiny_models_match_transformers_on_the_gpu(tiny_model, arch, dtype):
                                      do_sample=False)[0, len(p):].tolist()
             assert r.output_token_ids == ref
     model.to(device="cpu", dtype=torch.float32)
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-6), (torch.bfloat16, 1e-2)])
+def test_small_operators_on_the_gpu(dtype, tol):
+    from shardserve.layers import gpu_ops
+
+    g = torch.Generator(device=GPU).manual_seed(0)
+    x, w = torch.randn(5, 3, 48, device=GPU, generator=g).to(dtype), torch.randn(48, device=GPU, generator=g).to(dtype)
+    v = x.float()
+    ref = w * (v * torch.rsqrt(v.pow(2).mean(-1, keepdim=True) + 1e-6)).to(dtype)
+    torch.testing.assert_close(gpu_ops.rms_norm(x, w, 1e-6), ref, atol=tol, rtol=tol)
+    gate_up = torch.randn(7, 80, device=GPU, generator=g).to(dtype)
+    gate, up = gate_up.chunk(2, dim=-1)
+    torch.testing.assert_close(gpu_ops.silu_mul(gate_up), torch.nn.functional.silu(gate) * up, atol=tol, rtol=tol)
+    q, k = (torch.randn(6, h, 32, device=GPU, generator=g).to(dtype) for h in (4, 2))
+    cos, sin = (torch.randn(6, 1, 16, device=GPU, generator=g) for _ in range(2))
+    refs = []
+    for t in (q, k):
+        x1, x2 = t.float().chunk(2, dim=-1)
+        refs.append(torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), -1).to(dtype))
+    assert gpu_ops.rotary_(q, k, cos, sin)
+    torch.testing.assert_close(q, refs[0], atol=tol, rtol=tol)
+    torch.testing.assert_close(k, refs[1], atol=tol, rtol=tol)

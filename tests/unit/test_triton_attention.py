@@ -133,6 +133,12 @@ def test_whole_models_match_transformers_through_triton(tiny_model, arch):
     assert core.runner.attention.describe() == "triton (interpreted on the CPU)"
 
 
+def test_half_precision_under_the_interpreter_is_refused():
+    with pytest.raises(ValueError, match="--attention-backend triton on the CPU runs under Triton's interpreter, "
+                                         "float32 only, not bfloat16"):
+        choose_backend("triton", CPU, torch.bfloat16)
+
+
 def test_triton_missing_is_one_line_naming_the_flag(monkeypatch):
     import builtins
 
@@ -147,3 +153,26 @@ def test_triton_missing_is_one_line_naming_the_flag(monkeypatch):
     monkeypatch.delitem(__import__("sys").modules, "shardserve.attention.triton_kernels")
     with pytest.raises(ValueError, match=r"--attention-backend triton needs Triton \(pip install triton\)"):
         choose_backend("triton", CPU, torch.float32)
+
+
+def test_the_small_operators_match_their_torch_formulas():
+    """layers/triton_ops.py (what layers/gpu_ops.py runs on CUDA) against the formulas the layers
+    use elsewhere, in float32 (the interpreter misreads half precision: tests/cuda has bfloat16)."""
+    from shardserve.platform import triton_module
+
+    ops = triton_module("shardserve.layers.triton_ops", CPU)
+    g = torch.Generator().manual_seed(0)
+    for dtype, tol in ((torch.float32, 1e-6),):
+        x, w = torch.randn(5, 3, 48, generator=g).to(dtype), torch.randn(48, generator=g).to(dtype)
+        v = x.float()
+        ref = w * (v * torch.rsqrt(v.pow(2).mean(-1, keepdim=True) + 1e-6)).to(dtype)
+        torch.testing.assert_close(ops.rms_norm(x, w, 1e-6), ref, atol=tol, rtol=tol)
+        gate_up = torch.randn(7, 2 * 40, generator=g).to(dtype)[:, :]
+        gate, up = gate_up.chunk(2, dim=-1)
+        torch.testing.assert_close(ops.silu_mul(gate_up), torch.nn.functional.silu(gate) * up, atol=tol, rtol=tol)
+        q = torch.randn(6, 4, 32, generator=g).to(dtype)
+        cos, sin = torch.randn(6, 16, generator=g), torch.randn(6, 16, generator=g)
+        x1, x2 = q.float().chunk(2, dim=-1)
+        ref = torch.cat((x1 * cos[:, None] - x2 * sin[:, None], x2 * cos[:, None] + x1 * sin[:, None]), -1).to(dtype)
+        ops.rotary_(q, cos, sin)
+        torch.testing.assert_close(q, ref, atol=tol, rtol=tol)

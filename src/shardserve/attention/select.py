@@ -7,9 +7,7 @@ silently). Asked by name, a backend that cannot run is an error naming the flag.
 
 from __future__ import annotations
 
-import importlib
 import logging
-import os
 from types import ModuleType
 
 import torch
@@ -19,6 +17,7 @@ from shardserve.attention.backend import AttentionBackend
 from shardserve.attention.cpu_backend import CpuBackend
 from shardserve.attention.torch_backend import TorchBackend
 from shardserve.attention.triton_backend import TritonBackend
+from shardserve.platform import triton_module
 
 log = logging.getLogger(__name__)
 
@@ -28,12 +27,10 @@ class BackendUnavailable(ValueError):
 
 
 def triton_kernels(device: torch.device) -> ModuleType:
-    """attention/triton_kernels.py, importable only with Triton installed. On a CPU device the
-    kernels run under Triton's interpreter, which must be on before they are defined."""
-    if device.type == "cpu":
-        os.environ["TRITON_INTERPRET"] = "1"
+    """attention/triton_kernels.py, importable only with Triton installed (on the CPU, under
+    Triton's interpreter: platform.triton_module)."""
     try:
-        return importlib.import_module("shardserve.attention.triton_kernels")
+        return triton_module("shardserve.attention.triton_kernels", device)
     except ImportError as e:
         raise BackendUnavailable(f"--attention-backend triton needs Triton (pip install triton): {e}") from e
 
@@ -63,6 +60,9 @@ def choose_backend(choice: str, device: torch.device, dtype: torch.dtype,
     elif choice == "cpu":
         _cpu(device, dtype, choice, batch_invariant)  # raises: the C kernel runs on the CPU only
     elif choice == "triton" or (choice == "auto" and device.type == "cuda"):
+        if device.type == "cpu" and dtype != torch.float32:  # the interpreter reads half precision wrongly
+            raise BackendUnavailable(f"--attention-backend triton on the CPU runs under Triton's interpreter, "
+                                     f"float32 only, not {str(dtype).removeprefix('torch.')}")
         try:
             backend = TritonBackend(triton_kernels(device), interpreted=device.type == "cpu")
         except BackendUnavailable as e:

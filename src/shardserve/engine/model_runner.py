@@ -29,7 +29,7 @@ from shardserve.layers.attention import ForwardContext
 from shardserve.layers.moe import SparseMoE
 from shardserve.layers.sharding import head_shard
 from shardserve.loader.model_path import Checkpoint
-from shardserve.loader.weights import checkpoint_sources, load_weights
+from shardserve.loader.weights import checkpoint_sources, load_weights, resolve_dtype
 from shardserve.models.registry import model_class
 from shardserve.platform import available_memory, pick_device
 
@@ -58,7 +58,8 @@ class ModelRunner:
 
     def __init__(self, cfg: EngineConfig, ckpt: Checkpoint, model_cfg: ModelConfig,
                  groups: ParallelGroups | None = None, stage: Stage | None = None):
-        self.cfg, self.model_cfg = cfg, model_cfg
+        self.cfg = cfg = resolve_dtype(cfg, ckpt, model_cfg)  # a no-op where the engine core did it
+        self.model_cfg = model_cfg
         groups = groups or single_process_groups()
         self.groups = groups
         self.stage = stage or Stage(0, 1, 0, model_cfg.num_layers)

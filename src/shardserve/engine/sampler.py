@@ -140,6 +140,24 @@ def top_logprobs(logprobs: torch.Tensor, token: int, k: int) -> dict:
     return entry
 
 
+def batch_logprobs(raw_lp: torch.Tensor | None, tokens: list[int], ks: list[int | None]) -> list[dict | None]:
+    """Each row's entry as `top_logprobs` gives it (None where `ks` is), from one top-k over the
+    rows that ask and three copies to the host, not two per entry."""
+    rows = [i for i, k in enumerate(ks) if k is not None]
+    out: list[dict | None] = [None] * len(ks)
+    if not rows:
+        return out
+    lp = raw_lp[rows]
+    chosen = lp.gather(1, torch.tensor([tokens[i] for i in rows], device=lp.device)[:, None]).squeeze(1).tolist()
+    most = max(ks[i] for i in rows)
+    vals, ids = (t.tolist() for t in lp.topk(most, dim=-1)) if most else ([[]] * len(rows), [[]] * len(rows))
+    for j, i in enumerate(rows):
+        k = ks[i]
+        out[i] = {"token_id": tokens[i], "logprob": chosen[j],
+                  "top_logprobs": [[t, v] for t, v in zip(ids[j][:k], vals[j][:k])]}
+    return out
+
+
 # Rows per log-softmax when scoring a prompt: bounds the extra memory to this many vocab rows.
 SCORE_BLOCK = 256
 
@@ -198,20 +216,22 @@ class Sampler:
             ids = logits[greedy_rows].argmax(-1).tolist()
             for i, t in zip(greedy_rows, ids):
                 tokens[i] = t
+        # The other rows one by one (each its own adjustments and generator), their tokens left on
+        # the device and brought to the host together.
+        rest, picked = [], []
         for i, r in enumerate(reqs):
             if i in greedy_set:
                 continue
             row = self.adjust(logits[i], r)
+            rest.append(i)
             if r.params.greedy:
-                tokens[i] = int(row.argmax())
-                continue
-            probs = filter_logits(row, r.params).softmax(-1)
-            tokens[i] = int(torch.multinomial(probs, 1, generator=r.generator))
-        lps = [
-            top_logprobs(raw_lp[i], tokens[i], r.params.logprobs) if want_lp[i] else None
-            for i, r in enumerate(reqs)
-        ]
-        return tokens, lps
+                picked.append(row.argmax().view(1))
+            else:
+                picked.append(torch.multinomial(filter_logits(row, r.params).softmax(-1), 1, generator=r.generator))
+        for i, t in zip(rest, torch.cat(picked).tolist() if picked else []):
+            tokens[i] = t
+        return tokens, batch_logprobs(raw_lp, tokens, [r.params.logprobs if w else None
+                                                        for r, w in zip(reqs, want_lp)])
 
 
 def _adjusted(r: Request) -> bool:

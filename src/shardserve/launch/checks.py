@@ -9,6 +9,7 @@ never needs it otherwise.
 from __future__ import annotations
 
 import math
+import os
 import socket
 
 from shardserve.config import DTYPE_BYTES, EngineConfig, ModelConfig
@@ -66,7 +67,7 @@ def check_quantization(cfg: EngineConfig, ckpt: Checkpoint) -> None:
     if ckpt.is_gguf:
         raise LayoutError("--quantization int8 quantizes a safetensors checkpoint at load; a GGUF keeps its own "
                           "formats (--quantization auto) or is expanded (none)")
-    if cfg.dtype != "float32" or (cfg.device or "cpu").startswith("cuda"):
+    if cfg.dtype not in ("float32", "auto") or (cfg.device or "cpu").startswith("cuda"):
         raise LayoutError(f"--quantization int8 runs on the CPU in float32, not --dtype {cfg.dtype} on "
                           f"{cfg.device or 'the default device'}")
 
@@ -161,14 +162,25 @@ def check_kv_budget(cfg: EngineConfig, layout: Layout, model_cfg: ModelConfig) -
         raise LayoutError(kv_budget_message(cfg.kv_cache_memory, cfg.kv_cache_memory, per_page, cfg.page_size))
 
 
+def visible_gpus() -> int:
+    """NVIDIA GPUs this process may use, known without torch: the driver's list, narrowed by
+    CUDA_VISIBLE_DEVICES where set."""
+    try:
+        found = len(os.listdir("/proc/driver/nvidia/gpus"))
+    except OSError:
+        return 0
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    return found if visible is None else min(found, len([d for d in visible.split(",") if d.strip()]))
+
+
 def check_device(device: str | None, layout: Layout, cuda_devices: int | None = None) -> None:
     """--device naming something this torch or machine lacks (a CUDA device on a CPU-only build),
     or a layout the GPUs cannot hold: two ranks on one GPU (NCCL cannot join them), more ranks
     than GPUs. `cuda_devices` stands in for torch's count (tests)."""
+    if device == "cpu" or (device is None and (cuda_devices if cuda_devices is not None else visible_gpus()) == 0):
+        return  # the CPU (and the API process need not load torch to know it)
     import torch
 
-    if device is None and (cuda_devices or 0) == 0 and not torch.cuda.is_available():
-        return  # the CPU
     try:
         dev = torch.device(device or "cuda")
     except RuntimeError:

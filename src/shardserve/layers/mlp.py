@@ -7,7 +7,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from shardserve.distributed.communicator import Communicator
-from shardserve.layers import cpu_ops
+from shardserve.layers import cpu_ops, gpu_ops
 from shardserve.layers.linear import RowParallelLinear, merged_column_linear
 
 
@@ -19,7 +19,7 @@ class GatedMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
-        if (h := cpu_ops.silu_mul(gate_up)) is None:
+        if (h := cpu_ops.silu_mul(gate_up)) is None and (h := gpu_ops.silu_mul(gate_up)) is None:
             gate, up = gate_up.chunk(2, dim=-1)
             h = F.silu(gate) * up
         return self.down_proj(h)

@@ -144,14 +144,23 @@ class SparseMoE(nn.Module):
 
     def local_experts(self, x: torch.Tensor, local: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """Per row, the weighted sum of this rank's slots among `local` (indices into this
-        rank's slots; -1 or out of range: elsewhere)."""
+        rank's slots; -1 or out of range: elsewhere). The (row, k) pairs are sorted by slot once
+        (stable: each slot's rows stay ascending) and one copy of the counts reaches the host,
+        rather than a nonzero, and a sync, per slot."""
         out = torch.zeros_like(x)
-        for i in range(len(self.slots)):
-            rows, slot = (local == i).nonzero(as_tuple=True)
-            if rows.numel():
-                # numel() is known on the host already (nonzero synchronised): counting is free.
-                self.computed += rows.numel()
-                out.index_add_(0, rows, self.expert(i, x[rows]) * weights[rows, slot].unsqueeze(-1))
+        n, k = len(self.slots), local.shape[1]
+        flat = local.flatten()
+        key = torch.where((flat >= 0) & (flat < n), flat, n)  # elsewhere: sorted last, never computed
+        order = torch.argsort(key, stable=True)
+        counts = torch.bincount(key, minlength=n + 1)[:n].tolist()
+        rows, which = order // k, order % k
+        start = 0
+        for i, c in enumerate(counts):
+            if c:
+                r, s = rows[start : start + c], which[start : start + c]
+                out.index_add_(0, r, self.expert(i, x[r]) * weights[r, s].unsqueeze(-1))
+                start += c
+        self.computed += sum(counts)
         return out
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from shardserve.layers import cpu_ops
+from shardserve.layers import cpu_ops, gpu_ops
 from shardserve.layers.linear import copy_into, make_param
 
 
@@ -21,6 +21,8 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if (out := cpu_ops.rms_norm(x, self.weight, self.eps)) is not None:
+            return out
+        if (out := gpu_ops.rms_norm(x, self.weight, self.eps)) is not None:
             return out
         if x.dtype == torch.float32:  # one fused op, same arithmetic
             return F.rms_norm(x, self.weight.shape, self.weight, self.eps)

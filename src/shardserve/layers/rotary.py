@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from shardserve.config import RopeScaling
-from shardserve.layers import cpu_ops
+from shardserve.layers import cpu_ops, gpu_ops
 
 
 def inverse_frequencies(head_dim: int, theta: float, scaling: RopeScaling | None) -> torch.Tensor:
@@ -64,7 +64,7 @@ class RotaryEmbedding(nn.Module):
 def apply_rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
     """Rotate q [T, Hq, d] and k [T, Hk, d] together (one pass over both), in float32. On the
     CPU in float32 they are rotated in place (they are fresh projections) by one fused call."""
-    if cpu_ops.rotary_(q, k, cos, sin):
+    if cpu_ops.rotary_(q, k, cos, sin) or gpu_ops.rotary_(q, k, cos, sin):
         return q, k
     hq = q.shape[1]
     x = torch.cat((q, k), dim=1)

@@ -27,13 +27,16 @@ def read_model_config(ckpt: Checkpoint) -> ModelConfig:
 
 def resolve_dtype(cfg: EngineConfig, ckpt: Checkpoint, model_cfg: ModelConfig | None = None) -> EngineConfig:
     """`cfg` with --dtype auto replaced by the dtype the ranks compute in (platform.pick_dtype),
-    said once; done where the deployment is checked, so every rank receives a concrete dtype."""
+    and logged. Each process that computes resolves it (the engine core, a follower rank, a model
+    runner built alone: a no-op once resolved); the API process never does, it has no torch."""
     if cfg.dtype != "auto":
         return cfg
     from shardserve.platform import pick_device, pick_dtype  # torch: imported only when resolving
 
-    own = (model_cfg or read_model_config(ckpt)).torch_dtype
-    dtype, why = pick_dtype(cfg.dtype, own, pick_device(cfg.device), ckpt.is_gguf)
+    device = pick_device(cfg.device)
+    # The checkpoint's own dtype matters only on a GPU: not read elsewhere.
+    own = (model_cfg or read_model_config(ckpt)).torch_dtype if device.type == "cuda" else "float32"
+    dtype, why = pick_dtype(cfg.dtype, own, device, ckpt.is_gguf)
     logging.getLogger(__name__).info("dtype %s (%s)", dtype, why)
     return dataclasses.replace(cfg, dtype=dtype)
 

@@ -69,7 +69,7 @@ class EngineCore:
         groups = groups or single_process_groups()
         self.ckpt: Checkpoint = resolve_checkpoint(cfg.model)
         self.model_cfg = read_model_config(self.ckpt)
-        self.cfg = cfg = resolve_dtype(cfg, self.ckpt, self.model_cfg)  # already done by a launcher
+        self.cfg = cfg = resolve_dtype(cfg, self.ckpt, self.model_cfg)  # --dtype auto: see resolve_dtype
         self.worker = StageWorker(cfg, self.ckpt, self.model_cfg, groups, secret)
         if self.worker.guide is not None:  # this rank samples: structured outputs may use its tokenizer
             self.worker.guide.hf_tokenizer = tokenizer

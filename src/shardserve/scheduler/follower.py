@@ -24,7 +24,7 @@ from shardserve.ipc.messages.plan import StageTraffic, StepPlan, Tick
 from shardserve.ipc.messages.reports import ReportReq
 from shardserve.ipc.sockets import Endpoints
 from shardserve.loader.model_path import resolve_checkpoint
-from shardserve.loader.weights import read_model_config
+from shardserve.loader.weights import read_model_config, resolve_dtype
 from shardserve.scheduler.inbox import Feed, connected
 from shardserve.scheduler.pd_decode import make_receiver
 
@@ -46,6 +46,7 @@ def serve_loop(loop: Callable[[], None]) -> None:
 class Follower:
     def __init__(self, cfg: EngineConfig, ep: Endpoints, groups: ParallelGroups):
         ckpt = resolve_checkpoint(cfg.model)
+        cfg = resolve_dtype(cfg, ckpt)
         self.groups = groups
         self.worker = StageWorker(cfg, ckpt, read_model_config(ckpt), groups, ep.secret)
         ctx = zmq.Context.instance()

@@ -33,7 +33,6 @@ from shardserve.launch.torchrun import run_rank_here, torchrun_env, torchrun_lay
 from shardserve.loader.generation_config import describe, generation_defaults
 from shardserve.loader.model_path import resolve_checkpoint
 from shardserve.loader.pooling import pooling_of
-from shardserve.loader.weights import resolve_dtype
 from shardserve.router.policy import resolve_policy
 from shardserve.router.replicas import router_child
 from shardserve.server.app import ServerState, build_app
@@ -65,7 +64,6 @@ def serve(args: argparse.Namespace, plan: Deployment) -> int:
     env = torchrun_env()
     if env is not None:  # torchrun started this process as one rank: it decides rank and nodes
         plan = dataclasses.replace(plan, layout=torchrun_layout(plan.layout, env), node=env.node(plan.node.secret))
-    plan = dataclasses.replace(plan, engine=resolve_dtype(plan.engine, ckpt))
     check_deployment(plan, ckpt, torchrun=env is not None)
     cfg, layout, node = plan.engine, plan.layout, plan.node
     policy = resolve_policy(args.load_balance_method, layout.dp, layout.dp_attention)
