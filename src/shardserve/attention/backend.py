@@ -80,3 +80,10 @@ def write_cache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache
     k_cache.index_copy_(0, slots, k)
     if v_cache is not k_cache:
         v_cache.index_copy_(0, slots, v)
+
+
+def begin(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+          meta: AttentionMetadata) -> torch.Tensor:
+    """A paged backend's first steps: the new K/V into the pool, and the output to fill."""
+    write_cache(k, v, k_cache, v_cache, meta.slot_mapping)
+    return torch.empty(q.shape, dtype=q.dtype, device=q.device)

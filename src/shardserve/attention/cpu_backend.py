@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from shardserve.attention import cpu_kernel
-from shardserve.attention.backend import Heads, write_cache
+from shardserve.attention.backend import Heads, begin
 from shardserve.attention.metadata import AttentionMetadata, build_metadata
 from shardserve.attention.torch_backend import TorchBackend
 
@@ -24,8 +24,7 @@ class CpuBackend(TorchBackend):
                               paged_prefill=self.batch_invariant)
 
     def forward(self, heads: Heads, q, k, v, k_cache, v_cache, meta: AttentionMetadata) -> torch.Tensor:
-        write_cache(k, v, k_cache, v_cache, meta.slot_mapping)
-        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        out = begin(q, k, v, k_cache, v_cache, meta)
         n = meta.num_decode
         if meta.paged is not None:
             p = meta.paged

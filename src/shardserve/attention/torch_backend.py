@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from shardserve.attention.backend import AttentionBackend, Heads, write_cache
+from shardserve.attention.backend import AttentionBackend, Heads, begin
 from shardserve.attention.metadata import AttentionMetadata, build_metadata
 
 
@@ -31,8 +31,7 @@ class TorchBackend(AttentionBackend):
     def forward(self, heads: Heads, q, k, v, k_cache, v_cache, meta: AttentionMetadata) -> torch.Tensor:
         """With no prefill chunks in `meta`, q may hold only the decode rows (latent attention
         prefills apart) and the result has as many."""
-        write_cache(k, v, k_cache, v_cache, meta.slot_mapping)
-        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        out = begin(q, k, v, k_cache, v_cache, meta)
         self._decodes(heads, q, k_cache, v_cache, meta, out)
         self._prefills(heads, q, k, v, k_cache, v_cache, meta, out)
         return out

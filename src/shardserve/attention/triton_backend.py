@@ -12,7 +12,7 @@ from types import ModuleType
 
 import torch
 
-from shardserve.attention.backend import AttentionBackend, Heads, write_cache
+from shardserve.attention.backend import AttentionBackend, Heads, begin
 from shardserve.attention.metadata import AttentionMetadata, build_metadata
 
 
@@ -26,8 +26,7 @@ class TritonBackend(AttentionBackend):
         return build_metadata(page_size, decodes, prefills, device, paged_decode=True, extend=True)
 
     def forward(self, heads: Heads, q, k, v, k_cache, v_cache, meta: AttentionMetadata) -> torch.Tensor:
-        write_cache(k, v, k_cache, v_cache, meta.slot_mapping)
-        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        out = begin(q, k, v, k_cache, v_cache, meta)
         n = meta.num_decode
         if meta.paged is not None:
             p = meta.paged

@@ -27,6 +27,29 @@ EXTEND_BLOCK_N = 32
 
 
 @triton.jit
+def _key_block(qv, k_cache, v_cache, stride_ks, stride_kh, stride_vs, stride_vh, table, pos, pmask, q_pos, kvh, d,
+               dmask, page_size, scale, m_i, l_i, acc, PRECISION: tl.constexpr):
+    """One block of keys at positions `pos` (valid where `pmask`), read in place through the
+    block table row `table`, folded into the running softmax (m_i, l_i, acc) of the queries at
+    positions `q_pos` (a key is visible at or before a query's position)."""
+    page = tl.load(table + pos // page_size, mask=pmask, other=0)
+    slot = page.to(tl.int64) * page_size + pos % page_size  # int64: a large pool overflows int32 offsets
+    kv_mask = pmask[:, None] & dmask[None, :]
+    kt = tl.load(k_cache + slot[:, None] * stride_ks + kvh * stride_kh + d[None, :], mask=kv_mask, other=0.0)
+    scores = tl.dot(qv, tl.trans(kt), input_precision=PRECISION) * scale  # [queries, keys]
+    visible = pmask[None, :] & (pos[None, :] <= q_pos[:, None])
+    scores = tl.where(visible, scores, float("-inf"))
+    # A row that has seen no key yet stays at -inf; `safe` keeps exp() off -inf - -inf.
+    m_new = tl.maximum(m_i, tl.max(scores, 1))
+    safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    p = tl.exp(scores - safe[:, None])
+    alpha = tl.exp(m_i - safe)
+    vt = tl.load(v_cache + slot[:, None] * stride_vs + kvh * stride_vh + d[None, :], mask=kv_mask, other=0.0)
+    acc = acc * alpha[:, None] + tl.dot(p.to(vt.dtype), vt, input_precision=PRECISION)
+    return m_new, l_i * alpha + tl.sum(p, 1), acc
+
+
+@triton.jit
 def _decode_split(q, stride_qb, stride_qh, k_cache, v_cache, stride_ks, stride_kh, stride_vs, stride_vh,
                   tables, stride_tb, lens, kv_of_q, part_out, part_lse, scale, page_size, num_heads, keys_per_split,
                   GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
@@ -46,22 +69,12 @@ def _decode_split(q, stride_qb, stride_qh, k_cache, v_cache, stride_ks, stride_k
     m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_G], tl.float32)
     acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
+    last = tl.zeros([BLOCK_G], tl.int64) + (n - 1)  # every key of the context is before the new token
     for k0 in range(start, end, BLOCK_N):
         pos = k0 + tl.arange(0, BLOCK_N)
-        pmask = pos < end
-        page = tl.load(tables + b * stride_tb + pos // page_size, mask=pmask, other=0)
-        slot = page.to(tl.int64) * page_size + pos % page_size
-        kv_mask = pmask[:, None] & dmask[None, :]
-        kt = tl.load(k_cache + slot[:, None] * stride_ks + kvh * stride_kh + d[None, :], mask=kv_mask, other=0.0)
-        scores = tl.dot(qv, tl.trans(kt), input_precision=PRECISION) * scale  # [G, N]
-        scores = tl.where(pmask[None, :], scores, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(scores, 1))
-        p = tl.exp(scores - m_new[:, None])
-        alpha = tl.exp(m_i - m_new)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        vt = tl.load(v_cache + slot[:, None] * stride_vs + kvh * stride_vh + d[None, :], mask=kv_mask, other=0.0)
-        acc = acc * alpha[:, None] + tl.dot(p.to(vt.dtype), vt, input_precision=PRECISION)
-        m_i = m_new
+        m_i, l_i, acc = _key_block(qv, k_cache, v_cache, stride_ks, stride_kh, stride_vs, stride_vh,
+                                   tables + b * stride_tb, pos, pos < end, last, kvh, d, dmask, page_size, scale,
+                                   m_i, l_i, acc, PRECISION)
     empty = l_i == 0.0  # a split past the context's end: weight 0 in the merge
     lse = tl.where(empty, float("-inf"), m_i + tl.log(tl.where(empty, 1.0, l_i)))
     o = acc / tl.where(empty, 1.0, l_i)[:, None]
@@ -116,23 +129,9 @@ def _extend(q, stride_qt, stride_qh, k_cache, v_cache, stride_ks, stride_kh, str
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     for k0 in range(0, hi, BLOCK_N):
         pos = k0 + tl.arange(0, BLOCK_N)
-        pmask = pos < hi
-        page = tl.load(tables + c * stride_tc + pos // page_size, mask=pmask, other=0)
-        slot = page.to(tl.int64) * page_size + pos % page_size
-        kv_mask = pmask[:, None] & dmask[None, :]
-        kt = tl.load(k_cache + slot[:, None] * stride_ks + kvh * stride_kh + d[None, :], mask=kv_mask, other=0.0)
-        scores = tl.dot(qv, tl.trans(kt), input_precision=PRECISION) * scale  # [M, N]
-        visible = pmask[None, :] & (pos[None, :] <= q_pos[:, None])
-        scores = tl.where(visible, scores, float("-inf"))
-        # A row that has seen no key yet stays at -inf; `safe` keeps exp() off -inf - -inf.
-        m_new = tl.maximum(m_i, tl.max(scores, 1))
-        safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.exp(scores - safe[:, None])
-        alpha = tl.exp(m_i - safe)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        vt = tl.load(v_cache + slot[:, None] * stride_vs + kvh * stride_vh + d[None, :], mask=kv_mask, other=0.0)
-        acc = acc * alpha[:, None] + tl.dot(p.to(vt.dtype), vt, input_precision=PRECISION)
-        m_i = m_new
+        m_i, l_i, acc = _key_block(qv, k_cache, v_cache, stride_ks, stride_kh, stride_vs, stride_vh,
+                                   tables + c * stride_tc, pos, pos < hi, q_pos, kvh, d, dmask, page_size, scale,
+                                   m_i, l_i, acc, PRECISION)
     empty = l_i == 0.0
     o = acc / tl.where(empty, 1.0, l_i)[:, None]
     tl.store(out + (q0 + rows)[:, None] * stride_ot + h * stride_oh + d[None, :], o.to(out.dtype.element_ty),
