@@ -17,7 +17,7 @@ if TYPE_CHECKING:
     import torch
 
 DTYPES = ("float32", "bfloat16", "float16")  # names; `torch_dtype` maps them (torch imported only then)
-# "auto" is resolved to one of DTYPES before any rank starts (loader/weights.resolve_dtype).
+# "auto" is resolved to one of DTYPES by each process that computes (loader/weights.resolve_dtype).
 DTYPE_CHOICES = ("auto", *DTYPES)
 # Sizes known without importing torch. "auto" counts as float32, an upper bound (it is float32 on
 # the CPU, the checkpoint's own on a GPU): the API process checks a deployment before any rank

@@ -22,7 +22,7 @@ def pick_dtype(requested: str, checkpoint: str, device: torch.device, gguf: bool
     stays float32): on a GPU the checkpoint's own dtype, float16 where the GPU lacks bfloat16;
     on the CPU float32, the precision its kernels (paged attention, the C decode loop, the
     quantized products) run in. A GGUF's floats are float32 on the CPU, bfloat16 on a GPU."""
-    gpu_bf16 = device.type == "cuda" and torch.cuda.is_bf16_supported()
+    gpu_bf16 = device.type == "cuda" and torch.cuda.is_bf16_supported(including_emulation=False)
     if requested == "bfloat16" and device.type == "cuda" and not gpu_bf16:
         raise ValueError(f"--dtype bfloat16: {torch.cuda.get_device_name(device)} has no bfloat16; use float16")
     if requested != "auto":

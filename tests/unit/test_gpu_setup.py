@@ -88,3 +88,22 @@ def test_each_rank_binds_its_gpu_and_makes_nccl_communicators_eagerly(monkeypatc
         groups.init_distributed(Layout.from_sizes(tp=2), 1, "127.0.0.1:1", torch.device("cuda", 1), 5.0)
     assert seen["bound"] == torch.device("cuda", 1) and seen["device_id"] == torch.device("cuda", 1)
     assert seen["backend"] == "cpu:gloo,cuda:nccl"
+
+
+def test_a_gpu_driver_this_torch_cannot_use_leaves_the_cpu(monkeypatch):
+    """No --device, a GPU in the driver's list, but a CPU-only torch: the ranks run on the CPU,
+    as pick_device decides, rather than being refused."""
+    from shardserve.launch import checks
+
+    monkeypatch.setattr(checks, "visible_gpus", lambda: 1)
+    assert torch.version.cuda is None
+    check_device(None, Layout.from_sizes(tp=2))
+
+
+def test_cuda_visible_devices_stops_at_an_invalid_entry(monkeypatch):
+    from shardserve.launch import checks
+
+    monkeypatch.setattr(checks.os, "listdir", lambda path: ["0000:01:00.0", "0000:02:00.0"])
+    for value, count in (("-1", 0), ("0,-1,1", 1), ("1", 1), ("0,1", 2)):
+        monkeypatch.setenv("CUDA_VISIBLE_DEVICES", value)
+        assert checks.visible_gpus() == count

@@ -90,4 +90,4 @@ class ContextBackend(AttentionBackend):
         return self.inner.decode_lse(heads, q, k_cache, v_cache, block_tables, context_lens, max_len, page_size)
 
     def describe(self) -> str:
-        return f"{self.inner.describe()}, ring attention over the context group"
+        return f"{self.inner.name} decodes, ring attention prefills over the context group"

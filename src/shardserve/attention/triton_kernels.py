@@ -10,8 +10,8 @@ Both return the log-sum-exp of each (row, head) too, for context parallelism's m
 source runs on a GPU and, under `TRITON_INTERPRET=1`, on CPU tensors (how CI tests them), so
 importing this module is left to attention/select.py, which sets the interpreter first on a CPU.
 
-A split covers a fixed number of keys whatever the batch, so a row's arithmetic does not depend
-on the other rows (the batch invariance the CPU kernel has).
+A split covers a fixed number of keys whatever the batch, so a row's splits do not depend on the
+other rows (the merge's reduction width does, past two splits: bitwise invariance stops there).
 """
 
 from __future__ import annotations
@@ -53,7 +53,7 @@ def _key_block(qv, k_cache, v_cache, stride_ks, stride_kh, stride_vs, stride_vh,
 def _decode_split(q, stride_qb, stride_qh, k_cache, v_cache, stride_ks, stride_kh, stride_vs, stride_vh,
                   tables, stride_tb, lens, kv_of_q, part_out, part_lse, scale, page_size, num_heads, keys_per_split,
                   GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-                  BLOCK_N: tl.constexpr, SPLITS: tl.constexpr, PRECISION: tl.constexpr):
+                  splits, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr):
     b, hg, s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     g = tl.arange(0, BLOCK_G)
     heads = hg * GROUP + g
@@ -78,25 +78,25 @@ def _decode_split(q, stride_qb, stride_qh, k_cache, v_cache, stride_ks, stride_k
     empty = l_i == 0.0  # a split past the context's end: weight 0 in the merge
     lse = tl.where(empty, float("-inf"), m_i + tl.log(tl.where(empty, 1.0, l_i)))
     o = acc / tl.where(empty, 1.0, l_i)[:, None]
-    row = (b * num_heads + heads) * SPLITS + s
+    row = (b * num_heads + heads) * splits + s
     tl.store(part_out + row[:, None] * HEAD_DIM + d[None, :], o, mask=hmask[:, None] & dmask[None, :])
     tl.store(part_lse + row, lse, mask=hmask)
 
 
 @triton.jit
-def _merge_splits(part_out, part_lse, out, stride_ob, stride_oh, lse_out, num_heads, HEAD_DIM: tl.constexpr,
-                  BLOCK_D: tl.constexpr, SPLITS: tl.constexpr, BLOCK_S: tl.constexpr, WRITE_LSE: tl.constexpr):
+def _merge_splits(part_out, part_lse, out, stride_ob, stride_oh, lse_out, num_heads, splits, HEAD_DIM: tl.constexpr,
+                  BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr, WRITE_LSE: tl.constexpr):
     b, h = tl.program_id(0), tl.program_id(1)
     s = tl.arange(0, BLOCK_S)
     d = tl.arange(0, BLOCK_D)
-    base = (b * num_heads + h) * SPLITS
-    lse = tl.load(part_lse + base + s, mask=s < SPLITS, other=float("-inf"))
+    base = (b * num_heads + h) * splits
+    lse = tl.load(part_lse + base + s, mask=s < splits, other=float("-inf"))
     m = tl.max(lse, 0)
     safe = tl.where(m == float("-inf"), 0.0, m)
     w = tl.exp(lse - safe)  # 0 for empty splits; all 0 for an empty context
     total = tl.sum(w, 0)
     parts = tl.load(part_out + (base + s)[:, None] * HEAD_DIM + d[None, :],
-                    mask=(s[:, None] < SPLITS) & (d[None, :] < HEAD_DIM), other=0.0)
+                    mask=(s[:, None] < splits) & (d[None, :] < HEAD_DIM), other=0.0)
     o = tl.sum(parts * w[:, None], 0) / tl.where(total == 0.0, 1.0, total)
     tl.store(out + b * stride_ob + h * stride_oh + d, o.to(out.dtype.element_ty), mask=d < HEAD_DIM)
     if WRITE_LSE:
@@ -170,9 +170,10 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
         q, q.stride(0), q.stride(1), k_cache, v_cache, k_cache.stride(0), k_cache.stride(1), v_cache.stride(0),
         v_cache.stride(1), block_tables, block_tables.stride(0), context_lens, kv_of_q, part_out, part_lse, scale,
         page_size, h, KEYS_PER_SPLIT, GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)), HEAD_DIM=d,
-        BLOCK_D=bd, BLOCK_N=DECODE_BLOCK_N, SPLITS=splits, PRECISION=prec)
+        BLOCK_D=bd, splits=splits, BLOCK_N=DECODE_BLOCK_N, PRECISION=prec)
+    # splits is a run-time argument (no compile per context length); BLOCK_S takes powers of two.
     _merge_splits[(b, h)](part_out, part_lse, out, out.stride(0), out.stride(1), part_lse if lse is None else lse, h,
-                          HEAD_DIM=d, BLOCK_D=bd, SPLITS=splits, BLOCK_S=max(2, triton.next_power_of_2(splits)),
+                          splits, HEAD_DIM=d, BLOCK_D=bd, BLOCK_S=max(2, triton.next_power_of_2(splits)),
                           WRITE_LSE=lse is not None)
     return out
 

@@ -65,6 +65,8 @@ class ModelRunner:
         self.stage = stage or Stage(0, 1, 0, model_cfg.num_layers)
         self.comm, self.control = groups.tensor, groups.control
         self.device = pick_device(cfg.device, groups.local_rank)
+        if self.device.type == "cuda":  # Triton launches on the current device, a lone rank's too
+            torch.cuda.set_device(self.device)
         self.dtype = cfg.torch_dtype
         # Chosen once, before any weight loads; the layers call whichever it is.
         backend = choose_backend(cfg.attention_backend, self.device, self.dtype, cfg.batch_invariant)

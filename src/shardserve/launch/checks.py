@@ -170,7 +170,12 @@ def visible_gpus() -> int:
     except OSError:
         return 0
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-    return found if visible is None else min(found, len([d for d in visible.split(",") if d.strip()]))
+    if visible is None:
+        return found
+    listed = [d.strip() for d in visible.split(",") if d.strip()]
+    # CUDA stops at the first entry that is invalid (such as -1): only those before it count.
+    valid = next((i for i, d in enumerate(listed) if d.startswith("-")), len(listed))
+    return min(found, valid)
 
 
 def check_device(device: str | None, layout: Layout, cuda_devices: int | None = None) -> None:
@@ -181,6 +186,8 @@ def check_device(device: str | None, layout: Layout, cuda_devices: int | None = 
         return  # the CPU (and the API process need not load torch to know it)
     import torch
 
+    if device is None and cuda_devices is None and (torch.version.cuda is None or torch.cuda.device_count() == 0):
+        return  # a driver this torch cannot use: the ranks run on the CPU, as pick_device decides
     try:
         dev = torch.device(device or "cuda")
     except RuntimeError:
