@@ -133,11 +133,8 @@ def filter_logits(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
 
 
 def top_logprobs(logprobs: torch.Tensor, token: int, k: int) -> dict:
-    entry = {"token_id": token, "logprob": float(logprobs[token]), "top_logprobs": []}
-    if k:
-        vals, ids = logprobs.topk(k)
-        entry["top_logprobs"] = [[int(i), float(v)] for i, v in zip(ids, vals)]
-    return entry
+    """One row's entry (speculative verification's rows, one at a time): as `batch_logprobs`."""
+    return batch_logprobs(logprobs[None], [token], [k])[0]
 
 
 def batch_logprobs(raw_lp: torch.Tensor | None, tokens: list[int], ks: list[int | None]) -> list[dict | None]:

@@ -13,15 +13,15 @@ from shardserve.platform import triton_module
 
 
 @functools.cache
-def _ops(device_type: str) -> ModuleType | None:
+def _ops() -> ModuleType | None:
     try:
-        return triton_module("shardserve.layers.triton_ops", torch.device(device_type))
+        return triton_module("shardserve.layers.triton_ops", torch.device("cuda"))
     except ImportError:
         return None
 
 
 def _on_gpu(*ts: torch.Tensor) -> ModuleType | None:
-    return _ops("cuda") if all(t.is_cuda for t in ts) else None
+    return _ops() if all(t.is_cuda for t in ts) else None
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor | None:
