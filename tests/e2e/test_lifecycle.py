@@ -56,10 +56,10 @@ def test_tokenizer_worker_layouts(tiny_model, tmp_path, num_tokenizers):
     assert code == 0 and left == []
 
 
-# The tiny Llama at 24 layers in bfloat16 (see deep_server): a generation of hundreds of tokens
+# The tiny Llama at 24 layers in float16 (see deep_server): a generation of hundreds of tokens
 # takes long enough to still be running when a test acts on it; at 2 layers in float32 it can end
 # in under a second.
-DEEP = ("--dtype", "bfloat16", "--page-size", "8")
+DEEP = ("--dtype", "float16", "--page-size", "8")
 
 
 def test_killed_scheduler_fails_requests_and_exits_nonzero(tiny_model, tmp_path):
@@ -135,12 +135,12 @@ def wait_idle(url: str, timeout: float = 10) -> dict[str, float]:
 
 @pytest.fixture(scope="module")
 def deep_server(tiny_model, tmp_path_factory):
-    """The tiny Llama at 24 layers in bfloat16 (layer by layer from Python; float32 would run the
-    C decode loop): its decode steps take long enough (milliseconds) that a disconnect is noticed
+    """The tiny Llama at 24 layers in float16 (layer by layer from Python; float32 or bfloat16
+    would run the C decode loop): its decode steps take long enough (milliseconds) that a disconnect is noticed
     well within half of a 480-token generation even on a loaded 2-core machine (at 2 layers, or
     in the C loop, a step is so short the whole generation could finish first)."""
     path, _ = tiny_model("llama", 24)
-    server = Server("--model", path, "--dtype", "bfloat16", "--num-pages", "256", "--page-size", "8",
+    server = Server("--model", path, "--dtype", "float16", "--num-pages", "256", "--page-size", "8",
                     log_path=str(tmp_path_factory.mktemp("logs") / "deep.log"))
     yield server
     code, left = server.stop()

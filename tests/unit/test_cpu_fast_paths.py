@@ -172,8 +172,10 @@ def test_backend_choice(tiny_model):
     base = dict(model=path, show_progress=False, num_pages=64)
     assert EngineCore(EngineConfig(**base)).runner.attention.name == "cpu"
     assert EngineCore(EngineConfig(**base, attention_backend="torch")).runner.attention.name == "torch"
-    with pytest.raises(ValueError, match="--attention-backend cpu needs a CPU device and float32, got cpu and bf"):
-        EngineCore(EngineConfig(**base, dtype="bfloat16", attention_backend="cpu"))
+    with pytest.raises(ValueError, match="--attention-backend cpu needs a CPU device and float32, got cpu and fl"):
+        EngineCore(EngineConfig(**base, dtype="float16", attention_backend="cpu"))
+    # bfloat16 on the CPU: bfloat16 weights with float32 around them, so the C kernel attends
+    assert EngineCore(EngineConfig(**base, dtype="bfloat16", attention_backend="cpu")).runner.attention.name == "cpu"
     with pytest.raises(ValueError, match="attention_backend must be one of"):
         EngineConfig(**base, attention_backend="flash")
 
@@ -193,5 +195,13 @@ def test_cpu_float32_weights_are_held_once(tiny_model):
     assert model.lm_head.quant.name == "F32x16" and model.lm_head.weight is None
     if model.cfg.tie_word_embeddings:  # one copy for both
         assert model.embed_tokens.quant is model.lm_head.quant and model.embed_tokens.weight is None
-    half = EngineCore(EngineConfig(model=path, show_progress=False, num_pages=64, dtype="bfloat16")).runner.model
+    half = EngineCore(EngineConfig(model=path, show_progress=False, num_pages=64, dtype="float16")).runner.model
     assert all(m.packed is None and m.weight is not None for m in half.modules() if isinstance(m, PackedLinear))
+    # bfloat16: every matrix as BF16 rows in the x16 layout (the experts too), nothing else kept
+    bf = EngineCore(EngineConfig(model=path, show_progress=False, num_pages=64, dtype="bfloat16")).runner.model
+    linears = [m for m in bf.modules() if isinstance(m, PackedLinear)]
+    assert all(m.weight is None and [q.name for _, q in m.quant] == ["BF16x16"] for m in linears)
+    moes = [m for m in bf.modules() if isinstance(m, SparseMoE)]
+    assert all(m.w13 is None and {q.name for pair in m.quant for segs in pair for _, q in segs} == {"BF16x16"}
+               for m in moes)
+    assert bf.lm_head.quant.name == "BF16x16" and bf.lm_head.weight is None

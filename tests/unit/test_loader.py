@@ -13,6 +13,7 @@ from safetensors.torch import load_file, save_file
 
 from shardserve.config import EngineConfig
 from shardserve.core import SamplingParams
+from shardserve.layers import quant_kernel
 from shardserve.loader.model_path import resolve_checkpoint
 from shardserve.scheduler.engine_core import EngineCore
 
@@ -86,6 +87,8 @@ def test_half_precision_logits_track_transformers(tiny_model, dtype, torch_dtype
     ours = seen["r"][0].float()
     with torch.no_grad():
         ref = hf(torch.tensor([prompt])).logits[0, -1].float()
-    assert core.runner.pool.k.dtype == torch_dtype
+    # bfloat16 on the CPU: bfloat16 weights, float32 activations and KV cache (quant_kernel.bf16_weights)
+    kv = torch.float32 if quant_kernel.bf16_weights(torch.device("cpu"), torch_dtype) else torch_dtype
+    assert core.runner.pool.k.dtype == kv
     torch.testing.assert_close(ours, ref, atol=tol * ref.abs().max().item(), rtol=0)
     assert req.prompt_token_ids == prompt

@@ -269,7 +269,10 @@ def test_quantization_choices_and_refusals(tiny_gguf, tiny_model, caplog):
     with caplog.at_level(logging.WARNING):
         core = EngineCore(EngineConfig(model=tiny_gguf, show_progress=False, num_pages=8, dtype="bfloat16"))
     assert "GGUF weights are expanded to bfloat16" in caplog.text
-    assert all(m.quant is None for m in core.runner.model.modules() if isinstance(m, PackedLinear))
+    # as bfloat16 rows for the C kernels, float32 around them (quant_kernel.bf16_weights)
+    assert {q.name for m in core.runner.model.modules() if isinstance(m, PackedLinear)
+            for _, q in m.quant} == {"BF16x16"}
+    assert core.runner.dtype == torch.float32 and core.runner.model._decode_loop() is not None
     expanded = EngineCore(EngineConfig(model=tiny_gguf, show_progress=False, num_pages=8, quantization="none"))
     emb = expanded.runner.model.embed_tokens
     assert isinstance(emb, VocabParallelEmbedding) and emb.quant is None and emb.weight is not None

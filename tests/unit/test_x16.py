@@ -1,8 +1,9 @@
-"""The x16 layout and its products (layers/csrc/quant_x16.c), for Q4_0, Q4_1, Q8_0 and float32
-rows: the bytes regroup and come back,
-the products match the reference to the 16-bit activations, every row of a batch is bit for bit
-the row computed alone, and builds for other CPUs (AVX2 with and without AVX-VNNI, AVX-512 without VNNI) give
-the same bits as this machine's."""
+"""The x16 layout and its products (layers/csrc/quant_x16.c), for Q4_0, Q4_1, Q8_0, float32 and
+bfloat16 rows: the bytes regroup and come back, the products match the reference to the 16-bit
+activations (bfloat16: to bfloat16 activations where AMX runs them), every row of a batch is bit
+for bit the row computed alone, and builds for other CPUs (AVX2 with and without AVX-VNNI,
+AVX-512 without VNNI, no AMX) give the same bits as this machine's (bfloat16 without AMX: the bits
+of the float32 product of the same weights)."""
 
 from __future__ import annotations
 
@@ -16,15 +17,17 @@ from gguf.quants import quantize
 
 from shardserve import native
 from shardserve.layers import kernels, quant_kernel
-from shardserve.loader.quantized import QuantWeight, deinterleave16, float_rows, interleave16
+from shardserve.loader.quantized import BF16, F32, QuantWeight, bf16_rows, deinterleave16, float_rows, interleave16
 
-FORMATS = [2, 3, 8, 0]  # Q4_0, Q4_1, Q8_0, F32
+FORMATS = [2, 3, 8, F32, BF16]  # Q4_0, Q4_1, Q8_0, F32, BF16
 
 
 def weight(qtype: int, rows: int, cols: int, seed: int = 0) -> QuantWeight:
     w = torch.randn(rows, cols, generator=torch.Generator().manual_seed(seed))
-    if qtype == 0:
+    if qtype == F32:
         return float_rows(w)
+    if qtype == BF16:
+        return bf16_rows(w)
     return QuantWeight(qtype, torch.from_numpy(quantize(w.numpy(), T(qtype)).reshape(rows, -1)), cols)
 
 
@@ -49,8 +52,9 @@ def test_every_row_alone_equals_it_in_the_batch(qtype: int, rows: int) -> None:
     assert x16.name == q.name + "x16"
     xs = torch.randn(40, 128, generator=torch.Generator().manual_seed(1))
     batch = quant_kernel.linear(xs, ((0, x16),), rows)
-    want = xs @ q.dequantize().T
-    tol = 1e-5 if qtype == 0 else 2e-4  # float products; or the blocks' 16-bit activations
+    amx = qtype == BF16 and quant_kernel.bf16_on_amx()  # then the activations are rounded to bfloat16
+    want = (xs.bfloat16().float() if amx else xs) @ q.dequantize().T
+    tol = 1e-5 if qtype in (F32, BF16) else 2e-4  # float products; or the blocks' 16-bit activations
     assert float((batch - want).abs().max()) <= tol * float(want.abs().max())
     for m in (1, 2, 3, 8, 9, 13, 17):
         for i in (0, 40 - m):
@@ -97,5 +101,42 @@ def test_other_cpus_builds_give_the_same_bits(tmp_path: Path, flags: list[str], 
         xs[0, 5] = 1e-36  # a block whose step would be subnormal: quantized to zero on every build
         for qtype in FORMATS:
             w = interleave16(weight(qtype, 45, 192, seed=qtype))
+            if qtype == BF16 and "bfloat16: amx tiles" not in native.kernel_paths(other):
+                same = interleave16(float_rows(w.dequantize()))  # the float32 product of the same weights
+                assert torch.equal(product(other, w, xs), product(here, same, xs)), rows
+                continue
             assert torch.equal(product(other, w, xs), product(here, w, xs)), (qtype, rows)
+
+
+@pytest.mark.parametrize("cols", [200, 60])  # a last part-filled chunk of 32 columns; not whole vectors of 8
+def test_bf16_without_amx_is_the_float32_product(tmp_path: Path, cols: int) -> None:
+    """A build without AMX (or a CPU that refuses it) says so and runs bfloat16 weights against
+    float32 activations: bit for bit the float32 product of the same weights."""
+    other = build_for(tmp_path, ["-mno-amx-tile", "-mno-amx-bf16"])
+    assert "bfloat16: x16 groups, float32 activations" in native.kernel_paths(other)
+    w = interleave16(weight(BF16, 45, cols, seed=3))
+    for rows in (1, 11, 40):
+        xs = torch.randn(rows, cols, generator=torch.Generator().manual_seed(rows))
+        want = xs.double() @ w.dequantize().double().T  # float32 rounding of the exact sums
+        got = product(other, w, xs)
+        assert float((got.double() - want).abs().max()) <= 1e-5 * float(want.abs().max()), rows
+        if cols % 8 == 0:  # the F32 rows' kernel takes whole vectors: bit for bit its product
+            same = interleave16(float_rows(w.dequantize()))
+            assert torch.equal(got, product(kernels.load(), same, xs)), rows
+
+
+@pytest.mark.skipif(not quant_kernel.bf16_on_amx(), reason="bfloat16 runs on AMX only where the CPU has it")
+@pytest.mark.parametrize("cols", [64, 200, 576, 60])  # whole chunks of 32 columns; a part-filled last one
+def test_bf16_on_amx_rows_alone_equal_the_batch(cols: int) -> None:
+    """AMX tiles: 16 activation rows at a time, yet each output is its own row's, alone or in any
+    batch, and equals the float64 product of the bfloat16-rounded operands to float32 rounding."""
+    assert "bfloat16: amx tiles" in native.kernel_paths(kernels.load())
+    w = interleave16(weight(BF16, 70, cols, seed=4))  # 70: 4 whole groups and a part-filled one
+    xs = torch.randn(40, cols, generator=torch.Generator().manual_seed(5))
+    batch = quant_kernel.linear(xs, ((0, w),), 70)
+    want = xs.bfloat16().double() @ w.dequantize().double().T
+    assert float((batch.double() - want).abs().max()) <= 1e-5 * float(want.abs().max())
+    for m in (1, 2, 15, 16, 17, 31, 33):
+        for i in (0, 40 - m):
+            assert torch.equal(quant_kernel.linear(xs[i: i + m], ((0, w),), 70), batch[i: i + m]), (m, i)
 

@@ -68,6 +68,11 @@ class ModelRunner:
         if self.device.type == "cuda":  # Triton launches on the current device, a lone rank's too
             torch.cuda.set_device(self.device)
         self.dtype = cfg.torch_dtype
+        # --dtype bfloat16 on the CPU: bfloat16 weights for the C kernels, float32 around them
+        # (activations, norms, KV cache), so the C decode loop and attention kernel run it.
+        self.bf16_weights = quant_kernel.bf16_weights(self.device, self.dtype)
+        if self.bf16_weights:
+            self.dtype = torch.float32
         # Chosen once, before any weight loads; the layers call whichever it is.
         backend = choose_backend(cfg.attention_backend, self.device, self.dtype, cfg.batch_invariant)
         self.attention: AttentionBackend = ContextBackend(backend) if groups.context.size > 1 else backend
@@ -138,15 +143,16 @@ class ModelRunner:
         return round(sum(seen.values()) / 1e6, 1)
 
     def _pick_quantization(self, ckpt: Checkpoint) -> str:
-        """What the loader offers the layers: "auto" (a GGUF's blocks), "int8", or "none"."""
+        """What the loader offers the layers: "auto" (a GGUF's blocks), "int8", "bf16" (float
+        weights as bfloat16 rows: `bf16_weights`), or "none"."""
         choice = self.cfg.quantization
         if choice == "int8" and ckpt.is_gguf:
             raise ValueError("quantization 'int8' quantizes a float (safetensors) checkpoint; a GGUF keeps its own "
                              "formats ('auto') or is expanded ('none')")
         if choice == "none" or (choice == "auto" and not ckpt.is_gguf):
-            return "none"
+            return "bf16" if self.bf16_weights else "none"
         why = None
-        if self.device.type != "cpu" or self.dtype != torch.float32:
+        if self.device.type != "cpu" or self.cfg.torch_dtype != torch.float32:  # as asked, not as run
             why = f"the block-quantized kernels run on the CPU in float32, not {self.device.type} {self.cfg.dtype}"
         else:
             why = quant_kernel.available()
@@ -155,7 +161,7 @@ class ModelRunner:
         if choice == "int8":
             raise ValueError(f"quantization 'int8': {why}")
         log.warning("GGUF weights are expanded to %s: %s", self.cfg.dtype, why)
-        return "none"
+        return "bf16" if self.bf16_weights else "none"
 
     def _pages_from_budget(self, num_kv_heads: int) -> int:
         """`kv_cache_memory` <= 1 is a fraction of free device memory; above 1 it is bytes."""

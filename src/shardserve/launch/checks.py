@@ -12,7 +12,7 @@ import math
 import os
 import socket
 
-from shardserve.config import DTYPE_BYTES, EngineConfig, ModelConfig
+from shardserve.config import EngineConfig, ModelConfig, kv_dtype_bytes
 from shardserve.distributed.expert_placement import PlacementPlan, load_counts
 from shardserve.distributed.layout import Layout, LayoutError
 from shardserve.ipc.sockets import listen_socket
@@ -149,7 +149,7 @@ def kv_page_bytes(cfg: EngineConfig, layout: Layout, model_cfg: ModelConfig) -> 
         layers = math.ceil(model_cfg.num_layers / layout.pp)  # the even split puts the remainder first
     heads = max(head_shard(model_cfg.num_heads, model_cfg.num_kv_heads, layout.tp, r).num_kv
                 for r in range(layout.tp))
-    return cfg.page_size * model_cfg.kv_values_per_token(heads, layers) * DTYPE_BYTES[cfg.dtype]
+    return cfg.page_size * model_cfg.kv_values_per_token(heads, layers) * kv_dtype_bytes(cfg.dtype, cfg.device)
 
 
 def check_kv_budget(cfg: EngineConfig, layout: Layout, model_cfg: ModelConfig) -> None:

@@ -16,7 +16,7 @@ from torch import nn
 from shardserve.distributed.communicator import Communicator
 from shardserve.layers import quant_kernel
 from shardserve.layers.sharding import HeadShard, split_range
-from shardserve.loader.quantized import QuantWeight
+from shardserve.loader.quantized import BF16, QuantWeight
 from shardserve.loader.source import TensorSource
 
 
@@ -98,6 +98,9 @@ class PackedLinear(nn.Module):
     weight: nn.Parameter | None
     packed: torch.Tensor | None = None
     quant: tuple[tuple[int, QuantWeight], ...] | None = None
+    # False where the weight must keep float32 precision (a DeepSeek gate): bfloat16 rows offered
+    # under --dtype bfloat16 are then not taken, and the weight loads as floats.
+    takes_bf16_rows = True
 
     def __init__(self) -> None:
         super().__init__()
@@ -108,7 +111,7 @@ class PackedLinear(nn.Module):
         """Keep this piece (local rows from `row`) in its block format if the source offers it;
         a row-parallel cut inside a block is not offered, and that piece loads as floats."""
         q = src.read_quantized(dim, start, end)
-        if q is None:
+        if q is None or (q.qtype == BF16 and not self.takes_bf16_rows):
             return False
         self._qpieces[row] = q
         return True

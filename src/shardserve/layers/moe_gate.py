@@ -24,6 +24,7 @@ class MoEGate(ReplicatedLinear):
     def __init__(self, hidden: int, num_experts: int, top_k: int, rule: RouterConfig, dtype, device):
         super().__init__(hidden, num_experts, False, torch.float32 if rule.float32 else dtype, device)
         self.top_k, self.rule, self.num_experts = top_k, rule, num_experts
+        self.takes_bf16_rows = not rule.float32
         self.e_score_correction_bias = None
         if rule.correction_bias:
             self.e_score_correction_bias = make_param((num_experts,), torch.float32, device, self._load_bias, [None])

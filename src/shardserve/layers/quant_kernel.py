@@ -4,7 +4,8 @@ Every product runs in C with 16-bit activations against the weight's blocks: Q4_
 Q8_0 in the x16 layout at every number of rows (`kernel_layout`); the K-quants below 10 rows,
 and from there as a float GEMM on expanded weight rows (see the C files' headers). Float32
 weights are F32 rows in the x16 layout (`float_weight`): exact float products, one order at
-every number of rows, and the C decode loop.
+every number of rows, and the C decode loop. Under --dtype bfloat16 on the CPU the weights are
+BF16 rows in the x16 layout (`bf16_weights`), on AMX tiles where the CPU has them.
 """
 
 from __future__ import annotations
@@ -25,6 +26,21 @@ def kernel_layout(w: QuantWeight) -> QuantWeight:
     if w.qtype in X16_FORMATS and available() is None:
         return interleave16(w)
     return w
+
+
+def bf16_weights(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether a rank asked for bfloat16 keeps its weights as BF16 rows for these kernels, with
+    float32 activations and KV cache around them: on the CPU, where the kernels load. There the
+    weights are half the bytes of float32 (what a one-row decode step reads) and run on AMX
+    tiles where the CPU has them (csrc/quant_amx.c); the layers, the C decode loop and the paged
+    attention kernel stay float32. Elsewhere bfloat16 runs in torch, op by op."""
+    return device.type == "cpu" and dtype == torch.bfloat16 and available() is None
+
+
+def bf16_on_amx() -> bool:
+    """Whether BF16 products run on AMX tiles here, with bfloat16 activations (else float32
+    ones): probed once when the library loads (csrc/quant_amx.c)."""
+    return available() is None and bool(load().bf16_amx())
 
 
 def float_weight(weight: torch.Tensor | None) -> QuantWeight | None:

@@ -2,8 +2,9 @@
 
 A `QuantWeight` is a 2-D weight [rows, cols] kept in one of llama.cpp's block formats: each row
 is `cols / block` blocks of `block_bytes` bytes, stored as a uint8 tensor [rows, row_bytes].
-Plain float32 rows (F32, GGML's type 0: one weight per "block") take the same form, so a float
-checkpoint runs on the same C kernels and decode loop (`float_rows`).
+Plain float32 rows (F32, GGML's type 0: one weight per "block") and bfloat16 rows (BF16, type
+30) take the same form, so a float checkpoint runs on the same C kernels and decode loop
+(`float_rows`, `bf16_rows`).
 Rows slice freely (a column-parallel or vocab-parallel shard); columns slice only on block
 boundaries (a row-parallel shard), so `narrow` answers None where a cut falls inside a block
 and the caller keeps that shard in floats.
@@ -26,12 +27,16 @@ FORMATS: dict[int, tuple[str, int, int]] = {
 }
 Q8_0 = 8
 F32 = 0
-# A flag on Q4_0, Q4_1 and Q8_0: the same bytes with each group of 16 rows interleaved, the
-# layout the C kernels multiply at every batch size (layers/csrc/quant_x16.c; `interleave16`).
+BF16 = 30
+# A flag on Q4_0, Q4_1, Q8_0, F32 and BF16: the same bytes with each group of 16 rows
+# interleaved, the layout the C kernels multiply at every batch size (layers/csrc/quant_x16.c;
+# `interleave16`).
 X16 = 0x100
-X16_FORMATS = (2, 3, 8, 0)
-# Every layout a QuantWeight holds: the block formats, plain float32 rows, and their x16 layouts.
-_BASE: dict[int, tuple[str, int, int]] = {**FORMATS, F32: ("F32", 1, 4)}
+X16_FORMATS = (2, 3, 8, F32, BF16)
+# Plain float rows: one weight per "block", of this many bytes.
+FLOAT_ROWS = {F32: 4, BF16: 2}
+# Every layout a QuantWeight holds: the block formats, plain float rows, and their x16 layouts.
+_BASE: dict[int, tuple[str, int, int]] = {**FORMATS, F32: ("F32", 1, 4), BF16: ("BF16", 1, 2)}
 LAYOUTS: dict[int, tuple[str, int, int]] = {
     **_BASE, **{X16 | t: (_BASE[t][0] + "x16", *_BASE[t][1:]) for t in X16_FORMATS}}
 GROUP = 16
@@ -91,6 +96,8 @@ class QuantWeight:
         """Float32 [rows, cols] by gguf's own (numpy) decoder: the reference the kernels match."""
         if self.qtype == F32:
             return self.data.view(torch.float32).clone()
+        if self.qtype == BF16:
+            return self.data.view(torch.bfloat16).float()
         if self.qtype & X16:
             return deinterleave16(self).dequantize()
         from gguf import GGMLQuantizationType
@@ -103,6 +110,16 @@ class QuantWeight:
 def float_rows(weight: torch.Tensor) -> QuantWeight:
     """A float32 [rows, cols] weight as F32 rows (the same memory, viewed as bytes)."""
     return QuantWeight(F32, weight.detach().contiguous().view(torch.uint8), weight.shape[1])
+
+
+def bf16_rows(weight: torch.Tensor) -> QuantWeight | None:
+    """A float [rows, cols] weight as BF16 rows (rounded to nearest even where it is not bfloat16
+    already, as torch's `.to(torch.bfloat16)` does), or None where the columns are odd (the
+    kernels take them in pairs)."""
+    if weight.dim() != 2 or weight.shape[1] % 2:
+        return None
+    w = weight.detach().to(torch.bfloat16).contiguous()
+    return QuantWeight(BF16, w.view(torch.uint8), weight.shape[1])
 
 
 def quantize_q8_0(weight: torch.Tensor) -> QuantWeight | None:
@@ -163,8 +180,9 @@ def _regroup(q: QuantWeight, qtype: int, forward: bool) -> np.ndarray:
     full = rows // GROUP * GROUP
     for g0, g1, lanes in ((0, full, GROUP), (full, rows, rows - full)):
         if g1 > g0:
-            if qtype == F32:  # a group column by column: [cols][L] floats, either way round
-                shape = (-1, lanes, q.cols, 4) if forward else (-1, q.cols, lanes, 4)
+            if qtype in FLOAT_ROWS:  # column by column: [cols][L] floats, [cols / 2][L][2] bfloat16
+                per = 4 // FLOAT_ROWS[qtype]  # columns a lane holds together: 1, or a pair
+                shape = (-1, lanes, q.cols // per, 4) if forward else (-1, q.cols // per, lanes, 4)
                 res = np.swapaxes(src[g0:g1].reshape(shape), 1, 2)
             elif forward:
                 res = _to_x16(qtype, src[g0:g1].reshape(-1, lanes, nb, bb))
@@ -175,9 +193,9 @@ def _regroup(q: QuantWeight, qtype: int, forward: bool) -> np.ndarray:
 
 
 def interleave16(q: QuantWeight) -> QuantWeight:
-    """Q4_0, Q4_1, Q8_0 or F32 rows in the x16 layout (quant_x16.c states it): the same bytes,
-    each group of 16 rows stored block by block (F32: column by column) so that one vector load
-    holds a column of 16 rows."""
+    """Q4_0, Q4_1, Q8_0, F32 or BF16 rows in the x16 layout (quant_x16.c states it): the same
+    bytes, each group of 16 rows stored block by block (F32: column by column, BF16: by pairs of
+    columns) so that one vector load holds a column (a pair) of 16 rows."""
     if q.qtype not in X16_FORMATS:
         raise ValueError(f"{q.name}: no x16 layout")
     return QuantWeight(X16 | q.qtype, torch.from_numpy(_regroup(q, q.qtype, True)).to(q.data.device), q.cols)

@@ -2,7 +2,8 @@
 
 Layers' loader hooks call `read(dim, start, end)` for just the rows or columns they own, so a
 safetensors file is sliced on read and no rank holds a full copy of a tensor it shards.
-`Int8Source` (`--quantization int8`) quantizes just that slice to Q8_0 blocks.
+`Int8Source` (`--quantization int8`) quantizes just that slice to Q8_0 blocks; `Bf16Source`
+(`--dtype bfloat16` on the CPU) hands it out as bfloat16 rows.
 """
 
 from __future__ import annotations
@@ -109,3 +110,25 @@ class Int8Source(TensorSource):
         from shardserve.loader.quantized import quantize_q8_0
 
         return quantize_q8_0(self.src.read(dim, start, end))
+
+
+class Bf16Source(TensorSource):
+    """A float checkpoint tensor whose 2-D slices a layer may take as bfloat16 rows (BF16, for the
+    C kernels: `--dtype bfloat16` on the CPU); 1-D tensors (norms, biases) are read as floats."""
+
+    def __init__(self, src: TensorSource):
+        self.src, self.name = src, src.name
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return self.src.shape
+
+    def read(self, dim: int | None = None, start: int = 0, end: int | None = None) -> torch.Tensor:
+        return self.src.read(dim, start, end)
+
+    def read_quantized(self, dim: int | None = None, start: int = 0, end: int | None = None) -> QuantWeight | None:
+        if len(self.src.shape) != 2:
+            return None
+        from shardserve.loader.quantized import bf16_rows
+
+        return bf16_rows(self.src.read(dim, start, end))

@@ -11,7 +11,7 @@ from tqdm import tqdm
 
 from shardserve.config import EngineConfig, ModelConfig
 from shardserve.loader.model_path import Checkpoint
-from shardserve.loader.source import Int8Source, TensorSource
+from shardserve.loader.source import Bf16Source, Int8Source, TensorSource
 
 if TYPE_CHECKING:
     from torch import nn
@@ -43,18 +43,23 @@ def resolve_dtype(cfg: EngineConfig, ckpt: Checkpoint, model_cfg: ModelConfig | 
 
 def checkpoint_sources(ckpt: Checkpoint, quantization: str = "none") -> tuple[Iterable[TensorSource], int]:
     """The checkpoint's tensors as lazy sources, and how many there are (for the progress bar).
-    `quantization` (see QUANTIZATION_MODES, already checked against the checkpoint): "auto"
-    offers a GGUF's blocks as they are, "int8" offers float weights quantized to Q8_0."""
+    `quantization` (QUANTIZATION_MODES, already checked against the checkpoint, or "bf16"):
+    "auto" offers a GGUF's blocks as they are, "int8" offers float weights quantized to Q8_0,
+    "bf16" offers them as bfloat16 rows (--dtype bfloat16 on the CPU: ModelRunner decides)."""
     if ckpt.is_gguf:
         from shardserve.loader.gguf_loader import gguf_sources
 
         sources = gguf_sources(ckpt.path, keep_quantized=quantization == "auto")
+        if quantization == "bf16":  # the GGUF's weights expanded, then offered as bfloat16 rows
+            return [Bf16Source(src) for src in sources], len(sources)
         return sources, len(sources)
     from shardserve.loader.safetensors_loader import count_tensors, iter_safetensors
 
     sources = iter_safetensors(ckpt.path)
     if quantization == "int8":
         sources = (Int8Source(src) for src in sources)
+    elif quantization == "bf16":
+        sources = (Bf16Source(src) for src in sources)
     return sources, count_tensors(ckpt.path)
 
 

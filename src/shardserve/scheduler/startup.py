@@ -19,6 +19,8 @@ def weights_text(quantization: str, dtype: str, is_gguf: bool) -> str:
         return "quantization gguf (blocks as stored)"
     if quantization == "int8":
         return "quantization int8 (Q8_0 blocks, made at load)"
+    if quantization == "bf16":
+        return "quantization none (bfloat16 weights; float32 activations and KV cache)"
     return f"quantization none ({dtype} weights)"
 
 

@@ -27,7 +27,12 @@
 /* The instructions this build's products run on (it is compiled for the host CPU, so what the
  * CPU offers decides them once): logged when the library loads, shown by `shardserve env`. */
 const char *kernel_paths(void) {
-    return "Q4_0/Q4_1/Q8_0/float32 products: x16 groups on " X16_PATH "; Q4_K/Q6_K: " GEMM_PATH;
+    static char text[320];
+    snprintf(text, sizeof text, "Q4_0/Q4_1/Q8_0/float32 products: x16 groups on %s; bfloat16: %s; Q4_K/Q6_K: %s",
+             X16_PATH, amx_ready() ? AMX_PATH_ON : "x16 groups, float32 activations", GEMM_PATH);
+    if (!amx_ready() && AMX_BUILT) /* said where the CPU lists AMX and it is not used */
+        snprintf(text + strlen(text), sizeof text - strlen(text), " (%s)", amx_why);
+    return text;
 }
 
 typedef struct {
@@ -147,7 +152,7 @@ int decode_layers(const Layer *layers, int64_t nlayers, const Dims *dm, float *x
     int64_t *next = calloc((size_t)(nlayers * 5), sizeof(int64_t)); /* claim counters: 5 per layer */
     Acts a;
     int ok = acts_alloc(&a, m, kmax, paths);
-    int prep = a.q || a.p; /* some product reads `a` (else all read x itself) */
+    int prep = a.q || a.p || a.b; /* some product reads `a` (else all read x itself) */
     if (!buf || !next || !ok) { free(buf); free(next); acts_free(&a); return 2; }
     float *h = buf, *qkv = h + m * H, *att = qkv + m * nqkv, *gu = att + m * nq, *act = gu + m * 2 * I,
           *t = act + m * I;

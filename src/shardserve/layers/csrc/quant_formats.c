@@ -1,14 +1,22 @@
 /* The weight formats the CPU kernels read, included by quant_matmul.c (not compiled alone):
  * what each block format's bytes mean, stated twice: plainly (`dequant_row`, the reference and
  * the path without AVX2) and as 16-bit integers in AVX2 registers (`block16`, what the
- * products and `expand_row` use). F32 (GGML's type 0) is plain float rows. */
+ * products and `expand_row` use). F32 (GGML's type 0) is plain float rows, BF16 (GGML's type
+ * 30) plain bfloat16 rows: the top 16 bits of a float32, so widening one is exact. */
 
-enum { F32 = 0, Q4_0 = 2, Q4_1 = 3, Q8_0 = 8, Q4_K = 12, Q6_K = 14 };
-#define X16 0x100 /* type flag: Q4_0, Q4_1 or Q8_0 rows interleaved 16 at a time (quant_x16.c) */
+enum { F32 = 0, Q4_0 = 2, Q4_1 = 3, Q8_0 = 8, Q4_K = 12, Q6_K = 14, BF16 = 30 };
+#define X16 0x100 /* type flag: Q4_0, Q4_1, Q8_0, F32 or BF16 rows interleaved 16 at a time (quant_x16.c) */
 static inline int x16_base(int type) { return type & 0xFF; }
 static inline int is_x16(int type) { return (type & X16) != 0; }
 #define QK 32   /* activation block */
 #define QKK 256 /* K-quant super-block */
+
+static inline float bf16(uint16_t h) {
+    uint32_t bits = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
+}
 
 static inline float f16(const uint8_t *p) {
     uint16_t h;
@@ -41,9 +49,9 @@ static inline void k4_scale_min(const uint8_t *q, int j, int *sc, int *m) {
     }
 }
 
-/* Bytes of one block of Q4_0, Q4_1 or Q8_0 (of one weight for F32). */
+/* Bytes of one block of Q4_0, Q4_1 or Q8_0 (of one weight for F32 and BF16). */
 static inline int64_t block_bytes(int type) {
-    return type == Q4_0 ? 18 : type == Q4_1 ? 20 : type == Q8_0 ? 34 : 4;
+    return type == Q4_0 ? 18 : type == Q4_1 ? 20 : type == Q8_0 ? 34 : type == BF16 ? 2 : 4;
 }
 
 /* ------------------------------------------------------------------ dequantize one row */
@@ -51,6 +59,12 @@ static inline int64_t block_bytes(int type) {
 __attribute__((unused)) static void dequant_row(int type, const uint8_t *w, int64_t k, float *y) {
     if (type == F32) {
         memcpy(y, w, sizeof(float) * (size_t)k);
+    } else if (type == BF16) {
+        for (int64_t e = 0; e < k; e++) {
+            uint16_t h;
+            memcpy(&h, w + 2 * e, 2);
+            y[e] = bf16(h);
+        }
     } else if (type == Q4_0 || type == Q4_1 || type == Q8_0) {
         int64_t bytes = block_bytes(type);
         for (int64_t b = 0; b < k / QK; b++, w += bytes, y += QK) {
@@ -155,13 +169,15 @@ static inline __attribute__((always_inline)) Block block16(const int type, const
 
 static int known(int type) {
     if (is_x16(type))
-        return type == (X16 | Q4_0) || type == (X16 | Q4_1) || type == (X16 | Q8_0) || type == (X16 | F32);
-    return type == F32 || type == Q4_0 || type == Q4_1 || type == Q8_0 || type == Q4_K || type == Q6_K;
+        return type == (X16 | Q4_0) || type == (X16 | Q4_1) || type == (X16 | Q8_0) || type == (X16 | F32) ||
+               type == (X16 | BF16);
+    return type == F32 || type == BF16 || type == Q4_0 || type == Q4_1 || type == Q8_0 || type == Q4_K || type == Q6_K;
 }
 
 static int fits(int type, int64_t k) {
     int base = x16_base(type);
-    return known(type) && k % (base == F32 ? 8 : (base == Q4_K || base == Q6_K) ? QKK : QK) == 0;
+    /* BF16 rows go in pairs of columns; F32 rows in whole vectors */
+    return known(type) && k % (base == BF16 ? 2 : base == F32 ? 8 : (base == Q4_K || base == Q6_K) ? QKK : QK) == 0;
 }
 
 #ifdef __AVX2__
@@ -212,6 +228,7 @@ static void expand_row(int type, const uint8_t *wr, int64_t k, float *o) {
 #ifdef __AVX2__
     switch (type) { /* constant types, so each loop specializes */
     case F32: memcpy(o, wr, sizeof(float) * (size_t)k); break;
+    case BF16: dequant_row(BF16, wr, k, o); break;
     case Q4_0: expand_blocks32(Q4_0, wr, k, o); break;
     case Q4_1: expand_blocks32(Q4_1, wr, k, o); break;
     case Q8_0: expand_blocks32(Q8_0, wr, k, o); break;

@@ -47,8 +47,11 @@ static void x16_row(int type, const uint8_t *w, int64_t row_bytes, int64_t n, in
     int64_t g0 = r / GL * GL, lanes = n - g0 < GL ? n - g0 : GL, j = r - g0, bb = block_bytes(base);
     const uint8_t *grp = w + g0 * row_bytes;
     if (base == F32) { /* column e of row j at [e][lanes] */
-        const float *g = (const float *)grp;
-        for (int64_t e = 0; e < row_bytes / 4; e++) memcpy(out + 4 * e, g + e * lanes + j, 4);
+        for (int64_t e = 0; e < row_bytes / 4; e++) memcpy(out + 4 * e, grp + (e * lanes + j) * 4, 4);
+        return;
+    }
+    if (base == BF16) { /* at [e / 2][lanes][e % 2] */
+        for (int64_t e = 0; e < row_bytes / 2; e++) memcpy(out + 2 * e, grp + ((e / 2) * lanes * 2 + 2 * j + e % 2) * 2, 2);
         return;
     }
     for (int64_t b = 0; b < row_bytes / bb; b++) {
@@ -82,6 +85,13 @@ typedef __m512i VI;
 typedef __m512 VF;
 static inline VF vf_zero(void) { return _mm512_setzero_ps(); }
 static inline VF vf_load(const float *p) { return _mm512_loadu_ps(p); }
+/* 16 lanes' pairs of bfloat16 (lane l: p[2l], p[2l + 1]) as two float vectors: each bfloat16
+ * is the top half of its float, so exact */
+static inline void vf_load_bf16x2(const uint16_t *p, VF *w0, VF *w1) {
+    __m512i v = _mm512_loadu_si512((const void *)p);
+    *w0 = _mm512_castsi512_ps(_mm512_slli_epi32(v, 16));
+    *w1 = _mm512_castsi512_ps(_mm512_and_si512(v, _mm512_set1_epi32((int)0xFFFF0000u)));
+}
 static inline VF vf_fma_b(VF w, const float *x, VF t) { return _mm512_fmadd_ps(w, _mm512_set1_ps(*x), t); }
 static inline VI vi_zero(void) { return _mm512_setzero_si512(); }
 static inline VI vi_add(VI a, VI b) { return _mm512_add_epi32(a, b); }
@@ -123,6 +133,12 @@ typedef struct { __m256i a, b; } VI;
 typedef struct { __m256 a, b; } VF;
 static inline VF vf_zero(void) { return (VF){_mm256_setzero_ps(), _mm256_setzero_ps()}; }
 static inline VF vf_load(const float *p) { return (VF){_mm256_loadu_ps(p), _mm256_loadu_ps(p + 8)}; }
+static inline void vf_load_bf16x2(const uint16_t *p, VF *w0, VF *w1) {
+    __m256i a = _mm256_loadu_si256((const __m256i *)p), b = _mm256_loadu_si256((const __m256i *)(p + 16));
+    __m256i hi = _mm256_set1_epi32((int)0xFFFF0000u);
+    *w0 = (VF){_mm256_castsi256_ps(_mm256_slli_epi32(a, 16)), _mm256_castsi256_ps(_mm256_slli_epi32(b, 16))};
+    *w1 = (VF){_mm256_castsi256_ps(_mm256_and_si256(a, hi)), _mm256_castsi256_ps(_mm256_and_si256(b, hi))};
+}
 static inline VF vf_fma_b(VF w, const float *x, VF t) {
     __m256 b = _mm256_set1_ps(*x);
     return (VF){_mm256_fmadd_ps(w.a, b, t.a), _mm256_fmadd_ps(w.b, b, t.b)};

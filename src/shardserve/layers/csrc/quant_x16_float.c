@@ -1,43 +1,50 @@
-/* Products against float32 rows in x16 groups (F32 | X16), for quant_matmul.c, which includes
- * this file after quant_x16.c (whose vector helpers it uses); not compiled alone.
+/* Products against float32 or bfloat16 rows in x16 groups (F32 | X16, BF16 | X16), for
+ * quant_matmul.c, which includes this file after quant_x16.c (whose vector helpers it uses); not
+ * compiled alone.
  *
  * Each group of 16 rows is stored column by column, [k][L] floats (L = 16, or rows % 16 for the
- * last). One sequence of operations per output whatever the number of rows: t = 0; for e = 0 ..
- * k - 1 in order, t = fma(w_e, x_e, t), one weight row per lane. Exact float products, one order
- * for every batch size (batch-invariant float checkpoints).
+ * last), or bfloat16 in pairs of columns, [k / 2][L][2] (the pair layout AMX tiles read, see
+ * quant_amx.c, which runs bfloat16 products where the CPU has AMX). One sequence of operations per output whatever the number of rows:
+ * t = 0; for e = 0 .. k - 1 in order, t = fma(w_e, x_e, t), one weight row per lane, float32
+ * activations. A bfloat16 weight widens to its float exactly, so a bfloat16 product is the
+ * float32 product of the same weights, bit for bit, reading half the bytes (what a one-row
+ * decode step is bound by). One order for every batch size (batch-invariant checkpoints).
  */
 
 #ifdef X16_VEC
 /* ng groups (the first at grp, `gstride` floats apart) times nx activation rows, ng * nx <= 16
  * sums, each its own chain of multiply-adds: few rows take 4 groups (chains enough to hide the
  * latency), many take 2 groups by 8 rows (half the weight loads per multiply-add). */
-static inline __attribute__((always_inline)) void f32_tile(const int ng, const int nx, const float *grp,
+static inline __attribute__((always_inline)) void f32_tile(const int bf, const int ng, const int nx, const void *grp,
                                                            int64_t gstride, const float *x, int64_t ldx, int64_t k,
                                                            float *y, int64_t ldy) {
     const VF z = vf_zero();
     VF c00 = z, c01 = z, c02 = z, c03 = z, c04 = z, c05 = z, c06 = z, c07 = z;
     VF c10 = z, c11 = z, c12 = z, c13 = z, c14 = z, c15 = z, c16 = z, c17 = z;
     VF c20 = z, c21 = z, c22 = z, c23 = z, c30 = z, c31 = z, c32 = z, c33 = z;
-    const float *g0 = grp, *g1 = g0 + gstride, *g2 = g1 + gstride, *g3 = g2 + gstride;
-    for (int64_t e = 0; e < k; e++) {
-#define F32_FMA(gi, j) \
-    if (nx > j) c##gi##j = vf_fma_b(w, x + j * ldx + e, c##gi##j);
-#define F32_ROW4(gi)                                                               \
+    const int64_t es = bf ? 2 : 4; /* bytes a weight */
+    const uint8_t *g0 = grp, *g1 = g0 + gstride * es, *g2 = g1 + gstride * es, *g3 = g2 + gstride * es;
+    for (int64_t e = 0; e < k; e += 2) { /* columns e and e + 1, in that order (k is even) */
+#define W_PAIR(g, w0, w1)                                                          \
+    if (bf) vf_load_bf16x2((const uint16_t *)(g) + e * GL, &w0, &w1);              \
+    else { w0 = vf_load((const float *)(g) + e * GL); w1 = vf_load((const float *)(g) + (e + 1) * GL); }
+#define F32_FMA(w, o, gi, j) \
+    if (nx > j) c##gi##j = vf_fma_b(w, x + j * ldx + e + o, c##gi##j);
+#define F32_ROW4(gi, w, o) F32_FMA(w, o, gi, 0) F32_FMA(w, o, gi, 1) F32_FMA(w, o, gi, 2) F32_FMA(w, o, gi, 3)
+#define F32_ROW8(gi, w, o) F32_ROW4(gi, w, o) F32_FMA(w, o, gi, 4) F32_FMA(w, o, gi, 5) F32_FMA(w, o, gi, 6) F32_FMA(w, o, gi, 7)
+#define F32_GROUP(gi, ROW)                                                         \
     if (ng > gi) {                                                                 \
-        VF w = vf_load(g##gi + e * GL);                                            \
-        F32_FMA(gi, 0) F32_FMA(gi, 1) F32_FMA(gi, 2) F32_FMA(gi, 3)                \
+        VF w0, w1;                                                                 \
+        W_PAIR(g##gi, w0, w1)                                                      \
+        ROW(gi, w0, 0) ROW(gi, w1, 1)                                              \
     }
-#define F32_ROW8(gi)                                                               \
-    if (ng > gi) {                                                                 \
-        VF w = vf_load(g##gi + e * GL);                                            \
-        F32_FMA(gi, 0) F32_FMA(gi, 1) F32_FMA(gi, 2) F32_FMA(gi, 3)                \
-        F32_FMA(gi, 4) F32_FMA(gi, 5) F32_FMA(gi, 6) F32_FMA(gi, 7)                \
-    }
-        if (nx > 4) { F32_ROW8(0) F32_ROW8(1) }
-        else { F32_ROW4(0) F32_ROW4(1) F32_ROW4(2) F32_ROW4(3) }
+        if (nx > 4) { F32_GROUP(0, F32_ROW8) F32_GROUP(1, F32_ROW8) }
+        else { F32_GROUP(0, F32_ROW4) F32_GROUP(1, F32_ROW4) F32_GROUP(2, F32_ROW4) F32_GROUP(3, F32_ROW4) }
+#undef F32_GROUP
 #undef F32_ROW8
 #undef F32_ROW4
 #undef F32_FMA
+#undef W_PAIR
     }
 #define F32_OUT(gi, j) \
     if (ng > gi && nx > j) vf_store(y + j * ldy + gi * GL, c##gi##j, GL);
@@ -47,22 +54,23 @@ static inline __attribute__((always_inline)) void f32_tile(const int ng, const i
 #undef F32_OUT
 }
 
-/* f32_tile() with constant counts: nx <= 4 with ng <= 4, or nx <= 8 with ng <= 2. */
-static void f32_tiles(int ng, int nx, const float *grp, int64_t gstride, const float *x, int64_t ldx, int64_t k,
+/* f32_tile() with constant counts: nx <= 4 with ng <= 4, or nx <= 8 with ng <= 2 (bf a constant
+ * at each call). */
+static inline __attribute__((always_inline)) void f32_tiles(const int bf, int ng, int nx, const void *grp, int64_t gstride, const float *x, int64_t ldx, int64_t k,
                       float *y, int64_t ldy) {
 #define NX_OF(G)                                                                 \
     switch (nx) {                                                                \
-    case 4: f32_tile(G, 4, grp, gstride, x, ldx, k, y, ldy); break;              \
-    case 3: f32_tile(G, 3, grp, gstride, x, ldx, k, y, ldy); break;              \
-    case 2: f32_tile(G, 2, grp, gstride, x, ldx, k, y, ldy); break;              \
-    default: f32_tile(G, 1, grp, gstride, x, ldx, k, y, ldy); break;             \
+    case 4: f32_tile(bf, G, 4, grp, gstride, x, ldx, k, y, ldy); break;              \
+    case 3: f32_tile(bf, G, 3, grp, gstride, x, ldx, k, y, ldy); break;              \
+    case 2: f32_tile(bf, G, 2, grp, gstride, x, ldx, k, y, ldy); break;              \
+    default: f32_tile(bf, G, 1, grp, gstride, x, ldx, k, y, ldy); break;             \
     }
 #define NX8_OF(G)                                                                \
     switch (nx) {                                                                \
-    case 8: f32_tile(G, 8, grp, gstride, x, ldx, k, y, ldy); break;              \
-    case 7: f32_tile(G, 7, grp, gstride, x, ldx, k, y, ldy); break;              \
-    case 6: f32_tile(G, 6, grp, gstride, x, ldx, k, y, ldy); break;              \
-    default: f32_tile(G, 5, grp, gstride, x, ldx, k, y, ldy); break;             \
+    case 8: f32_tile(bf, G, 8, grp, gstride, x, ldx, k, y, ldy); break;              \
+    case 7: f32_tile(bf, G, 7, grp, gstride, x, ldx, k, y, ldy); break;              \
+    case 6: f32_tile(bf, G, 6, grp, gstride, x, ldx, k, y, ldy); break;              \
+    default: f32_tile(bf, G, 5, grp, gstride, x, ldx, k, y, ldy); break;             \
     }
     if (nx > 4) {
         if (ng == 2) { NX8_OF(2) } else { NX8_OF(1) }
@@ -79,50 +87,69 @@ static void f32_tiles(int ng, int nx, const float *grp, int64_t gstride, const f
 }
 #endif
 
-/* y[i * ldy + r] = x_i . W[r] for i < m, r0 <= r < r1, W float32 in x16 groups (n rows of k);
- * `pad` holds 16 * k floats. Whole groups in runs of up to 4; a part-filled or part-claimed group
- * alone, through `out`. */
-static void f32x16_rows(const uint8_t *w, int64_t n, int64_t r0, int64_t r1, const float *x, int64_t ldx, int64_t m,
-                        int64_t k, float *y, int64_t ldy, float *pad) {
-    const float *wf = (const float *)w;
+/* A last group of `lanes` rows, `n` rows of 4 bytes a lane ([k][L] floats or [k / 2][L][2]
+ * bfloat16), copied into 16 lanes, the missing ones zero. */
+static void x16_pad_float(const uint8_t *grp, int64_t lanes, int64_t n, uint8_t *out) {
+    for (int64_t e = 0; e < n; e++) {
+        memcpy(out + e * GL * 4, grp + e * lanes * 4, (size_t)(4 * lanes));
+        memset(out + (e * GL + lanes) * 4, 0, (size_t)(4 * (GL - lanes)));
+    }
+}
+
+/* Weight e of lane l in a [k][16] group, as a float (the path without vector units). */
+static inline float wval(int bf, const uint8_t *grp, int64_t e, int64_t l) {
+    if (bf) { /* pairs of columns: [e / 2][l][e % 2] */
+        uint16_t h;
+        memcpy(&h, grp + 2 * ((e / 2) * 2 * GL + 2 * l + e % 2), 2);
+        return bf16(h);
+    }
+    float f;
+    memcpy(&f, grp + 4 * (e * GL + l), 4);
+    return f;
+}
+
+/* y[i * ldy + r] = x_i . W[r] for i < m, r0 <= r < r1, W float32 (bf = 0) or bfloat16 (bf = 1)
+ * in x16 groups (n rows of k); `pad` holds 16 * k floats. Whole groups in runs of up to 4; a
+ * part-filled or part-claimed group alone, through `out`. */
+static inline __attribute__((always_inline)) void f32x16_rows(const int bf, const uint8_t *w, int64_t n, int64_t r0,
+                                                              int64_t r1, const float *x, int64_t ldx, int64_t m,
+                                                              int64_t k, float *y, int64_t ldy, float *pad) {
+    const int64_t es = bf ? 2 : 4; /* bytes a weight */
     for (int64_t g0 = r0 / GL * GL; g0 < r1;) {
         int64_t lanes = n - g0 < GL ? n - g0 : GL, lo = r0 > g0 ? r0 - g0 : 0, hi = r1 - g0 < lanes ? r1 - g0 : lanes;
-        const float *grp = wf + g0 * k;
+        const uint8_t *grp = w + g0 * k * es;
         if (lo == 0 && hi == GL) { /* whole groups, as many as are whole and claimed, up to 4 (2 for 8 rows) */
             int rows = m >= 8 ? 8 : 4, ng = 1;
             while (ng < 16 / rows && g0 + (ng + 1) * GL <= r1 && g0 + (ng + 1) * GL <= n) ng++;
 #ifdef X16_VEC
             for (int64_t i = 0; i < m; i += rows)
-                f32_tiles(ng, m - i < rows ? (int)(m - i) : rows, grp, GL * k, x + i * ldx, ldx, k, y + i * ldy + g0,
-                          ldy);
+                f32_tiles(bf, ng, m - i < rows ? (int)(m - i) : rows, grp, GL * k, x + i * ldx, ldx, k,
+                          y + i * ldy + g0, ldy);
 #else
             for (int64_t i = 0; i < m; i++)
                 for (int64_t j = 0; j < ng * GL; j++) {
                     float t = 0.0f;
-                    for (int64_t e = 0; e < k; e++) t = fmaf(grp[(j / GL) * GL * k + e * GL + j % GL], x[i * ldx + e], t);
+                    for (int64_t e = 0; e < k; e++) t = fmaf(wval(bf, grp + (j / GL) * GL * k * es, e, j % GL), x[i * ldx + e], t);
                     y[i * ldy + g0 + j] = t;
                 }
 #endif
             g0 += ng * GL;
             continue;
         }
-        if (lanes < GL) { /* the last group, [k][lanes], padded to [k][16] */
-            for (int64_t e = 0; e < k; e++) {
-                memcpy(pad + e * GL, grp + e * lanes, sizeof(float) * (size_t)lanes);
-                memset(pad + e * GL + lanes, 0, sizeof(float) * (size_t)(GL - lanes));
-            }
-            grp = pad;
+        if (lanes < GL) { /* the last group, [k][lanes] (bf16: [k / 2][lanes][2]), padded to 16 lanes */
+            x16_pad_float(grp, lanes, bf ? k / 2 : k, (uint8_t *)pad);
+            grp = (const uint8_t *)pad;
         }
         float out[4 * GL];
         for (int64_t i = 0; i < m; i += 4) {
             int nx = m - i < 4 ? (int)(m - i) : 4;
 #ifdef X16_VEC
-            f32_tiles(1, nx, grp, GL * k, x + i * ldx, ldx, k, out, GL);
+            f32_tiles(bf, 1, nx, grp, GL * k, x + i * ldx, ldx, k, out, GL);
 #else
             for (int j = 0; j < nx; j++)
                 for (int l = 0; l < GL; l++) {
                     float t = 0.0f;
-                    for (int64_t e = 0; e < k; e++) t = fmaf(grp[e * GL + l], x[(i + j) * ldx + e], t);
+                    for (int64_t e = 0; e < k; e++) t = fmaf(wval(bf, grp, e, l), x[(i + j) * ldx + e], t);
                     out[j * GL + l] = t;
                 }
 #endif

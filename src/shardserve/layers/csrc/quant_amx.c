@@ -1,0 +1,199 @@
+/* Products against bfloat16 rows in x16 groups on AMX tiles, for quant_matmul.c, which includes
+ * this file after quant_x16_float.c; not compiled alone.
+ *
+ * Where the CPU has AMX-BF16 and Linux grants the tile state (`amx_ready`, probed once when the
+ * library loads), every product of a BF16 | X16 weight runs here, at every number of rows: the
+ * activations rounded to bfloat16 (nearest even), one tile of 16 activation rows times one group
+ * (the group's [k / 2][16][2] pairs are a tile's B operand as stored), the tile products summed
+ * in column order into one float32 accumulator tile. An output depends only on its own
+ * activation row and weight row, so a request's result does not change with what shares its step.
+ * Elsewhere (no AMX, or SHARDSERVE_NO_AMX=1) the same weights take quant_x16_float.c's float32
+ * path, whose numbers differ from these by bfloat16 rounding of the activations.
+ *
+ * The tile state belongs to the thread and other libraries (oneDNN) use it too, so each call
+ * loads its configuration and releases the tiles when done.
+ */
+
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512F__) && defined(__linux__)
+#include <setjmp.h>
+#include <signal.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+#define AMX_BUILT 1
+
+#define ARCH_REQ_XCOMP_PERM 0x1023
+#define XFEATURE_XTILEDATA 18
+
+typedef struct {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} TileConfig;
+
+/* Tiles 0-3: accumulators (2 activation tiles x 2 groups); 4, 5: activations; 6, 7: weights.
+ * Every tile 16 rows of 64 bytes: 16 activation rows of 32 bfloat16, 16 pairs-rows of 16 lanes,
+ * 16 x 16 floats. */
+static void amx_configure(void) {
+    TileConfig c;
+    memset(&c, 0, sizeof c);
+    c.palette = 1;
+    for (int t = 0; t < 8; t++) {
+        c.colsb[t] = 64;
+        c.rows[t] = 16;
+    }
+    _tile_loadconfig(&c);
+}
+
+static sigjmp_buf amx_probe_jump;
+static void amx_probe_fault(int sig) { siglongjmp(amx_probe_jump, sig); }
+
+/* One tile product of known numbers, under a handler: a virtual machine may list the flags and
+ * still fault on the instructions. Returns NULL when it ran and gave the right sums. */
+static const char *amx_probe(void) {
+    struct sigaction fault, old_ill, old_segv;
+    memset(&fault, 0, sizeof fault);
+    fault.sa_handler = amx_probe_fault;
+    sigemptyset(&fault.sa_mask);
+    sigaction(SIGILL, &fault, &old_ill);
+    sigaction(SIGSEGV, &fault, &old_segv);
+    static const char *why;
+    why = NULL;
+    if (sigsetjmp(amx_probe_jump, 1) == 0) {
+        uint16_t a[16 * 32], b[16 * 32];
+        float c[16 * 16];
+        for (int i = 0; i < 16 * 32; i++) {
+            a[i] = 0x3F80; /* 1.0 */
+            b[i] = 0x4000; /* 2.0 */
+        }
+        amx_configure();
+        _tile_zero(0);
+        _tile_loadd(4, a, 64);
+        _tile_loadd(6, b, 64);
+        _tile_dpbf16ps(0, 4, 6);
+        _tile_stored(0, c, 64);
+        _tile_release();
+        for (int i = 0; i < 16 * 16; i++)
+            if (c[i] != 64.0f) why = "the AMX probe's tile product came out wrong";
+    } else {
+        why = "the AMX instructions fault here (listed by the CPU, refused by the machine)";
+    }
+    sigaction(SIGILL, &old_ill, NULL);
+    sigaction(SIGSEGV, &old_segv, NULL);
+    return why;
+}
+
+static int amx_on;                 /* set once, when the library loads */
+static const char *amx_why = "";   /* why not, for kernel_paths() */
+
+__attribute__((constructor)) static void amx_init(void) {
+    const char *off = getenv("SHARDSERVE_NO_AMX");
+    if (off && *off && strcmp(off, "0") != 0) {
+        amx_why = "AMX off (SHARDSERVE_NO_AMX)";
+        return;
+    }
+    if (syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) != 0) {
+        amx_why = "Linux refused the AMX tile state (arch_prctl)";
+        return;
+    }
+    const char *why = amx_probe();
+    if (why) {
+        amx_why = why;
+        return;
+    }
+    amx_on = 1;
+}
+
+static inline int amx_ready(void) { return amx_on; }
+
+/* Rows [r0, r1) of x as bfloat16 (nearest even), zero from column k to the row's end `kb`. */
+static void bf16_rows_of(const float *x, int64_t ldx, int64_t r0, int64_t r1, int64_t k, int64_t kb, uint16_t *out) {
+    for (int64_t i = r0; i < r1; i++) {
+        const uint32_t *src = (const uint32_t *)(x + i * ldx);
+        uint16_t *o = out + i * kb;
+        for (int64_t e = 0; e < k; e++) {
+            uint32_t u = src[e];
+            o[e] = (uint16_t)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+        }
+        for (int64_t e = k; e < kb; e++) o[e] = 0;
+    }
+}
+
+/* y[i * ldy + r] = x_i . W[r] for i < m, r0 <= r < r1: W bfloat16 in x16 groups (n rows of k),
+ * x as `xb`, m rows of kb = k rounded up to 32 (rows up to m rounded up to 16 may hold anything:
+ * their sums are not kept). `pad` holds 16 * k floats. */
+static void amx_rows(const uint8_t *w, int64_t n, int64_t r0, int64_t r1, const uint16_t *xb, int64_t m, int64_t k,
+                     float *y, int64_t ldy, float *pad) {
+    const int64_t kb = (k + 31) / 32 * 32, nc = kb / 32, full = k / 32; /* chunks of 32 columns; full: whole */
+    uint16_t tail[2][16 * 32]; /* a group's last, part-filled chunk, zero beyond column k */
+    float out[4][16 * 16];
+    amx_configure();
+    for (int64_t g0 = r0 / GL * GL; g0 < r1;) {
+        /* one group, or two where both are whole and claimed whole */
+        int ng = (g0 + 2 * GL <= r1 && g0 + 2 * GL <= n && g0 >= r0) ? 2 : 1;
+        const uint8_t *grp[2];
+        for (int g = 0; g < ng; g++) {
+            int64_t base = g0 + g * GL, lanes = n - base < GL ? n - base : GL;
+            grp[g] = w + base * k * 2;
+            if (lanes < GL) { /* the last group, padded to 16 lanes */
+                x16_pad_float(grp[g], lanes, k / 2, (uint8_t *)pad);
+                grp[g] = (const uint8_t *)pad;
+            }
+            if (full < nc) {
+                memset(tail[g], 0, sizeof tail[g]);
+                memcpy(tail[g], grp[g] + full * 16 * 64, (size_t)((k - full * 32) / 2 * 64));
+            }
+        }
+        for (int64_t i0 = 0; i0 < m; i0 += 32) {
+            int na = m - i0 > 16 ? 2 : 1; /* activation tiles */
+            const uint16_t *a0 = xb + i0 * kb, *a1 = a0 + 16 * kb;
+            _tile_zero(0);
+            _tile_zero(1);
+            _tile_zero(2);
+            _tile_zero(3);
+            for (int64_t c = 0; c < nc; c++) {
+                _tile_loadd(4, a0 + c * 32, kb * 2);
+                if (na > 1) _tile_loadd(5, a1 + c * 32, kb * 2);
+                _tile_loadd(6, c < full ? (const void *)(grp[0] + c * 16 * 64) : (const void *)tail[0], 64);
+                _tile_dpbf16ps(0, 4, 6);
+                if (na > 1) _tile_dpbf16ps(2, 5, 6);
+                if (ng > 1) {
+                    _tile_loadd(7, c < full ? (const void *)(grp[1] + c * 16 * 64) : (const void *)tail[1], 64);
+                    _tile_dpbf16ps(1, 4, 7);
+                    if (na > 1) _tile_dpbf16ps(3, 5, 7);
+                }
+            }
+            _tile_stored(0, out[0], 64);
+            if (ng > 1) _tile_stored(1, out[1], 64);
+            if (na > 1) _tile_stored(2, out[2], 64);
+            if (na > 1 && ng > 1) _tile_stored(3, out[3], 64);
+            for (int t = 0; t < 2 * na; t++) {
+                int g = t % 2, at = t / 2;
+                if (g >= ng) continue;
+                int64_t base = g0 + g * GL, lanes = n - base < GL ? n - base : GL;
+                int64_t lo = r0 > base ? r0 - base : 0, hi = r1 - base < lanes ? r1 - base : lanes;
+                for (int64_t j = 0; j < 16 && i0 + at * 16 + j < m; j++)
+                    memcpy(y + (i0 + at * 16 + j) * ldy + base + lo, out[t] + j * 16 + lo, sizeof(float) * (size_t)(hi - lo));
+            }
+        }
+        g0 += ng * GL;
+    }
+    _tile_release();
+}
+
+#define AMX_PATH_ON "amx tiles (bfloat16 activations)"
+#else
+#define AMX_BUILT 0
+static inline int amx_ready(void) { return 0; }
+static const char *amx_why = "this build has no AMX-BF16 (the compiler or the CPU lacks it)";
+static void bf16_rows_of(const float *x, int64_t ldx, int64_t r0, int64_t r1, int64_t k, int64_t kb, uint16_t *out) {
+    (void)x; (void)ldx; (void)r0; (void)r1; (void)k; (void)kb; (void)out;
+}
+static void amx_rows(const uint8_t *w, int64_t n, int64_t r0, int64_t r1, const uint16_t *xb, int64_t m, int64_t k,
+                     float *y, int64_t ldy, float *pad) {
+    (void)w; (void)n; (void)r0; (void)r1; (void)xb; (void)m; (void)k; (void)y; (void)ldy; (void)pad;
+}
+#define AMX_PATH_ON ""
+#endif
+
+/* Whether bfloat16 products run on AMX tiles in this process (for tests and `shardserve env`). */
+int bf16_amx(void) { return amx_ready(); }
