@@ -82,3 +82,18 @@ def test_tp_through_the_triton_backend(reference, tp):
         attention = {info["attention"] for info in llm.worker_info.values()}
     assert outs == hf
     assert attention == {"triton (interpreted on the CPU)"}
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3_moe"])
+def test_tp2_bfloat16_matches_tp1(reference, arch):
+    """--dtype bfloat16 on the CPU (bfloat16 rows in the C kernels, float32 around them) shards
+    as float32 does: TP 2 gives TP 1's greedy tokens (a row-parallel product's halves are summed
+    in float32 by the all-reduce, so only a near tie could go the other way; none does here)."""
+    path, batch, _, _, _ = reference(arch)
+    with LLM(path, dtype="bfloat16", num_pages=64, show_progress=False) as one:
+        tp1 = [o.token_ids for o in one.generate(batch, GREEDY, use_tqdm=False)]
+    with LLM(path, tp_size=2, dtype="bfloat16", num_pages=64, page_size=8, show_progress=False) as llm:
+        outs = [o.token_ids for o in llm.generate(batch, GREEDY, use_tqdm=False)]
+        offered = {info["quantization"] for info in llm.worker_info.values()}
+    assert outs == tp1
+    assert offered == {"bf16"}  # both ranks took bfloat16 rows

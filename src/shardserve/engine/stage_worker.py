@@ -254,7 +254,7 @@ class StageWorker:
         r = self.runner
         return {"peak_load_rss_mb": round(peak_rss_mb(), 1), "anon_rss_mb": round(anon_rss_mb(), 1),
                 "attention": r.attention.describe(), "layers": [r.stage.start, r.stage.end],
-                "num_pages": r.num_pages, "weight_mb": r.weight_mb,
+                "num_pages": r.num_pages, "weight_mb": r.weight_mb, "quantization": r.quantization,
                 "draft_weight_mb": self.draft.weight_mb if self.draft is not None else 0.0}
 
     def rank_report(self) -> dict:
