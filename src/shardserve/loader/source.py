@@ -89,9 +89,9 @@ class LazySource(TensorSource):
         return self._q.narrow(dim, start, end)
 
 
-class Int8Source(TensorSource):
-    """A float checkpoint tensor that a layer may also read as Q8_0 blocks (`--quantization
-    int8`): only the slice the layer asks for is read and quantized."""
+class ConvertingSource(TensorSource):
+    """A float checkpoint tensor read as it is, which a layer may also take converted (the
+    subclass's `read_quantized`): only the slice the layer asks for is read and converted."""
 
     def __init__(self, src: TensorSource):
         self.src, self.name = src, src.name
@@ -102,6 +102,10 @@ class Int8Source(TensorSource):
 
     def read(self, dim: int | None = None, start: int = 0, end: int | None = None) -> torch.Tensor:
         return self.src.read(dim, start, end)
+
+
+class Int8Source(ConvertingSource):
+    """Offers 2-D slices as Q8_0 blocks (`--quantization int8`) where the cut keeps whole blocks."""
 
     def read_quantized(self, dim: int | None = None, start: int = 0, end: int | None = None) -> QuantWeight | None:
         if len(self.src.shape) != 2 or (dim == 1 and (start % 32 or (end or self.shape[1]) % 32)):
@@ -112,19 +116,9 @@ class Int8Source(TensorSource):
         return quantize_q8_0(self.src.read(dim, start, end))
 
 
-class Bf16Source(TensorSource):
-    """A float checkpoint tensor whose 2-D slices a layer may take as bfloat16 rows (BF16, for the
-    C kernels: `--dtype bfloat16` on the CPU); 1-D tensors (norms, biases) are read as floats."""
-
-    def __init__(self, src: TensorSource):
-        self.src, self.name = src, src.name
-
-    @property
-    def shape(self) -> tuple[int, ...]:
-        return self.src.shape
-
-    def read(self, dim: int | None = None, start: int = 0, end: int | None = None) -> torch.Tensor:
-        return self.src.read(dim, start, end)
+class Bf16Source(ConvertingSource):
+    """Offers 2-D slices as bfloat16 rows (BF16, for the C kernels: `--dtype bfloat16` on the CPU);
+    1-D tensors (norms, biases) are read as floats."""
 
     def read_quantized(self, dim: int | None = None, start: int = 0, end: int | None = None) -> QuantWeight | None:
         if len(self.src.shape) != 2:
