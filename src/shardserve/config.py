@@ -25,15 +25,6 @@ DTYPE_CHOICES = ("auto", *DTYPES)
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "auto": 4}
 
 
-def kv_dtype_bytes(dtype: str, device: str | None) -> int:
-    """Bytes of one KV cache value, an upper bound where the ranks decide: bfloat16 on the CPU
-    keeps its KV cache in float32 (the C kernels' precision; engine/model_runner.py), so only a
-    device named CUDA is sure to hold it in 2 bytes."""
-    if dtype == "bfloat16" and not (device or "").startswith("cuda"):
-        return 4
-    return DTYPE_BYTES[dtype]
-
-
 def torch_dtype(name: str) -> torch.dtype:
     import torch
 

@@ -26,7 +26,10 @@ from pathlib import Path
 
 log = logging.getLogger(__name__)
 
-FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC", "-std=c11"]
+# An undeclared function is an error, as GCC 14 and clang 16 make it by default: an older
+# compiler here must not build what a newer one elsewhere refuses.
+FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC", "-std=c11",
+         "-Werror=implicit-function-declaration"]
 
 
 class KernelUnavailable(RuntimeError):

@@ -101,9 +101,23 @@ def test_a_gpu_driver_this_torch_cannot_use_leaves_the_cpu(monkeypatch):
 
 
 def test_cuda_visible_devices_stops_at_an_invalid_entry(monkeypatch):
-    from shardserve.launch import checks
+    from shardserve.launch import devices
 
-    monkeypatch.setattr(checks.os, "listdir", lambda path: ["0000:01:00.0", "0000:02:00.0"])
+    monkeypatch.setattr(devices.os, "listdir", lambda path: ["0000:01:00.0", "0000:02:00.0"])
     for value, count in (("-1", 0), ("0,-1,1", 1), ("1", 1), ("0,1", 2)):
         monkeypatch.setenv("CUDA_VISIBLE_DEVICES", value)
-        assert checks.visible_gpus() == count
+        assert devices.visible_gpus() == count
+
+
+def test_kv_value_bytes_where_the_ranks_compute(monkeypatch):
+    """The API process sizes KV pages without torch: bfloat16 on the CPU keeps a float32 cache."""
+    from shardserve.config import EngineConfig
+    from shardserve.launch import devices
+
+    monkeypatch.setattr(devices, "visible_gpus", lambda: 0)
+    assert devices.kv_value_bytes(EngineConfig(model="m", dtype="bfloat16")) == 4
+    assert devices.kv_value_bytes(EngineConfig(model="m", dtype="bfloat16", device="cuda:0")) == 2
+    assert devices.kv_value_bytes(EngineConfig(model="m", dtype="float16")) == 2
+    monkeypatch.setattr(devices, "visible_gpus", lambda: 1)  # the default device is then CUDA
+    assert devices.kv_value_bytes(EngineConfig(model="m", dtype="bfloat16")) == 2
+    assert devices.kv_value_bytes(EngineConfig(model="m", dtype="bfloat16", device="cpu")) == 4

@@ -87,8 +87,8 @@ def test_half_precision_logits_track_transformers(tiny_model, dtype, torch_dtype
     ours = seen["r"][0].float()
     with torch.no_grad():
         ref = hf(torch.tensor([prompt])).logits[0, -1].float()
-    # bfloat16 on the CPU: bfloat16 weights, float32 activations and KV cache (quant_kernel.bf16_weights)
-    kv = torch.float32 if quant_kernel.bf16_weights(torch.device("cpu"), torch_dtype) else torch_dtype
+    # bfloat16 on the CPU, where the C kernels load: bfloat16 weights, float32 activations and KV cache
+    kv = torch.float32 if dtype == "bfloat16" and quant_kernel.available() is None else torch_dtype
     assert core.runner.pool.k.dtype == kv
     torch.testing.assert_close(ours, ref, atol=tol * ref.abs().max().item(), rtol=0)
     assert req.prompt_token_ids == prompt

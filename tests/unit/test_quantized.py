@@ -263,7 +263,7 @@ def test_quantization_choices_and_refusals(tiny_gguf, tiny_model, caplog):
         EngineCore(EngineConfig(model=tiny_gguf, show_progress=False, num_pages=8, quantization="int8"))
     with pytest.raises(ValueError, match="quantization must be one of"):
         EngineConfig(model=tiny_gguf, quantization="int4")
-    with pytest.raises(ValueError, match="quantization 'int8': the block-quantized kernels run on the CPU in float32"):
+    with pytest.raises(ValueError, match="quantization 'int8': --dtype bfloat16 asks for bfloat16 weights"):
         EngineCore(EngineConfig(model=tiny_model("llama")[0], show_progress=False, num_pages=8, quantization="int8",
                                 dtype="bfloat16"))
     with caplog.at_level(logging.WARNING):

@@ -126,6 +126,19 @@ def test_bf16_without_amx_is_the_float32_product(tmp_path: Path, cols: int) -> N
 
 
 @pytest.mark.skipif(not quant_kernel.bf16_on_amx(), reason="bfloat16 runs on AMX only where the CPU has it")
+@pytest.mark.parametrize("opt", ["-O1", "-Os"])
+def test_amx_at_other_optimization_levels(tmp_path: Path, opt: str) -> None:
+    """The tile configuration must reach the tiles whole at any optimization level (a local
+    struct's stores could be dropped at -O1, and the probe would then turn AMX off); the same bits."""
+    other = build_for(tmp_path, [opt])
+    other.bf16_amx.restype = ctypes.c_int
+    assert other.bf16_amx() == 1
+    w = interleave16(weight(BF16, 45, 200, seed=6))
+    xs = torch.randn(17, 200, generator=torch.Generator().manual_seed(6))
+    assert torch.equal(product(other, w, xs), product(kernels.load(), w, xs))
+
+
+@pytest.mark.skipif(not quant_kernel.bf16_on_amx(), reason="bfloat16 runs on AMX only where the CPU has it")
 @pytest.mark.parametrize("cols", [64, 200, 576, 60])  # whole chunks of 32 columns; a part-filled last one
 def test_bf16_on_amx_rows_alone_equal_the_batch(cols: int) -> None:
     """AMX tiles: 16 activation rows at a time, yet each output is its own row's, alone or in any
@@ -139,4 +152,8 @@ def test_bf16_on_amx_rows_alone_equal_the_batch(cols: int) -> None:
     for m in (1, 2, 15, 16, 17, 31, 33):
         for i in (0, 40 - m):
             assert torch.equal(quant_kernel.linear(xs[i: i + m], ((0, w),), 70), batch[i: i + m]), (m, i)
+    bad = xs.clone()
+    bad[3, 7] = float("nan")  # rounding to bfloat16 keeps a NaN a NaN: its row says so, no other row changes
+    got = quant_kernel.linear(bad, ((0, w),), 70)
+    assert bool(got[3].isnan().all()) and torch.equal(got[torch.arange(40) != 3], batch[torch.arange(40) != 3])
 

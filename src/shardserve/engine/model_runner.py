@@ -146,13 +146,16 @@ class ModelRunner:
         """What the loader offers the layers: "auto" (a GGUF's blocks), "int8", "bf16" (float
         weights as bfloat16 rows: `bf16_weights`), or "none"."""
         choice = self.cfg.quantization
+        floats = "bf16" if self.bf16_weights else "none"  # what unquantized weights are offered as
         if choice == "int8" and ckpt.is_gguf:
             raise ValueError("quantization 'int8' quantizes a float (safetensors) checkpoint; a GGUF keeps its own "
                              "formats ('auto') or is expanded ('none')")
         if choice == "none" or (choice == "auto" and not ckpt.is_gguf):
-            return "bf16" if self.bf16_weights else "none"
+            return floats
         why = None
-        if self.device.type != "cpu" or self.cfg.torch_dtype != torch.float32:  # as asked, not as run
+        if self.bf16_weights:  # asked for bfloat16 weights: a GGUF's blocks are not bfloat16
+            why = "--dtype bfloat16 asks for bfloat16 weights (--dtype float32 keeps the blocks)"
+        elif self.device.type != "cpu" or self.dtype != torch.float32:
             why = f"the block-quantized kernels run on the CPU in float32, not {self.device.type} {self.cfg.dtype}"
         else:
             why = quant_kernel.available()
@@ -161,7 +164,7 @@ class ModelRunner:
         if choice == "int8":
             raise ValueError(f"quantization 'int8': {why}")
         log.warning("GGUF weights are expanded to %s: %s", self.cfg.dtype, why)
-        return "bf16" if self.bf16_weights else "none"
+        return floats
 
     def _pages_from_budget(self, num_kv_heads: int) -> int:
         """`kv_cache_memory` <= 1 is a fraction of free device memory; above 1 it is bytes."""

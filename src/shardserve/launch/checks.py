@@ -9,16 +9,16 @@ never needs it otherwise.
 from __future__ import annotations
 
 import math
-import os
 import socket
 
-from shardserve.config import EngineConfig, ModelConfig, kv_dtype_bytes
+from shardserve.config import EngineConfig, ModelConfig
 from shardserve.distributed.expert_placement import PlacementPlan, load_counts
 from shardserve.distributed.layout import Layout, LayoutError
 from shardserve.ipc.sockets import listen_socket
 from shardserve.kvcache.budget import kv_budget_message
 from shardserve.launch import LaunchError
 from shardserve.launch.deployment import Deployment
+from shardserve.launch.devices import kv_value_bytes, visible_gpus
 from shardserve.launch.nodes import NodeSpec
 from shardserve.launch.spec_checks import check_speculative
 from shardserve.layers.sharding import head_shard  # plain Python
@@ -149,7 +149,7 @@ def kv_page_bytes(cfg: EngineConfig, layout: Layout, model_cfg: ModelConfig) -> 
         layers = math.ceil(model_cfg.num_layers / layout.pp)  # the even split puts the remainder first
     heads = max(head_shard(model_cfg.num_heads, model_cfg.num_kv_heads, layout.tp, r).num_kv
                 for r in range(layout.tp))
-    return cfg.page_size * model_cfg.kv_values_per_token(heads, layers) * kv_dtype_bytes(cfg.dtype, cfg.device)
+    return cfg.page_size * model_cfg.kv_values_per_token(heads, layers) * kv_value_bytes(cfg)
 
 
 def check_kv_budget(cfg: EngineConfig, layout: Layout, model_cfg: ModelConfig) -> None:
@@ -160,22 +160,6 @@ def check_kv_budget(cfg: EngineConfig, layout: Layout, model_cfg: ModelConfig) -
     per_page = kv_page_bytes(cfg, layout, model_cfg)
     if cfg.kv_cache_memory < per_page:
         raise LayoutError(kv_budget_message(cfg.kv_cache_memory, cfg.kv_cache_memory, per_page, cfg.page_size))
-
-
-def visible_gpus() -> int:
-    """NVIDIA GPUs this process may use, known without torch: the driver's list, narrowed by
-    CUDA_VISIBLE_DEVICES where set."""
-    try:
-        found = len(os.listdir("/proc/driver/nvidia/gpus"))
-    except OSError:
-        return 0
-    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-    if visible is None:
-        return found
-    listed = [d.strip() for d in visible.split(",") if d.strip()]
-    # CUDA stops at the first entry that is invalid (such as -1): only those before it count.
-    valid = next((i for i, d in enumerate(listed) if d.startswith("-")), len(listed))
-    return min(found, valid)
 
 
 def check_device(device: str | None, layout: Layout, cuda_devices: int | None = None) -> None:

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import os
 
-from shardserve.config import EngineConfig, kv_dtype_bytes
+from shardserve.config import EngineConfig
 from shardserve.distributed.layout import Layout, LayoutError
+from shardserve.launch.devices import kv_value_bytes
 from shardserve.loader.model_path import Checkpoint, resolve_checkpoint
 from shardserve.loader.weights import read_model_config
 
@@ -84,7 +85,7 @@ def check_draft_fits(cfg: EngineConfig, target: Checkpoint, draft: Checkpoint, t
                  for m, c in (("t", target_cfg), ("d", draft_cfg))}
     kv = cfg.kv_cache_memory if cfg.kv_cache_memory > 1 else cfg.kv_cache_memory * avail
     if cfg.num_pages is not None:
-        kv = cfg.num_pages * cfg.page_size * per_token["t"] * kv_dtype_bytes(cfg.dtype, cfg.device)
+        kv = cfg.num_pages * cfg.page_size * per_token["t"] * kv_value_bytes(cfg)
     draft_kv = kv * per_token["d"] / per_token["t"]
     draft_bytes = checkpoint_bytes(draft)
     need = checkpoint_bytes(target) + draft_bytes + kv + draft_kv

@@ -33,8 +33,11 @@ BEAT_S = 1.0
 
 
 def model_shape(engine: EngineCore) -> ModelShape:
+    """What both sides must share for KV pages to pass: the KV cache's own dtype, which may not
+    be --dtype's (bfloat16 on the CPU keeps a float32 cache, where the C kernels load)."""
     mc = engine.model_cfg
-    return ModelShape(mc.num_layers, mc.num_kv_heads, mc.kv_widths[0], engine.cfg.dtype, mc.vocab_size,
+    kv_dtype = str(engine.runner.pool.k.dtype).removeprefix("torch.")
+    return ModelShape(mc.num_layers, mc.num_kv_heads, mc.kv_widths[0], kv_dtype, mc.vocab_size,
                       engine.runner.device.type)
 
 

@@ -1,3 +1,4 @@
+#define _DEFAULT_SOURCE /* syscall() and friends under -std=c11: first, before any header */
 /* A decode step's decoder layers in one call, for the CPU: the library the layers load.
  *
  * This file is the one compiled unit: it includes the block-quantized products

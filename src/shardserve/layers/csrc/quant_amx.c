@@ -32,23 +32,23 @@ typedef struct {
 
 /* Tiles 0-3: accumulators (2 activation tiles x 2 groups); 4, 5: activations; 6, 7: weights.
  * Every tile 16 rows of 64 bytes: 16 activation rows of 32 bfloat16, 16 pairs-rows of 16 lanes,
- * 16 x 16 floats. */
-static void amx_configure(void) {
-    TileConfig c;
-    memset(&c, 0, sizeof c);
-    c.palette = 1;
-    for (int t = 0; t < 8; t++) {
-        c.colsb[t] = 64;
-        c.rows[t] = 16;
-    }
-    _tile_loadconfig(&c);
-}
+ * 16 x 16 floats. A constant in memory, not a local: GCC's _tile_loadconfig tells the compiler
+ * it reads 8 bytes, so at -O1 the stores filling a local's other 56 could be dropped. */
+static const TileConfig amx_config = {
+    .palette = 1,
+    .colsb = {64, 64, 64, 64, 64, 64, 64, 64},
+    .rows = {16, 16, 16, 16, 16, 16, 16, 16},
+};
+
+static inline void amx_configure(void) { _tile_loadconfig(&amx_config); }
 
 static sigjmp_buf amx_probe_jump;
 static void amx_probe_fault(int sig) { siglongjmp(amx_probe_jump, sig); }
 
 /* One tile product of known numbers, under a handler: a virtual machine may list the flags and
- * still fault on the instructions. Returns NULL when it ran and gave the right sums. */
+ * still fault on the instructions. Returns NULL when it ran and gave the right sums. It runs
+ * once, from the library's constructor while dlopen loads it; the handlers are the process's
+ * for that moment, so a fault in another thread then would land here (none of ours runs). */
 static const char *amx_probe(void) {
     struct sigaction fault, old_ill, old_segv;
     memset(&fault, 0, sizeof fault);
@@ -112,15 +112,33 @@ static void bf16_rows_of(const float *x, int64_t ldx, int64_t r0, int64_t r1, in
         uint16_t *o = out + i * kb;
         for (int64_t e = 0; e < k; e++) {
             uint32_t u = src[e];
-            o[e] = (uint16_t)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+            if ((u & 0x7FFFFFFFu) > 0x7F800000u) o[e] = (uint16_t)((u >> 16) | 0x40u); /* NaN stays NaN */
+            else o[e] = (uint16_t)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
         }
         for (int64_t e = k; e < kb; e++) o[e] = 0;
     }
 }
 
+/* The group of 16 rows from row `base` as tiles read it: in place, or (the last, part-filled
+ * group) copied into `pad` (16 * k bfloat16) with zero lanes; where k is not whole chunks of 32
+ * columns, its last chunk copied into `tail` with zero pair-rows past column k. */
+static const uint8_t *amx_group(const uint8_t *w, int64_t n, int64_t base, int64_t k, uint8_t *pad, uint16_t *tail) {
+    int64_t lanes = n - base < GL ? n - base : GL, full = k / 32;
+    const uint8_t *grp = w + base * k * 2;
+    if (lanes < GL) {
+        x16_pad_float(grp, lanes, k / 2, pad);
+        grp = pad;
+    }
+    if (full * 32 < k) {
+        memset(tail, 0, 16 * 32 * sizeof(uint16_t));
+        memcpy(tail, grp + full * 16 * 64, (size_t)((k - full * 32) / 2 * 64));
+    }
+    return grp;
+}
+
 /* y[i * ldy + r] = x_i . W[r] for i < m, r0 <= r < r1: W bfloat16 in x16 groups (n rows of k),
  * x as `xb`, m rows of kb = k rounded up to 32 (rows up to m rounded up to 16 may hold anything:
- * their sums are not kept). `pad` holds 16 * k floats. */
+ * their sums are not kept). `pad` holds at least 16 * k bfloat16. */
 static void amx_rows(const uint8_t *w, int64_t n, int64_t r0, int64_t r1, const uint16_t *xb, int64_t m, int64_t k,
                      float *y, int64_t ldy, float *pad) {
     const int64_t kb = (k + 31) / 32 * 32, nc = kb / 32, full = k / 32; /* chunks of 32 columns; full: whole */
@@ -131,18 +149,7 @@ static void amx_rows(const uint8_t *w, int64_t n, int64_t r0, int64_t r1, const 
         /* one group, or two where both are whole and claimed whole */
         int ng = (g0 + 2 * GL <= r1 && g0 + 2 * GL <= n && g0 >= r0) ? 2 : 1;
         const uint8_t *grp[2];
-        for (int g = 0; g < ng; g++) {
-            int64_t base = g0 + g * GL, lanes = n - base < GL ? n - base : GL;
-            grp[g] = w + base * k * 2;
-            if (lanes < GL) { /* the last group, padded to 16 lanes */
-                x16_pad_float(grp[g], lanes, k / 2, (uint8_t *)pad);
-                grp[g] = (const uint8_t *)pad;
-            }
-            if (full < nc) {
-                memset(tail[g], 0, sizeof tail[g]);
-                memcpy(tail[g], grp[g] + full * 16 * 64, (size_t)((k - full * 32) / 2 * 64));
-            }
-        }
+        for (int g = 0; g < ng; g++) grp[g] = amx_group(w, n, g0 + g * GL, k, (uint8_t *)pad, tail[g]);
         for (int64_t i0 = 0; i0 < m; i0 += 32) {
             int na = m - i0 > 16 ? 2 : 1; /* activation tiles */
             const uint16_t *a0 = xb + i0 * kb, *a1 = a0 + 16 * kb;
@@ -172,7 +179,8 @@ static void amx_rows(const uint8_t *w, int64_t n, int64_t r0, int64_t r1, const 
                 int64_t base = g0 + g * GL, lanes = n - base < GL ? n - base : GL;
                 int64_t lo = r0 > base ? r0 - base : 0, hi = r1 - base < lanes ? r1 - base : lanes;
                 for (int64_t j = 0; j < 16 && i0 + at * 16 + j < m; j++)
-                    memcpy(y + (i0 + at * 16 + j) * ldy + base + lo, out[t] + j * 16 + lo, sizeof(float) * (size_t)(hi - lo));
+                    memcpy(y + (i0 + at * 16 + j) * ldy + base + lo, out[t] + j * 16 + lo,
+                           sizeof(float) * (size_t)(hi - lo));
             }
         }
         g0 += ng * GL;
@@ -182,16 +190,9 @@ static void amx_rows(const uint8_t *w, int64_t n, int64_t r0, int64_t r1, const 
 
 #define AMX_PATH_ON "amx tiles (bfloat16 activations)"
 #else
-#define AMX_BUILT 0
+#define AMX_BUILT 0 /* the product paths' AMX calls are compiled out (quant_matmul.c) */
 static inline int amx_ready(void) { return 0; }
 static const char *amx_why = "this build has no AMX-BF16 (the compiler or the CPU lacks it)";
-static void bf16_rows_of(const float *x, int64_t ldx, int64_t r0, int64_t r1, int64_t k, int64_t kb, uint16_t *out) {
-    (void)x; (void)ldx; (void)r0; (void)r1; (void)k; (void)kb; (void)out;
-}
-static void amx_rows(const uint8_t *w, int64_t n, int64_t r0, int64_t r1, const uint16_t *xb, int64_t m, int64_t k,
-                     float *y, int64_t ldy, float *pad) {
-    (void)w; (void)n; (void)r0; (void)r1; (void)xb; (void)m; (void)k; (void)y; (void)ldy; (void)pad;
-}
 #define AMX_PATH_ON ""
 #endif
 

@@ -255,7 +255,9 @@ static size_t gemm_scratch(int64_t k) { return sizeof(float) * (size_t)((NR + 8)
 /* Rows [r0, r1) of x into the same rows of `a`: quantized or packed, whichever `a` holds. */
 static void acts_rows(const float *x, int64_t ldx, int64_t r0, int64_t r1, const Acts *a) {
     if (a->q) quantize_rows(x, ldx, r0, r1, a);
+#if AMX_BUILT
     if (a->b) bf16_rows_of(x, ldx, r0, r1, a->k, amx_row(a->k), a->b);
+#endif
     if (a->p) pack_rows(x, ldx, r0, r1, a);
 }
 
@@ -270,7 +272,9 @@ static void qmatmul_rows(int type, const uint8_t *w, int64_t row_bytes, int64_t 
         if (type == (X16 | BF16)) f32x16_rows(1, w, n, r0, r1, x, ldx, m, a->k, y, ldy, wp);
         else f32x16_rows(0, w, n, r0, r1, x, ldx, m, a->k, y, ldy, wp);
         return;
+#if AMX_BUILT
     case BF16_AMX: amx_rows(w, n, r0, r1, a->b, m, a->k, y, ldy, wp); return;
+#endif
     case PANELS: panel_gemm(type, w, row_bytes, r0, r1, a, y, ldy, wp); return;
     case STRIPS: strip_gemm(type, w, row_bytes, r0, r1, x, ldx, m, a->k, y, ldy, wp, wp + NR * a->k); return;
     default: break;
@@ -304,8 +308,8 @@ static void qmatmul_rows(int type, const uint8_t *w, int64_t row_bytes, int64_t 
 #endif
 }
 
-/* Buffers for m rows of up to k, for the paths in `paths` (bits 1 << ACTS16 or X16_GROUPS, 1 << PANELS;
- * the others read x itself). Returns 0 when out of memory. */
+/* Buffers for m rows of up to k, for the paths in `paths` (bits 1 << ACTS16 or X16_GROUPS, 1 << PANELS,
+ * 1 << BF16_AMX; the others read x itself). Returns 0 when out of memory. */
 static int acts_alloc(Acts *a, int64_t m, int64_t k, int paths) {
     *a = (Acts){NULL, NULL, NULL, NULL, k, m, NULL};
     if (paths & (1 << PANELS)) {

@@ -4,8 +4,8 @@
  *
  * Each group of 16 rows is stored column by column, [k][L] floats (L = 16, or rows % 16 for the
  * last), or bfloat16 in pairs of columns, [k / 2][L][2] (the pair layout AMX tiles read, see
- * quant_amx.c, which runs bfloat16 products where the CPU has AMX). One sequence of operations per output whatever the number of rows:
- * t = 0; for e = 0 .. k - 1 in order, t = fma(w_e, x_e, t), one weight row per lane, float32
+ * quant_amx.c, which runs bfloat16 products where the CPU has AMX). One sequence of operations
+ * per output whatever the number of rows: t = 0; for e = 0 .. k - 1 in order, t = fma(w_e, x_e, t), one weight row per lane, float32
  * activations. A bfloat16 weight widens to its float exactly, so a bfloat16 product is the
  * float32 product of the same weights, bit for bit, reading half the bytes (what a one-row
  * decode step is bound by). One order for every batch size (batch-invariant checkpoints).
@@ -56,7 +56,8 @@ static inline __attribute__((always_inline)) void f32_tile(const int bf, const i
 
 /* f32_tile() with constant counts: nx <= 4 with ng <= 4, or nx <= 8 with ng <= 2 (bf a constant
  * at each call). */
-static inline __attribute__((always_inline)) void f32_tiles(const int bf, int ng, int nx, const void *grp, int64_t gstride, const float *x, int64_t ldx, int64_t k,
+static inline __attribute__((always_inline)) void f32_tiles(const int bf, int ng, int nx, const void *grp,
+                                                            int64_t gstride, const float *x, int64_t ldx, int64_t k,
                       float *y, int64_t ldy) {
 #define NX_OF(G)                                                                 \
     switch (nx) {                                                                \
@@ -129,7 +130,8 @@ static inline __attribute__((always_inline)) void f32x16_rows(const int bf, cons
             for (int64_t i = 0; i < m; i++)
                 for (int64_t j = 0; j < ng * GL; j++) {
                     float t = 0.0f;
-                    for (int64_t e = 0; e < k; e++) t = fmaf(wval(bf, grp + (j / GL) * GL * k * es, e, j % GL), x[i * ldx + e], t);
+                    const uint8_t *g = grp + (j / GL) * GL * k * es;
+                    for (int64_t e = 0; e < k; e++) t = fmaf(wval(bf, g, e, j % GL), x[i * ldx + e], t);
                     y[i * ldy + g0 + j] = t;
                 }
 #endif

@@ -1,0 +1,34 @@
+"""Where the ranks will compute, as far as the API process can know it without torch: the GPUs
+this process may use, and the bytes of one KV cache value."""
+
+from __future__ import annotations
+
+import os
+
+from shardserve.config import DTYPE_BYTES, EngineConfig
+
+
+def visible_gpus() -> int:
+    """NVIDIA GPUs this process may use, known without torch: the driver's list, narrowed by
+    CUDA_VISIBLE_DEVICES where set."""
+    try:
+        found = len(os.listdir("/proc/driver/nvidia/gpus"))
+    except OSError:
+        return 0
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is None:
+        return found
+    listed = [d.strip() for d in visible.split(",") if d.strip()]
+    # CUDA stops at the first entry that is invalid (such as -1): only those before it count.
+    valid = next((i for i, d in enumerate(listed) if d.startswith("-")), len(listed))
+    return min(found, valid)
+
+
+def kv_value_bytes(cfg: EngineConfig) -> int:
+    """Bytes of one KV cache value on the ranks: bfloat16 on the CPU keeps its KV cache in float32
+    (the C kernels' precision; layers/quant_kernel.bf16_weights), so bfloat16 counts 2 bytes only
+    where the ranks run on CUDA (named, or left to the default with a GPU visible)."""
+    device = cfg.device or ("cuda" if visible_gpus() else "cpu")
+    if cfg.dtype == "bfloat16" and not device.startswith("cuda"):
+        return 4
+    return DTYPE_BYTES[cfg.dtype]
