@@ -4,6 +4,7 @@ or its tool-call parsing fails that request, naming the cause, and the batch's o
 from __future__ import annotations
 
 import pytest
+import torch
 
 from shardserve import LLM, SamplingParams
 from shardserve.structured_outputs import StructuredOutputsParams
@@ -129,3 +130,23 @@ def test_a_tool_parser_fault_is_a_500_naming_it():
         with pytest.raises(APIError) as e:
             attempt()
         assert e.value.status == 500 and "broken output parser failed on this output" in e.value.message
+
+
+def test_one_non_finite_logit_fails_only_its_entry():
+    """A single NaN, +inf or -inf among a row's finite logits is caught (the check reads each
+    row's max and min); entries with finite rows are kept as they were."""
+    from types import SimpleNamespace
+
+    from shardserve.engine.step_rows import finite_rows
+
+    entries = [SimpleNamespace(num_draft=0), SimpleNamespace(num_draft=1), SimpleNamespace(num_draft=0),
+               SimpleNamespace(num_draft=0)]
+    for bad_value in (float("nan"), float("inf"), -float("inf")):
+        logits = torch.randn(5, 50)
+        logits[2, 17] = bad_value  # the second entry's draft row
+        logits[4, 0] = bad_value
+        out, failed = finite_rows(logits, 5, entries)
+        assert sorted(failed) == [1, 3]
+        assert torch.equal(out[[0, 3]], logits[[0, 3]]) and not out[[1, 2, 4]].any()
+    clean = torch.randn(5, 50)
+    assert finite_rows(clean, 5, entries) == (clean, {})
