@@ -69,14 +69,20 @@ static void x16_row(int type, const uint8_t *w, int64_t row_bytes, int64_t n, in
     }
 }
 
-/* The last group's L-row blocks copied into 16-row blocks, the missing rows zero, so the same
- * kernel runs it (its zero rows are computed and not stored). */
+/* The last group, `lanes` rows, copied into 16 lanes, the missing ones zero, so the same kernel
+ * runs it (its zero rows are computed and not stored). Every x16 layout is a run of `n` strips
+ * of `unit` bytes a lane: a block format's d, [m] and chunks (2 bytes a lane each), a float
+ * column, a bfloat16 pair of columns (4). */
+static void x16_pad_lanes(const uint8_t *grp, int64_t lanes, int64_t n, int64_t unit, uint8_t *out) {
+    for (int64_t e = 0; e < n; e++) {
+        memcpy(out + e * GL * unit, grp + e * lanes * unit, (size_t)(unit * lanes));
+        memset(out + (e * GL + lanes) * unit, 0, (size_t)(unit * (GL - lanes)));
+    }
+}
+
+/* A block format's last group: per block its 2-byte parts, nb blocks. */
 static void x16_pad(int base, const uint8_t *grp, int64_t lanes, int64_t nb, uint8_t *out) {
-    int64_t bb = block_bytes(base), parts = bb / 2; /* d, [m] and the chunks: 2L bytes each */
-    memset(out, 0, (size_t)(nb * GL * bb));
-    for (int64_t b = 0; b < nb; b++)
-        for (int64_t p = 0; p < parts; p++) memcpy(out + b * GL * bb + p * 2 * GL, grp + b * lanes * bb + p * 2 * lanes,
-                                                    (size_t)(2 * lanes));
+    x16_pad_lanes(grp, lanes, nb * (block_bytes(base) / 2), 2, out);
 }
 
 #if defined(__AVX512F__) && defined(__AVX512BW__)

@@ -5,14 +5,14 @@
  * Each group of 16 rows is stored column by column, [k][L] floats (L = 16, or rows % 16 for the
  * last), or bfloat16 in pairs of columns, [k / 2][L][2] (the pair layout AMX tiles read, see
  * quant_amx.c, which runs bfloat16 products where the CPU has AMX). One sequence of operations
- * per output whatever the number of rows: t = 0; for e = 0 .. k - 1 in order, t = fma(w_e, x_e, t), one weight row per lane, float32
- * activations. A bfloat16 weight widens to its float exactly, so a bfloat16 product is the
+ * per output whatever the number of rows: t = 0; for e = 0 .. k - 1 in order,
+ * t = fma(w_e, x_e, t), one weight row per lane, float32 activations. A bfloat16 weight widens to its float exactly, so a bfloat16 product is the
  * float32 product of the same weights, bit for bit, reading half the bytes (what a one-row
  * decode step is bound by). One order for every batch size (batch-invariant checkpoints).
  */
 
 #ifdef X16_VEC
-/* ng groups (the first at grp, `gstride` floats apart) times nx activation rows, ng * nx <= 16
+/* ng groups (the first at grp, `gstride` weights apart) times nx activation rows, ng * nx <= 16
  * sums, each its own chain of multiply-adds: few rows take 4 groups (chains enough to hide the
  * latency), many take 2 groups by 8 rows (half the weight loads per multiply-add). */
 static inline __attribute__((always_inline)) void f32_tile(const int bf, const int ng, const int nx, const void *grp,
@@ -88,13 +88,9 @@ static inline __attribute__((always_inline)) void f32_tiles(const int bf, int ng
 }
 #endif
 
-/* A last group of `lanes` rows, `n` rows of 4 bytes a lane ([k][L] floats or [k / 2][L][2]
- * bfloat16), copied into 16 lanes, the missing ones zero. */
+/* A float layout's last group: n strips of 4 bytes a lane ([k][L] floats, [k / 2][L][2] bfloat16). */
 static void x16_pad_float(const uint8_t *grp, int64_t lanes, int64_t n, uint8_t *out) {
-    for (int64_t e = 0; e < n; e++) {
-        memcpy(out + e * GL * 4, grp + e * lanes * 4, (size_t)(4 * lanes));
-        memset(out + (e * GL + lanes) * 4, 0, (size_t)(4 * (GL - lanes)));
-    }
+    x16_pad_lanes(grp, lanes, n, 4, out);
 }
 
 /* Weight e of lane l in a [k][16] group, as a float (the path without vector units). */
