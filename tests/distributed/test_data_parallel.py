@@ -1,6 +1,6 @@
 """Data-parallel replicas (--dp-size): the same greedy tokens as one replica, through the offline
 API and the server; the cache-aware router keeps a shared prefix on one replica (usage's cached
-tokens show it); every replica is in /metrics; a dead replica rank ends the server whole."""
+tokens show it); every replica is in /metrics. A dead replica: test_replica_restart.py."""
 
 from __future__ import annotations
 
@@ -112,10 +112,6 @@ def test_dp2_server_same_text_and_prefix_affinity(tiny_model, tmp_path):
         assert len(replica_metric(metrics, "shardserve_replica_kv_pages_used")) == 2
         hit = float(re.search(r"^shardserve_prefix_cache_hit_rate (\S+)", metrics, re.M).group(1))
         assert hit > 0
-
-        # A rank of replica 1 dies: the server ends with an error naming it, nothing left behind.
-        assert server.kill_mid_request("scheduler-1", streams=2) < 30
-        assert "scheduler-1 (dp 1) was killed by signal 9" in server.read_log()
     finally:
         code, left = server.stop()
-    assert code != 0 and left == []
+    assert code == 0 and left == []

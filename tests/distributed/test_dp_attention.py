@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import re
+import signal
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -25,7 +26,7 @@ from transformers import AutoTokenizer
 from shardserve import LLM, SamplingParams
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "e2e"))
-from server_util import Server  # noqa: E402
+from server_util import LongStream, Server  # noqa: E402
 
 NEW = 10
 ENGINE = dict(num_pages=64, page_size=8, max_num_batched_tokens=32, show_progress=False)
@@ -98,8 +99,9 @@ def test_dp_attention_refusals(tiny_model):
 
 
 @pytest.mark.slow
-def test_dp_attention_server_matches_transformers_and_dies_whole(tiny_model, tmp_path):
-    """--tp-size 4 --dp-size 2: two replicas of two tensor ranks, experts over all four ranks."""
+def test_dp_attention_server_matches_transformers_and_restarts_whole(tiny_model, tmp_path):
+    """--tp-size 4 --dp-size 2: two replicas of two tensor ranks, experts over all four ranks. A
+    rank's death stops both replicas (every MoE layer spans them): both start again, together."""
     path, model = tiny_model("qwen3_moe")
     server = Server("--model", path, "--tp-size", "4", "--dp-size", "2", "--enable-dp-attention",
                     "--num-pages", "64", "--page-size", "8", log_path=str(tmp_path / "log"))
@@ -133,12 +135,23 @@ def test_dp_attention_server_matches_transformers_and_dies_whole(tiny_model, tmp
         assert set(routed) == {"0", "1"} and len(set(routed.values())) == 1, routed
         assert routed["0"] >= 12 * 8 * model.config.num_experts_per_tok  # at least every generated token's pairs
         assert "shardserve_engine_empty_steps" in metrics
-        # Replica 1's leader (rank 2) dies mid-request: the server ends with an error naming it.
-        assert server.kill_mid_request("scheduler-2") < 30
+        # Replica 1's leader (rank 2) dies mid-request: the request fails naming it, every rank
+        # is started again, and both replicas serve the same answers.
+        stream = LongStream(server.url, max_tokens=400)
+        stream.wait_running()
+        os.kill(server.last_pid("scheduler-2"), signal.SIGKILL)
+        stream.assert_failed()
+        assert any("stopped while this request was running" in e for e in stream.events), stream.events[-3:]
+        server.wait_replica(0, "serving", restarts=1)
+        body = server.wait_replica(1, "serving", restarts=1)
+        assert body["status"] == "ok"
+        with ThreadPoolExecutor(8) as pool:
+            assert list(pool.map(one, range(6))) == expected
         log = server.read_log()
-        assert "scheduler-2 (dp 1, tp 0) was killed by signal 9" in log, log[-3000:]
+        assert "replicas 0, 1: scheduler-2 (dp 1, tp 0) was killed by signal 9; " in log, log[-3000:]
+        assert "starting them again in 0 s" in log and "replicas 0, 1 are serving again (restart 1)" in log
         # The other ranks were inside a collective with it: they stop, naming themselves and it.
         assert re.search(r"rank [013]: \S+ on the (expert|data|tensor) group failed", log), log[-3000:]
     finally:
         code, left = server.stop()
-    assert code != 0 and left == []
+    assert code == 0 and left == []

@@ -94,24 +94,35 @@ class Server:
         assert m, f"no pid logged for {name}"
         return int(m.group(1))
 
-    def kill_mid_request(self, child: str, timeout: float = 30, streams: int = 1) -> float:
-        """Start `streams` long streamed completions one after another, SIGKILL `child` once all
-        their tokens flow (checked: each is then running, not finished), and wait for the server
-        to exit; returns how long that took. Every stream must have ended; with one, it failed.
-        With independent replicas (--dp-size) give one stream per replica: the router places each
-        on the least loaded one, so one runs on the replica `child` belongs to and must fail,
-        while another replica's may finish before the server notices the death."""
-        running = []
-        for i in range(streams):
-            running.append(LongStream(self.url, max_tokens=400, prompt=[5 + i, 6]))
-            running[-1].wait_running()
+    def last_pid(self, name: str) -> int:
+        """The pid of `name`'s latest start (a replica started again logs its ranks again)."""
+        pids = re.findall(rf"started {re.escape(name)} pid=(\d+)", self.read_log())
+        assert pids, f"no pid logged for {name}"
+        return int(pids[-1])
+
+    def wait_replica(self, replica: int, state: str, restarts: int | None = None, timeout: float = 120) -> dict:
+        """Until /health shows `replica` in `state` (and started again `restarts` times); the body."""
+        deadline = time.monotonic() + timeout
+        while True:
+            body = httpx.get(self.url + "/health", timeout=5).json()
+            r = body["replicas"][replica]
+            if r["state"] == state and (restarts is None or r["restarts"] == restarts):
+                return body
+            assert time.monotonic() < deadline, f"replica {replica} never reached {state}: {body}"
+            time.sleep(0.2)
+
+    def kill_mid_request(self, child: str, timeout: float = 30) -> float:
+        """Start a long streamed completion, SIGKILL `child` once its tokens flow (checked: it is
+        then running, not finished), and wait for the server to exit; returns how long that took.
+        The stream must have ended, in an error. (With --dp-size, a dead replica is started again
+        instead: test_replica_restart.py.)"""
+        stream = LongStream(self.url, max_tokens=400)
+        stream.wait_running()
         os.kill(self.child_pid(child), signal.SIGKILL)
         start = time.monotonic()
         self.proc.wait(timeout)
         waited = time.monotonic() - start
-        failed = [s.ended_in_error(timeout) for s in running]
-        assert any(failed), [s.events[-2:] for s in running]
-        assert streams > 1 or all(failed)
+        stream.assert_failed(timeout)
         return waited
 
     def stop(self, sig: int = signal.SIGTERM, timeout: float = 15) -> tuple[int, list[int]]:

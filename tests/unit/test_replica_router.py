@@ -1,5 +1,6 @@
 """The in-server router process's logic, over real ZeroMQ sockets in this process: placement,
-aborts to the owning replica, cache events adding and removing credit, a lost event."""
+aborts to the owning replica, cache events adding and removing credit, a lost event, a replica
+that dies (its requests handed back, nothing more sent to it) and comes back."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import zmq
 
 from shardserve.core import SamplingParams
 from shardserve.ipc.messages.api import AbortReq, AddRequests, TokenizedReq
+from shardserve.ipc.messages.replicas import DropStreams, ReplicaDown, ReplicaLost, ReplicaUp
 from shardserve.ipc.messages.reports import CacheEvents, ReportReq
 from shardserve.ipc.sockets import Endpoints, pull, recv, send
 from shardserve.kvcache.pages import page_hashes
@@ -29,11 +31,14 @@ def wired():
         pub = ctx.socket(zmq.XPUB)  # as the leaders do: wait for the router's subscription
         pub.bind(ep.events(d))
         pubs.append(pub)
+    api, detok = pull(ctx, ep.api), pull(ctx, ep.detokenizer)
     router = ReplicaRouter(ep, "cache_aware", PAGE)
     for pub in pubs:
         assert pub.poll(5000) and pub.recv() == b"\x01"
+    router.test_api, router.test_detok = api, detok
     yield router, leaders, pubs
-    for s in (*leaders, *pubs, router.inbox, router.events, router.to_api, *router.leaders):
+    for s in (*leaders, *pubs, api, detok, router.inbox, router.events, router.to_api, router.to_detok,
+              *router.leaders):
         s.close(linger=0)
 
 
@@ -132,3 +137,34 @@ def test_a_late_abort_of_an_ended_request_is_not_kept(wired):
     events(router, pubs[0], 0, 0, ended=["a"])
     router.handle(AbortReq(rid="a"))  # the client gave up as the answer arrived
     assert "a" not in router.aborted_early
+
+
+def test_a_dead_replica_hands_back_its_requests_and_gets_nothing_until_it_is_up(wired):
+    router, leaders, pubs = wired
+    router.handle(req("a", [1] * 9))
+    router.handle(req("b", [2] * 9))
+    assert landed(leaders) == {"a": 0, "b": 1}
+    router.handle(ReplicaDown(replicas=[1], reason="scheduler-1 was killed by signal 9"))
+    lost = recv(router.test_api, timeout_ms=2000)
+    assert lost == ReplicaLost(replica=1, rids=["b"], reason="scheduler-1 was killed by signal 9")
+    assert recv(router.test_detok, timeout_ms=2000) == DropStreams(rids=["b"])
+    assert router.router.replica_of("b") is None and router.router.replicas[1].load == 0
+    # A dead leader's last events are ignored; new requests and reports go to replica 0 only.
+    send(pubs[1], CacheEvents(replica=1, seq=0, stored=page_hashes([2] * 8, PAGE)))
+    time.sleep(0.1)
+    while router.events.poll(50):
+        router.on_events(recv(router.events))
+    assert len(router.router.replicas[1].prefixes) == 0
+    router.handle(req("c", [3] * 9))
+    router.handle(ReportReq(rid="r"))
+    assert landed(leaders) == {"c": 0, "r": 0}
+    # Every replica down: requests are held, and an abort removes one; they go out when one is up.
+    router.handle(ReplicaDown(replicas=[0], reason="gone"))
+    assert recv(router.test_api, timeout_ms=2000).rids == ["a", "c"]
+    router.handle(req("d", [4] * 9))
+    router.handle(req("e", [5] * 9))
+    router.handle(AbortReq(rid="e"))
+    assert landed(leaders) == {}
+    router.handle(ReplicaUp(replicas=[1]))
+    assert landed(leaders) == {"d": 1}
+    assert router.next_seq[1] == 0  # a new leader numbers its events from 0

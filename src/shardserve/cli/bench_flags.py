@@ -1,4 +1,4 @@
-"""`shardserve bench {offline,serve,dist,disagg}`: the flags of each benchmark, and dispatch.
+"""`shardserve bench {offline,serve,dist,disagg,soak}`: the flags of each benchmark, and dispatch.
 
 Parsing imports no torch (the `serve` command builds these parsers too); each benchmark imports
 its own machinery when it runs.
@@ -62,6 +62,28 @@ def add_bench_args(bench: argparse.ArgumentParser) -> None:
     add_serve_bench_args(sub.add_parser("serve", help="load-test an OpenAI-compatible server over HTTP"))
     add_disagg_args(sub.add_parser("disagg", help="1 prefill + 1 decode instance vs one colocated server, mixed "
                                                   "workload"))
+    add_soak_args(sub.add_parser("soak", help="mixed traffic for a while, replicas killed at random; then checks "
+                                              "that no request was lost and nothing leaked"))
+
+
+def add_soak_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--spawn", default=None, metavar="SERVE_ARGS",
+                   help='start `shardserve serve SERVE_ARGS` for the run, e.g. "--dp-size 2" (needed for kills)')
+    p.add_argument("--url", default=None, help="an already running server instead (no kills, no memory check)")
+    p.add_argument("--duration", type=positive_float, default=180.0, help="seconds of load in all")
+    p.add_argument("--warmup", type=positive_float, default=20.0,
+                   help="seconds of load before the first kill and the first memory reading")
+    p.add_argument("--clients", type=positive_int, default=4, help="concurrent clients")
+    p.add_argument("--kill-every", type=float, default=30.0,
+                   help="mean seconds between SIGKILLs of a random serving replica's rank (0: none)")
+    p.add_argument("--max-tokens", type=positive_int, default=16)
+    p.add_argument("--max-rss-growth", type=float, default=0.05,
+                   help="largest growth of the server's resident memory after warm-up, as a fraction")
+    p.add_argument("--request-timeout", type=positive_float, default=120.0)
+    p.add_argument("--settle-timeout", type=positive_float, default=180.0,
+                   help="seconds to wait at the end for the replicas to serve again and fall idle")
+    p.add_argument("--startup-timeout", type=positive_float, default=600.0)
+    p.add_argument("--seed", type=seed_int, default=0, help="seeds the clients' choices and the kills")
 
 
 def spec_workloads(text: str) -> list[str]:
@@ -199,4 +221,13 @@ def run_bench(args: argparse.Namespace) -> int:
         from shardserve.bench.dist import run_dist
 
         return run_dist(args)
+    if args.bench == "soak":
+        import logging
+
+        from shardserve.bench.soak import run_soak
+
+        if (args.spawn is None) == (args.url is None):
+            raise SystemExit("shardserve bench soak: error: give one of --spawn SERVE_ARGS or --url URL")
+        logging.getLogger("httpx").setLevel(logging.WARNING)
+        return run_soak(args)
     raise SystemExit(f"unknown benchmark {args.bench!r}")

@@ -37,6 +37,10 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--reasoning-parser", choices=REASONING_PARSERS, default=None,
                    help="split a thinking model's <think>...</think> off its answer (qwen3, deepseek_r1): "
                         "reasoning_content on chat, reasoning items on responses, thinking blocks on messages")
+    g.add_argument("--replica-restart-limit", type=non_negative_int, default=3,
+                   help="with --dp-size > 1, times in a row a replica that died is started again (its processes "
+                        "afresh, weights reloaded) while the others serve; 0: it stays down. A replica that serves "
+                        "5 minutes has its count cleared. The server ends once every replica is down for good")
     g.add_argument("--request-timeout", type=positive_float, default=None,
                    help="seconds a request may run in all; longer, it ends with a 504 (or the stream's error) and "
                         "its pages are freed (default: no limit)")

@@ -32,13 +32,15 @@ class Communicator:
     """all_reduce / all_gather / all_to_all / broadcast / send / recv on one group."""
 
     def __init__(self, group: dist.ProcessGroup | None = None, rank: int = 0, size: int = 1, name: str = "tensor",
-                 members: tuple[int, ...] | None = None):
+                 members: tuple[int, ...] | None = None, world_start: int = 0):
         """`rank` and `size` are within the group; `members` are the group's global ranks in order
-        (from the layout, so addressing a peer needs no lookup)."""
+        (from the layout, so addressing a peer needs no lookup). torch numbers the ranks of this
+        process's world from `world_start` (an independent replica's first global rank) as 0."""
         if size > 1 and group is None:
             raise ValueError("a Communicator for more than one rank needs a process group")
         self.group, self.rank, self.size, self.name = group, rank, size, name
         self.members = members or tuple(range(size))
+        self.world_start = world_start
         self.traffic: dict[str, Traffic] = defaultdict(Traffic)
 
     def _count(self, op: str, t: torch.Tensor) -> None:
@@ -52,8 +54,9 @@ class Communicator:
         except (RuntimeError, ValueError) as e:
             raise CollectiveError(f"rank {self.members[self.rank]}: {what} on the {self.name} group failed: {e}") from e
 
-    def _global(self, rank: int) -> int:
-        return self.members[rank]
+    def _torch_rank(self, rank: int) -> int:
+        """Group rank -> the rank torch calls take (in this process's world)."""
+        return self.members[rank] - self.world_start
 
     def all_reduce(self, t: torch.Tensor, op: str = "sum") -> torch.Tensor:
         """Reduce across ranks in place (op: sum, min or max); returns `t`."""
@@ -108,9 +111,9 @@ class Communicator:
         for peer in range(self.size):
             # Both sides know every size by now: an empty piece is neither sent nor awaited.
             if peer != self.rank and pieces[peer].shape[0]:
-                ops.append(dist.P2POp(dist.isend, pieces[peer].contiguous(), self._global(peer), self.group))
+                ops.append(dist.P2POp(dist.isend, pieces[peer].contiguous(), self._torch_rank(peer), self.group))
             if peer != self.rank and out[peer].shape[0]:
-                ops.append(dist.P2POp(dist.irecv, out[peer], self._global(peer), self.group))
+                ops.append(dist.P2POp(dist.irecv, out[peer], self._torch_rank(peer), self.group))
         for work in self._run("all_to_all", _batch_p2p, ops) if ops else []:
             work.wait()
         return out
@@ -119,7 +122,7 @@ class Communicator:
         """Start sending `sends` to the next rank of the ring and filling `recvs` from the previous
         one (each side's empty tensors skipped: both know every length); returns the work handles
         for `wait_all`. Counted: one "ring" call, the bytes sent."""
-        nxt, prev = self._global((self.rank + 1) % self.size), self._global((self.rank - 1) % self.size)
+        nxt, prev = self._torch_rank((self.rank + 1) % self.size), self._torch_rank((self.rank - 1) % self.size)
         rec = self.traffic["ring"]
         rec.calls += 1
         rec.bytes += sum(t.numel() * t.element_size() for t in sends)
@@ -140,26 +143,26 @@ class Communicator:
         if self.size == 1:
             return t
         self._count("broadcast", t)
-        self._run("broadcast", dist.broadcast, t, self._global(src))
+        self._run("broadcast", dist.broadcast, t, self._torch_rank(src))
         return t
 
     def send(self, t: torch.Tensor, dst: int) -> None:
         self._count("send", t)
-        self._run("send", dist.send, t.contiguous(), self._global(dst))
+        self._run("send", dist.send, t.contiguous(), self._torch_rank(dst))
 
     def isend(self, t: torch.Tensor, dst: int):
         """Start sending `t` (contiguous, kept alive by the caller) to group rank `dst`; returns
         the work handle to wait on."""
         self._count("send", t)
-        return self._run("send", _isend, t, self._global(dst))
+        return self._run("send", _isend, t, self._torch_rank(dst))
 
     def recv(self, t: torch.Tensor, src: int) -> torch.Tensor:
         """Fill `t` from group rank `src`; the group's timeout bounds the wait."""
         try:
-            dist.recv(t, self._global(src), group=self.group)
+            dist.recv(t, self._torch_rank(src), group=self.group)
         except (RuntimeError, ValueError) as e:
             me = self.members[self.rank]
-            raise CollectiveError(f"rank {me}: recv from rank {self._global(src)} on the {self.name} group "
+            raise CollectiveError(f"rank {me}: recv from rank {self.members[src]} on the {self.name} group "
                                   f"failed: {str(e).splitlines()[0]}") from e
         return t
 

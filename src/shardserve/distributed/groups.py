@@ -84,14 +84,19 @@ def init_distributed(layout: Layout, rank: int, master: str, device: torch.devic
         # now, eagerly: PyTorch documents batch_isend_irecv hangs over lazily made ones.
         torch.cuda.set_device(device)
         eager = {"device_id": device}
-    dist.init_process_group("gloo" if backend == "gloo" else "cpu:gloo,cuda:nccl", init_method=init, rank=rank,
-                            world_size=layout.world, timeout=timeout, **eager)
+    # Independent replicas meet at rendezvous of their own (launch/ranks.py): torch's world is
+    # the replica, whose ranks torch numbers from 0. Under torchrun there is one world.
+    world = (layout.replica_ranks(layout.coords(rank).dp) if layout.independent_replicas and master != "env://"
+             else range(layout.world))
+    dist.init_process_group("gloo" if backend == "gloo" else "cpu:gloo,cuda:nccl", init_method=init,
+                            rank=rank - world.start, world_size=len(world), timeout=timeout, **eager)
     comms = {kind: Communicator(name=kind) for kind in _KINDS}
     # Every rank creates every group in this one order, members or not (torch requires it).
-    for kind, members in layout.creation_order():
-        group = dist.new_group(list(members), backend="gloo" if kind in CPU_KINDS else backend, timeout=timeout)
+    for kind, members in layout.creation_order(within=world):
+        group = dist.new_group([m - world.start for m in members], backend="gloo" if kind in CPU_KINDS else backend,
+                               timeout=timeout)
         if rank in members:
-            comms[kind] = Communicator(group, members.index(rank), len(members), kind, members)
+            comms[kind] = Communicator(group, members.index(rank), len(members), kind, members, world.start)
     return ParallelGroups(layout, rank, **comms)
 
 

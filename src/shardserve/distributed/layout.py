@@ -156,6 +156,17 @@ class Layout:
     def node_ranks(self, node: int) -> range:
         return range(node * self.ranks_per_node, (node + 1) * self.ranks_per_node)
 
+    @property
+    def independent_replicas(self) -> bool:
+        """Replicas that never meet (dp > 1 without data-parallel attention): each is its own
+        torch.distributed world, so one can be stopped and started again while the others serve."""
+        return self.dp > 1 and not self.dp_attention
+
+    def replica_ranks(self, replica: int) -> range:
+        """The global ranks of one data-parallel replica (data is the outermost index)."""
+        per = self.pp * self.cp * self.tp
+        return range(replica * per, (replica + 1) * per)
+
     def groups_of(self, rank: int) -> dict[str, tuple[int, ...]]:
         """For each group kind, the members of the group `rank` belongs to."""
         return {kind: next(g for g in self.all_groups(kind) if rank in g) for kind in GROUP_KINDS}
@@ -192,9 +203,11 @@ class Layout:
                 groups += [tuple(span[i::width]) for i in range(width)]
         return sorted(groups)
 
-    def creation_order(self) -> list[tuple[str, tuple[int, ...]]]:
-        """(kind, members) for every group of more than one rank, in the one order all ranks use."""
-        return [(kind, g) for kind in GROUP_KINDS for g in self.all_groups(kind) if len(g) > 1]
+    def creation_order(self, within: range | None = None) -> list[tuple[str, tuple[int, ...]]]:
+        """(kind, members) for every group of more than one rank, in the one order all ranks use;
+        with `within`, only the groups wholly inside those ranks (one replica's world)."""
+        return [(kind, g) for kind in GROUP_KINDS for g in self.all_groups(kind)
+                if len(g) > 1 and (within is None or all(r in within for r in g))]
 
 
 @dataclass(frozen=True)

@@ -60,6 +60,9 @@ def run_child(name: str, ready_addr: str, setup: Callable[[], tuple[Callable[[],
 def fast_exit(code: int) -> None:
     """Exit after the exit handlers (they unregister semaphores, flush logs) but without the
     interpreter's module teardown, which for torch and transformers costs seconds of CPU."""
+    # A SIGTERM from here on just ends the process: raising SystemExit inside an exit handler
+    # would print a traceback for an exit that was already under way.
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
     atexit._run_exitfuncs()
     logging.shutdown()
     sys.stdout.flush()

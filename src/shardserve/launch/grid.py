@@ -17,6 +17,7 @@ from shardserve.ipc.sockets import Endpoints
 from shardserve.launch.nodes import NodeServer, NodeSpec, hello, run_worker_node
 from shardserve.launch.process_tree import Child, ProcessTree
 from shardserve.launch.ranks import scheduler_children
+from shardserve.launch.supervisor import ReplicaEvents, Supervisor, Unit, units_of
 
 log = logging.getLogger("shardserve.launch")
 
@@ -46,7 +47,8 @@ class LocalGrid:
             master = node.rendezvous if layout.nnodes > 1 else ""
             ranks = scheduler_children(cfg, ep, layout, master, node.node_rank)
         self.tree = ProcessTree(ep, ranks + list(others))
-        self.layout = layout
+        self.cfg, self.ep, self.layout, self.torchrun = cfg, ep, layout, torchrun
+        self.supervisor: Supervisor | None = None
         self.nodes = (NodeServer(node, hello(layout, 0, model_name), layout, heartbeat_timeout(cfg))
                       if layout.nnodes > 1 and not torchrun else None)
         self._lock = threading.Lock()
@@ -87,7 +89,26 @@ class LocalGrid:
         if self.nodes is not None:
             self.nodes.watch(once)
 
+    @property
+    def restartable(self) -> bool:
+        """Whether a replica can be stopped and started alone: several replicas, all this
+        launcher's children (one machine, not torchrun's processes)."""
+        return self.layout.dp > 1 and self.nodes is None and not self.torchrun
+
+    def supervise(self, events: ReplicaEvents, limit: int, startup_timeout: float) -> None:
+        """Instead of `watch`: a dead replica is started again (launch/supervisor.py)."""
+        names = [[f"scheduler-{r}" for r in self.layout.replica_ranks(d)] for d in range(self.layout.dp)]
+        units = units_of(names, lockstep=self.layout.dp_attention)
+        self.supervisor = Supervisor(self.tree, units, self._children_of, events, limit, startup_timeout)
+        self.supervisor.start()
+
+    def _children_of(self, unit: Unit) -> list:
+        ranks = [int(n.removeprefix("scheduler-")) for n in unit.names]
+        return scheduler_children(self.cfg, self.ep, self.layout, only=range(ranks[0], ranks[-1] + 1))
+
     def stop(self) -> None:
+        if self.supervisor is not None:
+            self.supervisor.stop()
         if self.nodes is not None:
             self.nodes.stop()
         self.tree.stop()

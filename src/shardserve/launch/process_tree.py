@@ -81,8 +81,13 @@ class ProcessTree:
         self.procs: dict[str, subprocess.Popen] = {}
         self._stop_watch = threading.Event()
 
-    def start(self) -> None:
-        for c in self.specs:
+    def start(self, children: list[Child] | None = None) -> None:
+        """Start every child, or `children` (new specs replacing those of the same names: a
+        replica started again)."""
+        if children is not None:
+            fresh = {c.name: c for c in children}
+            self.specs = [fresh.pop(c.name, c) for c in self.specs] + list(fresh.values())
+        for c in children if children is not None else self.specs:
             env = {**os.environ, **(c.env or {}), PARENT_ENV: str(os.getpid())}
             p = subprocess.Popen([sys.executable, "-m", "shardserve.launch.worker", c.name], stdin=subprocess.PIPE,
                                  env=env)
@@ -120,15 +125,23 @@ class ProcessTree:
             raise failure(msg.name, msg.error)
 
     def dead_child(self) -> str | None:
-        for name, p in self.procs.items():
-            if p.poll() is not None:
-                return name
-        return None
+        dead = self.dead_children()
+        return dead[0] if dead else None
 
-    def death_report(self) -> str:
-        """Every dead child and how it ended, those killed by a signal (the likely cause) first."""
+    def dead_children(self) -> list[str]:
+        return [name for name, p in self.procs.items() if p.poll() is not None]
+
+    def poll_ready(self, timeout_ms: int) -> Ready | Failed | None:
+        """One start-up report (Ready or Failed) if one comes within `timeout_ms`."""
+        msg = recv(self.ready_sock, timeout_ms=timeout_ms, where="the ready channel")
+        return msg if isinstance(msg, Ready | Failed) else None
+
+    def death_report(self, names: list[str] | None = None) -> str:
+        """Every dead child (of `names`, if given) and how it ended, those killed by a signal (the
+        likely cause) first."""
         roles = {c.name: f"{c.name} ({c.role})" for c in self.specs if c.role}
-        dead = [(roles.get(n, n), p.returncode) for n, p in self.procs.items() if p.poll() is not None]
+        dead = [(roles.get(n, n), p.returncode) for n, p in self.procs.items()
+                if p.poll() is not None and (names is None or n in names)]
         dead.sort(key=lambda d: (d[1] >= 0, d[0]))
         return "; ".join(f"{n} was killed by signal {-c}" if c < 0 else f"{n} exited unexpectedly with code {c}"
                          for n, c in dead)
@@ -146,20 +159,28 @@ class ProcessTree:
 
     def stop(self, grace: float = 5.0) -> None:
         self._stop_watch.set()
-        for p in self.procs.values():
+        self.stop_children(list(self.procs), grace)
+        self.ready_sock.close(linger=0)
+        self.ctx.term()
+        shutil.rmtree(self.ep.root, ignore_errors=True)
+
+    def stop_children(self, names: list[str], grace: float = 5.0) -> None:
+        """SIGTERM `names`, SIGKILL any still there after `grace` s, and forget them (dead
+        children are no longer reported by `dead_children`)."""
+        procs = {n: self.procs[n] for n in names if n in self.procs}
+        for p in procs.values():
             if p.poll() is None:
                 p.terminate()
         deadline = time.monotonic() + grace
-        for name, p in self.procs.items():
+        for name, p in procs.items():
             try:
                 p.wait(max(0.0, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
                 log.warning("%s ignored SIGTERM; killing it", name)
                 p.kill()
                 p.wait(2)
-        self.ready_sock.close(linger=0)
-        self.ctx.term()
-        shutil.rmtree(self.ep.root, ignore_errors=True)
+        for name in procs:
+            self.procs.pop(name, None)
 
     @property
     def pids(self) -> list[int]:

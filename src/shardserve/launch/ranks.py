@@ -17,13 +17,23 @@ SCHEDULER_MAIN = ByName("shardserve.scheduler.process", "scheduler_main")
 def scheduler_children(cfg: EngineConfig, ep: Endpoints, layout: Layout, master: str = "",
                        node: int = 0, only: range | None = None) -> list[Child]:
     """One scheduler process per rank on `node` (or just the ranks in `only`). `master` is
-    host:port of the rendezvous (a free local port when empty)."""
-    if layout.world > 1 and not master:
-        master = f"127.0.0.1:{free_port()}"
+    host:port of the rendezvous; when empty, a free local port, one per independent replica
+    (each its own world, distributed/groups.py), so a replica can start again on its own."""
+    ranks = only if only is not None else layout.node_ranks(node)
+    masters: dict[int, str] = {}
+
+    def master_of(rank: int) -> str:
+        if master or layout.world == 1:
+            return master
+        key = layout.coords(rank).dp if layout.independent_replicas else 0
+        if key not in masters:
+            masters[key] = f"127.0.0.1:{free_port()}"
+        return masters[key]
+
     env = thread_env(cfg, layout)
-    return [Child(f"scheduler-{r}", SCHEDULER_MAIN, (cfg, ep, RankSpec(r, layout, master)), env=env,
+    return [Child(f"scheduler-{r}", SCHEDULER_MAIN, (cfg, ep, RankSpec(r, layout, master_of(r))), env=env,
                   role=role(layout, r))
-            for r in (only if only is not None else layout.node_ranks(node))]
+            for r in ranks]
 
 
 def thread_env(cfg: EngineConfig, layout: Layout) -> dict[str, str] | None:

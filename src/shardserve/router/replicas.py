@@ -10,6 +10,11 @@ replica. Under data-parallel attention (`lockstep`) every request placed is foll
 numbered `Wake` to every leader: idle leaders sleep on their inbox, and this is what makes them
 all join the next step (scheduler/lockstep.py). Outputs do not pass through here: each leader
 sends tokens to the detokenizer and errors and stats to the API process directly.
+
+A replica that died (`ReplicaDown`, from the API process's supervisor) gets nothing more: what
+was queued for it is dropped, the requests placed on it go back to the API process
+(`ReplicaLost`), which places again those that have streamed nothing, and the detokenizer forgets
+their streams. While no replica serves, requests are held until one does (`ReplicaUp`).
 """
 
 from __future__ import annotations
@@ -24,11 +29,12 @@ from shardserve.ipc.child import run_child
 from shardserve.ipc.messages.api import AbortReq, AddRequests, ErrorOut, TokenizedReq
 from shardserve.ipc.messages.lifecycle import Shutdown
 from shardserve.ipc.messages.plan import Wake
+from shardserve.ipc.messages.replicas import DropStreams, ReplicaDown, ReplicaLost, ReplicaUp
 from shardserve.ipc.messages.reports import CacheEvents, ReportReq, RouterStats
 from shardserve.ipc.sockets import Endpoints, pull, push, recv_all, send
 from shardserve.kvcache.pages import page_hashes
 from shardserve.launch.process_tree import Child
-from shardserve.router.policy import Router, Thresholds
+from shardserve.router.policy import NoReplica, Router, Thresholds
 
 log = logging.getLogger(__name__)
 STATS_INTERVAL = 0.25
@@ -38,17 +44,18 @@ class ReplicaRouter:
     def __init__(self, ep: Endpoints, policy: str, page_size: int, prefix_cache: bool = True,
                  thresholds: Thresholds = Thresholds(), lockstep: bool = False):
         """`prefix_cache=False` (--no-prefix-cache): replicas share nothing, so no prompt earns affinity."""
-        ctx = zmq.Context.instance()
+        self.ctx = ctx = zmq.Context.instance()
+        self.ep = ep
         self.inbox = pull(ctx, ep.scheduler)
-        self.leaders = [push(ctx, ep.leader(d)) for d in range(ep.dp)]
-        for sock in self.leaders:  # never block: a replica busy in a long step must not stall the others
-            sock.setsockopt(zmq.SNDHWM, 0)
+        self.leaders = [self._leader_socket(d) for d in range(ep.dp)]
         self.events = ctx.socket(zmq.SUB)
         self.events.setsockopt(zmq.RCVHWM, 0)
         self.events.setsockopt(zmq.SUBSCRIBE, b"")
         for d in range(ep.dp):
             self.events.connect(ep.events(d))
         self.to_api = push(ctx, ep.api)
+        self.to_detok = push(ctx, ep.detokenizer)
+        self.held: list[TokenizedReq] = []  # while no replica serves
         self.router = Router(ep.dp, policy, page_size, thresholds)
         self.page_size = page_size if prefix_cache else 0
         self.next_seq = [0] * ep.dp
@@ -76,8 +83,17 @@ class ReplicaRouter:
                     self.handle(msg)
             self.maybe_send_stats()
 
+    def _leader_socket(self, d: int) -> zmq.Socket:
+        sock = push(self.ctx, self.ep.leader(d))
+        sock.setsockopt(zmq.SNDHWM, 0)  # never block: a replica busy in a long step must not stall the others
+        return sock
+
     def handle(self, msg) -> None:
-        if isinstance(msg, TokenizedReq):
+        if isinstance(msg, ReplicaDown):
+            self.replicas_down(msg.replicas, msg.reason)
+        elif isinstance(msg, ReplicaUp):
+            self.replicas_up(msg.replicas)
+        elif isinstance(msg, TokenizedReq):
             if self.aborted_early.take(msg.rid):
                 return
             d = self.place(msg)
@@ -98,6 +114,8 @@ class ReplicaRouter:
             d = self.router.replica_of(msg.rid)
             if d is not None:
                 send(self.leaders[d], msg)
+            elif any(r.rid == msg.rid for r in self.held):
+                self.held = [r for r in self.held if r.rid != msg.rid]
             elif msg.rid not in self.recently_ended:
                 self.aborted_early.add(msg.rid)
         elif isinstance(msg, ReportReq):
@@ -111,7 +129,44 @@ class ReplicaRouter:
         # The last prompt token is always recomputed (its logits are needed), as in match_prefix.
         pages = page_hashes(req.token_ids[: len(req.token_ids) - 1], self.page_size) if self.page_size else []
         max_tokens = None if req.auto_max_tokens else req.params.max_tokens
-        return self.router.route(req.rid, pages, len(req.token_ids), max_tokens)
+        try:
+            return self.router.route(req.rid, pages, len(req.token_ids), max_tokens)
+        except NoReplica:  # every replica is starting again: wait for one
+            self.held.append(req)
+            return None
+
+    def replicas_down(self, replicas: list[int], reason: str) -> None:
+        """Stop sending to `replicas`; hand back what they held (module docstring)."""
+        for d in replicas:
+            rep = self.router.replicas[d]
+            if not rep.healthy:
+                continue
+            rep.healthy = False
+            rids = [rid for rid, routed in self.router.requests.items() if routed.replica == d]
+            for rid in rids:
+                self.router.finish(rid)
+                self.recently_ended.add(rid)
+            rep.prefixes.clear()
+            self.leaders[d].close(linger=0)  # drops what was queued for the dead leader
+            log.info("replica %d is down: %d request%s handed back", d, len(rids), "" if len(rids) == 1 else "s")
+            if rids:
+                send(self.to_detok, DropStreams(rids=rids))
+            send(self.to_api, ReplicaLost(replica=d, rids=rids, reason=reason))
+
+    def replicas_up(self, replicas: list[int]) -> None:
+        """`replicas` serve again (fresh processes, empty caches): place what was held."""
+        for d in replicas:
+            rep = self.router.replicas[d]
+            if rep.healthy:
+                continue
+            self.leaders[d] = self._leader_socket(d)
+            self.next_seq[d] = 0  # a new leader numbers its cache events from 0
+            rep.healthy = True
+        if self.lockstep and len(replicas) == len(self.leaders):
+            self.wakes = 0  # every leader is new and has seen no wake
+        held, self.held = self.held, []
+        if held:
+            self.handle(AddRequests(items=held))
 
     def wake(self) -> None:
         """After the request itself on the same socket, so a woken leader already holds it."""
@@ -120,10 +175,13 @@ class ReplicaRouter:
             self.broadcast(Wake(seq=self.wakes))
 
     def broadcast(self, msg) -> None:
-        for sock in self.leaders:
-            send(sock, msg)
+        for sock, rep in zip(self.leaders, self.router.replicas):
+            if rep.healthy:
+                send(sock, msg)
 
     def on_events(self, ev: CacheEvents) -> None:
+        if not self.router.replicas[ev.replica].healthy:  # a dead leader's last words
+            return
         prefixes = self.router.replicas[ev.replica].prefixes
         if ev.seq != self.next_seq[ev.replica]:
             # A lost message may have held evictions: believe nothing stored rather than too much.

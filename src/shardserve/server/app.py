@@ -159,11 +159,15 @@ def build_app(state: ServerState) -> FastAPI:
     async def health():
         if state.client.dead:
             return JSONResponse(error_body(state.client.dead, 503), 503)
-        return {"status": "ok"}
+        board = state.client.board
+        if len(board.replicas) == 1:
+            return {"status": "ok"}
+        # Several replicas: healthy while one serves; the body says which do.
+        return JSONResponse(board.health(), 200 if board.serving else 503)
 
     @app.get("/metrics")
     async def metrics():
-        state.metrics.update(state.client.stats, state.client.router_stats)
+        state.metrics.update(state.client.stats, state.client.router_stats, state.client.board)
         return Response(state.metrics.render(), media_type="text/plain; version=0.0.4")
 
     @app.post("/tokenize")

@@ -1,4 +1,11 @@
-"""The API process's side of the pipes: submit requests, route every reply to its waiter."""
+"""The API process's side of the pipes: submit requests, route every reply to its waiter.
+
+With several replicas, a replica that dies hands back the requests placed on it (`ReplicaLost`
+from the router): one whose client has seen nothing yet (no output, or a `replayable` one: a
+whole answer collected before it is sent) is sent again under a new id, its late output from the
+dead replica dropped and its waiter told to forget what it collected (`Rewind`); one that has
+streamed to its client ends with a 503 naming the cause.
+"""
 
 from __future__ import annotations
 
@@ -6,17 +13,36 @@ import asyncio
 import itertools
 import logging
 import uuid
+from dataclasses import dataclass
 
+import msgspec
 import zmq
 import zmq.asyncio
 
 from shardserve.ipc.messages import Msg, decode_or_none, encode
-from shardserve.ipc.messages.api import AbortReq, DetokenizeOut, ErrorOut, GenerateReq, TextBatch, TokenizeOut
+from shardserve.ipc.messages.api import (
+    AbortReq,
+    DetokenizeOut,
+    ErrorOut,
+    GenerateReq,
+    TextBatch,
+    TextOut,
+    TokenizeOut,
+)
+from shardserve.ipc.messages.replicas import ReplicaDown, ReplicaLost, ReplicaUp
 from shardserve.ipc.messages.reports import RouterStats, Stats
 from shardserve.ipc.sockets import Endpoints
 from shardserve.server.errors import APIError
+from shardserve.server.replica_board import ReplicaBoard
 
 log = logging.getLogger(__name__)
+
+
+@dataclass
+class Rewind:
+    """Queue item: the request's output so far is void; it is being generated again."""
+
+    rid: str
 
 
 class EngineClient:
@@ -36,6 +62,13 @@ class EngineClient:
         self.scheduler.connect(ep.scheduler)
         self._rr = itertools.cycle(range(num_tokenizer_sockets))
         self.queues: dict[str, asyncio.Queue] = {}
+        self.reqs: dict[str, GenerateReq] = {}  # by rid: to send again should its replica die
+        self.started: set[str] = set()  # rids that have had output
+        self.replayable: set[str] = set()  # rids whose client sees nothing until the end
+        self.current: dict[str, str] = {}  # rid -> the id it runs under since it was sent again
+        self.alias: dict[str, str] = {}  # ... and back
+        self.board = ReplicaBoard(ep.dp)
+        self._tasks: set[asyncio.Task] = set()
         self.stats: dict[int, Stats] = {}  # by replica
         self.router_stats: RouterStats | None = None
         self.dead: str | None = None  # set when a worker died: the reason
@@ -66,6 +99,8 @@ class EngineClient:
             self.stats[msg.replica] = msg
         elif isinstance(msg, RouterStats):
             self.router_stats = msg
+        elif isinstance(msg, ReplicaLost):
+            self._lost(msg)
 
     def _route_ended(self, task: asyncio.Task) -> None:
         """Nothing awaits the routing task: if it ever ends other than by cancellation (the
@@ -79,9 +114,62 @@ class EngineClient:
         self.fail_all(f"the API process stopped reading engine replies: {err or 'the reader ended'}", status=500)
 
     def _deliver(self, rid: str, item: Msg) -> None:
-        q = self.queues.get(rid)
+        own = self.alias.get(rid)
+        if own is not None:
+            item.rid = own  # sent again under another id: the waiter knows only its own
+        elif rid in self.current:
+            return  # the first run's output, from a replica that has died since
+        else:
+            own = rid
+        q = self.queues.get(own)
         if q is not None:
+            if isinstance(item, TextOut):
+                self.started.add(own)
             q.put_nowait(item)
+
+    def _lost(self, msg: ReplicaLost) -> None:
+        """Replica `msg.replica` died holding `msg.rids` (module docstring)."""
+        again = cut = 0
+        for rid in msg.rids:
+            own = self.alias.get(rid, rid)
+            if self.current.get(own, own) != rid or own not in self.queues:
+                continue  # finished, aborted, or already sent again
+            if (own in self.started and own not in self.replayable) or own not in self.reqs:
+                self.queues[own].put_nowait(ErrorOut(rid=own, status=503, message=(
+                    f"replica {msg.replica} stopped while this request was running: {msg.reason}")))
+                cut += 1
+                continue
+            if own in self.started:
+                self.started.discard(own)
+                self.queues[own].put_nowait(Rewind(own))
+            new = self.new_rid()
+            self.alias.pop(rid, None)
+            self.alias[new], self.current[own] = own, new
+            self._spawn(self._send_tokenizer(msgspec.structs.replace(self.reqs[own], rid=new)))
+            again += 1
+        status = self.board.replicas[msg.replica]
+        status.placed_again += again
+        status.cut_off += cut
+        log.warning("replica %d died holding %d request%s: %d sent to another replica, %d cut off mid-stream",
+                    msg.replica, again + cut, "" if again + cut == 1 else "s", again, cut)
+
+    def _spawn(self, awaitable) -> None:
+        """Run a send without waiting for it (a zmq.asyncio send is a future, not a coroutine)."""
+        task = asyncio.ensure_future(awaitable)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    def replicas_down(self, replicas: tuple[int, ...], reason: str) -> None:
+        """The supervisor saw `replicas` die: the router must stop placing there and hand back
+        what they held (on the event loop's thread)."""
+        self.board.down(replicas, reason)
+        for d in replicas:
+            self.stats.pop(d, None)
+        self._spawn(self.scheduler.send(encode(ReplicaDown(replicas=list(replicas), reason=reason))))
+
+    def replicas_up(self, replicas: tuple[int, ...], restarts: int) -> None:
+        self.board.up(replicas, restarts)
+        self._spawn(self.scheduler.send(encode(ReplicaUp(replicas=list(replicas)))))
 
     @staticmethod
     def new_rid() -> str:
@@ -90,18 +178,29 @@ class EngineClient:
     async def _send_tokenizer(self, msg: Msg) -> None:
         await self.tokenizers[next(self._rr)].send(encode(msg))
 
-    async def submit(self, req: GenerateReq, queue: asyncio.Queue) -> None:
+    async def submit(self, req: GenerateReq, queue: asyncio.Queue, replayable: bool = False) -> None:
+        """`replayable`: the caller sends its client nothing before the end, so the request can
+        be generated again from the start should its replica die (the caller handles `Rewind`)."""
         if self.dead:
             raise APIError(503, self.dead)
         self.queues[req.rid] = queue
+        self.reqs[req.rid] = req
+        if replayable:
+            self.replayable.add(req.rid)
         await self._send_tokenizer(req)
 
-    def release(self, rid: str) -> None:
+    def release(self, rid: str) -> str:
+        """Forget `rid`; returns the id it runs under (itself unless it was sent again)."""
         self.queues.pop(rid, None)
+        self.reqs.pop(rid, None)
+        self.started.discard(rid)
+        self.replayable.discard(rid)
+        running = self.current.pop(rid, rid)
+        self.alias.pop(running, None)
+        return running
 
     async def abort(self, rid: str) -> None:
-        self.queues.pop(rid, None)
-        await self.scheduler.send(encode(AbortReq(rid=rid)))
+        await self.scheduler.send(encode(AbortReq(rid=self.release(rid))))
 
     async def call(self, msg: Msg, timeout: float = 60.0) -> Msg:
         """A request with one reply (tokenize, detokenize)."""
@@ -121,7 +220,8 @@ class EngineClient:
         for rid, q in list(self.queues.items()):
             q.put_nowait(ErrorOut(rid=rid, message=reason, status=status))
         cut = len({id(q) for q in self.queues.values()})
-        self.queues.clear()
+        for state in (self.queues, self.reqs, self.started, self.replayable, self.current, self.alias):
+            state.clear()
         return cut
 
     def close(self) -> None:

@@ -13,7 +13,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 from shardserve.ipc.messages.api import ErrorOut, GenerateReq, TextOut
-from shardserve.server.client import EngineClient
+from shardserve.server.client import EngineClient, Rewind
 from shardserve.server.errors import APIError
 from shardserve.server.metrics import Metrics
 
@@ -53,15 +53,17 @@ class Choice:
             self.embedding = out.embedding
 
 
-async def stream_choices(client: EngineClient, metrics: Metrics, reqs: list[GenerateReq],
-                         timeout: Timeouts) -> AsyncIterator[tuple[int, TextOut]]:
+async def stream_choices(client: EngineClient, metrics: Metrics, reqs: list[GenerateReq], timeout: Timeouts,
+                         replayable: bool = False) -> AsyncIterator[tuple[int, TextOut | Rewind]]:
+    """`replayable`: the caller sends nothing before the end and takes `Rewind` (forget choice
+    i's output so far: its replica died, and it is being generated again on another)."""
     queue: asyncio.Queue = asyncio.Queue()
     pending = {r.rid: i for i, r in enumerate(reqs)}
     start = time.monotonic()
     last: dict[str, float] = {}
     try:
         for r in reqs:
-            await client.submit(r, queue)
+            await client.submit(r, queue, replayable)
         while pending:
             left = timeout.total - (time.monotonic() - start) if timeout.total is not None else timeout.silence
             try:
@@ -74,6 +76,9 @@ async def stream_choices(client: EngineClient, metrics: Metrics, reqs: list[Gene
                 raise APIError(500, f"no output from the engine for {timeout.silence:.0f} s") from None
             if isinstance(item, ErrorOut):
                 raise APIError(item.status, item.message, item.param)
+            if isinstance(item, Rewind):
+                yield pending[item.rid], item
+                continue
             now = time.monotonic()
             if item.new_ids:
                 if item.rid in last:
@@ -98,8 +103,11 @@ async def stream_choices(client: EngineClient, metrics: Metrics, reqs: list[Gene
 async def collect(client: EngineClient, metrics: Metrics, reqs: list[GenerateReq],
                   timeout: Timeouts) -> list[Choice]:
     choices = [Choice() for _ in reqs]
-    async for i, out in stream_choices(client, metrics, reqs, timeout):
-        choices[i].add(out)
+    async for i, out in stream_choices(client, metrics, reqs, timeout, replayable=True):
+        if isinstance(out, Rewind):
+            choices[i] = Choice()
+        else:
+            choices[i].add(out)
     return choices
 
 

@@ -118,6 +118,22 @@ class _Server(uvicorn.Server):
         log.info("shutting down: %d request%s in flight cut off", cut, "" if cut == 1 else "s")
 
 
+class _ReplicaEvents:
+    """The supervisor's news (from its thread) onto the event loop that owns the client."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, client: EngineClient, on_failure):
+        self.loop, self.client, self.failed = loop, client, on_failure
+
+    def down(self, replicas: tuple[int, ...], reason: str) -> None:
+        self.loop.call_soon_threadsafe(self.client.replicas_down, replicas, reason)
+
+    def up(self, replicas: tuple[int, ...], restarts: int) -> None:
+        self.loop.call_soon_threadsafe(self.client.replicas_up, replicas, restarts)
+
+    def gave_up(self, replicas: tuple[int, ...], reason: str) -> None:
+        self.loop.call_soon_threadsafe(self.client.board.gave_up, replicas, reason)
+
+
 def run_http(args, default_name: str, info: dict, ep: Endpoints, grid: LocalGrid, sock: socket.socket,
              sampling_defaults: dict) -> int:
     client = EngineClient(ep, max(1, args.num_tokenizers))
@@ -150,7 +166,10 @@ def run_http(args, default_name: str, info: dict, ep: Endpoints, grid: LocalGrid
             # Give in-flight requests a moment to receive their error, then stop.
             loop.call_soon_threadsafe(loop.call_later, 1.0, setattr, server, "should_exit", True)
 
-        grid.watch(on_death)
+        if grid.restartable:  # a dead replica is started again while the others serve
+            grid.supervise(_ReplicaEvents(loop, client, on_death), args.replica_restart_limit, args.startup_timeout)
+        else:
+            grid.watch(on_death)
         log.info("serving %s on http://%s:%d", state.model_name, args.host, args.port)
         await server.serve(sockets=[sock])
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from shardserve.ipc.messages.reports import RouterStats, Stats, merge_stats
+from shardserve.server.replica_board import ReplicaBoard
 
 _LATENCY = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 
@@ -74,9 +75,27 @@ class Metrics:
                               "each replica", per, registry=r)
         self.r_load = Gauge("shardserve_replica_load_tokens", "Outstanding tokens the router counts per replica",
                             per, registry=r)
+        self.r_up = Gauge("shardserve_replica_up", "1 while a replica serves, 0 while it starts again or is down",
+                          per, registry=r)
+        self.r_restarts = Gauge("shardserve_replica_restarts", "Times a replica was started again after dying", per,
+                                registry=r)
+        self.r_again = Gauge("shardserve_replica_requests_placed_again", "Requests a dead replica held that had "
+                             "streamed nothing, sent to another replica", per, registry=r)
+        self.r_cut = Gauge("shardserve_replica_requests_cut_off", "Requests a dead replica held that had streamed, "
+                           "ended with a 503", per, registry=r)
 
-    def update(self, by_replica: dict[int, Stats], router: RouterStats | None = None) -> None:
+    def update(self, by_replica: dict[int, Stats], router: RouterStats | None = None,
+               board: ReplicaBoard | None = None) -> None:
         """Totals over the replicas (rank 0's traffic and stages), and each replica's own numbers."""
+        if board is not None and len(board.replicas) > 1:
+            for d, st in enumerate(board.replicas):
+                self.r_up.labels(d).set(st.state == "serving")
+                self.r_restarts.labels(d).set(st.restarts)
+                self.r_again.labels(d).set(st.placed_again)
+                self.r_cut.labels(d).set(st.cut_off)
+                if d not in by_replica:  # died: what it ran is gone with it
+                    for g in (self.r_running, self.r_waiting, self.r_pages):
+                        g.labels(d).set(0)
         if router is not None:
             for d, (routed, prompt, load) in enumerate(zip(router.routed, router.prompt_tokens, router.load_tokens)):
                 self.r_routed.labels(d).set(routed)

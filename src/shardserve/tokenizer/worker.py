@@ -27,6 +27,7 @@ from shardserve.ipc.messages.api import (
     TokenizeReq,
 )
 from shardserve.ipc.messages.lifecycle import Shutdown
+from shardserve.ipc.messages.replicas import DropStreams
 from shardserve.ipc.sockets import Endpoints, pull, push, recv, send
 from shardserve.loader.model_path import resolve_checkpoint
 from shardserve.loader.tokenizer import load_tokenizer
@@ -137,6 +138,9 @@ def _detok_handler(detok: Detokenizer, to_api: zmq.Socket):
     def handle(msg) -> None:
         if isinstance(msg, TokenBatch):
             send(to_api, TextBatch(items=[detok.feed_safely(o) for o in msg.items]))
+        elif isinstance(msg, DropStreams):  # their replica died: no final token will come
+            for rid in msg.rids:
+                detok.drop(rid)
 
     return handle
 

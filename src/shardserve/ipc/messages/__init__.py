@@ -2,10 +2,11 @@
 
 The messages live by channel: api (a request's way through the processes), reports (stats and
 counts for /metrics and the router), plan (the leader's step plans and their results), disagg
-(between prefill and decode instances), lifecycle (a child's start-up and stop) and nodes
-(between launchers of different machines). This module is the codec: `Message`, every type a
-channel may carry, and `encode` / `decode` / `decode_or_none`. Messages carry no process-local
-state, so rank 0 can later forward them unchanged to other scheduler ranks.
+(between prefill and decode instances), lifecycle (a child's start-up and stop), replicas (a
+replica's death and return) and nodes (between launchers of different machines). This module is
+the codec: `Message`, every type a channel may carry, and `encode` / `decode` / `decode_or_none`.
+Messages carry no process-local state, so rank 0 can later forward them unchanged to other
+scheduler ranks.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from shardserve.ipc.messages.disagg import AbortPrefill, KVArrived, PeerAlive, P
 from shardserve.ipc.messages.lifecycle import Failed, Ready, Shutdown
 from shardserve.ipc.messages.nodes import NodeBeat, NodeFailed, NodeHello, NodeRefused, NodeStop, NodeWelcome
 from shardserve.ipc.messages.plan import StageTraffic, StepPlan, StepResult, Tick, Wake
+from shardserve.ipc.messages.replicas import DropStreams, ReplicaDown, ReplicaLost, ReplicaUp
 from shardserve.ipc.messages.reports import CacheEvents, RankReports, ReportReq, RouterStats, Stats
 
 Message = (
@@ -39,7 +41,7 @@ Message = (
     | ErrorOut | TokenizeReq | TokenizeOut
     | DetokenizeReq | DetokenizeOut | Stats | CacheEvents | RouterStats | StepPlan | Tick | Wake | StepResult
     | StageTraffic | PrefillReq | PrefillDone | PrefillFailed | AbortPrefill | PeerAlive | KVArrived
-    | Ready | Failed | Shutdown
+    | Ready | Failed | Shutdown | ReplicaDown | ReplicaUp | ReplicaLost | DropStreams
     | NodeHello | NodeWelcome | NodeRefused | NodeBeat | NodeFailed | NodeStop
 )
 
