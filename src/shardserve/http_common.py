@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import math
 from collections.abc import Awaitable
 from typing import Any
 
@@ -31,35 +32,59 @@ MAX_DEPTH = 128
 
 
 class BodyError(ValueError):
-    """A request body that is not a JSON object this server reads (answered with a 400)."""
+    """A request body that is not a JSON object this server reads (answered with a 400); `param`:
+    the field at fault, where one is."""
+
+    def __init__(self, message: str, param: str | None = None):
+        super().__init__(message)
+        self.param = param
+
+
+INT64 = 2**63  # msgpack, which carries a request to the engine, takes nothing wider
+
+
+def _no_constant(name: str):
+    raise BodyError(f"malformed JSON body: {name} is not a JSON number")
 
 
 def json_object(raw: bytes) -> dict:
-    """The body as a JSON object, or BodyError saying why not (malformed, not an object, too deep)."""
+    """The body as a JSON object, or BodyError saying why not (malformed, not an object, too
+    deep, a number no field could hold)."""
     deep = f"the request body nests arrays or objects more than {MAX_DEPTH} deep"
     try:
-        data = json.loads(raw)
+        data = json.loads(raw, parse_constant=_no_constant)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise BodyError(f"malformed JSON body: {e}") from None
     except RecursionError:  # the parser recurses once per level of nesting
         raise BodyError(deep) from None
     if not isinstance(data, dict):
         raise BodyError("the request body must be a JSON object")
-    if _too_deep(data):
-        raise BodyError(deep)
+    problem = _shape_problem(data)
+    if problem is not None:
+        raise BodyError(deep) if problem == "deep" else BodyError(*problem)
     return data
 
 
-def _too_deep(data: object) -> bool:
-    """Whether `data` nests lists or dicts more than MAX_DEPTH deep (walked without recursion)."""
-    todo = [(data, 1)]
+def _shape_problem(data: object) -> str | tuple[str, str] | None:
+    """"deep" where `data` nests lists or dicts more than MAX_DEPTH deep, else (what is wrong,
+    the field) for a number no field holds (an integer beyond 64 bits, a float that overflowed
+    to infinity), else None. Walked without recursion."""
+    todo: list[tuple[object, int, tuple]] = [(data, 1, ())]
     while todo:
-        item, depth = todo.pop()
+        item, depth, path = todo.pop()
         if depth > MAX_DEPTH:
-            return True
-        children = item.values() if isinstance(item, dict) else item if isinstance(item, list) else ()
-        todo.extend((c, depth + 1) for c in children if isinstance(c, dict | list))
-    return False
+            return "deep"
+        children = item.items() if isinstance(item, dict) else enumerate(item) if isinstance(item, list) else ()
+        for key, c in children:
+            if isinstance(c, dict | list):
+                todo.append((c, depth + 1, (*path, key)))
+            elif isinstance(c, int) and not isinstance(c, bool) and not -INT64 <= c < INT64:
+                field = ".".join(map(str, (*path, key)))
+                return f"invalid field {field!r}: integer {c} is outside the 64-bit range", field
+            elif isinstance(c, float) and not math.isfinite(c):
+                field = ".".join(map(str, (*path, key)))
+                return f"invalid field {field!r}: number out of range", field
+    return None
 
 
 def error_response(status: int, message: str, param: str | None = None) -> JSONResponse:

@@ -25,10 +25,48 @@ def unfinished(events: list[str]) -> bool:
         ch.get("finish_reason") is None for c in texts for ch in c["choices"])
 
 
-def free_port() -> int:
+_PORT_LOCK = threading.Lock()
+_PORT_STRIDE = 4  # a server's derived ports: --port + 1 (disaggregation bootstrap), + tensor rank
+_port_next = [0]
+
+
+def _port_range() -> tuple[int, int]:
+    """Ports this run hands out: below the kernel's ephemeral range, which bind(0) draws from."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            low = int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        low = 32768
+    return 10000, max(low, 10000 + 1000 * _PORT_STRIDE)
+
+
+def _bindable(port: int) -> bool:
     with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
+def free_port() -> int:
+    """A free port whose next three are free too, handed out once per run.
+
+    Taken from below the ephemeral range, so no process's bind to port 0 (a launcher's master
+    port, a ZeroMQ socket) can take it between this check and the server's own bind, and in
+    blocks so that one server's --port + 1 is never another's --port.
+    """
+    lo, hi = _port_range()
+    with _PORT_LOCK:
+        if not _port_next[0]:
+            span = (hi - lo) // _PORT_STRIDE
+            _port_next[0] = lo + (os.getpid() * 7919 % span) * _PORT_STRIDE
+        for _ in range((hi - lo) // _PORT_STRIDE):
+            base = _port_next[0]
+            _port_next[0] = base + _PORT_STRIDE if base + 2 * _PORT_STRIDE <= hi else lo
+            if all(_bindable(base + i) for i in range(_PORT_STRIDE)):
+                return base
+    raise RuntimeError(f"no free block of {_PORT_STRIDE} ports in {lo}-{hi}")
 
 
 def descendants(pid: int) -> list[int]:

@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 
 import httpx
 
-from shardserve.bench.spawn import Spawned
+from shardserve.bench.spawn import Spawned, tree_rss_kb
 
 KINDS = ("completion", "completion-stream", "chat", "chat-stream", "structured", "disconnect", "bad-body")
 WEIGHTS = (20, 20, 15, 15, 10, 10, 10)
@@ -119,6 +119,7 @@ class Soak:
         self.reference: dict[tuple[str, str], str] = {}
         self.stop = threading.Event()
         self.kills: list[str] = []
+        self.ended = ""  # why the run ended early, if it did
 
     def warm_up(self) -> None:
         """The reference answers (nothing killed yet), each asked twice: a server giving two
@@ -150,10 +151,21 @@ class Soak:
                         outcome, detail = "mismatch", f"{prompt!r}: {detail!r} != {ref!r}"
                 self.tally.add(kind, outcome, detail if outcome in ("lost", "mismatch") else "")
 
+    def fail(self, why: str) -> None:
+        """End the run early: the server itself stopped (counted as a failure in the report)."""
+        if not self.ended:
+            self.ended = why
+            print(f"[soak] {why}", file=sys.stderr, flush=True)
+        self.stop.set()
+
     def killer(self, seed: int) -> None:
         rng = random.Random(seed)
         while not self.stop.wait(rng.uniform(0.5, 1.5) * self.args.kill_every):
-            body = httpx.get(self.url + "/health", timeout=10).json()
+            try:
+                body = httpx.get(self.url + "/health", timeout=10).json()
+            except (httpx.HTTPError, ValueError) as e:
+                self.fail(f"the server stopped answering /health: {type(e).__name__}: {e}")
+                return
             serving = [r["replica"] for r in body.get("replicas", []) if r["state"] == "serving"]
             if not serving:
                 continue
@@ -172,31 +184,19 @@ def rank_pids(log: str) -> list[int]:
     return [pids[r] for r in sorted(pids)]
 
 
-def tree_rss_kb(pid: int) -> int:
-    """Resident memory of `pid` and every process below it, from /proc."""
-    children: dict[int, list[int]] = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat") as f:
-                    children.setdefault(int(f.read().rsplit(")", 1)[1].split()[1]), []).append(int(entry))
-            except OSError:
-                continue
-    total, todo = 0, [pid]
-    while todo:
-        p = todo.pop()
-        todo += children.get(p, [])
-        try:
-            with open(f"/proc/{p}/status") as f:
-                total += next((int(line.split()[1]) for line in f if line.startswith("VmRSS:")), 0)
-        except OSError:
-            continue
-    return total
-
-
 def settled(url: str, timeout: float) -> dict[str, float]:
     """Once every replica serves and nothing runs: the leftovers that must be zero."""
     deadline = time.monotonic() + timeout
+    while True:
+        try:
+            return _leftovers(url, deadline)
+        except httpx.HTTPError as e:
+            if time.monotonic() > deadline:
+                return {f"/metrics or /health unreachable ({type(e).__name__})": 1.0}
+            time.sleep(1.0)
+
+
+def _leftovers(url: str, deadline: float) -> dict[str, float]:
     while True:
         text = httpx.get(url + "/metrics", timeout=10).text
         values: dict[str, float] = {}
@@ -211,10 +211,34 @@ def settled(url: str, timeout: float) -> dict[str, float]:
             return {k: v for k, v in values.items() if v}
 
 
+def spawn_args(args) -> list[str]:
+    """The server's flags. Unless they name a restart limit, one the planned kills cannot reach:
+    kills every --kill-every seconds come faster than a replica's restart count resets, and a
+    replica that gave up would end the soak rather than test it."""
+    spawn = args.spawn.split()
+    if args.kill_every and "--replica-restart-limit" not in spawn:
+        limit = int(args.duration / (0.5 * args.kill_every)) + 2
+        spawn += ["--replica-restart-limit", str(limit)]
+        print(f"[soak] serving with --replica-restart-limit {limit} (more than the kills planned)",
+              file=sys.stderr, flush=True)
+    return spawn
+
+
+def watch(soak: Soak, server: Spawned | None, end: float) -> None:
+    """Until `end`: progress every 30 s, and the run ended early should the server exit."""
+    while not soak.stop.wait(min(30.0, max(0.0, end - time.monotonic()))):
+        if server is not None and server.proc.poll() is not None:
+            soak.fail(f"the server exited with {server.proc.returncode}:\n{server.tail(2000)}")
+        if time.monotonic() >= end:
+            break
+        done = sum(soak.tally.outcomes.values())
+        print(f"[soak] {done} requests, {len(soak.kills)} kills so far", file=sys.stderr, flush=True)
+
+
 def run_soak(args) -> int:
     server = None
     if args.spawn is not None:
-        server = Spawned("serve", args.spawn.split(), "server", timeout=args.startup_timeout)
+        server = Spawned("serve", spawn_args(args), "server", timeout=args.startup_timeout)
     url = server.url if server else args.url.rstrip("/")
     try:
         soak = Soak(url, args, server)
@@ -229,16 +253,11 @@ def run_soak(args) -> int:
         if args.kill_every and server is not None:
             killer = threading.Thread(target=soak.killer, args=(args.seed,), daemon=True)
             killer.start()
-        end = time.monotonic() + args.duration - min(args.warmup, args.duration / 2)
-        while not soak.stop.wait(min(30.0, max(0.0, end - time.monotonic()))):
-            if time.monotonic() >= end:
-                break
-            done = sum(soak.tally.outcomes.values())
-            print(f"[soak] {done} requests, {len(soak.kills)} kills so far", file=sys.stderr, flush=True)
+        watch(soak, server, time.monotonic() + args.duration - min(args.warmup, args.duration / 2))
         soak.stop.set()
         for t in threads + ([killer] if killer else []):
             t.join(args.request_timeout + 10)
-        left = settled(url, args.settle_timeout)
+        left = {} if soak.ended else settled(url, args.settle_timeout)
         rss_end = tree_rss_kb(server.proc.pid) if server else 0
     finally:
         if server is not None:
@@ -260,7 +279,8 @@ def report(soak: Soak, left: dict[str, float], rss_start: int, rss_end: int, arg
     if rss_start:
         print(f"resident memory of the server's processes: {rss_start / 1024:.0f} MiB after warm-up, "
               f"{rss_end / 1024:.0f} MiB at the end ({growth:+.1%})")
-    failures = [f"{bad} requests lost or wrong"] if bad else []
+    failures = [soak.ended.splitlines()[0]] if soak.ended else []
+    failures += [f"{bad} requests lost or wrong"] if bad else []
     failures += [f"left over once idle: {left}"] if left else []
     failures += [f"resident memory grew {growth:.1%} (> {args.max_rss_growth:.0%})"] if growth > args.max_rss_growth \
         else []

@@ -22,6 +22,7 @@ from shardserve.server.errors import APIError, parse_body
 from shardserve.server.generation import Timeouts
 from shardserve.server.metrics import Metrics
 from shardserve.server.openai_api import OpenAIHandlers
+from shardserve.server.openapi import document_bodies
 from shardserve.server.protocol import (
     ChatRequest,
     CompletionRequest,
@@ -30,7 +31,7 @@ from shardserve.server.protocol import (
     error_body,
 )
 from shardserve.server.reasoning import Reasoning
-from shardserve.server.request_params import chat_options, template_fields_given
+from shardserve.server.request_params import chat_options, check_token_ids, template_fields_given
 from shardserve.server.response_store import ResponseStore
 from shardserve.server.responses_api import ResponsesHandlers
 from shardserve.server.responses_protocol import ResponsesRequest
@@ -191,10 +192,15 @@ def build_app(state: ServerState) -> FastAPI:
     @app.post("/detokenize")
     async def detokenize(request: Request):
         body = await parse_body(request, DetokenizeRequest, state.max_body)
+        check_token_ids(body.tokens, state.vocab_size, "tokens")
         reply = await state.client.call(DetokenizeReq(rid=EngineClient.new_rid(), token_ids=body.tokens))
         _raise_if_error(reply)
         return {"prompt": reply.text}
 
+    document_bodies(app, {
+        "/v1/completions": CompletionRequest, "/v1/chat/completions": ChatRequest, "/v1/embeddings": EmbeddingRequest,
+        "/v1/responses": ResponsesRequest, "/v1/messages": MessagesRequest, "/v1/messages/count_tokens":
+        CountTokensRequest, "/tokenize": TokenizeRequest, "/detokenize": DetokenizeRequest}, [state.model_name])
     return app
 
 

@@ -29,7 +29,7 @@ async def parse_body(request: Request, model: type[BaseModel], max_bytes: int) -
     try:
         data = json_object(raw)
     except BodyError as e:
-        raise APIError(400, str(e)) from None
+        raise APIError(400, str(e), param=e.param) from None
     try:
         return model.model_validate(data)
     except RefusedField as e:

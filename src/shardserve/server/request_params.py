@@ -53,9 +53,10 @@ def logit_bias(raw: dict[str, float] | None, vocab_size: int | None) -> dict[int
 
 def check_token_ids(ids: list[int] | None, vocab_size: int | None, field: str) -> None:
     """Ids the sampler would have to drop (beyond the logits) are a 400 here instead."""
-    bad = [t for t in ids or () if vocab_size is not None and t >= vocab_size]
+    bad = [t for t in ids or () if t < 0 or (vocab_size is not None and t >= vocab_size)]
     if bad:
-        raise APIError(400, f"{field} token id {bad[0]} is outside the vocabulary [0, {vocab_size})", param=field)
+        vocab = f"[0, {vocab_size})" if vocab_size is not None else "(ids are not negative)"
+        raise APIError(400, f"{field} token id {bad[0]} is outside the vocabulary {vocab}", param=field)
 
 
 def chat_options(body, messages: list[dict], trust_template: bool) -> dict:
