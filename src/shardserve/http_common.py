@@ -53,10 +53,12 @@ def json_object(raw: bytes) -> dict:
     deep = f"the request body nests arrays or objects more than {MAX_DEPTH} deep"
     try:
         data = json.loads(raw, parse_constant=_no_constant)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise BodyError(f"malformed JSON body: {e}") from None
     except RecursionError:  # the parser recurses once per level of nesting
         raise BodyError(deep) from None
+    except BodyError:
+        raise
+    except ValueError as e:  # malformed (JSONDecodeError), not UTF-8, or an integer of > 4300 digits
+        raise BodyError(f"malformed JSON body: {e}") from None
     if not isinstance(data, dict):
         raise BodyError("the request body must be a JSON object")
     problem = _shape_problem(data)

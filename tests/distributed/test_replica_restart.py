@@ -125,6 +125,7 @@ def test_dp3_replica_killed_under_load_restarts_and_loses_nothing(tiny_model, tm
     assert routed_end > routed_back  # it serves again
     assert pages_end == baseline_pages
     during = [e - s for s, e, _, _, _ in results if killed <= s and e <= back]
+    assert len(during) >= 5, f"only {len(during)} requests ran while replica 1 restarted"  # the load went on
     print(f"load latency median {base:.3f} s alone, {statistics.median(during):.3f} s over {len(during)} "
           f"requests while replica 1 restarted ({back - killed:.1f} s); {placed_again['1']:.0f} placed again")
     assert statistics.median(during) < 2 * base, (base, during)

@@ -17,6 +17,14 @@ from shardserve.ipc.sockets import Endpoints
 from shardserve.server.client import EngineClient, Rewind
 
 
+async def within(awaitable, what: str = "the client's send"):
+    """Await with a bound: a regression fails here instead of hanging the suite."""
+    try:
+        return await asyncio.wait_for(awaitable, 10)
+    except asyncio.TimeoutError:
+        raise AssertionError(f"nothing came within 10 s: {what}") from None
+
+
 def out(rid: str, text: str, finished: bool = False) -> TextBatch:
     return TextBatch(items=[TextOut(rid=rid, text=text, new_ids=[1], finished=finished)])
 
@@ -32,29 +40,29 @@ def test_requests_of_a_dead_replica_are_sent_again_or_cut_off():
         for rid, q in queues.items():
             await client.submit(GenerateReq(rid=rid, params=SamplingParams(max_tokens=4), text="hi"), q,
                                 replayable=rid == "collected")
-        sent = [decode(await tokenizer.recv()).rid for _ in range(3)]
+        sent = [decode(await within(tokenizer.recv())).rid for _ in range(3)]
         assert sorted(sent) == ["collected", "quiet", "streamed"]
         client._dispatch(out("streamed", "a"))
         client._dispatch(out("collected", "b"))
         client._dispatch(ReplicaLost(replica=1, rids=["quiet", "streamed", "collected", "gone"], reason="killed"))
-        again = {decode(await tokenizer.recv()).rid for _ in range(2)}
+        again = {decode(await within(tokenizer.recv())).rid for _ in range(2)}
         assert len(again) == 2 and not again & {"quiet", "collected"}  # new ids
         assert client.board.replicas[1].placed_again == 2 and client.board.replicas[1].cut_off == 1
 
         s = queues["streamed"]
-        assert (await s.get()).text == "a"
-        err = await s.get()
+        assert (await within(s.get())).text == "a"
+        err = await within(s.get())
         assert isinstance(err, ErrorOut) and err.status == 503
         assert err.message == "replica 1 stopped while this request was running: killed"
         c = queues["collected"]
-        assert (await c.get()).text == "b" and await c.get() == Rewind("collected")
+        assert (await within(c.get())).text == "b" and await within(c.get()) == Rewind("collected")
 
         # The dead replica's late output under the old id is dropped; the new run's is delivered
         # under the request's own id.
         client._dispatch(out("quiet", "late"))
         new_quiet = client.current["quiet"]
         client._dispatch(out(new_quiet, "fresh", finished=True))
-        got = await queues["quiet"].get()
+        got = await within(queues["quiet"].get())
         assert got.rid == "quiet" and got.text == "fresh" and queues["quiet"].empty()
         client.release("quiet")
         assert new_quiet not in client.alias and "quiet" not in client.current
@@ -63,3 +71,45 @@ def test_requests_of_a_dead_replica_are_sent_again_or_cut_off():
         client.close()
 
     asyncio.run(run())
+
+
+def test_an_answer_finished_before_its_replica_died_is_not_sent_again():
+    """Its last output is queued, unread, when the replica's loss arrives: it stays finished."""
+    async def run():
+        ep = Endpoints.create(1, dp=2)
+        ctx = zmq.asyncio.Context()
+        tokenizer = ctx.socket(zmq.PULL)
+        tokenizer.bind(ep.tokenizer(0))
+        client = EngineClient(ep, 1)
+        q: asyncio.Queue = asyncio.Queue()
+        await client.submit(GenerateReq(rid="done", params=SamplingParams(max_tokens=4), text="hi"), q,
+                            replayable=True)
+        assert decode(await within(tokenizer.recv())).rid == "done"
+        client._dispatch(out("done", "all of it", finished=True))
+        client._dispatch(ReplicaLost(replica=0, rids=["done"], reason="killed"))
+        assert client.board.replicas[0].placed_again == 0 and "done" not in client.current
+        assert (await within(q.get())).finished and q.empty()  # no Rewind after the finish
+        assert not await tokenizer.poll(200)  # and nothing sent again
+        client.release("done")
+        assert "done" not in client.finished
+        tokenizer.close(linger=0)
+        ctx.term()
+        client.close()
+
+    asyncio.run(run())
+
+
+def test_a_dropped_stream_is_not_started_again_by_its_late_tokens(monkeypatch):
+    from shardserve.ipc.messages.api import TokenOut
+    from shardserve.tokenizer import detokenizer
+    from shardserve.tokenizer.detokenizer import Detokenizer
+
+    detok = Detokenizer(None)
+    detok.feed(TokenOut(rid="a", new_ids=[1], finished=False))
+    detok.drop("a")  # its replica died (DropStreams)
+    assert not detok.live(TokenOut(rid="a", new_ids=[2], finished=False)) and "a" not in detok.streams
+    assert detok.live(TokenOut(rid="b", new_ids=[2], finished=False))
+    monkeypatch.setattr(detokenizer, "DROPPED_KEPT", 2)
+    for rid in ("x", "y", "z"):
+        detok.drop(rid)
+    assert list(detok.dropped) == ["y", "z"]  # bounded: the oldest forgotten first

@@ -144,17 +144,17 @@ def test_a_dead_replica_hands_back_its_requests_and_gets_nothing_until_it_is_up(
     router.handle(req("a", [1] * 9))
     router.handle(req("b", [2] * 9))
     assert landed(leaders) == {"a": 0, "b": 1}
+    events(router, pubs[1], 1, 0)  # replica 1's leader has numbered one event
     router.handle(ReplicaDown(replicas=[1], reason="scheduler-1 was killed by signal 9"))
     lost = recv(router.test_api, timeout_ms=2000)
     assert lost == ReplicaLost(replica=1, rids=["b"], reason="scheduler-1 was killed by signal 9")
     assert recv(router.test_detok, timeout_ms=2000) == DropStreams(rids=["b"])
     assert router.router.replica_of("b") is None and router.router.replicas[1].load == 0
     # A dead leader's last events are ignored; new requests and reports go to replica 0 only.
-    send(pubs[1], CacheEvents(replica=1, seq=0, stored=page_hashes([2] * 8, PAGE)))
-    time.sleep(0.1)
-    while router.events.poll(50):
-        router.on_events(recv(router.events))
-    assert len(router.router.replicas[1].prefixes) == 0
+    send(pubs[1], CacheEvents(replica=1, seq=1, stored=page_hashes([2] * 8, PAGE)))
+    assert router.events.poll(2000), "the dead leader's late event never arrived"
+    router.on_events(recv(router.events))
+    assert len(router.router.replicas[1].prefixes) == 0 and router.next_seq[1] == 1
     router.handle(req("c", [3] * 9))
     router.handle(ReportReq(rid="r"))
     assert landed(leaders) == {"c": 0, "r": 0}

@@ -116,3 +116,29 @@ def test_a_death_outside_every_replica_fails_the_grid_at_once():
 
 def test_backoff_grows_to_its_cap():
     assert [backoff(r) for r in (1, 2, 3, 4, 5, 10)] == [0.0, 1.0, 2.0, 4.0, 8.0, supervisor.MAX_BACKOFF]
+
+
+def test_processes_that_cannot_be_started_count_as_a_failed_start(monkeypatch):
+    monkeypatch.setattr(supervisor, "backoff", lambda restart: 0.0)
+    tree, events, sup, units = grid(limit=1)
+
+    def cannot(children):
+        raise OSError("Resource temporarily unavailable")
+
+    tree.start = cannot
+    tree.dead.append("scheduler-0")
+    assert sup.step()
+    assert units[0].state == "down" and "could not be started: Resource temporarily unavailable" in events.seen[-1][2]
+
+
+def test_a_replica_serving_long_enough_has_its_restarts_forgiven(monkeypatch):
+    monkeypatch.setattr(supervisor, "backoff", lambda restart: 0.0)
+    tree, events, sup, units = grid(limit=1)
+    tree.dead.append("scheduler-0")
+    assert sup.step()
+    tree.reports.append(Ready(name="scheduler-0"))
+    assert sup.step() and units[0].restarts == 1
+    units[0].since -= supervisor.RESET_AFTER + 1  # as if it had served that long
+    assert sup.step() and units[0].restarts == 0
+    tree.dead.append("scheduler-0")  # so a death now is started again, not the limit
+    assert sup.step() and units[0].state == "starting" and units[0].total_restarts == 2

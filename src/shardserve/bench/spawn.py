@@ -90,8 +90,9 @@ class Spawned:
         self.log.close()
 
 
-def tree_rss_kb(pid: int) -> int:
-    """Resident memory of `pid` and every process below it, from /proc."""
+def tree_rss_kb(pid: int) -> dict[int, tuple[int, int]]:
+    """Resident memory of `pid` and every process below it, from /proc: pid -> (VmRSS, RssAnon)
+    in KiB (anonymous memory is what a leak grows; the rest is mapped files and libraries)."""
     children: dict[int, list[int]] = {}
     for entry in os.listdir("/proc"):
         if entry.isdigit():
@@ -100,13 +101,14 @@ def tree_rss_kb(pid: int) -> int:
                     children.setdefault(int(f.read().rsplit(")", 1)[1].split()[1]), []).append(int(entry))
             except OSError:
                 continue
-    total, todo = 0, [pid]
+    out, todo = {}, [pid]
     while todo:
         p = todo.pop()
         todo += children.get(p, [])
         try:
             with open(f"/proc/{p}/status") as f:
-                total += next((int(line.split()[1]) for line in f if line.startswith("VmRSS:")), 0)
-        except OSError:
+                fields = {k: v for k, _, v in (line.partition(":") for line in f)}
+            out[p] = (int(fields.get("VmRSS", "0 kB").split()[0]), int(fields.get("RssAnon", "0 kB").split()[0]))
+        except (OSError, ValueError):
             continue
-    return total
+    return out

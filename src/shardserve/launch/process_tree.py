@@ -79,6 +79,7 @@ class ProcessTree:
         self.ctx = zmq.Context()
         self.ready_sock = pull(self.ctx, ep.ready)  # bound before any child can report
         self.procs: dict[str, subprocess.Popen] = {}
+        self.unreaped: list[tuple[str, subprocess.Popen]] = []  # SIGKILLed, not gone yet (see stop_children)
         self._stop_watch = threading.Event()
 
     def start(self, children: list[Child] | None = None) -> None:
@@ -160,6 +161,7 @@ class ProcessTree:
     def stop(self, grace: float = 5.0) -> None:
         self._stop_watch.set()
         self.stop_children(list(self.procs), grace)
+        self._reap()
         self.ready_sock.close(linger=0)
         self.ctx.term()
         shutil.rmtree(self.ep.root, ignore_errors=True)
@@ -178,9 +180,24 @@ class ProcessTree:
             except subprocess.TimeoutExpired:
                 log.warning("%s ignored SIGTERM; killing it", name)
                 p.kill()
-                p.wait(2)
+                try:
+                    p.wait(2)
+                except subprocess.TimeoutExpired:
+                    # Still tearing down (a device's memory, say): the others go on; stop() reaps it.
+                    log.warning("%s (pid %d) is still exiting after SIGKILL", name, p.pid)
+                    self.unreaped.append((name, p))
         for name in procs:
             self.procs.pop(name, None)
+
+    def _reap(self, timeout: float = 10.0) -> None:
+        """Wait for the SIGKILLed children stop_children could not wait for; name any left."""
+        deadline = time.monotonic() + timeout
+        for name, p in self.unreaped:
+            try:
+                p.wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                log.error("%s (pid %d) has not exited %.0f s after SIGKILL", name, p.pid, timeout)
+        self.unreaped = []
 
     @property
     def pids(self) -> list[int]:

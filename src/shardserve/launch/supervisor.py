@@ -85,6 +85,8 @@ class Supervisor:
         self._stop.set()
         if self._thread is not None:
             self._thread.join(STOP_GRACE + 10)
+            if self._thread.is_alive():
+                log.warning("the replica supervisor is still stopping a replica's ranks; the server stops them too")
 
     def _run(self) -> None:
         try:
@@ -139,10 +141,9 @@ class Supervisor:
     def _lost(self, unit: Unit, reason: str) -> None:
         """The unit died (serving) or failed to start: stop what is left of it; start it again
         after a backoff, or give up."""
-        was_serving = unit.state == "serving"
-        self.tree.stop_children(unit.names, STOP_GRACE)
-        if was_serving:
+        if unit.state == "serving":  # first: no request is placed on it while its ranks stop
             self.events.down(unit.replicas, reason)
+        self.tree.stop_children(unit.names, STOP_GRACE)
         if unit.restarts >= self.limit:
             unit.state = "down"
             log.error("%s: %s; %s stay%s down (started again %d time%s in a row, --replica-restart-limit %d)",

@@ -65,6 +65,7 @@ class EngineClient:
         self.reqs: dict[str, GenerateReq] = {}  # by rid: to send again should its replica die
         self.started: set[str] = set()  # rids that have had output
         self.replayable: set[str] = set()  # rids whose client sees nothing until the end
+        self.finished: set[str] = set()  # rids whose last output is queued, not yet read
         self.current: dict[str, str] = {}  # rid -> the id it runs under since it was sent again
         self.alias: dict[str, str] = {}  # ... and back
         self.board = ReplicaBoard(ep.dp)
@@ -125,6 +126,8 @@ class EngineClient:
         if q is not None:
             if isinstance(item, TextOut):
                 self.started.add(own)
+                if item.finished:
+                    self.finished.add(own)
             q.put_nowait(item)
 
     def _lost(self, msg: ReplicaLost) -> None:
@@ -132,7 +135,7 @@ class EngineClient:
         again = cut = 0
         for rid in msg.rids:
             own = self.alias.get(rid, rid)
-            if self.current.get(own, own) != rid or own not in self.queues:
+            if self.current.get(own, own) != rid or own not in self.queues or own in self.finished:
                 continue  # finished, aborted, or already sent again
             if (own in self.started and own not in self.replayable) or own not in self.reqs:
                 self.queues[own].put_nowait(ErrorOut(rid=own, status=503, message=(
@@ -195,6 +198,7 @@ class EngineClient:
         self.reqs.pop(rid, None)
         self.started.discard(rid)
         self.replayable.discard(rid)
+        self.finished.discard(rid)
         running = self.current.pop(rid, rid)
         self.alias.pop(running, None)
         return running

@@ -60,7 +60,7 @@ async def stream_choices(client: EngineClient, metrics: Metrics, reqs: list[Gene
     queue: asyncio.Queue = asyncio.Queue()
     pending = {r.rid: i for i, r in enumerate(reqs)}
     start = time.monotonic()
-    last: dict[str, float] = {}
+    last: dict[str, float | None] = {}
     try:
         for r in reqs:
             await client.submit(r, queue, replayable)
@@ -77,12 +77,15 @@ async def stream_choices(client: EngineClient, metrics: Metrics, reqs: list[Gene
             if isinstance(item, ErrorOut):
                 raise APIError(item.status, item.message, item.param)
             if isinstance(item, Rewind):
-                yield pending[item.rid], item
+                if item.rid in pending:  # (a choice that finished before its replica died stays finished)
+                    last[item.rid] = None  # the outage is no inter-token latency
+                    yield pending[item.rid], item
                 continue
             now = time.monotonic()
             if item.new_ids:
                 if item.rid in last:
-                    metrics.itl.observe((now - last[item.rid]) / len(item.new_ids))
+                    if last[item.rid] is not None:
+                        metrics.itl.observe((now - last[item.rid]) / len(item.new_ids))
                 else:
                     metrics.ttft.observe(now - start)
                     metrics.prompt_tokens.inc(item.prompt_tokens)

@@ -8,10 +8,13 @@ stop string if one matched, so streamed pieces always add up to the final text.
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from dataclasses import dataclass, field
 
 from shardserve.ipc.messages.api import TextOut, TokenOut
 from shardserve.text import IncrementalText
+
+DROPPED_KEPT = 10000  # dropped stream ids remembered
 
 
 @dataclass
@@ -24,6 +27,9 @@ class Detokenizer:
     def __init__(self, tokenizer):
         self.tok = tokenizer
         self.streams: dict[str, _Stream] = {}
+        # Streams of a dead replica, dropped: its last token batches can still be on the way and
+        # must not start them again (the oldest are forgotten first).
+        self.dropped: OrderedDict[str, None] = OrderedDict()
 
     def feed_safely(self, out: TokenOut) -> TextOut:
         """feed, or where decoding this request raised, a TextOut carrying why (the API fails that
@@ -72,3 +78,10 @@ class Detokenizer:
 
     def drop(self, rid: str) -> None:
         self.streams.pop(rid, None)
+        self.dropped[rid] = None
+        while len(self.dropped) > DROPPED_KEPT:
+            self.dropped.popitem(last=False)
+
+    def live(self, out: TokenOut) -> bool:
+        """Whether `out` belongs to a stream that was not dropped."""
+        return out.rid not in self.dropped

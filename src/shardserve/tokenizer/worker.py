@@ -137,7 +137,9 @@ def tokenizer_main(model: str | None, ep: Endpoints, index: int, detokenize: boo
 def _detok_handler(detok: Detokenizer, to_api: zmq.Socket):
     def handle(msg) -> None:
         if isinstance(msg, TokenBatch):
-            send(to_api, TextBatch(items=[detok.feed_safely(o) for o in msg.items]))
+            items = [detok.feed_safely(o) for o in msg.items if detok.live(o)]
+            if items:
+                send(to_api, TextBatch(items=items))
         elif isinstance(msg, DropStreams):  # their replica died: no final token will come
             for rid in msg.rids:
                 detok.drop(rid)
