@@ -25,17 +25,26 @@ async def within(awaitable, what: str = "the client's send"):
         raise AssertionError(f"nothing came within 10 s: {what}") from None
 
 
+def wired() -> tuple[EngineClient, zmq.asyncio.Socket]:
+    """An API-process client of two replicas, and the tokenizer socket it sends to."""
+    ep = Endpoints.create(1, dp=2)
+    tokenizer = zmq.asyncio.Context.instance().socket(zmq.PULL)
+    tokenizer.bind(ep.tokenizer(0))
+    return EngineClient(ep, 1), tokenizer
+
+
+def unwire(client: EngineClient, tokenizer: zmq.asyncio.Socket) -> None:
+    tokenizer.close(linger=0)
+    client.close()
+
+
 def out(rid: str, text: str, finished: bool = False) -> TextBatch:
     return TextBatch(items=[TextOut(rid=rid, text=text, new_ids=[1], finished=finished)])
 
 
 def test_requests_of_a_dead_replica_are_sent_again_or_cut_off():
     async def run():
-        ep = Endpoints.create(1, dp=2)
-        ctx = zmq.asyncio.Context()
-        tokenizer = ctx.socket(zmq.PULL)
-        tokenizer.bind(ep.tokenizer(0))
-        client = EngineClient(ep, 1)
+        client, tokenizer = wired()
         queues = {rid: asyncio.Queue() for rid in ("quiet", "streamed", "collected")}
         for rid, q in queues.items():
             await client.submit(GenerateReq(rid=rid, params=SamplingParams(max_tokens=4), text="hi"), q,
@@ -66,9 +75,7 @@ def test_requests_of_a_dead_replica_are_sent_again_or_cut_off():
         assert got.rid == "quiet" and got.text == "fresh" and queues["quiet"].empty()
         client.release("quiet")
         assert new_quiet not in client.alias and "quiet" not in client.current
-        tokenizer.close(linger=0)
-        ctx.term()
-        client.close()
+        unwire(client, tokenizer)
 
     asyncio.run(run())
 
@@ -76,11 +83,7 @@ def test_requests_of_a_dead_replica_are_sent_again_or_cut_off():
 def test_an_answer_finished_before_its_replica_died_is_not_sent_again():
     """Its last output is queued, unread, when the replica's loss arrives: it stays finished."""
     async def run():
-        ep = Endpoints.create(1, dp=2)
-        ctx = zmq.asyncio.Context()
-        tokenizer = ctx.socket(zmq.PULL)
-        tokenizer.bind(ep.tokenizer(0))
-        client = EngineClient(ep, 1)
+        client, tokenizer = wired()
         q: asyncio.Queue = asyncio.Queue()
         await client.submit(GenerateReq(rid="done", params=SamplingParams(max_tokens=4), text="hi"), q,
                             replayable=True)
@@ -92,9 +95,7 @@ def test_an_answer_finished_before_its_replica_died_is_not_sent_again():
         assert not await tokenizer.poll(200)  # and nothing sent again
         client.release("done")
         assert "done" not in client.finished
-        tokenizer.close(linger=0)
-        ctx.term()
-        client.close()
+        unwire(client, tokenizer)
 
     asyncio.run(run())
 
