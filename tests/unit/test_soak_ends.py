@@ -27,7 +27,7 @@ def test_killer_reports_a_server_that_stopped_answering(capsys):
     soak = Soak(closed_url(), args, server=None)
     soak.killer(seed=0)  # returns instead of raising ConnectError
     assert soak.stop.is_set() and soak.ended.startswith("the server stopped answering /health: ConnectError")
-    assert report(soak, {}, {}, {}, args) == 1
+    assert report(soak.tally, soak.kills, soak.ended, {}, {}, {}, args) == 1
     assert "soak: FAILED: the server stopped answering /health" in capsys.readouterr().out
 
 

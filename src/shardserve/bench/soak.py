@@ -25,12 +25,10 @@ import signal
 import sys
 import threading
 import time
-from collections import Counter
-from dataclasses import dataclass, field
 
 import httpx
 
-from shardserve.bench.soak_report import KINDS, memory_by_process, report
+from shardserve.bench.soak_report import KINDS, Tally, memory_by_process, report
 from shardserve.bench.spawn import Spawned
 
 WEIGHTS = (20, 20, 15, 15, 10, 10, 10)
@@ -40,19 +38,6 @@ SCHEMA = {"type": "object", "properties": {"answer": {"type": "string", "maxLeng
 SOAK_PAGES = 256
 BAD_BODIES = ('{"prompt": "x", "max_tokens": -1}', '{"prompt": "x", "temperature": "hot"}', "{not json",
               '{"prompt": "x", "no_such_field": 1}', '{"messages": "not a list"}')
-
-
-@dataclass
-class Tally:
-    outcomes: Counter = field(default_factory=Counter)  # (kind, outcome)
-    problems: list[str] = field(default_factory=list)
-    lock: threading.Lock = field(default_factory=threading.Lock)
-
-    def add(self, kind: str, outcome: str, problem: str = "") -> None:
-        with self.lock:
-            self.outcomes[kind, outcome] += 1
-            if problem and len(self.problems) < 50:
-                self.problems.append(f"{kind}: {problem}")
 
 
 def body_of(kind: str, prompt: str, max_tokens: int) -> tuple[str, dict]:
@@ -284,4 +269,4 @@ def run_soak(args) -> int:
     finally:
         if server is not None:
             server.stop()
-    return report(soak, left, rss_start, rss_end, args)
+    return report(soak.tally, soak.kills, soak.ended, left, rss_start, rss_end, args)

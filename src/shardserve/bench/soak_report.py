@@ -4,15 +4,27 @@ resident memory by process."""
 from __future__ import annotations
 
 import re
-from typing import TYPE_CHECKING
+import threading
+from collections import Counter
+from dataclasses import dataclass, field
 
 from shardserve.bench.spawn import Spawned, tree_rss_kb
 
-if TYPE_CHECKING:
-    from shardserve.bench.soak import Soak
-
 KINDS = ("completion", "completion-stream", "chat", "chat-stream", "structured", "disconnect", "bad-body")
 OUTCOMES = ("ok", "error", "disconnected", "refused", "lost", "mismatch")
+
+
+@dataclass
+class Tally:
+    outcomes: Counter = field(default_factory=Counter)  # (kind, outcome)
+    problems: list[str] = field(default_factory=list)
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def add(self, kind: str, outcome: str, problem: str = "") -> None:
+        with self.lock:
+            self.outcomes[kind, outcome] += 1
+            if problem and len(self.problems) < 50:
+                self.problems.append(f"{kind}: {problem}")
 
 
 def memory_by_process(server: Spawned | None) -> dict[str, tuple[int, int, int]]:
@@ -31,14 +43,16 @@ def memory_by_process(server: Spawned | None) -> dict[str, tuple[int, int, int]]
 
 
 
-def report(soak: Soak, left: dict[str, float], rss_start: dict, rss_end: dict, args) -> int:
-    out = soak.tally.outcomes
+def report(tally: Tally, kills: list[str], ended: str, left: dict[str, float], rss_start: dict, rss_end: dict,
+           args) -> int:
+    """Print the findings; 1 if the run failed (`ended`: why it ended early, if it did)."""
+    out = tally.outcomes
     print(f"{'kind':<18} " + " ".join(f"{o:>12}" for o in OUTCOMES))
     for kind in KINDS:
         print(f"{kind:<18} " + " ".join(f"{out[kind, o]:>12}" for o in OUTCOMES))
     total = sum(out.values())
     bad = sum(n for (_, o), n in out.items() if o in ("lost", "mismatch"))
-    print(f"requests {total}, lost or wrong {bad}; replica kills {len(soak.kills)}")
+    print(f"requests {total}, lost or wrong {bad}; replica kills {len(kills)}")
     start, end = (sum(v[0] for v in m.values()) for m in (rss_start, rss_end))
     growth = (end / start - 1) if start else 0.0
     if start:
@@ -48,12 +62,12 @@ def report(soak: Soak, left: dict[str, float], rss_start: dict, rss_end: dict, a
             (a, a_anon, _), (b, b_anon, n) = rss_start.get(name, (0, 0, 0)), rss_end.get(name, (0, 0, 0))
             many = f"  ({n} processes at the end)" if n > 1 else ""
             print(f"  {name:<16} {a / 1024:8.0f} ({a_anon / 1024:.0f}) -> {b / 1024:8.0f} ({b_anon / 1024:.0f}){many}")
-    failures = [soak.ended.splitlines()[0]] if soak.ended else []
+    failures = [ended.splitlines()[0]] if ended else []
     failures += [f"{bad} requests lost or wrong"] if bad else []
     failures += [f"left over once idle: {left}"] if left else []
     failures += [f"resident memory grew {growth:.1%} (> {args.max_rss_growth:.0%})"] if growth > args.max_rss_growth \
         else []
-    for p in soak.tally.problems[:10]:
+    for p in tally.problems[:10]:
         print(f"  {p}")
     print("soak: " + ("PASSED" if not failures else "FAILED: " + "; ".join(failures)))
     return 1 if failures else 0
