@@ -114,3 +114,31 @@ def test_a_dropped_stream_is_not_started_again_by_its_late_tokens(monkeypatch):
     for rid in ("x", "y", "z"):
         detok.drop(rid)
     assert list(detok.dropped) == ["y", "z"]  # bounded: the oldest forgotten first
+
+
+def test_totals_do_not_fall_when_a_replica_starts_again_from_zero():
+    from shardserve.ipc.messages.reports import Stats
+    from shardserve.server.metrics import Metrics
+
+    def stats(replica: int, finished: int, steps: int, running: int) -> Stats:
+        return Stats(running=running, waiting=0, pages_used=running, pages_total=8, prefix_hit_rate=0.0,
+                     finished=finished, steps=steps, replica=replica)
+
+    def total(metrics: Metrics, name: str) -> float:
+        return metrics.registry.get_sample_value(name)
+
+    async def run():
+        client, tokenizer = wired()
+        client._dispatch(stats(0, finished=5, steps=50, running=1))
+        client._dispatch(stats(1, finished=10, steps=70, running=2))
+        client.replicas_down((1,), "killed")
+        client._dispatch(stats(1, finished=2, steps=4, running=1))  # the new leader counts from zero
+        m = Metrics()
+        m.update(client.stats, None, client.board, client.retired)
+        assert total(m, "shardserve_engine_requests_finished") == 5 + 10 + 2
+        assert total(m, "shardserve_engine_steps") == 50 + 70 + 4
+        assert total(m, "shardserve_num_requests_running") == 1 + 1  # what the dead one ran is gone
+        assert total(m, "shardserve_kv_pages_total") == 16
+        unwire(client, tokenizer)
+
+    asyncio.run(run())

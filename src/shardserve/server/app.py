@@ -168,7 +168,7 @@ def build_app(state: ServerState) -> FastAPI:
 
     @app.get("/metrics")
     async def metrics():
-        state.metrics.update(state.client.stats, state.client.router_stats, state.client.board)
+        state.metrics.update(state.client.stats, state.client.router_stats, state.client.board, state.client.retired)
         return Response(state.metrics.render(), media_type="text/plain; version=0.0.4")
 
     @app.post("/tokenize")

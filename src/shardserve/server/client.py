@@ -30,10 +30,12 @@ from shardserve.ipc.messages.api import (
     TokenizeOut,
 )
 from shardserve.ipc.messages.replicas import ReplicaDown, ReplicaLost, ReplicaUp
-from shardserve.ipc.messages.reports import RouterStats, Stats
+from shardserve.ipc.messages.reports import RouterStats, Stats, merge_stats
 from shardserve.ipc.sockets import Endpoints
 from shardserve.server.errors import APIError
 from shardserve.server.replica_board import ReplicaBoard
+
+RETIRED = 1 << 30  # the replica number of what dead replicas counted (never the first in merge_stats)
 
 log = logging.getLogger(__name__)
 
@@ -71,6 +73,7 @@ class EngineClient:
         self.board = ReplicaBoard(ep.dp)
         self._tasks: set[asyncio.Task] = set()
         self.stats: dict[int, Stats] = {}  # by replica
+        self.retired: Stats | None = None  # what replicas that died had counted (their counts go on)
         self.router_stats: RouterStats | None = None
         self.dead: str | None = None  # set when a worker died: the reason
         self._task: asyncio.Task | None = None
@@ -167,8 +170,17 @@ class EngineClient:
         what they held (on the event loop's thread)."""
         self.board.down(replicas, reason)
         for d in replicas:
-            self.stats.pop(d, None)
+            last = self.stats.pop(d, None)
+            if last is not None:
+                self.retire(last)
         self._spawn(self.scheduler.send(encode(ReplicaDown(replicas=list(replicas), reason=reason))))
+
+    def retire(self, last: Stats) -> None:
+        """Keep a dead replica's running totals (steps, finished, tokens, transfers), so that
+        /metrics' totals never fall when it starts again from zero; what it ran is gone."""
+        done = msgspec.structs.replace(last, running=0, waiting=0, pages_used=0, pages_total=0, traffic={},
+                                       control={}, stages={}, replica=RETIRED)
+        self.retired = done if self.retired is None else merge_stats([self.retired, done])
 
     def replicas_up(self, replicas: tuple[int, ...], restarts: int) -> None:
         self.board.up(replicas, restarts)

@@ -85,8 +85,9 @@ class Metrics:
                            "ended with a 503", per, registry=r)
 
     def update(self, by_replica: dict[int, Stats], router: RouterStats | None = None,
-               board: ReplicaBoard | None = None) -> None:
-        """Totals over the replicas (rank 0's traffic and stages), and each replica's own numbers."""
+               board: ReplicaBoard | None = None, retired: Stats | None = None) -> None:
+        """Totals over the replicas (rank 0's traffic and stages) and what replicas that died had
+        counted (`retired`), and each replica's own numbers."""
         if board is not None and len(board.replicas) > 1:
             for d, st in enumerate(board.replicas):
                 self.r_up.labels(d).set(st.state == "serving")
@@ -108,7 +109,7 @@ class Metrics:
             self.r_waiting.labels(d).set(s.waiting)
             self.r_pages.labels(d).set(s.pages_used)
             self.r_hit_rate.labels(d).set(s.prefix_hit_rate)
-        self._update_totals(merge_stats(list(by_replica.values())))
+        self._update_totals(merge_stats([*by_replica.values(), *([retired] if retired is not None else [])]))
 
     def _update_totals(self, s: Stats) -> None:
         self.running.set(s.running)
