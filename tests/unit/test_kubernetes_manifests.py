@@ -5,7 +5,6 @@ manifest names exists where it points."""
 from __future__ import annotations
 
 import re
-from collections import Counter
 from pathlib import Path
 from urllib.parse import urlsplit
 
@@ -83,9 +82,10 @@ def test_each_command_parses_and_its_deployment_is_consistent(item):
     env = {e["name"] for e in c.get("env", [])}
     if parsed.command == "router":
         assert router_mode_error(parsed) is None, what
+        assert "SHARDSERVE_WORKER_API_KEY" in env, what  # else every replica answers it 401
     else:
         assert parsed.command == "serve", what
-        dep = deployment(parsed, **disaggregation_config(parsed))  # the layout's own checks
+        dep = deployment(parsed, **disaggregation_config(parsed))  # the layout's and configs' own checks
         if parsed.nnodes > 1:
             assert "SHARDSERVE_DIST_SECRET" in env, what
             dist_port = int(parsed.dist_init_addr.rsplit(":", 1)[1])
@@ -137,10 +137,15 @@ def test_every_service_port_and_router_address_reaches_a_container():
         assert chosen, f"Service {name} selects no pod"
         for p in s["spec"]["ports"]:
             assert all(p["targetPort"] in {q["name"] for q in c["ports"]} for c in chosen), f"{name}: {p}"
+    lws = {d["metadata"]["name"] for d in documents() if d["kind"] == "LeaderWorkerSet"}
+    # LWS_LEADER_ADDRESS resolves through the headless Service LWS makes under its own name,
+    # which it does not make where a Service of that name exists.
+    assert not lws & set(services), lws & set(services)
+    ports_of = {t["metadata"]["labels"]["app"]: parsed.port for _, t, _, _, parsed in containers()}
     for what, _, _, _, parsed in containers():
         if parsed.command != "router":
             continue
-        listed: Counter = Counter()
+        listed: dict[str, set[int]] = {}
         for url in (parsed.worker_urls or []) + (parsed.prefill or []) + (parsed.decode or []):
             host, port = urlsplit(url).hostname, urlsplit(url).port
             pod, service = host.split(".", 1)
@@ -149,7 +154,9 @@ def test_every_service_port_and_router_address_reaches_a_container():
             # A pod's own name resolves only through its StatefulSet's headless Service.
             assert ss["spec"]["serviceName"] == service and int(index) < ss["spec"]["replicas"], f"{what}: {url}"
             assert services[service]["spec"].get("clusterIP") == "None", f"{what}: {url}"
-            assert port in {p["port"] for p in services[service]["spec"]["ports"]}, f"{what}: {url}"
-            listed[owner] += 1
-        for owner, n in listed.items():  # every replica it fronts, each once
-            assert n == sets[owner]["spec"]["replicas"], f"{what} lists {n} of {owner}'s replicas"
+            # A pod's name reaches the container itself, not a Service port: it must be its --port.
+            assert port == ports_of[ss["spec"]["template"]["metadata"]["labels"]["app"]], f"{what}: {url}"
+            assert int(index) not in listed.setdefault(owner, set()), f"{what} lists {pod} twice"
+            listed[owner].add(int(index))
+        for owner, seen in listed.items():  # every replica it fronts
+            assert len(seen) == sets[owner]["spec"]["replicas"], f"{what} lists {len(seen)} of {owner}'s replicas"

@@ -132,6 +132,9 @@ def test_totals_do_not_fall_when_a_replica_starts_again_from_zero():
         client._dispatch(stats(0, finished=5, steps=50, running=1))
         client._dispatch(stats(1, finished=10, steps=70, running=2))
         client.replicas_down((1,), "killed")
+        client._dispatch(stats(1, finished=11, steps=71, running=2))  # the dead leader's last, late
+        assert 1 not in client.stats
+        client.replicas_up((1,), 1)
         client._dispatch(stats(1, finished=2, steps=4, running=1))  # the new leader counts from zero
         m = Metrics()
         m.update(client.stats, None, client.board, client.retired)

@@ -100,7 +100,9 @@ class EngineClient:
         elif isinstance(msg, ErrorOut | TokenizeOut | DetokenizeOut):
             self._deliver(msg.rid, msg)
         elif isinstance(msg, Stats):
-            self.stats[msg.replica] = msg
+            # A dead replica's last reports can still be on the way: its counts are retired already.
+            if msg.replica >= len(self.board.replicas) or self.board.replicas[msg.replica].state == "serving":
+                self.stats[msg.replica] = msg
         elif isinstance(msg, RouterStats):
             self.router_stats = msg
         elif isinstance(msg, ReplicaLost):
@@ -176,7 +178,7 @@ class EngineClient:
         self._spawn(self.scheduler.send(encode(ReplicaDown(replicas=list(replicas), reason=reason))))
 
     def retire(self, last: Stats) -> None:
-        """Keep a dead replica's running totals (steps, finished, tokens, transfers), so that
+        """Keep a dead replica's running totals (steps, finished, prefix tokens, routing counts), so that
         /metrics' totals never fall when it starts again from zero; what it ran is gone."""
         done = msgspec.structs.replace(last, running=0, waiting=0, pages_used=0, pages_total=0, traffic={},
                                        control={}, stages={}, replica=RETIRED)
