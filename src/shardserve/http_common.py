@@ -80,12 +80,17 @@ def _shape_problem(data: object) -> str | tuple[str, str] | None:
         for key, c in children:
             if isinstance(c, dict | list):
                 todo.append((c, depth + 1, (*path, key)))
-            elif isinstance(c, int) and not isinstance(c, bool) and not -INT64 <= c < INT64:
+            elif (why := _number_problem(c)) is not None:
                 field = ".".join(map(str, (*path, key)))
-                return f"invalid field {field!r}: integer {c} is outside the 64-bit range", field
-            elif isinstance(c, float) and not math.isfinite(c):
-                field = ".".join(map(str, (*path, key)))
-                return f"invalid field {field!r}: number out of range", field
+                return f"invalid field {field!r}: {why}", field
+    return None
+
+
+def _number_problem(value: object) -> str | None:
+    if isinstance(value, int) and not isinstance(value, bool) and not -INT64 <= value < INT64:
+        return f"integer {value} is outside the 64-bit range"
+    if isinstance(value, float) and not math.isfinite(value):
+        return "number out of range"
     return None
 
 
