@@ -28,7 +28,7 @@ import time
 
 import httpx
 
-from shardserve.bench.soak_report import KINDS, Tally, memory_by_process, report
+from shardserve.bench.soak_report import KINDS, Tally, memory_by_process, report, started
 from shardserve.bench.spawn import Spawned
 
 WEIGHTS = (20, 20, 15, 15, 10, 10, 10)
@@ -166,9 +166,10 @@ class Soak:
             if not serving:
                 continue
             replica = rng.choice(serving)
-            ranks = len(rank_pids(self.server.tail(10**9))) // len(body["replicas"])
+            pids = rank_pids(self.server.tail(10**9))
+            ranks = len(pids) // len(body["replicas"])
             rank = replica * ranks + rng.randrange(ranks)
-            pid = rank_pids(self.server.tail(10**9))[rank]
+            pid = pids[rank]
             try:
                 os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:  # it died since /health answered: try again next round
@@ -179,7 +180,8 @@ class Soak:
 
 def rank_pids(log: str) -> list[int]:
     """Each scheduler rank's latest pid, by rank, from the server's log."""
-    pids = {int(r): int(p) for r, p in re.findall(r"started scheduler-(\d+) pid=(\d+)", log)}
+    pids = {int(name.removeprefix("scheduler-")): pid for pid, name in started(log).items()
+            if name.startswith("scheduler-")}  # in the order started: a rank's latest pid wins
     return [pids[r] for r in sorted(pids)]
 
 

@@ -27,12 +27,17 @@ class Tally:
                 self.problems.append(f"{kind}: {problem}")
 
 
+def started(log: str) -> dict[int, str]:
+    """pid -> the name of the process the server's log says it started there, in start order."""
+    return {int(p): n for n, p in re.findall(r"started (\S+) pid=(\d+)", log)}
+
+
 def memory_by_process(server: Spawned | None) -> dict[str, tuple[int, int, int]]:
     """(VmRSS, RssAnon in KiB, processes) of each of the server's processes, by the name its log
     gives the pid ("api" for the server itself; a rank started again keeps its name)."""
     if server is None:
         return {}
-    names = {int(p): n for n, p in re.findall(r"started (\S+) pid=(\d+)", server.tail(10**9))}
+    names = started(server.tail(10**9))
     names[server.proc.pid] = "api"
     out: dict[str, tuple[int, int, int]] = {}
     for pid, (rss, anon) in tree_rss_kb(server.proc.pid).items():
