@@ -2,12 +2,13 @@
 bf16_weights), float32 around them (activations, norms, KV cache), the C decode loop running it.
 
 The oracle is transformers in float32 holding the same bfloat16 weights, each linear layer's
-input rounded to bfloat16 where AMX tiles run the products (they take bfloat16 activations;
-quant_kernel.bf16_on_amx). With float32 activations: the same greedy tokens and logits within
-1e-4, as for float32. With bfloat16 activations: every step's logits within bfloat16's 1e-2 of
-the reference's on the same tokens, each token its argmax but at a near tie (a top-two margin
-within that tolerance). Where AMX runs the products, the float32-activation path is
-checked too (SHARDSERVE_NO_AMX=1 in a child process). A request alone and
+input rounded to bfloat16 where AMX tiles or vdpbf16ps run the products (they take bfloat16
+activations; quant_kernel.bf16_path). With float32 activations: the same greedy tokens and
+logits within 1e-4, as for float32. With bfloat16 activations: every step's logits within
+bfloat16's 1e-2 of the reference's on the same tokens, each token its argmax but at a near tie
+(a top-two margin within that tolerance). Where the products take bfloat16 activations, the
+float32-activation path is checked too (SHARDSERVE_FLOAT32_ACTIVATIONS=1 in a child process),
+and on AMX hosts the vdpbf16ps path (SHARDSERVE_NO_AMX=1). A request alone and
 in a batch gives the same tokens and logprobs, bit for bit, on the default model's weights in
 bfloat16.
 """
@@ -45,8 +46,9 @@ KEPT_FLOAT32 = ("mlp.gate.weight", "kv_b_proj.weight")
 
 
 def bf16_reference(model: nn.Module, arch: str, amx: bool) -> nn.Module:
-    """transformers' model with the engine's bfloat16 weights, and on AMX its linear layers'
-    inputs rounded to bfloat16 as the tiles take them."""
+    """transformers' model with the engine's bfloat16 weights, and where `amx` (bfloat16
+    activations: AMX tiles or vdpbf16ps) its linear layers' inputs rounded to bfloat16 as the
+    products take them."""
     ref = copy.deepcopy(model)
     with torch.no_grad():
         for name, p in ref.named_parameters():
@@ -92,9 +94,9 @@ BF16_ARCHS = ["llama", "llama_tied", "qwen3", "qwen3_moe", "mixtral", "deepseek_
 
 @pytest.mark.parametrize("arch", BF16_ARCHS)
 def test_matches_transformers_on_the_same_bfloat16_weights(tiny_model, arch: str) -> None:
-    amx = quant_kernel.bf16_on_amx()
+    amx = quant_kernel.bf16_activations()
     if amx and arch == "deepseek_v3":
-        pytest.skip("checked with float32 activations (test_without_amx_the_float32_activation_path)")
+        pytest.skip("checked with float32 activations (test_the_other_bf16_paths)")
     core = check_against_transformers(tiny_model, arch, amx)
     runner = core.runner
     assert runner.dtype == torch.float32 and runner.pool.k.dtype == torch.float32
@@ -123,27 +125,36 @@ sys.path[:0] = {paths!r}
 import conftest, pytest
 from shardserve.layers import quant_kernel
 from test_bf16_cpu import check_against_transformers
-assert not quant_kernel.bf16_on_amx()
+assert quant_kernel.bf16_path() == {want!r}, quant_kernel.bf16_path()
 import os
 def tiny_model(kind):
     path = os.path.join({path!r}, kind)
     return path, conftest.make_tiny(kind, path)
 for arch in {archs!r}:
-    check_against_transformers(tiny_model, arch, amx=False)
-print("float32 activations: ok")
+    check_against_transformers(tiny_model, arch, amx=quant_kernel.bf16_activations())
+print("checked: ok")
 """
 
+# The paths this CPU can take besides its default: (environment, the path it gives, architectures).
+OTHER_PATHS = [({"SHARDSERVE_FLOAT32_ACTIVATIONS": "1"}, "float32 activations", BF16_ARCHS),
+               ({"SHARDSERVE_NO_AMX": "1"}, "avx512-bf16", BF16_ARCHS[:-1])]
 
-@pytest.mark.skipif(not quant_kernel.bf16_on_amx(), reason="no AMX here: the float32-activation path is the one above")
-def test_without_amx_the_float32_activation_path(tmp_path) -> None:
-    """SHARDSERVE_NO_AMX=1 (or a CPU without AMX): bfloat16 weights against float32 activations,
-    transformers' float32 on the same weights to 1e-4."""
+
+@pytest.mark.parametrize("env, want, archs", OTHER_PATHS, ids=["float32-activations", "no-amx"])
+def test_the_other_bf16_paths(tmp_path, env: dict[str, str], want: str, archs: list[str]) -> None:
+    """SHARDSERVE_FLOAT32_ACTIVATIONS=1 (or a CPU with neither AMX nor AVX512-BF16): bfloat16
+    weights against float32 activations, transformers' float32 on the same weights to 1e-4.
+    SHARDSERVE_NO_AMX=1 on an AMX host: vdpbf16ps, bfloat16 activations."""
+    if quant_kernel.bf16_path() in (want, "float32 activations"):
+        pytest.skip(f"bfloat16 products run on {quant_kernel.bf16_path()} here: checked above")
+    if want == "avx512-bf16" and quant_kernel.bf16_path() != "amx":
+        pytest.skip("no AMX here to turn off")
     tests = os.path.dirname(os.path.dirname(__file__))
-    code = SUBPROCESS.format(paths=[tests, os.path.join(tests, "unit")], path=str(tmp_path), archs=BF16_ARCHS)
-    env = {**os.environ, "SHARDSERVE_NO_AMX": "1"}
-    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    code = SUBPROCESS.format(paths=[tests, os.path.join(tests, "unit")], path=str(tmp_path), archs=archs, want=want)
+    out = subprocess.run([sys.executable, "-c", code], env={**os.environ, **env}, capture_output=True, text=True,
+                         timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
-    assert "float32 activations: ok" in out.stdout
+    assert "checked: ok" in out.stdout
 
 
 GREEDY = SamplingParams(max_tokens=16, temperature=0, logprobs=2)

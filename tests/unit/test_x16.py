@@ -1,9 +1,9 @@
 """The x16 layout and its products (layers/csrc/quant_x16.c), for Q4_0, Q4_1, Q8_0, float32 and
 bfloat16 rows: the bytes regroup and come back, the products match the reference to the 16-bit
-activations (bfloat16: to bfloat16 activations where AMX runs them), every row of a batch is bit
-for bit the row computed alone, and builds for other CPUs (AVX2 with and without AVX-VNNI,
-AVX-512 without VNNI, no AMX) give the same bits as this machine's (bfloat16 without AMX: the bits
-of the float32 product of the same weights)."""
+activations (bfloat16: to bfloat16 activations where AMX or vdpbf16ps run them), every row of a
+batch is bit for bit the row computed alone, and builds for other CPUs (AVX2 with and without
+AVX-VNNI, AVX-512 without VNNI, no AMX, no AVX512-BF16) give the same bits as this machine's
+(bfloat16 with float32 activations: the bits of the float32 product of the same weights)."""
 
 from __future__ import annotations
 
@@ -52,8 +52,8 @@ def test_every_row_alone_equals_it_in_the_batch(qtype: int, rows: int) -> None:
     assert x16.name == q.name + "x16"
     xs = torch.randn(40, 128, generator=torch.Generator().manual_seed(1))
     batch = quant_kernel.linear(xs, ((0, x16),), rows)
-    amx = qtype == BF16 and quant_kernel.bf16_on_amx()  # then the activations are rounded to bfloat16
-    want = (xs.bfloat16().float() if amx else xs) @ q.dequantize().T
+    bf16_acts = qtype == BF16 and quant_kernel.bf16_activations()  # AMX or vdpbf16ps round them
+    want = (xs.bfloat16().float() if bf16_acts else xs) @ q.dequantize().T
     tol = 1e-5 if qtype in (F32, BF16) else 2e-4  # float products; or the blocks' 16-bit activations
     assert float((batch - want).abs().max()) <= tol * float(want.abs().max())
     for m in (1, 2, 3, 8, 9, 13, 17):
@@ -76,6 +76,12 @@ def build_for(tmp_path: Path, flags: list[str]) -> ctypes.CDLL:
     lib = ctypes.CDLL(str(out))
     lib.qmatmul.argtypes, lib.qmatmul.restype = kernels.SIGNATURES["qmatmul"]
     return lib
+
+
+def bf16_path(lib: ctypes.CDLL) -> str:
+    """How that library runs bfloat16 products (quant_kernel.bf16_path's names)."""
+    lib.bf16_path.restype = ctypes.c_int
+    return quant_kernel.BF16_PATHS[lib.bf16_path()]
 
 
 def product(lib: ctypes.CDLL, w: QuantWeight, x: torch.Tensor) -> torch.Tensor:
@@ -101,18 +107,24 @@ def test_other_cpus_builds_give_the_same_bits(tmp_path: Path, flags: list[str], 
         xs[0, 5] = 1e-36  # a block whose step would be subnormal: quantized to zero on every build
         for qtype in FORMATS:
             w = interleave16(weight(qtype, 45, 192, seed=qtype))
-            if qtype == BF16 and "bfloat16: amx tiles" not in native.kernel_paths(other):
+            if qtype == BF16 and bf16_path(other) == "float32 activations":
                 same = interleave16(float_rows(w.dequantize()))  # the float32 product of the same weights
                 assert torch.equal(product(other, w, xs), product(here, same, xs)), rows
                 continue
+            if qtype == BF16 and bf16_path(other) != bf16_path(here):
+                continue  # AMX here, vdpbf16ps there: each sums in its own order (tested below)
             assert torch.equal(product(other, w, xs), product(here, w, xs)), (qtype, rows)
 
 
+NO_AMX = ["-mno-amx-tile", "-mno-amx-bf16"]
+
+
 @pytest.mark.parametrize("cols", [200, 60])  # a last part-filled chunk of 32 columns; not whole vectors of 8
-def test_bf16_without_amx_is_the_float32_product(tmp_path: Path, cols: int) -> None:
-    """A build without AMX (or a CPU that refuses it) says so and runs bfloat16 weights against
-    float32 activations: bit for bit the float32 product of the same weights."""
-    other = build_for(tmp_path, ["-mno-amx-tile", "-mno-amx-bf16"])
+def test_bf16_without_amx_or_avx512bf16_is_the_float32_product(tmp_path: Path, cols: int) -> None:
+    """A build without AMX and AVX512-BF16 (or a CPU that refuses AMX and lacks the other) says so
+    and runs bfloat16 weights against float32 activations: bit for bit the float32 product of the
+    same weights."""
+    other = build_for(tmp_path, [*NO_AMX, "-mno-avx512bf16"])
     assert "bfloat16: x16 groups, float32 activations" in native.kernel_paths(other)
     w = interleave16(weight(BF16, 45, cols, seed=3))
     for rows in (1, 11, 40):
@@ -125,35 +137,61 @@ def test_bf16_without_amx_is_the_float32_product(tmp_path: Path, cols: int) -> N
             assert torch.equal(got, product(kernels.load(), same, xs)), rows
 
 
-@pytest.mark.skipif(not quant_kernel.bf16_on_amx(), reason="bfloat16 runs on AMX only where the CPU has it")
+def test_float32_activations_asked_for(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """SHARDSERVE_FLOAT32_ACTIVATIONS=1, read when the library loads: bfloat16 weights against
+    float32 activations whatever the CPU offers, the float32 product of the same weights."""
+    monkeypatch.setenv("SHARDSERVE_FLOAT32_ACTIVATIONS", "1")
+    other = build_for(tmp_path, [])
+    assert bf16_path(other) == "float32 activations"
+    assert "bfloat16: x16 groups, float32 activations" in native.kernel_paths(other)
+    w = interleave16(weight(BF16, 45, 192, seed=7))
+    xs = torch.randn(9, 192, generator=torch.Generator().manual_seed(7))
+    assert torch.equal(product(other, w, xs), product(kernels.load(), interleave16(float_rows(w.dequantize())), xs))
+
+
+@pytest.mark.skipif(quant_kernel.bf16_path() != "amx", reason="bfloat16 runs on AMX only where the CPU has it")
 @pytest.mark.parametrize("opt", ["-O1", "-Os"])
 def test_amx_at_other_optimization_levels(tmp_path: Path, opt: str) -> None:
     """The tile configuration must reach the tiles whole at any optimization level (a local
     struct's stores could be dropped at -O1, and the probe would then turn AMX off); the same bits."""
     other = build_for(tmp_path, [opt])
-    other.bf16_amx.restype = ctypes.c_int
-    assert other.bf16_amx() == 1
+    assert bf16_path(other) == "amx"
     w = interleave16(weight(BF16, 45, 200, seed=6))
     xs = torch.randn(17, 200, generator=torch.Generator().manual_seed(6))
     assert torch.equal(product(other, w, xs), product(kernels.load(), w, xs))
 
 
-@pytest.mark.skipif(not quant_kernel.bf16_on_amx(), reason="bfloat16 runs on AMX only where the CPU has it")
+def bf16_library(path: str, tmp_path: Path) -> ctypes.CDLL:
+    """The library whose bfloat16 products take `path`: this machine's for AMX, a build without
+    AMX for vdpbf16ps (an AMX CPU has AVX512-BF16 too); skips where the CPU offers neither."""
+    if path == "amx":
+        if quant_kernel.bf16_path() != "amx":
+            pytest.skip("bfloat16 runs on AMX only where the CPU has it")
+        return kernels.load()
+    if "avx512_bf16" not in Path("/proc/cpuinfo").read_text().split():
+        pytest.skip("the CPU lacks AVX512-BF16")
+    lib = build_for(tmp_path, NO_AMX)
+    assert "bfloat16: x16 groups on avx512-bf16 vdpbf16ps" in native.kernel_paths(lib)
+    return lib
+
+
+@pytest.mark.parametrize("path", ["amx", "avx512-bf16"])
 @pytest.mark.parametrize("cols", [64, 200, 576, 60])  # whole chunks of 32 columns; a part-filled last one
-def test_bf16_on_amx_rows_alone_equal_the_batch(cols: int) -> None:
-    """AMX tiles: 16 activation rows at a time, yet each output is its own row's, alone or in any
-    batch, and equals the float64 product of the bfloat16-rounded operands to float32 rounding."""
-    assert "bfloat16: amx tiles" in native.kernel_paths(kernels.load())
+def test_bf16_activation_paths_rows_alone_equal_the_batch(tmp_path: Path, path: str, cols: int) -> None:
+    """AMX tiles (16 activation rows at a time) and vdpbf16ps (up to 8 rows by 2 groups, or 4 by
+    4): each output is its own row's, alone or in any batch, and equals the float64 product of
+    the bfloat16-rounded operands to float32 rounding."""
+    lib = bf16_library(path, tmp_path)
+    assert bf16_path(lib) == path
     w = interleave16(weight(BF16, 70, cols, seed=4))  # 70: 4 whole groups and a part-filled one
     xs = torch.randn(40, cols, generator=torch.Generator().manual_seed(5))
-    batch = quant_kernel.linear(xs, ((0, w),), 70)
+    batch = product(lib, w, xs)
     want = xs.bfloat16().double() @ w.dequantize().double().T
     assert float((batch.double() - want).abs().max()) <= 1e-5 * float(want.abs().max())
-    for m in (1, 2, 15, 16, 17, 31, 33):
+    for m in (1, 2, 3, 5, 8, 9, 15, 16, 17, 31, 33):
         for i in (0, 40 - m):
-            assert torch.equal(quant_kernel.linear(xs[i: i + m], ((0, w),), 70), batch[i: i + m]), (m, i)
+            assert torch.equal(product(lib, w, xs[i: i + m]), batch[i: i + m]), (m, i)
     bad = xs.clone()
     bad[3, 7] = float("nan")  # rounding to bfloat16 keeps a NaN a NaN: its row says so, no other row changes
-    got = quant_kernel.linear(bad, ((0, w),), 70)
+    got = product(lib, w, bad)
     assert bool(got[3].isnan().all()) and torch.equal(got[torch.arange(40) != 3], batch[torch.arange(40) != 3])
-

@@ -26,7 +26,7 @@ SIGNATURES: dict[str, tuple[list[type], type | None]] = {
     "rms_norm_f32": ([ptr, i64, i64, i64, ptr, c_float, ptr, i64, c_int], None),
     "rotary_f32": ([ptr, i64, i64, ptr, i64, i64, i64, i64, ptr, ptr, c_int], None),
     "silu_mul_f32": ([ptr, i64, i64, i64, ptr, c_int], None),
-    "bf16_amx": ([], c_int),
+    "bf16_path": ([], c_int),
     "decode_layers": ([ptr, i64, ptr, ptr, i64, ptr, ptr, ptr, ptr, i64, ptr, i64, ptr, c_int], c_int),
 }
 

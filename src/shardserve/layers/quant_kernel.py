@@ -5,7 +5,7 @@ Q8_0 in the x16 layout at every number of rows (`kernel_layout`); the K-quants b
 and from there as a float GEMM on expanded weight rows (see the C files' headers). Float32
 weights are F32 rows in the x16 layout (`float_weight`): exact float products, one order at
 every number of rows, and the C decode loop. Under --dtype bfloat16 on the CPU the weights are
-BF16 rows in the x16 layout (`bf16_weights`), on AMX tiles where the CPU has them.
+BF16 rows in the x16 layout (`bf16_weights`), on AMX tiles or AVX512-BF16 where the CPU has them.
 """
 
 from __future__ import annotations
@@ -32,15 +32,25 @@ def bf16_weights(device: torch.device, dtype: torch.dtype) -> bool:
     """Whether a rank asked for bfloat16 keeps its weights as BF16 rows for these kernels, with
     float32 activations and KV cache around them: on the CPU, where the kernels load. There the
     weights are half the bytes of float32 (what a one-row decode step reads) and run on AMX
-    tiles where the CPU has them (csrc/quant_amx.c); the layers, the C decode loop and the paged
-    attention kernel stay float32. Elsewhere bfloat16 runs in torch, op by op."""
+    tiles or vdpbf16ps where the CPU has them (`bf16_path`); the layers, the C decode loop and
+    the paged attention kernel stay float32. Elsewhere bfloat16 runs in torch, op by op."""
     return device.type == "cpu" and dtype == torch.bfloat16 and available() is None
 
 
-def bf16_on_amx() -> bool:
-    """Whether BF16 products run on AMX tiles here, with bfloat16 activations (else float32
-    ones): probed once when the library loads (csrc/quant_amx.c)."""
-    return available() is None and bool(load().bf16_amx())
+BF16_PATHS = {0: "float32 activations", 1: "amx", 2: "avx512-bf16"}
+
+
+def bf16_path() -> str:
+    """How BF16 products run here: "amx" (AMX tiles, csrc/quant_amx.c) or "avx512-bf16"
+    (vdpbf16ps, csrc/quant_x16_float.c), both with bfloat16 activations, else "float32
+    activations". Chosen once when the library loads: by the CPU, the AMX probe, and
+    SHARDSERVE_NO_AMX / SHARDSERVE_FLOAT32_ACTIVATIONS."""
+    return BF16_PATHS[load().bf16_path()] if available() is None else BF16_PATHS[0]
+
+
+def bf16_activations() -> bool:
+    """Whether BF16 products round their activations to bfloat16 here (see bf16_path)."""
+    return bf16_path() != BF16_PATHS[0]
 
 
 def float_weight(weight: torch.Tensor | None) -> QuantWeight | None:

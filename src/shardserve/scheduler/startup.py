@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 
 from shardserve.distributed.groups import ParallelGroups
+from shardserve.layers import quant_kernel
 from shardserve.scheduler.engine_core import EngineCore
 
 
@@ -19,8 +20,9 @@ def weights_text(quantization: str, dtype: str, is_gguf: bool) -> str:
         return "quantization gguf (blocks as stored)"
     if quantization == "int8":
         return "quantization int8 (Q8_0 blocks, made at load)"
-    if quantization == "bf16":
-        return "quantization none (bfloat16 weights; float32 activations and KV cache)"
+    if quantization == "bf16":  # bfloat16 products' activations as the kernels say (quant_kernel.bf16_path)
+        acts = "bfloat16 products' activations" if quant_kernel.bf16_activations() else "float32 activations"
+        return f"quantization none (bfloat16 weights; {acts}; float32 norms, attention and KV cache)"
     return f"quantization none ({dtype} weights)"
 
 

@@ -7,12 +7,36 @@
  * (the group's [k / 2][16][2] pairs are a tile's B operand as stored), the tile products summed
  * in column order into one float32 accumulator tile. An output depends only on its own
  * activation row and weight row, so a request's result does not change with what shares its step.
- * Elsewhere (no AMX, or SHARDSERVE_NO_AMX=1) the same weights take quant_x16_float.c's float32
- * path, whose numbers differ from these by bfloat16 rounding of the activations.
+ * Elsewhere (no AMX, or SHARDSERVE_NO_AMX=1) the same weights take quant_x16_float.c's paths:
+ * bfloat16 activations on vdpbf16ps where the CPU has AVX512-BF16 (summed in another order than
+ * the tiles', so the numbers may differ in the last bits), else float32 activations, whose
+ * numbers differ from these by bfloat16 rounding of the activations. This file also holds the
+ * choice among the three (`bf16_path`), made once when the library loads.
  *
  * The tile state belongs to the thread and other libraries (oneDNN) use it too, so each call
  * loads its configuration and releases the tiles when done.
  */
+
+/* Rows [r0, r1) of x as bfloat16 (nearest even), zero from column k to the row's end `kb`. */
+static void bf16_rows_of(const float *x, int64_t ldx, int64_t r0, int64_t r1, int64_t k, int64_t kb, uint16_t *out) {
+    for (int64_t i = r0; i < r1; i++) {
+        const uint32_t *src = (const uint32_t *)(x + i * ldx);
+        uint16_t *o = out + i * kb;
+        for (int64_t e = 0; e < k; e++) {
+            uint32_t u = src[e];
+            if ((u & 0x7FFFFFFFu) > 0x7F800000u) o[e] = (uint16_t)((u >> 16) | 0x40u); /* NaN stays NaN */
+            else o[e] = (uint16_t)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+        }
+        for (int64_t e = k; e < kb; e++) o[e] = 0;
+    }
+}
+
+/* Whether the user asked for float32 activations against bfloat16 weights
+ * (SHARDSERVE_FLOAT32_ACTIVATIONS=1): neither AMX tiles nor vdpbf16ps then, the float32 path. */
+static int float32_activations_asked(void) {
+    const char *v = getenv("SHARDSERVE_FLOAT32_ACTIVATIONS");
+    return v && *v && strcmp(v, "0") != 0;
+}
 
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512F__) && defined(__linux__)
 #include <setjmp.h>
@@ -91,6 +115,10 @@ __attribute__((constructor)) static void amx_init(void) {
         amx_why = "AMX off (SHARDSERVE_NO_AMX)";
         return;
     }
+    if (float32_activations_asked()) {
+        amx_why = "AMX off (SHARDSERVE_FLOAT32_ACTIVATIONS)";
+        return;
+    }
     if (syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) != 0) {
         amx_why = "Linux refused the AMX tile state (arch_prctl)";
         return;
@@ -104,20 +132,6 @@ __attribute__((constructor)) static void amx_init(void) {
 }
 
 static inline int amx_ready(void) { return amx_on; }
-
-/* Rows [r0, r1) of x as bfloat16 (nearest even), zero from column k to the row's end `kb`. */
-static void bf16_rows_of(const float *x, int64_t ldx, int64_t r0, int64_t r1, int64_t k, int64_t kb, uint16_t *out) {
-    for (int64_t i = r0; i < r1; i++) {
-        const uint32_t *src = (const uint32_t *)(x + i * ldx);
-        uint16_t *o = out + i * kb;
-        for (int64_t e = 0; e < k; e++) {
-            uint32_t u = src[e];
-            if ((u & 0x7FFFFFFFu) > 0x7F800000u) o[e] = (uint16_t)((u >> 16) | 0x40u); /* NaN stays NaN */
-            else o[e] = (uint16_t)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
-        }
-        for (int64_t e = k; e < kb; e++) o[e] = 0;
-    }
-}
 
 /* The group of 16 rows from row `base` as tiles read it: in place, or (the last, part-filled
  * group) copied into `pad` (16 * k bfloat16) with zero lanes; where k is not whole chunks of 32
@@ -196,5 +210,12 @@ static const char *amx_why = "this build has no AMX-BF16 (the compiler or the CP
 #define AMX_PATH_ON ""
 #endif
 
-/* Whether bfloat16 products run on AMX tiles in this process (for tests and `shardserve env`). */
-int bf16_amx(void) { return amx_ready(); }
+/* Where AMX is not in use, bfloat16 products run on vdpbf16ps (quant_x16_float.c) where the
+ * build has AVX512-BF16, unless float32 activations were asked for. */
+static int dpbf_on; /* set once, when the library loads */
+__attribute__((constructor)) static void dpbf_init(void) { dpbf_on = DPBF_BUILT && !float32_activations_asked(); }
+static inline int dpbf_ready(void) { return dpbf_on && !amx_ready(); }
+
+/* How bfloat16 products run in this process (for tests and `shardserve env`): 1 on AMX tiles,
+ * 2 on vdpbf16ps (both with bfloat16 activations), 0 against float32 activations. */
+int bf16_path(void) { return amx_ready() ? 1 : dpbf_ready() ? 2 : 0; }

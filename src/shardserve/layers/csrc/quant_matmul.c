@@ -110,7 +110,7 @@ typedef struct {
     float *d, *s;
     float *p;
     int64_t k, m; /* row length, rows; rows are k apart in q, k / 32 apart in d and s */
-    uint16_t *b;  /* bfloat16 for AMX tiles (quant_amx.c): rows of k rounded up to 32, 16 rows at least */
+    uint16_t *b;  /* bfloat16 for AMX tiles and vdpbf16ps: rows of k rounded up to 32, 16 rows at least */
 } Acts;
 
 static inline int64_t amx_row(int64_t k) { return (k + 31) / 32 * 32; }
@@ -227,10 +227,11 @@ static inline __attribute__((always_inline)) void rows_of(const int type, int nr
  * bytes widen directly); then the float GEMM on activation panels (plain F32 rows from the
  * first row), and from STRIP_ROWS on weight strips. Without AVX2 every block format takes the
  * float GEMMs. */
-enum { ACTS16, PANELS, STRIPS, X16_GROUPS, F32_X16, BF16_AMX };
+enum { ACTS16, PANELS, STRIPS, X16_GROUPS, F32_X16, BF16_AMX, BF16_DP };
 
 static int product_path(int type, int64_t m) {
-    if (type == (X16 | BF16)) return amx_ready() ? BF16_AMX : F32_X16; /* every m: quant_amx.c says why */
+    if (type == (X16 | BF16)) /* every m: quant_amx.c says which and why */
+        return amx_ready() ? BF16_AMX : dpbf_ready() ? BF16_DP : F32_X16;
     if (type == (X16 | F32)) return F32_X16; /* every m: see quant_x16_float.c */
     if (is_x16(type)) return X16_GROUPS;
     if (m >= STRIP_ROWS) return STRIPS;
@@ -244,8 +245,8 @@ static int product_path(int type, int64_t m) {
 /* Rows of W a thread claims at a time in whole blocks of its kernel: 6 (panels) or 16. */
 static int64_t claim_grain(int type, int64_t m) {
     int path = product_path(type, m);
-    /* F32_X16: 4 groups, 4 chains a row; BF16_AMX: 2 groups a tile pass */
-    return path == PANELS ? NW : path == F32_X16 ? 64 : path == BF16_AMX ? 32 : 16;
+    /* F32_X16, BF16_DP: 4 groups, 4 chains a row; BF16_AMX: 2 groups a tile pass */
+    return path == PANELS ? NW : path == F32_X16 || path == BF16_DP ? 64 : path == BF16_AMX ? 32 : 16;
 }
 
 /* Scratch bytes one thread's float GEMM needs for rows of k weights; also >= the 16 rows of an
@@ -255,9 +256,7 @@ static size_t gemm_scratch(int64_t k) { return sizeof(float) * (size_t)((NR + 8)
 /* Rows [r0, r1) of x into the same rows of `a`: quantized or packed, whichever `a` holds. */
 static void acts_rows(const float *x, int64_t ldx, int64_t r0, int64_t r1, const Acts *a) {
     if (a->q) quantize_rows(x, ldx, r0, r1, a);
-#if AMX_BUILT
     if (a->b) bf16_rows_of(x, ldx, r0, r1, a->k, amx_row(a->k), a->b);
-#endif
     if (a->p) pack_rows(x, ldx, r0, r1, a);
 }
 
@@ -269,9 +268,12 @@ static void qmatmul_rows(int type, const uint8_t *w, int64_t row_bytes, int64_t 
     switch (product_path(type, m)) {
     case X16_GROUPS: x16_rows(type, w, row_bytes, n, r0, r1, a, y, ldy, (uint8_t *)wp); return;
     case F32_X16:
-        if (type == (X16 | BF16)) f32x16_rows(1, w, n, r0, r1, x, ldx, m, a->k, y, ldy, wp);
-        else f32x16_rows(0, w, n, r0, r1, x, ldx, m, a->k, y, ldy, wp);
+        if (type == (X16 | BF16)) f32x16_rows(BF16F, w, n, r0, r1, x, ldx, m, a->k, y, ldy, wp);
+        else f32x16_rows(F32K, w, n, r0, r1, x, ldx, m, a->k, y, ldy, wp);
         return;
+#if DPBF_BUILT
+    case BF16_DP: f32x16_rows(BF16D, w, n, r0, r1, a->b, amx_row(a->k), m, a->k, y, ldy, wp); return;
+#endif
 #if AMX_BUILT
     case BF16_AMX: amx_rows(w, n, r0, r1, a->b, m, a->k, y, ldy, wp); return;
 #endif
@@ -309,14 +311,14 @@ static void qmatmul_rows(int type, const uint8_t *w, int64_t row_bytes, int64_t 
 }
 
 /* Buffers for m rows of up to k, for the paths in `paths` (bits 1 << ACTS16 or X16_GROUPS, 1 << PANELS,
- * 1 << BF16_AMX; the others read x itself). Returns 0 when out of memory. */
+ * 1 << BF16_AMX or BF16_DP; the others read x itself). Returns 0 when out of memory. */
 static int acts_alloc(Acts *a, int64_t m, int64_t k, int paths) {
     *a = (Acts){NULL, NULL, NULL, NULL, k, m, NULL};
     if (paths & (1 << PANELS)) {
         a->p = malloc(sizeof(float) * (size_t)((m + PW - 1) / PW * PW * k));
         if (!a->p) return 0;
     }
-    if (paths & (1 << BF16_AMX)) { /* whole tiles of 16 rows: the rows past m are read, not kept */
+    if (paths & ((1 << BF16_AMX) | (1 << BF16_DP))) { /* AMX: whole tiles of 16 rows (those past m read, not kept) */
         a->b = malloc(sizeof(uint16_t) * (size_t)((m + 15) / 16 * 16 * amx_row(k)));
         if (!a->b) return 0;
     }
@@ -329,7 +331,8 @@ static int acts_alloc(Acts *a, int64_t m, int64_t k, int paths) {
 
 /* Whether products on these paths need gemm_scratch (a float GEMM's, or x16's padded group). */
 static int needs_scratch(int paths) {
-    return (paths & ((1 << PANELS) | (1 << STRIPS) | (1 << X16_GROUPS) | (1 << F32_X16) | (1 << BF16_AMX))) != 0;
+    return (paths & ((1 << PANELS) | (1 << STRIPS) | (1 << X16_GROUPS) | (1 << F32_X16) | (1 << BF16_AMX) |
+                     (1 << BF16_DP))) != 0;
 }
 
 static void acts_free(Acts *a) { free(a->q); free(a->d); free(a->s); free(a->p); free(a->b); }

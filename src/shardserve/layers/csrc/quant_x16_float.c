@@ -5,19 +5,67 @@
  * Each group of 16 rows is stored column by column, [k][L] floats (L = 16, or rows % 16 for the
  * last), or bfloat16 in pairs of columns, [k / 2][L][2] (the pair layout AMX tiles read, see
  * quant_amx.c, which runs bfloat16 products where the CPU has AMX). One sequence of operations
- * per output whatever the number of rows: t = 0; for e = 0 .. k - 1 in order,
- * t = fma(w_e, x_e, t), one weight row per lane, float32 activations. A bfloat16 weight widens to its float exactly, so a bfloat16 product is the
- * float32 product of the same weights, bit for bit, reading half the bytes (what a one-row
- * decode step is bound by). One order for every batch size (batch-invariant checkpoints).
+ * per output whatever the number of rows, so a checkpoint's results are batch-invariant:
+ * - `kind` F32 (float32 weights) and BF16F (bfloat16 weights, float32 activations): t = 0; for
+ *   e = 0 .. k - 1 in order, t = fma(w_e, x_e, t), one weight row per lane. A bfloat16 weight
+ *   widens to its float exactly, so BF16F is the float32 product of the same weights, bit for
+ *   bit, reading half the bytes (what a one-row decode step is bound by).
+ * - `kind` BF16D (AVX512-BF16, where AMX is not in use): the activations rounded to bfloat16 as
+ *   for AMX (bf16_rows_of), and t = vdpbf16ps(t, W_p, x_p) for each pair of columns p in order:
+ *   a pair of weights is one lane's 32 bits of the stored vector, a pair of activations one
+ *   broadcast dword, and one instruction adds both products to the lane's float32 sum. Half the
+ *   instructions of BF16F (no widening, two products each) with the numbers of bfloat16
+ *   activations, as on AMX tiles. SHARDSERVE_FLOAT32_ACTIVATIONS=1 keeps BF16F.
  */
 
+enum { F32K, BF16F, BF16D }; /* the kinds above: the first argument of the functions below */
+
+#if defined(X16_VEC) && defined(__AVX512BF16__) && defined(__AVX512F__)
+#define DPBF_BUILT 1
+#define DPBF_PATH_ON "x16 groups on avx512-bf16 vdpbf16ps (bfloat16 activations)"
+/* ng groups times nx rows of bfloat16 activations (rows ldx apart), as f32_tile arranges them */
+static inline __attribute__((always_inline)) void dpbf_tile(const int ng, const int nx, const uint16_t *g0,
+                                                            int64_t gstride, const uint16_t *x, int64_t ldx,
+                                                            int64_t k, float *y, int64_t ldy) {
+    __m512 c[4][8];
+    for (int g = 0; g < ng; g++)
+        for (int j = 0; j < nx; j++) c[g][j] = _mm512_setzero_ps();
+    for (int64_t e = 0; e < k; e += 2) { /* the pair of columns e, e + 1 */
+        __m512bh xp[8];
+        for (int j = 0; j < nx; j++) {
+            int32_t pair;
+            memcpy(&pair, x + j * ldx + e, 4);
+            xp[j] = (__m512bh)_mm512_set1_epi32(pair);
+        }
+        for (int g = 0; g < ng; g++) {
+            __m512bh w = (__m512bh)_mm512_loadu_si512((const void *)(g0 + g * gstride + e * GL));
+            for (int j = 0; j < nx; j++) c[g][j] = _mm512_dpbf16_ps(c[g][j], w, xp[j]);
+        }
+    }
+    for (int g = 0; g < ng; g++)
+        for (int j = 0; j < nx; j++) vf_store(y + j * ldy + g * GL, c[g][j], GL);
+}
+#else
+#define DPBF_BUILT 0
+#define DPBF_PATH_ON ""
+#endif
+
 #ifdef X16_VEC
-/* ng groups (the first at grp, `gstride` weights apart) times nx activation rows, ng * nx <= 16
+/* ng groups (the first at grp, `gstride` weights apart) times nx activation rows (floats, or
+ * bfloat16 for BF16D), ng * nx <= 16
  * sums, each its own chain of multiply-adds: few rows take 4 groups (chains enough to hide the
  * latency), many take 2 groups by 8 rows (half the weight loads per multiply-add). */
-static inline __attribute__((always_inline)) void f32_tile(const int bf, const int ng, const int nx, const void *grp,
-                                                           int64_t gstride, const float *x, int64_t ldx, int64_t k,
+static inline __attribute__((always_inline)) void f32_tile(const int kind, const int ng, const int nx, const void *grp,
+                                                           int64_t gstride, const void *xv, int64_t ldx, int64_t k,
                                                            float *y, int64_t ldy) {
+#if DPBF_BUILT
+    if (kind == BF16D) {
+        dpbf_tile(ng, nx, grp, gstride, xv, ldx, k, y, ldy);
+        return;
+    }
+#endif
+    const int bf = kind == BF16F;
+    const float *x = xv;
     const VF z = vf_zero();
     VF c00 = z, c01 = z, c02 = z, c03 = z, c04 = z, c05 = z, c06 = z, c07 = z;
     VF c10 = z, c11 = z, c12 = z, c13 = z, c14 = z, c15 = z, c16 = z, c17 = z;
@@ -54,24 +102,24 @@ static inline __attribute__((always_inline)) void f32_tile(const int bf, const i
 #undef F32_OUT
 }
 
-/* f32_tile() with constant counts: nx <= 4 with ng <= 4, or nx <= 8 with ng <= 2 (bf a constant
- * at each call). */
-static inline __attribute__((always_inline)) void f32_tiles(const int bf, int ng, int nx, const void *grp,
-                                                            int64_t gstride, const float *x, int64_t ldx, int64_t k,
-                      float *y, int64_t ldy) {
+/* f32_tile() with constant counts: nx <= 4 with ng <= 4, or nx <= 8 with ng <= 2 (kind a
+ * constant at each call). */
+static inline __attribute__((always_inline)) void f32_tiles(const int kind, int ng, int nx, const void *grp,
+                                                            int64_t gstride, const void *x, int64_t ldx, int64_t k,
+                                                            float *y, int64_t ldy) {
 #define NX_OF(G)                                                                 \
     switch (nx) {                                                                \
-    case 4: f32_tile(bf, G, 4, grp, gstride, x, ldx, k, y, ldy); break;              \
-    case 3: f32_tile(bf, G, 3, grp, gstride, x, ldx, k, y, ldy); break;              \
-    case 2: f32_tile(bf, G, 2, grp, gstride, x, ldx, k, y, ldy); break;              \
-    default: f32_tile(bf, G, 1, grp, gstride, x, ldx, k, y, ldy); break;             \
+    case 4: f32_tile(kind, G, 4, grp, gstride, x, ldx, k, y, ldy); break;              \
+    case 3: f32_tile(kind, G, 3, grp, gstride, x, ldx, k, y, ldy); break;              \
+    case 2: f32_tile(kind, G, 2, grp, gstride, x, ldx, k, y, ldy); break;              \
+    default: f32_tile(kind, G, 1, grp, gstride, x, ldx, k, y, ldy); break;             \
     }
 #define NX8_OF(G)                                                                \
     switch (nx) {                                                                \
-    case 8: f32_tile(bf, G, 8, grp, gstride, x, ldx, k, y, ldy); break;              \
-    case 7: f32_tile(bf, G, 7, grp, gstride, x, ldx, k, y, ldy); break;              \
-    case 6: f32_tile(bf, G, 6, grp, gstride, x, ldx, k, y, ldy); break;              \
-    default: f32_tile(bf, G, 5, grp, gstride, x, ldx, k, y, ldy); break;             \
+    case 8: f32_tile(kind, G, 8, grp, gstride, x, ldx, k, y, ldy); break;              \
+    case 7: f32_tile(kind, G, 7, grp, gstride, x, ldx, k, y, ldy); break;              \
+    case 6: f32_tile(kind, G, 6, grp, gstride, x, ldx, k, y, ldy); break;              \
+    default: f32_tile(kind, G, 5, grp, gstride, x, ldx, k, y, ldy); break;             \
     }
     if (nx > 4) {
         if (ng == 2) { NX8_OF(2) } else { NX8_OF(1) }
@@ -105,13 +153,17 @@ static inline float wval(int bf, const uint8_t *grp, int64_t e, int64_t l) {
     return f;
 }
 
-/* y[i * ldy + r] = x_i . W[r] for i < m, r0 <= r < r1, W float32 (bf = 0) or bfloat16 (bf = 1)
- * in x16 groups (n rows of k); `pad` holds 16 * k floats. Whole groups in runs of up to 4; a
- * part-filled or part-claimed group alone, through `out`. */
-static inline __attribute__((always_inline)) void f32x16_rows(const int bf, const uint8_t *w, int64_t n, int64_t r0,
-                                                              int64_t r1, const float *x, int64_t ldx, int64_t m,
+/* y[i * ldy + r] = x_i . W[r] for i < m, r0 <= r < r1, W float32 (kind F32K) or bfloat16 in
+ * x16 groups (n rows of k), x float32 rows ldx apart (bfloat16 for BF16D, whose path exists only
+ * where DPBF_BUILT); `pad` holds 16 * k floats. Whole groups in runs of up to 4; a part-filled
+ * or part-claimed group alone, through `out`. */
+static inline __attribute__((always_inline)) void f32x16_rows(const int kind, const uint8_t *w, int64_t n, int64_t r0,
+                                                              int64_t r1, const void *xv, int64_t ldx, int64_t m,
                                                               int64_t k, float *y, int64_t ldy, float *pad) {
-    const int64_t es = bf ? 2 : 4; /* bytes a weight */
+    const int bf = kind != F32K;
+    const int64_t es = bf ? 2 : 4, xs = kind == BF16D ? 2 : 4; /* bytes a weight, an activation */
+    const float *x = xv; /* the float paths' activations */
+    (void)x;
     for (int64_t g0 = r0 / GL * GL; g0 < r1;) {
         int64_t lanes = n - g0 < GL ? n - g0 : GL, lo = r0 > g0 ? r0 - g0 : 0, hi = r1 - g0 < lanes ? r1 - g0 : lanes;
         const uint8_t *grp = w + g0 * k * es;
@@ -120,8 +172,8 @@ static inline __attribute__((always_inline)) void f32x16_rows(const int bf, cons
             while (ng < 16 / rows && g0 + (ng + 1) * GL <= r1 && g0 + (ng + 1) * GL <= n) ng++;
 #ifdef X16_VEC
             for (int64_t i = 0; i < m; i += rows)
-                f32_tiles(bf, ng, m - i < rows ? (int)(m - i) : rows, grp, GL * k, x + i * ldx, ldx, k,
-                          y + i * ldy + g0, ldy);
+                f32_tiles(kind, ng, m - i < rows ? (int)(m - i) : rows, grp, GL * k,
+                          (const uint8_t *)xv + i * ldx * xs, ldx, k, y + i * ldy + g0, ldy);
 #else
             for (int64_t i = 0; i < m; i++)
                 for (int64_t j = 0; j < ng * GL; j++) {
@@ -142,7 +194,7 @@ static inline __attribute__((always_inline)) void f32x16_rows(const int bf, cons
         for (int64_t i = 0; i < m; i += 4) {
             int nx = m - i < 4 ? (int)(m - i) : 4;
 #ifdef X16_VEC
-            f32_tiles(bf, 1, nx, grp, GL * k, x + i * ldx, ldx, k, out, GL);
+            f32_tiles(kind, 1, nx, grp, GL * k, (const uint8_t *)xv + i * ldx * xs, ldx, k, out, GL);
 #else
             for (int j = 0; j < nx; j++)
                 for (int l = 0; l < GL; l++) {
