@@ -40,6 +40,10 @@ TINY_CONFIGS = {
                                                     "high_freq_factor": 4.0,
                                                     "original_max_position_embeddings": 64},
                                       **COMMON | kw),
+    # Heads of 32 (2 query heads on 1 KV head; Qwen3 with 4 on 2): the widths a bfloat16 KV cache takes.
+    "llama_hd32": lambda **kw: LlamaConfig(intermediate_size=96, **COMMON | {"num_attention_heads": 2,
+                                                                           "num_key_value_heads": 1} | kw),
+    "qwen3_hd32": lambda **kw: Qwen3Config(intermediate_size=96, head_dim=32, **COMMON | kw),
     "qwen2": lambda **kw: Qwen2Config(intermediate_size=96, **COMMON | kw),
     "qwen3": lambda **kw: Qwen3Config(intermediate_size=96, head_dim=16, **COMMON | kw),
     "qwen3_moe": lambda **kw: Qwen3MoeConfig(intermediate_size=96, head_dim=16, norm_topk_prob=True, **MOE,

@@ -29,7 +29,7 @@ def test_startup_log_says_the_settings_in_force(tiny_model, tmp_path):
     assert re.search(r"device (cpu|cuda:0), dtype float32, quantization none \(float32 weights\), ", summary)
     assert "1 thread per rank" in summary  # --threads reached the rank (torch would take every core)
     # 8 tokens x 2 layers x 2 KV heads x 16 dims x K and V x 4 bytes = 4096 bytes a page
-    assert "KV cache 64 pages x 8 tokens (512 tokens), 0.2 MiB on this rank (4096 bytes a page)" in summary
+    assert "KV cache float32, 64 pages x 8 tokens (512 tokens), 0.2 MiB on this rank (4096 bytes a page)" in summary
     assert summary.endswith("context length 512 tokens (the model's limit)")
     for step in ("starting 1 scheduler rank (tp 1 x pp 1 x dp 1 x cp 1) and 2 other workers",
                  "rank 0 of 1: loading the tokenizer and the model ...",

@@ -1,5 +1,7 @@
 """--dtype bfloat16 on the CPU: the weights as bfloat16 rows for the C kernels (quant_kernel.
-bf16_weights), float32 around them (activations, norms, KV cache), the C decode loop running it.
+bf16_weights), float32 around them (activations, norms), the C decode loop running it; a
+bfloat16 KV cache where the products take bfloat16 activations and the attention kernel reads
+one (heads of 32 here: ModelRunner.kv_dtype), float32 otherwise.
 
 The oracle is transformers in float32 holding the same bfloat16 weights, each linear layer's
 input rounded to bfloat16 where AMX tiles or vdpbf16ps run the products (they take bfloat16
@@ -24,6 +26,7 @@ import pytest
 import torch
 from torch import nn
 
+from shardserve.attention import cpu_kernel
 from shardserve.config import EngineConfig
 from shardserve.core import SamplingParams
 from shardserve.layers import quant_kernel
@@ -89,7 +92,7 @@ def check_against_transformers(tiny_model, arch: str, amx: bool) -> EngineCore:
 # DeepSeek-V3 with bfloat16 activations is left to the float32-activation check: its sigmoid
 # gate's near ties let one bfloat16 step pick another expert, and the logits then part by far
 # more than a rounding (the tokens held in the runs tried).
-BF16_ARCHS = ["llama", "llama_tied", "qwen3", "qwen3_moe", "mixtral", "deepseek_v3"]
+BF16_ARCHS = ["llama", "llama_tied", "qwen3", "qwen3_moe", "mixtral", "deepseek_v3", "llama_hd32", "qwen3_hd32"]
 
 
 @pytest.mark.parametrize("arch", BF16_ARCHS)
@@ -99,24 +102,54 @@ def test_matches_transformers_on_the_same_bfloat16_weights(tiny_model, arch: str
         pytest.skip("checked with float32 activations (test_the_other_bf16_paths)")
     core = check_against_transformers(tiny_model, arch, amx)
     runner = core.runner
-    assert runner.dtype == torch.float32 and runner.pool.k.dtype == torch.float32
+    # heads of 32 take a bfloat16 KV cache where the attention kernel reads one (AVX512-BF16)
+    kv = torch.bfloat16 if arch.endswith("hd32") and runner_takes_bf16_cache() else torch.float32
+    assert runner.dtype == torch.float32 and runner.pool.k.dtype == kv and runner.pool.v.dtype == kv
     assert runner.quantization == "bf16" and runner.attention.name == "cpu"
     names = {q.name for m in runner.model.modules() if isinstance(m, PackedLinear) and m.quant for _, q in m.quant}
     assert "BF16x16" in names
 
 
-def test_the_c_decode_loop_runs_bfloat16(tiny_model) -> None:
-    path, _ = tiny_model("llama")
+def runner_takes_bf16_cache() -> bool:
+    """Whether heads of 32 get a bfloat16 KV cache here (ModelRunner.kv_dtype)."""
+    return quant_kernel.bf16_activations() and cpu_kernel.bf16_cache((32, 32))
+
+
+def generate_bf16(path: str, c_loop: bool) -> tuple[list[int], list[int], EngineCore, list[int]]:
+    """Six greedy tokens of one request in bfloat16, the decode steps in the C loop or (c_loop
+    False) through the modules; returns them, the decode-loop row counts, the engine, and the
+    request's pages."""
     core = EngineCore(EngineConfig(model=path, dtype="bfloat16", num_pages=32, show_progress=False))
     loop = core.runner.model._decode_loop()
     assert loop is not None
     calls = []
     run = loop.run
     loop.run = lambda x, ctx: calls.append(x.shape[0]) or run(x, ctx)
+    if not c_loop:
+        loop.applies = lambda x, ctx: False
     req = core.add_request("r", [5, 17, 42], SamplingParams(max_tokens=6, temperature=0))
+    pages: list[int] = []
     while core.has_unfinished():
         core.step()
-    assert len(req.output_token_ids) == 6 and calls == [1] * 5  # every decode step in the C loop
+        pages = list(req.pages) or pages
+    return req.output_token_ids, calls, core, pages
+
+
+@pytest.mark.parametrize("arch", ["llama", "llama_hd32"])
+def test_the_c_decode_loop_runs_bfloat16(tiny_model, arch: str) -> None:
+    """Every decode step in the C loop; with a bfloat16 KV cache (heads of 32, AVX512-BF16) the
+    loop writes the cache's rows as the modules do (rounded to nearest even), bit for bit."""
+    path, _ = tiny_model(arch)
+    tokens, calls, core, pages = generate_bf16(path, c_loop=True)
+    assert len(tokens) == 6 and calls == [1] * 5  # every decode step in the C loop
+    modules_tokens, modules_calls, modules, modules_pages = generate_bf16(path, c_loop=False)
+    assert modules_calls == [] and modules_tokens == tokens and modules_pages == pages
+    ps = core.runner.pool.page_size
+    slots = torch.tensor([p * ps + i for p in pages for i in range(ps)])[: 3 + 5]  # prompt and 5 decoded
+    kv = torch.bfloat16 if arch == "llama_hd32" and runner_takes_bf16_cache() else torch.float32
+    for ours, theirs in ((core.runner.pool.k, modules.runner.pool.k), (core.runner.pool.v, modules.runner.pool.v)):
+        assert ours.dtype == theirs.dtype == kv
+        assert torch.equal(ours[:, slots], theirs[:, slots])
 
 
 SUBPROCESS = """
@@ -137,7 +170,7 @@ print("checked: ok")
 
 # The paths this CPU can take besides its default: (environment, the path it gives, architectures).
 OTHER_PATHS = [({"SHARDSERVE_FLOAT32_ACTIVATIONS": "1"}, "float32 activations", BF16_ARCHS),
-               ({"SHARDSERVE_NO_AMX": "1"}, "avx512-bf16", BF16_ARCHS[:-1])]
+               ({"SHARDSERVE_NO_AMX": "1"}, "avx512-bf16", [a for a in BF16_ARCHS if a != "deepseek_v3"])]
 
 
 @pytest.mark.parametrize("env, want, archs", OTHER_PATHS, ids=["float32-activations", "no-amx"])
@@ -161,12 +194,24 @@ GREEDY = SamplingParams(max_tokens=16, temperature=0, logprobs=2)
 
 
 def test_bfloat16_alone_equals_in_a_batch(smollm2_path: str) -> None:
-    """The default model's weights expanded to bfloat16 rows: one request alone and among 12
-    others (prefills and decodes around it) gives the same tokens and logprobs, bit for bit."""
+    """The default model's weights expanded to bfloat16 rows (heads of 64: a bfloat16 KV cache
+    where the kernels read one): one request alone and among 12 others (prefills and decodes
+    around it) gives the same tokens and logprobs, bit for bit; so does a request whose prefix
+    came from the prefix cache against the same request computed whole."""
     from test_batch_invariance import TARGET, prompts
 
     with LLM(model=smollm2_path, dtype="bfloat16", show_progress=False, enable_prefix_cache=False) as llm:
+        kv = llm.engine.runner.pool.k.dtype
+        assert kv == (torch.bfloat16 if quant_kernel.bf16_activations() and cpu_kernel.bf16_cache((64, 64))
+                      else torch.float32)
         alone = llm.generate([TARGET], GREEDY, use_tqdm=False)[0]
         others = prompts(12, seed=13)
         batch = llm.generate(others[:6] + [TARGET] + others[6:], GREEDY, use_tqdm=False)[6]
+        shared = prompts(1, seed=12, lo=100, hi=101)[0]
+        whole = llm.generate([shared + [601, 602]], GREEDY, use_tqdm=False)[0]
     assert batch.token_ids == alone.token_ids and batch.logprobs == alone.logprobs
+    with LLM(model=smollm2_path, dtype="bfloat16", show_progress=False) as llm:
+        llm.generate([shared + [501, 502, 503]], GREEDY, use_tqdm=False)
+        warm = llm.generate([shared + [601, 602]], GREEDY, use_tqdm=False)[0]
+    assert warm.num_cached_tokens >= 96
+    assert (warm.token_ids, warm.logprobs) == (whole.token_ids, whole.logprobs)

@@ -9,7 +9,7 @@ import torch.nn.functional as F
 
 from shardserve import native
 from shardserve.attention import cpu_kernel
-from shardserve.attention.backend import Heads
+from shardserve.attention.backend import Heads, write_cache
 from shardserve.attention.cpu_backend import CpuBackend
 from shardserve.attention.metadata import build_metadata
 from shardserve.attention.torch_backend import TorchBackend
@@ -110,6 +110,42 @@ def test_kernel_lse_and_empty_contexts(heads, kv_of_q, dim, page_size):
     cpu_kernel.paged_decode(q[:2], kc, vc, tables[[0, 2]], ctx[[0, 2]], kv, page_size, scale, out=out[:2],
                             lse=lse[:2])
     assert torch.all(out[:2] == 0) and torch.all(lse[:2] == float("-inf"))
+
+
+@pytest.mark.skipif(not cpu_kernel.bf16_cache((64, 64)), reason="a bfloat16 KV cache needs AVX512-BF16")
+@pytest.mark.parametrize("heads,kv_of_q,dim,page_size", [
+    (9, (0, 0, 0, 1, 1, 1, 2, 2, 2), 64, 16),  # SmolLM2's grouping
+    (5, (0, 0, 0, 1, 1), 32, 3),                # uneven groups, pages of 3
+    (4, (0, 0, 1, 1), 128, 16),
+    (2, (0, 1), 256, 1),                        # the widest head; one-token pages
+])
+def test_bf16_cache_kernel(heads, kv_of_q, dim, page_size):
+    """A bfloat16 cache: the float64 attention of the bfloat16-rounded query over the cached
+    keys and values to float32 rounding, lse included; an empty context gives 0 and -inf; each
+    row alone equals it among the others, bit for bit."""
+    lens = [0, 1, 2, page_size, page_size + 1, 37, 200]
+    q, kc, vc, page_lists = random_case(heads, kv_of_q, dim, page_size, lens, seed=5)
+    kc, vc = kc.bfloat16(), vc.bfloat16()
+    tables, ctx, kv = tables_of(page_lists), torch.tensor(lens), torch.tensor(kv_of_q)
+    scale = dim**-0.5
+    lse = torch.empty(len(lens), heads)
+    got = cpu_kernel.paged_decode(q, kc, vc, tables, ctx, kv, page_size, scale, lse=lse)
+    want_out, want_lse = reference_lse(q.bfloat16().float(), kc.float(), vc.float(), tables, ctx, kv, page_size,
+                                       scale)
+    assert torch.all(got[0] == 0) and torch.all(lse[0] == float("-inf"))
+    torch.testing.assert_close(got, want_out.float(), atol=2e-6, rtol=1e-5)
+    torch.testing.assert_close(lse[1:], want_lse[1:].float(), atol=1e-5, rtol=1e-5)
+    for i in range(len(lens)):
+        alone = cpu_kernel.paged_decode(q[i: i + 1], kc, vc, tables[i: i + 1], ctx[i: i + 1], kv, page_size, scale)
+        assert torch.equal(alone[0], got[i]), i
+
+
+def test_bf16_cache_writes_round_to_nearest_even():
+    """The pool's rows as torch rounds them (nearest even), the kernel reading them back."""
+    k = torch.tensor([[[1.0 + 2**-8, 1.0 + 3 * 2**-8, -(1.0 + 2**-9), 3.0e38]]])  # ties both ways, and a large one
+    cache = torch.zeros(4, 1, 4, dtype=torch.bfloat16)
+    write_cache(k, k, cache, cache, torch.tensor([2]))
+    assert cache[2, 0].tolist() == [1.0, 1.0 + 2**-6, -1.0, float(torch.tensor(3.0e38).bfloat16())]
 
 
 def test_partial_attentions_merge_by_lse():

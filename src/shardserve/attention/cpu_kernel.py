@@ -16,7 +16,7 @@ import torch
 from shardserve import native
 from shardserve.native import KernelUnavailable
 
-__all__ = ["KernelUnavailable", "load", "paged_decode", "supports"]
+__all__ = ["KernelUnavailable", "bf16_cache", "load", "paged_decode", "supports"]
 
 SOURCE = next(lib.source for lib in native.LIBRARIES if lib.name == "attention")
 
@@ -26,11 +26,13 @@ def load() -> ctypes.CDLL:
     """The compiled kernel library (its own, apart from the layers'); raises KernelUnavailable
     with the reason, after shardserve.native's one warning about the fallbacks."""
     lib = native.library("attention")
-    fn = lib.paged_decode_f32
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
-    fn.argtypes = [ptr, i64, ptr, ptr, ptr, i64, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, ctypes.c_float,
-                   ctypes.c_int]
-    fn.restype = ctypes.c_int
+    for name in ("paged_decode_f32", "paged_decode_bf16"):
+        if hasattr(lib, name):  # the bfloat16 one is built where the CPU has AVX512-BF16
+            fn = getattr(lib, name)
+            fn.argtypes = [ptr, i64, ptr, ptr, ptr, i64, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, ctypes.c_float,
+                           ctypes.c_int]
+            fn.restype = ctypes.c_int
     return lib
 
 
@@ -38,10 +40,27 @@ def supports(device: torch.device, dtype: torch.dtype) -> bool:
     return device.type == "cpu" and dtype == torch.float32
 
 
+def bf16_cache(widths: tuple[int, int]) -> bool:
+    """Whether the kernel reads a bfloat16 KV cache of these K/V widths here: built where the CPU
+    has AVX512-BF16 (scores on vdpbf16ps, half the bytes a step reads), for heads whose K and V
+    widths are equal multiples of 32 up to 256 (not latent attention's one wide vector)."""
+    try:
+        lib = load()
+    except KernelUnavailable:
+        return False
+    return hasattr(lib, "paged_decode_bf16") and widths[0] == widths[1] and widths[0] % 32 == 0 and widths[0] <= 256
+
+
+def function(cache_dtype: torch.dtype) -> ctypes._CFuncPtr:
+    """The kernel for caches of that dtype (float32, or bfloat16 where bf16_cache)."""
+    return load().paged_decode_bf16 if cache_dtype == torch.bfloat16 else load().paged_decode_f32
+
+
 def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                  context_lens: torch.Tensor, kv_of_q: torch.Tensor, page_size: int, scale: float,
                  out: torch.Tensor | None = None, lse: torch.Tensor | None = None) -> torch.Tensor:
-    """q: [B, H, D] (rows may be strided); caches [slots, Hkv, D]; block_tables [B, P] and
+    """q: [B, H, D] float32 (rows may be strided); caches [slots, Hkv, D], float32 or (where
+    bf16_cache) bfloat16; block_tables [B, P] and
     context_lens [B] int64 (0 allowed: zero out rows); kv_of_q [H] int64. Writes and returns
     out [B, H, D] (contiguous). With `lse` (contiguous float32 [B, H]) also writes each row's
     log(sum_t exp(scale * q . k_t)), -inf for an empty context, for merging partial attentions
@@ -55,7 +74,7 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     assert out.is_contiguous() and out.shape == (b, h, d)
     if lse is not None:
         assert lse.is_contiguous() and lse.dtype == torch.float32 and lse.shape == (b, h)
-    rc = load().paged_decode_f32(
+    rc = function(k_cache.dtype)(
         q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), block_tables.data_ptr(),
         block_tables.shape[1], context_lens.data_ptr(), kv_of_q.data_ptr(), out.data_ptr(),
         None if lse is None else lse.data_ptr(), b, h, k_cache.shape[1], d, page_size, scale, torch.get_num_threads())

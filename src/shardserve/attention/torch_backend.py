@@ -16,10 +16,12 @@ from shardserve.attention.backend import AttentionBackend, Heads, begin
 from shardserve.attention.metadata import AttentionMetadata, build_metadata
 
 
-def gather(cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
-    """cache rows at `slots` (any shape). index_select on a flat index is much faster on CPU than
-    advanced indexing with a 2-D index."""
-    return cache.index_select(0, slots.reshape(-1)).view(*slots.shape, *cache.shape[1:])
+def gather(cache: torch.Tensor, slots: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """cache rows at `slots` (any shape), in `dtype` where given (a bfloat16 cache read by float32
+    queries). index_select on a flat index is much faster on CPU than advanced indexing with a
+    2-D index."""
+    rows = cache.index_select(0, slots.reshape(-1)).view(*slots.shape, *cache.shape[1:])
+    return rows if dtype is None else rows.to(dtype)
 
 
 class TorchBackend(AttentionBackend):
@@ -41,8 +43,8 @@ class TorchBackend(AttentionBackend):
 
     def _decodes(self, heads: Heads, q, k_cache, v_cache, meta: AttentionMetadata, out: torch.Tensor) -> None:
         for g in meta.decode_groups:
-            kk = gather(k_cache, g.slots).transpose(1, 2)  # [g, Hkv, L, d]
-            vv = kk if v_cache is k_cache else gather(v_cache, g.slots).transpose(1, 2)
+            kk = gather(k_cache, g.slots, q.dtype).transpose(1, 2)  # [g, Hkv, L, d]
+            vv = kk if v_cache is k_cache else gather(v_cache, g.slots, q.dtype).transpose(1, 2)
             kk, vv, gqa = heads.expand(kk, vv)
             o = F.scaled_dot_product_attention(
                 q.index_select(0, g.rows).unsqueeze(2), kk, vv, attn_mask=g.mask, scale=heads.scale, enable_gqa=gqa
@@ -56,8 +58,8 @@ class TorchBackend(AttentionBackend):
                 kk = k[c.start : c.start + c.q_len].transpose(0, 1)
                 vv = v[c.start : c.start + c.q_len].transpose(0, 1)
             else:
-                kk = gather(k_cache, c.kv_slots).transpose(0, 1)
-                vv = kk if v_cache is k_cache else gather(v_cache, c.kv_slots).transpose(0, 1)
+                kk = gather(k_cache, c.kv_slots, q.dtype).transpose(0, 1)
+                vv = kk if v_cache is k_cache else gather(v_cache, c.kv_slots, q.dtype).transpose(0, 1)
             kk, vv, gqa = heads.expand(kk, vv)
             # 4-D inputs: on the CPU, 3-D ones take SDPA's slower math path, 4-D its flash kernel.
             o = F.scaled_dot_product_attention(

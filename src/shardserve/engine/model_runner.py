@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from shardserve.attention import cpu_kernel
 from shardserve.attention.backend import AttentionBackend
 from shardserve.attention.context import ContextBackend
 from shardserve.attention.select import choose_backend
@@ -69,13 +70,19 @@ class ModelRunner:
             torch.cuda.set_device(self.device)
         self.dtype = cfg.torch_dtype
         # --dtype bfloat16 on the CPU: bfloat16 weights for the C kernels, float32 around them
-        # (activations, norms, KV cache), so the C decode loop and attention kernel run it.
+        # (activations, norms), so the C decode loop and attention kernel run it.
         self.bf16_weights = quant_kernel.bf16_weights(self.device, self.dtype)
         if self.bf16_weights:
             self.dtype = torch.float32
         # Chosen once, before any weight loads; the layers call whichever it is.
         backend = choose_backend(cfg.attention_backend, self.device, self.dtype, cfg.batch_invariant)
         self.attention: AttentionBackend = ContextBackend(backend) if groups.context.size > 1 else backend
+        # The KV cache in the compute dtype, but bfloat16 under --dtype bfloat16 where the
+        # products take bfloat16 activations and the C attention kernel reads such a cache
+        # (AVX512-BF16): half the bytes a decode step's attention reads.
+        self.kv_dtype = (torch.bfloat16 if self.bf16_weights and quant_kernel.bf16_activations()
+                         and self.attention.name == "cpu" and cpu_kernel.bf16_cache(model_cfg.kv_widths)
+                         else self.dtype)
         cls = model_class(model_cfg.architecture)
         self.placements = self._placement_plan()
         # Progress for the steps that take seconds, from one rank (the others do the same).
@@ -97,7 +104,7 @@ class ModelRunner:
         self.num_pages = int(self.control.all_reduce(torch.tensor([pages]), op="min")[0])
         st = self.stage
         self.pool = KVPool(st.end - st.start, self.num_pages, cfg.page_size, shard.num_kv,
-                           model_cfg.kv_widths, self.dtype, self.device)
+                           model_cfg.kv_widths, self.kv_dtype, self.device)
         # Indexed by global layer number; other stages' layers have no cache here.
         self.kv_views = [None] * st.start + self.pool.layer_views() + [None] * (model_cfg.num_layers - st.end)
 
@@ -172,7 +179,7 @@ class ModelRunner:
         if budget <= 1:
             budget *= available_memory(self.device)
         per_token = self.model_cfg.kv_values_per_token(num_kv_heads, self.stage.end - self.stage.start)
-        per_page = self.cfg.page_size * per_token * torch.empty((), dtype=self.dtype).element_size()
+        per_page = self.cfg.page_size * per_token * torch.empty((), dtype=self.kv_dtype).element_size()
         pages = int(budget // per_page)
         if pages < 1:
             raise ValueError(kv_budget_message(self.cfg.kv_cache_memory, budget, per_page, self.cfg.page_size))

@@ -25,9 +25,11 @@ def visible_gpus() -> int:
 
 
 def kv_value_bytes(cfg: EngineConfig) -> int:
-    """Bytes of one KV cache value on the ranks: bfloat16 on the CPU keeps its KV cache in float32
-    (the C kernels' precision; layers/quant_kernel.bf16_weights), so bfloat16 counts 2 bytes only
-    where the ranks run on CUDA (named, or left to the default with a GPU visible)."""
+    """Bytes of one KV cache value on the ranks, at most (the up-front checks' count, made
+    without torch): bfloat16 on the CPU keeps a float32 KV cache unless the rank finds the
+    kernels for a bfloat16 one (engine.model_runner's kv_dtype: AVX512-BF16 and the heads' width),
+    so there it counts 4, and 2 only where the ranks run on CUDA (named, or left to the default
+    with a GPU visible)."""
     device = cfg.device or ("cuda" if visible_gpus() else "cpu")
     if cfg.dtype == "bfloat16" and not device.startswith("cuda"):
         return 4

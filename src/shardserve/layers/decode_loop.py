@@ -41,7 +41,7 @@ class Layer(ctypes.Structure):
 
 class Dims(ctypes.Structure):
     _fields_ = [("hidden", i64), ("hq", i64), ("hkv", i64), ("d", i64), ("inter", i64), ("eps", ctypes.c_float),
-                ("scale", ctypes.c_float), ("kv_of_q", ptr)]
+                ("scale", ctypes.c_float), ("kv_of_q", ptr), ("kv_bf16", i64)]
 
 
 def _mat(linear: PackedLinear) -> Mat:
@@ -66,9 +66,9 @@ def _fits(layer: torch.nn.Module) -> bool:
 class DecodeLoop:
     """The C layer loop over a stage's layers; `build` answers None where it does not apply."""
 
-    def __init__(self, layers: Sequence[torch.nn.Module], lib: ctypes.CDLL, attn_fn: int):
+    def __init__(self, layers: Sequence[torch.nn.Module], lib: ctypes.CDLL):
         first = layers[0].self_attn
-        self.layers, self.lib, self.attn_fn = list(layers), lib, attn_fn
+        self.layers, self.lib, self.attn_fn = list(layers), lib, 0
         self.kv_index = first.heads.kv_index
         mlp = layers[0].mlp
         self.dims = Dims(hidden=first.o_proj.out_features, hq=first.hq, hkv=first.hkv, d=first.d,
@@ -83,10 +83,10 @@ class DecodeLoop:
             return None
         try:
             lib = kernels.load()
-            attn_fn = ctypes.cast(cpu_kernel.load().paged_decode_f32, ctypes.c_void_p).value
+            cpu_kernel.load()
         except kernels.KernelUnavailable:  # shardserve.native has warned; the modules run one by one
             return None
-        return cls(layers, lib, attn_fn)
+        return cls(layers, lib)
 
     def applies(self, x: torch.Tensor, ctx: ForwardContext) -> bool:
         meta = ctx.attn
@@ -97,8 +97,12 @@ class DecodeLoop:
 
     def _layer_table(self, ctx: ForwardContext) -> ctypes.Array:
         # The pool's caches are made once; a new pool (a new first K cache) means new addresses.
-        key = ctx.kv_caches[self.layers[0].self_attn.layer_idx][0].data_ptr()
+        first = ctx.kv_caches[self.layers[0].self_attn.layer_idx][0]
+        key = first.data_ptr()
         if self._table is None or key != self._key:
+            # The attention kernel for the pool's dtype, whose rows the loop writes in that dtype.
+            self.attn_fn = ctypes.cast(cpu_kernel.function(first.dtype), ctypes.c_void_p).value
+            self.dims.kv_bf16 = int(first.dtype == torch.bfloat16)
             table = (Layer * len(self.layers))()
             for i, layer in enumerate(self.layers):
                 attn, mlp = layer.self_attn, layer.mlp
@@ -119,8 +123,9 @@ class DecodeLoop:
         x = x.contiguous().clone()
         cos, sin = cos.contiguous(), sin.contiguous()
         tables, lens, slots = meta.paged.block_tables, meta.paged.context_lens, meta.slot_mapping
+        table = self._layer_table(ctx)  # first: it picks attn_fn for the pool's dtype
         rc = self.lib.decode_layers(
-            ctypes.addressof(self._layer_table(ctx)), len(self.layers), ctypes.addressof(self.dims), x.data_ptr(),
+            ctypes.addressof(table), len(self.layers), ctypes.addressof(self.dims), x.data_ptr(),
             x.shape[0], cos.data_ptr(), sin.data_ptr(), slots.data_ptr(), tables.data_ptr(), tables.shape[1],
             lens.data_ptr(), meta.page_size, self.attn_fn, torch.get_num_threads())
         if rc == 1:

@@ -30,10 +30,11 @@ def kernel_layout(w: QuantWeight) -> QuantWeight:
 
 def bf16_weights(device: torch.device, dtype: torch.dtype) -> bool:
     """Whether a rank asked for bfloat16 keeps its weights as BF16 rows for these kernels, with
-    float32 activations and KV cache around them: on the CPU, where the kernels load. There the
-    weights are half the bytes of float32 (what a one-row decode step reads) and run on AMX
-    tiles or vdpbf16ps where the CPU has them (`bf16_path`); the layers, the C decode loop and
-    the paged attention kernel stay float32. Elsewhere bfloat16 runs in torch, op by op."""
+    float32 activations around them: on the CPU, where the kernels load. There the weights are
+    half the bytes of float32 (what a one-row decode step reads) and run on AMX tiles or
+    vdpbf16ps where the CPU has them (`bf16_path`); the layers and the C decode loop stay
+    float32, the KV cache too unless the runner keeps it in bfloat16 (ModelRunner.kv_dtype).
+    Elsewhere bfloat16 runs in torch, op by op."""
     return device.type == "cpu" and dtype == torch.bfloat16 and available() is None
 
 

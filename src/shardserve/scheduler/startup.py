@@ -22,7 +22,7 @@ def weights_text(quantization: str, dtype: str, is_gguf: bool) -> str:
         return "quantization int8 (Q8_0 blocks, made at load)"
     if quantization == "bf16":  # bfloat16 products' activations as the kernels say (quant_kernel.bf16_path)
         acts = "bfloat16 products' activations" if quant_kernel.bf16_activations() else "float32 activations"
-        return f"quantization none (bfloat16 weights; {acts}; float32 norms, attention and KV cache)"
+        return f"quantization none (bfloat16 weights; {acts}; float32 norms and attention arithmetic)"
     return f"quantization none ({dtype} weights)"
 
 
@@ -41,7 +41,7 @@ def mib(n: int) -> str:
 
 def startup_summary(engine: EngineCore) -> str:
     """E.g. 'rank 0 of 1: device cpu, dtype float32, quantization none (float32 weights), 1 thread
-    per rank, attention cpu; KV cache 256 pages x 8 tokens (2048 tokens), 1.0 MiB on this
+    per rank, attention cpu; KV cache float32, 256 pages x 8 tokens (2048 tokens), 1.0 MiB on this
     rank (4096 bytes a page); context length 512 tokens (the model's limit)'."""
     r, cfg, groups = engine.runner, engine.cfg, engine.runner.groups
     kv_bytes = r.pool.k.nbytes + r.pool.v.nbytes
@@ -53,7 +53,8 @@ def startup_summary(engine: EngineCore) -> str:
     weights = weights_text(r.quantization, cfg.dtype, engine.ckpt.is_gguf)
     return (f"{rank_text(groups)}: device {r.device}, dtype {cfg.dtype}, {weights}, "
             f"{plural(torch.get_num_threads(), 'thread')} per rank, attention {r.attention.describe()}; "
-            f"KV cache {pages} pages x {cfg.page_size} tokens ({pages * cfg.page_size} tokens{spread}), "
+            f"KV cache {str(r.kv_dtype).removeprefix('torch.')}, {pages} pages x {cfg.page_size} tokens "
+            f"({pages * cfg.page_size} tokens{spread}), "
             f"{mib(kv_bytes)} on this rank ({kv_bytes // max(1, r.num_pages)} bytes a page); "
             f"context length {engine.max_model_len} tokens ({context})")
 

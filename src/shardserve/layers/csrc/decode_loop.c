@@ -53,16 +53,17 @@ typedef struct {
 typedef struct {
     const float *ln1, *ln2, *qkv_bias, *q_norm, *k_norm; /* the last three may be NULL */
     Mat qkv, o, gate_up, down;
-    float *k_cache, *v_cache; /* [slots, hkv, d] */
+    void *k_cache, *v_cache; /* [slots, hkv, d], float32 or (Dims.kv_bf16) bfloat16 */
 } Layer;
 
 typedef struct {
     int64_t hidden, hq, hkv, d, inter;
     float eps, scale;
     const int64_t *kv_of_q;
+    int64_t kv_bf16; /* the caches hold bfloat16: new rows rounded (nearest even) as written */
 } Dims;
 
-typedef int (*attn_fn)(const float *q, int64_t q_stride, const float *k_cache, const float *v_cache,
+typedef int (*attn_fn)(const float *q, int64_t q_stride, const void *k_cache, const void *v_cache,
                        const int64_t *block_tables, int64_t max_pages, const int64_t *context_lens,
                        const int64_t *kv_of_q, float *out, float *lse, int64_t B, int64_t H, int64_t Hkv, int64_t D,
                        int64_t page_size, float scale, int num_threads);
@@ -190,8 +191,13 @@ int decode_layers(const Layer *layers, int64_t nlayers, const Dims *dm, float *x
                     rms_norm_f32(row + nq, dm->hkv, d, d, L->k_norm, dm->eps, row + nq, d, 1);
                 }
                 rotary_f32(row, nqkv, dm->hq, row + nq, nqkv, dm->hkv, 1, d, cos + i * (d / 2), sin + i * (d / 2), 1);
-                memcpy(L->k_cache + slots[i] * nkv, row + nq, sizeof(float) * (size_t)nkv);
-                memcpy(L->v_cache + slots[i] * nkv, row + nq + nkv, sizeof(float) * (size_t)nkv);
+                if (dm->kv_bf16) {
+                    bf16_rows_of(row + nq, 0, 0, 1, nkv, nkv, (uint16_t *)L->k_cache + slots[i] * nkv);
+                    bf16_rows_of(row + nq + nkv, 0, 0, 1, nkv, nkv, (uint16_t *)L->v_cache + slots[i] * nkv);
+                } else {
+                    memcpy((float *)L->k_cache + slots[i] * nkv, row + nq, sizeof(float) * (size_t)nkv);
+                    memcpy((float *)L->v_cache + slots[i] * nkv, row + nq + nkv, sizeof(float) * (size_t)nkv);
+                }
             }
             /* Rows' caches are written before any row is attended; one row's heads are split. */
 #pragma omp barrier

@@ -32,7 +32,8 @@ static void bf16_rows_of(const float *x, int64_t ldx, int64_t r0, int64_t r1, in
 }
 
 /* Whether the user asked for float32 activations against bfloat16 weights
- * (SHARDSERVE_FLOAT32_ACTIVATIONS=1): neither AMX tiles nor vdpbf16ps then, the float32 path. */
+ * (SHARDSERVE_FLOAT32_ACTIVATIONS=1): neither AMX tiles nor vdpbf16ps then, the float32 path
+ * (and, as the model runner decides from bf16_path, a float32 KV cache). */
 static int float32_activations_asked(void) {
     const char *v = getenv("SHARDSERVE_FLOAT32_ACTIVATIONS");
     return v && *v && strcmp(v, "0") != 0;

@@ -1,0 +1,82 @@
+/* One page's scores and weighted values over a bfloat16 KV cache, for paged_decode.c, which
+ * includes this file after its float32 helpers; not compiled alone. Built where the CPU has
+ * AVX512-BF16 (PAGED_BF16 set), the one place a bfloat16 cache is kept (`paged_decode_bf16`).
+ *
+ * Half the bytes of a float32 cache, and, where the float32 kernel spends four multiply-adds a
+ * key and head at D = 64, scores take two `vdpbf16ps` (32 products each): the query rounded to
+ * bfloat16 (nearest even) once per row and head, as the cache's keys were when written, and
+ * both summed in float32. Values stay float32 arithmetic: each 32-bit lane of a loaded row holds
+ * dims 2i and 2i + 1, widened exactly by a shift and a mask into "even" and "odd" accumulators
+ * that are interleaved back once per page. The probabilities are never rounded. Each output is
+ * one fixed sequence of operations over its own row's keys, whatever shares the step.
+ */
+
+#if defined(__AVX512BF16__) && defined(__AVX512F__)
+#define PAGED_BF16 1
+#include <immintrin.h>
+
+/* Round-to-nearest-even float -> bfloat16, a NaN kept a NaN (the cache writes do the same). */
+static inline uint16_t bf16_of(float f) {
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    if ((u & 0x7FFFFFFFu) > 0x7F800000u) return (uint16_t)((u >> 16) | 0x40u);
+    return (uint16_t)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+}
+
+/* scores[t] = scale * qb . k_t for the n rows of one page (qb, k bfloat16, D a multiple of 32). */
+static void page_scores_bf16(const uint16_t *qb, const uint16_t *k, int64_t n, int64_t row_stride, int64_t D,
+                             float scale, float *scores) {
+    const int nv = (int)(D / 32);
+    __m512bh qv[MAX_D / 32];
+    for (int c = 0; c < nv; ++c) qv[c] = (__m512bh)_mm512_loadu_si512((const void *)(qb + 32 * c));
+    int64_t t = 0;
+    for (; t + 16 <= n; t += 16, k += 16 * row_stride) {
+        vf acc[16];
+        for (int r = 0; r < 16; ++r) {
+            const uint16_t *kr = k + r * row_stride;
+            __m512 a = _mm512_dpbf16_ps(_mm512_setzero_ps(), qv[0], (__m512bh)_mm512_loadu_si512((const void *)kr));
+            for (int c = 1; c < nv; ++c)
+                a = _mm512_dpbf16_ps(a, qv[c], (__m512bh)_mm512_loadu_si512((const void *)(kr + 32 * c)));
+            memcpy(&acc[r], &a, sizeof a);
+        }
+        storev(scores + t, transpose_sum(acc) * scale);
+    }
+    for (; t < n; ++t, k += row_stride) { /* the page's last rows: the same products, summed alone */
+        __m512 a = _mm512_dpbf16_ps(_mm512_setzero_ps(), qv[0], (__m512bh)_mm512_loadu_si512((const void *)k));
+        for (int c = 1; c < nv; ++c)
+            a = _mm512_dpbf16_ps(a, qv[c], (__m512bh)_mm512_loadu_si512((const void *)(k + 32 * c)));
+        scores[t] = _mm512_reduce_add_ps(a) * scale;
+    }
+}
+
+/* out += sum_t p[t] * v_t over the n rows of one page, v bfloat16, out float32 [D]. */
+static void page_values_bf16(const float *p, const uint16_t *v, int64_t n, int64_t row_stride, int64_t D,
+                             float *out) {
+    const int nv = (int)(D / 32);
+    const __m512i even = _mm512_set_epi32(30, 28, 26, 24, 22, 20, 18, 16, 14, 12, 10, 8, 6, 4, 2, 0);
+    const __m512i odd = _mm512_set_epi32(31, 29, 27, 25, 23, 21, 19, 17, 15, 13, 11, 9, 7, 5, 3, 1);
+    const __m512i lo = _mm512_set_epi32(23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+    const __m512i hi = _mm512_set_epi32(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8);
+    const __m512i top = _mm512_set1_epi32((int)0xFFFF0000u);
+    __m512 ae[MAX_D / 32], ao[MAX_D / 32];
+    for (int c = 0; c < nv; ++c) { /* out's dims split into even and odd lanes */
+        __m512 a = _mm512_loadu_ps(out + 32 * c), b = _mm512_loadu_ps(out + 32 * c + 16);
+        ae[c] = _mm512_permutex2var_ps(a, even, b);
+        ao[c] = _mm512_permutex2var_ps(a, odd, b);
+    }
+    for (int64_t t = 0; t < n; ++t, v += row_stride) {
+        __m512 pt = _mm512_set1_ps(p[t]);
+        for (int c = 0; c < nv; ++c) {
+            __m512i x = _mm512_loadu_si512((const void *)(v + 32 * c));
+            ae[c] = _mm512_fmadd_ps(pt, _mm512_castsi512_ps(_mm512_slli_epi32(x, 16)), ae[c]);
+            ao[c] = _mm512_fmadd_ps(pt, _mm512_castsi512_ps(_mm512_and_si512(x, top)), ao[c]);
+        }
+    }
+    for (int c = 0; c < nv; ++c) {
+        _mm512_storeu_ps(out + 32 * c, _mm512_permutex2var_ps(ae[c], lo, ao[c]));
+        _mm512_storeu_ps(out + 32 * c + 16, _mm512_permutex2var_ps(ae[c], hi, ao[c]));
+    }
+}
+#else
+#define PAGED_BF16 0
+#endif
