@@ -71,4 +71,9 @@ def test_kernel_paths_follow_this_cpus_flags(capsys):
     else:
         want = "scalar"
     assert f"x16 groups on {want};" in layers
-    assert kernels["attention"]["paths"] == ("16 float lanes (avx512)" if "avx512f" in flags else "8 float lanes")
+    bf16 = "avx512_bf16" in flags  # vdpbf16ps: bfloat16 products and a bfloat16 KV cache
+    assert ("bfloat16: x16 groups on avx512-bf16 vdpbf16ps" in layers or "bfloat16: amx tiles" in layers) == bf16
+    attention = kernels["attention"]["paths"]
+    assert attention.startswith("16 float lanes (avx512);" if "avx512f" in flags else "8 float lanes;")
+    assert attention.endswith("bfloat16 KV cache on avx512-bf16 vdpbf16ps" if bf16 else "float32 KV cache only "
+                              "(no AVX512-BF16)")
