@@ -31,6 +31,13 @@ def torch_dtype(name: str) -> torch.dtype:
     return getattr(torch, name)
 
 
+# The KV cache's dtype (engine/model_runner.kv_cache_dtype decides): "auto" = the compute dtype,
+# but bfloat16 under --dtype bfloat16 on the CPU where the products take bfloat16 activations and
+# the CPU attention kernel reads such a cache; "bfloat16" asks for one (a float32 checkpoint or a
+# GGUF on the CPU: half the bytes a decode step's attention reads, as llama.cpp's 16-bit cache);
+# "float32" keeps float32 (float32 compute only).
+KV_CACHE_DTYPES = ("auto", "float32", "bfloat16")
+
 # Attention backends (attention/select.py chooses): "cpu" = the C kernel reading pages in place
 # (CPU, float32), "triton" = paged Triton kernels (GPU, or the CPU under Triton's interpreter),
 # "torch" = page gather + SDPA (any device and dtype), "auto" = cpu on the CPU where it applies,
@@ -134,6 +141,7 @@ class EngineConfig:
     threads: int | None = None
     dist_timeout: float = 60.0  # seconds before a collective that never completes is an error
     attention_backend: str = "auto"  # see ATTENTION_BACKENDS
+    kv_cache_dtype: str = "auto"  # see KV_CACHE_DTYPES
     # Prefill tokens attend by the CPU decode kernel, so a token's attention is the same whether it
     # is prefilled (whole, chunked, after a cached prefix) or decoded: with the products' one
     # arithmetic at every batch size, greedy results do not depend on the batch or the cache.
@@ -175,6 +183,7 @@ class EngineConfig:
             (self.attention_backend in ATTENTION_BACKENDS, "attention_backend",
              f"must be one of {list(ATTENTION_BACKENDS)}"),
             (self.quantization in QUANTIZATION_MODES, "quantization", f"must be one of {list(QUANTIZATION_MODES)}"),
+            (self.kv_cache_dtype in KV_CACHE_DTYPES, "kv_cache_dtype", f"must be one of {list(KV_CACHE_DTYPES)}"),
             (self.disaggregation_mode in DISAGGREGATION_MODES, "disaggregation_mode",
              f"must be one of {list(DISAGGREGATION_MODES)}"),
             (self.disaggregation_timeout > 0, "disaggregation_timeout", "must be > 0"),

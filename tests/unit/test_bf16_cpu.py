@@ -1,7 +1,7 @@
 """--dtype bfloat16 on the CPU: the weights as bfloat16 rows for the C kernels (quant_kernel.
 bf16_weights), float32 around them (activations, norms), the C decode loop running it; a
 bfloat16 KV cache where the products take bfloat16 activations and the attention kernel reads
-one (heads of 32 here: ModelRunner.kv_dtype), float32 otherwise.
+one (heads of 32 here: model_runner.kv_cache_dtype), float32 otherwise.
 
 The oracle is transformers in float32 holding the same bfloat16 weights, each linear layer's
 input rounded to bfloat16 where AMX tiles or vdpbf16ps run the products (they take bfloat16
@@ -111,7 +111,7 @@ def test_matches_transformers_on_the_same_bfloat16_weights(tiny_model, arch: str
 
 
 def runner_takes_bf16_cache() -> bool:
-    """Whether heads of 32 get a bfloat16 KV cache here (ModelRunner.kv_dtype)."""
+    """Whether heads of 32 get a bfloat16 KV cache here (model_runner.kv_cache_dtype)."""
     return quant_kernel.bf16_activations() and cpu_kernel.bf16_cache((32, 32))
 
 

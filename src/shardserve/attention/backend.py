@@ -78,7 +78,7 @@ class AttentionBackend(ABC):
 def write_cache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                 slots: torch.Tensor) -> None:
     """The new K/V into the pool, rounded (nearest even) where the cache is narrower (a bfloat16
-    cache under float32 activations: see ModelRunner.kv_dtype)."""
+    cache under float32 activations: see engine/model_runner.kv_cache_dtype)."""
     k_cache.index_copy_(0, slots, k.to(k_cache.dtype))
     if v_cache is not k_cache:
         v_cache.index_copy_(0, slots, v.to(v_cache.dtype))

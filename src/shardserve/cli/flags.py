@@ -15,6 +15,7 @@ from shardserve.config import (
     ATTENTION_BACKENDS,
     DRAFT_TP,
     DTYPE_CHOICES,
+    KV_CACHE_DTYPES,
     MAX_SPECULATIVE_TOKENS,
     QUANTIZATION_MODES,
     SPECULATIVE_METHODS,
@@ -131,6 +132,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--num-pages", type=positive_int, default=None, help="KV pages (overrides --kv-cache-memory)")
     g.add_argument("--kv-cache-memory", type=memory_amount, default=0.25,
                    help="KV pool size: a fraction of free memory, or bytes (e.g. 512M)")
+    g.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="auto",
+                   help="auto = the compute dtype, but bfloat16 under --dtype bfloat16 on a CPU whose kernels read "
+                        "it; bfloat16 = a bfloat16 cache on the CPU (AVX512-BF16) for any checkpoint")
     g.add_argument("--max-num-batched-tokens", type=positive_int, default=2048, help="token budget per step")
     g.add_argument("--max-running-requests", type=positive_int, default=256)
     g.add_argument("--max-model-len", type=positive_int, default=None,
@@ -250,6 +254,7 @@ def engine_config(args: argparse.Namespace, **overrides) -> EngineConfig:
         max_model_len=args.max_model_len, enable_prefix_cache=not args.no_prefix_cache, seed=args.seed,
         dist_timeout=args.dist_timeout,
         attention_backend=args.attention_backend, batch_invariant=args.batch_invariant,
+        kv_cache_dtype=args.kv_cache_dtype,
         quantization=args.quantization,
         pp_layer_partition=args.pp_layer_partition, pp_micro_batches=args.pp_micro_batches,
         ep_num_redundant_experts=args.ep_num_redundant_experts, ep_expert_placement=args.ep_expert_placement,

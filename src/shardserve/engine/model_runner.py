@@ -40,6 +40,27 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
+def kv_cache_dtype(asked: str, compute: torch.dtype, bf16_weights: bool, backend: AttentionBackend,
+                   widths: tuple[int, int]) -> torch.dtype:
+    """The KV pool's dtype for --kv-cache-dtype `asked` (config.KV_CACHE_DTYPES), decided once per
+    runner before any weight loads: the compute dtype, or bfloat16 on the CPU where the C attention
+    kernel reads such a cache (half the bytes a decode step's attention reads) and either it is
+    asked for or, under --dtype bfloat16, the products take bfloat16 activations anyway. Raises
+    ValueError naming the flag where the asked dtype cannot be had."""
+    readable = compute == torch.float32 and backend.name == "cpu" and cpu_kernel.bf16_cache(widths)
+    if asked == "auto":
+        return torch.bfloat16 if bf16_weights and quant_kernel.bf16_activations() and readable else compute
+    want = torch.bfloat16 if asked == "bfloat16" else torch.float32
+    if want == compute or (want == torch.bfloat16 and readable):
+        return want
+    if want == torch.float32:
+        raise ValueError(f"--kv-cache-dtype float32 needs float32 compute, got {str(compute).removeprefix('torch.')}")
+    cpu = "has" if cpu_kernel.bf16_cache((64, 64)) else "lacks"
+    raise ValueError(f"--kv-cache-dtype bfloat16 needs the cpu attention backend, AVX512-BF16 and K/V heads of a "
+                     f"multiple of 32 up to 256; here: backend {backend.name}, this CPU {cpu} AVX512-BF16, heads "
+                     f"{widths[0]}/{widths[1]}")
+
+
 @dataclass
 class StepInputs:
     """One micro-batch, flat: decodes first, then prefill chunks laid end to end."""
@@ -77,12 +98,8 @@ class ModelRunner:
         # Chosen once, before any weight loads; the layers call whichever it is.
         backend = choose_backend(cfg.attention_backend, self.device, self.dtype, cfg.batch_invariant)
         self.attention: AttentionBackend = ContextBackend(backend) if groups.context.size > 1 else backend
-        # The KV cache in the compute dtype, but bfloat16 under --dtype bfloat16 where the
-        # products take bfloat16 activations and the C attention kernel reads such a cache
-        # (AVX512-BF16): half the bytes a decode step's attention reads.
-        self.kv_dtype = (torch.bfloat16 if self.bf16_weights and quant_kernel.bf16_activations()
-                         and self.attention.name == "cpu" and cpu_kernel.bf16_cache(model_cfg.kv_widths)
-                         else self.dtype)
+        self.kv_dtype = kv_cache_dtype(cfg.kv_cache_dtype, self.dtype, self.bf16_weights, self.attention,
+                                       model_cfg.kv_widths)
         cls = model_class(model_cfg.architecture)
         self.placements = self._placement_plan()
         # Progress for the steps that take seconds, from one rank (the others do the same).

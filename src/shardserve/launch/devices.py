@@ -27,9 +27,11 @@ def visible_gpus() -> int:
 def kv_value_bytes(cfg: EngineConfig) -> int:
     """Bytes of one KV cache value on the ranks, at most (the up-front checks' count, made
     without torch): bfloat16 on the CPU keeps a float32 KV cache unless the rank finds the
-    kernels for a bfloat16 one (engine.model_runner's kv_dtype: AVX512-BF16 and the heads' width),
-    so there it counts 4, and 2 only where the ranks run on CUDA (named, or left to the default
-    with a GPU visible)."""
+    kernels for a bfloat16 one (engine.model_runner.kv_cache_dtype: AVX512-BF16 and the heads'
+    width), so there it counts 4, and 2 only where the ranks run on CUDA (named, or left to the
+    default with a GPU visible); --kv-cache-dtype, where given, counts as asked."""
+    if cfg.kv_cache_dtype != "auto":  # asked for: had, or refused on the ranks before loading
+        return DTYPE_BYTES[cfg.kv_cache_dtype]
     device = cfg.device or ("cuda" if visible_gpus() else "cpu")
     if cfg.dtype == "bfloat16" and not device.startswith("cuda"):
         return 4

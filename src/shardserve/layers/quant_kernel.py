@@ -33,7 +33,7 @@ def bf16_weights(device: torch.device, dtype: torch.dtype) -> bool:
     float32 activations around them: on the CPU, where the kernels load. There the weights are
     half the bytes of float32 (what a one-row decode step reads) and run on AMX tiles or
     vdpbf16ps where the CPU has them (`bf16_path`); the layers and the C decode loop stay
-    float32, the KV cache too unless the runner keeps it in bfloat16 (ModelRunner.kv_dtype).
+    float32, the KV cache too unless the runner keeps it in bfloat16 (engine/model_runner.kv_cache_dtype).
     Elsewhere bfloat16 runs in torch, op by op."""
     return device.type == "cpu" and dtype == torch.bfloat16 and available() is None
 

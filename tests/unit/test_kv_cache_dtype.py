@@ -1,0 +1,93 @@
+"""--kv-cache-dtype: the KV pool's dtype decided once per runner (engine/model_runner.kv_cache_dtype).
+
+auto keeps the compute dtype but for --dtype bfloat16 on a CPU whose kernels take bfloat16
+activations and read a bfloat16 cache; bfloat16 asks for that cache on the CPU for any checkpoint
+(the default Q4_1 GGUF here: half the bytes a decode step's attention reads); float32 keeps
+float32. What cannot be had is refused in one line naming the flag, before any weight loads.
+On the default model with a bfloat16 cache a request gives the same tokens and logprobs alone, in
+a batch, and after a cached prefix, and its greedy tokens stay close to the float32 cache's."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from shardserve.attention import cpu_kernel
+from shardserve.cli.main import build_parser
+from shardserve.config import EngineConfig
+from shardserve.core import SamplingParams
+from shardserve.engine import model_runner
+from shardserve.launch import devices
+from shardserve.llm import LLM
+from shardserve.scheduler.engine_core import EngineCore
+
+HAS_BF16_CACHE = cpu_kernel.bf16_cache((64, 64))
+GREEDY = SamplingParams(max_tokens=16, temperature=0, logprobs=2)
+
+
+def test_the_flag_reaches_the_config_and_bad_values_are_refused() -> None:
+    args = build_parser().parse_args(["serve", "--kv-cache-dtype", "bfloat16"])
+    from shardserve.cli.flags import engine_config
+
+    assert engine_config(args).kv_cache_dtype == "bfloat16"
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "--kv-cache-dtype", "fp8"])
+    with pytest.raises(ValueError, match="kv_cache_dtype must be one of"):
+        EngineConfig(kv_cache_dtype="fp8")
+
+
+def test_what_the_api_process_counts() -> None:
+    assert devices.kv_value_bytes(EngineConfig(model="m", kv_cache_dtype="bfloat16")) == 2
+    assert devices.kv_value_bytes(EngineConfig(model="m", dtype="bfloat16", kv_cache_dtype="float32")) == 4
+
+
+def test_refusals_name_the_flag_before_loading(tiny_model, monkeypatch) -> None:
+    path, _ = tiny_model("llama")  # heads of 16: no bfloat16 cache for them
+    loaded = []
+    monkeypatch.setattr(model_runner, "load_weights", lambda *a, **k: loaded.append(1))
+    with pytest.raises(ValueError, match=r"--kv-cache-dtype bfloat16 needs .* heads 16/16"):
+        EngineCore(EngineConfig(model=path, num_pages=16, kv_cache_dtype="bfloat16", show_progress=False))
+    with pytest.raises(ValueError, match="--kv-cache-dtype bfloat16 needs .* backend torch"):
+        EngineCore(EngineConfig(model=path, num_pages=16, kv_cache_dtype="bfloat16", attention_backend="torch",
+                                show_progress=False))
+    with pytest.raises(ValueError, match="--kv-cache-dtype float32 needs float32 compute, got float16"):
+        EngineCore(EngineConfig(model=path, num_pages=16, dtype="float16", kv_cache_dtype="float32",
+                                show_progress=False))
+    assert loaded == []
+
+
+@pytest.mark.skipif(not HAS_BF16_CACHE, reason="a bfloat16 KV cache needs AVX512-BF16")
+def test_float32_is_kept_where_asked(tiny_model) -> None:
+    path, _ = tiny_model("llama_hd32")
+    core = EngineCore(EngineConfig(model=path, num_pages=16, dtype="bfloat16", kv_cache_dtype="float32",
+                                   show_progress=False))
+    assert core.runner.pool.k.dtype == torch.float32
+    core = EngineCore(EngineConfig(model=path, num_pages=16, kv_cache_dtype="bfloat16", show_progress=False))
+    assert core.runner.pool.k.dtype == torch.bfloat16 and core.runner.dtype == torch.float32
+
+
+@pytest.mark.skipif(not HAS_BF16_CACHE, reason="a bfloat16 KV cache needs AVX512-BF16")
+def test_the_default_model_on_a_bfloat16_cache(smollm2_path: str) -> None:
+    from test_batch_invariance import TARGET, prompts
+
+    with LLM(model=smollm2_path, show_progress=False, enable_prefix_cache=False) as llm:
+        exact = llm.generate([TARGET], GREEDY, use_tqdm=False)[0]
+    with LLM(model=smollm2_path, show_progress=False, enable_prefix_cache=False, kv_cache_dtype="bfloat16") as llm:
+        runner = llm.engine.runner
+        assert runner.pool.k.dtype == torch.bfloat16 and runner.pool.k.element_size() == 2
+        alone = llm.generate([TARGET], GREEDY, use_tqdm=False)[0]
+        others = prompts(12, seed=13)
+        batch = llm.generate(others[:6] + [TARGET] + others[6:], GREEDY, use_tqdm=False)[6]
+        shared = prompts(1, seed=12, lo=100, hi=101)[0]
+        whole = llm.generate([shared + [601, 602]], GREEDY, use_tqdm=False)[0]
+    assert (batch.token_ids, batch.logprobs) == (alone.token_ids, alone.logprobs)
+    # The cache's rounding moves logprobs by far less than a token's margin here.
+    assert alone.token_ids[:8] == exact.token_ids[:8]
+    first = [step["logprob"] for step in alone.logprobs[:8]]
+    want = [step["logprob"] for step in exact.logprobs[:8]]
+    assert max(abs(a - b) for a, b in zip(first, want)) < 0.05
+    with LLM(model=smollm2_path, show_progress=False, kv_cache_dtype="bfloat16") as llm:
+        llm.generate([shared + [501, 502, 503]], GREEDY, use_tqdm=False)
+        warm = llm.generate([shared + [601, 602]], GREEDY, use_tqdm=False)[0]
+    assert warm.num_cached_tokens >= 96
+    assert (warm.token_ids, warm.logprobs) == (whole.token_ids, whole.logprobs)
