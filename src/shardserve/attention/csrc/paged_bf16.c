@@ -14,6 +14,7 @@
 #if defined(__AVX512BF16__) && defined(__AVX512F__)
 #define PAGED_BF16 1
 #include <immintrin.h>
+#define GROUP_MAX 8 /* query heads whose values one pass sums (group_max: fewer for wider heads) */
 
 /* Round-to-nearest-even float -> bfloat16, a NaN kept a NaN (the cache writes do the same). */
 static inline uint16_t bf16_of(float f) {
@@ -49,33 +50,79 @@ static void page_scores_bf16(const uint16_t *qb, const uint16_t *k, int64_t n, i
     }
 }
 
-/* out += sum_t p[t] * v_t over the n rows of one page, v bfloat16, out float32 [D]. */
-static void page_values_bf16(const float *p, const uint16_t *v, int64_t n, int64_t row_stride, int64_t D,
-                             float *out) {
-    const int nv = (int)(D / 32);
+/* out[g] += sum_t p[g][t] * v_t over the n rows of one page, for g < ng query heads that read
+ * the same KV head (v bfloat16, each out float32 [nv * 32]): a row is loaded and widened once
+ * for all of them. Each head's sums are the same operations in the same order as alone. */
+static inline __attribute__((always_inline)) void
+values_bf16(const int ng, const int nv, const float *const *p, const uint16_t *v, int64_t n, int64_t row_stride,
+            float *const *out) {
     const __m512i even = _mm512_set_epi32(30, 28, 26, 24, 22, 20, 18, 16, 14, 12, 10, 8, 6, 4, 2, 0);
     const __m512i odd = _mm512_set_epi32(31, 29, 27, 25, 23, 21, 19, 17, 15, 13, 11, 9, 7, 5, 3, 1);
     const __m512i lo = _mm512_set_epi32(23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
     const __m512i hi = _mm512_set_epi32(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8);
     const __m512i top = _mm512_set1_epi32((int)0xFFFF0000u);
-    __m512 ae[MAX_D / 32], ao[MAX_D / 32];
-    for (int c = 0; c < nv; ++c) { /* out's dims split into even and odd lanes */
-        __m512 a = _mm512_loadu_ps(out + 32 * c), b = _mm512_loadu_ps(out + 32 * c + 16);
-        ae[c] = _mm512_permutex2var_ps(a, even, b);
-        ao[c] = _mm512_permutex2var_ps(a, odd, b);
-    }
+    __m512 ae[GROUP_MAX][MAX_D / 32], ao[GROUP_MAX][MAX_D / 32];
+    for (int g = 0; g < ng; ++g)
+        for (int c = 0; c < nv; ++c) { /* out's dims split into even and odd lanes */
+            __m512 a = _mm512_loadu_ps(out[g] + 32 * c), b = _mm512_loadu_ps(out[g] + 32 * c + 16);
+            ae[g][c] = _mm512_permutex2var_ps(a, even, b);
+            ao[g][c] = _mm512_permutex2var_ps(a, odd, b);
+        }
     for (int64_t t = 0; t < n; ++t, v += row_stride) {
-        __m512 pt = _mm512_set1_ps(p[t]);
+        __m512 we[MAX_D / 32], wo[MAX_D / 32];
         for (int c = 0; c < nv; ++c) {
             __m512i x = _mm512_loadu_si512((const void *)(v + 32 * c));
-            ae[c] = _mm512_fmadd_ps(pt, _mm512_castsi512_ps(_mm512_slli_epi32(x, 16)), ae[c]);
-            ao[c] = _mm512_fmadd_ps(pt, _mm512_castsi512_ps(_mm512_and_si512(x, top)), ao[c]);
+            we[c] = _mm512_castsi512_ps(_mm512_slli_epi32(x, 16));
+            wo[c] = _mm512_castsi512_ps(_mm512_and_si512(x, top));
+        }
+        for (int g = 0; g < ng; ++g) {
+            __m512 pt = _mm512_set1_ps(p[g][t]);
+            for (int c = 0; c < nv; ++c) {
+                ae[g][c] = _mm512_fmadd_ps(pt, we[c], ae[g][c]);
+                ao[g][c] = _mm512_fmadd_ps(pt, wo[c], ao[g][c]);
+            }
         }
     }
-    for (int c = 0; c < nv; ++c) {
-        _mm512_storeu_ps(out + 32 * c, _mm512_permutex2var_ps(ae[c], lo, ao[c]));
-        _mm512_storeu_ps(out + 32 * c + 16, _mm512_permutex2var_ps(ae[c], hi, ao[c]));
+    for (int g = 0; g < ng; ++g)
+        for (int c = 0; c < nv; ++c) {
+            _mm512_storeu_ps(out[g] + 32 * c, _mm512_permutex2var_ps(ae[g][c], lo, ao[g][c]));
+            _mm512_storeu_ps(out[g] + 32 * c + 16, _mm512_permutex2var_ps(ae[g][c], hi, ao[g][c]));
+        }
+}
+
+/* The heads of a group at a time that registers hold: 8 rows of 32 dims' sums, two registers each. */
+static inline int group_max(int64_t D) { return (int)(256 / D); }
+
+/* values_bf16 with constant counts: ng <= group_max(D), D = 32 * nv. */
+static void page_values_bf16(int ng, const float *const *p, const uint16_t *v, int64_t n, int64_t row_stride,
+                             int64_t D, float *const *out) {
+#define VB(G, NV) values_bf16(G, NV, p, v, n, row_stride, out)
+    switch (D / 32) {
+    case 1:
+        switch (ng) {
+        case 8: VB(8, 1); return;
+        case 7: VB(7, 1); return;
+        case 6: VB(6, 1); return;
+        case 5: VB(5, 1); return;
+        case 4: VB(4, 1); return;
+        case 3: VB(3, 1); return;
+        case 2: VB(2, 1); return;
+        default: VB(1, 1); return;
+        }
+    case 2:
+        switch (ng) {
+        case 4: VB(4, 2); return;
+        case 3: VB(3, 2); return;
+        case 2: VB(2, 2); return;
+        default: VB(1, 2); return;
+        }
+    case 4:
+        if (ng == 2) VB(2, 4);
+        else VB(1, 4);
+        return;
+    default: VB(1, 8); return;
     }
+#undef VB
 }
 #else
 #define PAGED_BF16 0

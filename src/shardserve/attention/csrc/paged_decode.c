@@ -99,9 +99,24 @@ static void block_item(const float *q, int64_t q_stride, const void *k_cache, co
                     const char *rows = page + kv_of_q[h] * D * es;
                     float *o = out + b * H * D + h * D, *s = sc + h * len + t0;
 #if PAGED_BF16
+                    if (bf && values) { /* with the next taken heads reading this KV head: one row load */
+                        const float *ps[GROUP_MAX] = {s};
+                        float *os[GROUP_MAX] = {o};
+                        int ng = 1;
+                        while (ng < group_max(D) && h + 1 < H && take[h + 1] && kv_of_q[h + 1] == kv_of_q[h]) {
+                            ++h;
+                            if (next && b == lb)
+                                prefetch_rows(next, j * page_size / heads, (j + 1) * page_size / heads, stride * es,
+                                              kv0 * D * es, (kv1 - kv0) * D * es);
+                            ++j;
+                            ps[ng] = sc + h * len + t0;
+                            os[ng++] = out + b * H * D + h * D;
+                        }
+                        page_values_bf16(ng, ps, (const uint16_t *)rows, n, stride, D, os);
+                        continue;
+                    }
                     if (bf) {
-                        if (values) page_values_bf16(s, (const uint16_t *)rows, n, stride, D, o);
-                        else page_scores_bf16(qb + ((b - b0) * H + h) * D, (const uint16_t *)rows, n, stride, D, scale, s);
+                        page_scores_bf16(qb + ((b - b0) * H + h) * D, (const uint16_t *)rows, n, stride, D, scale, s);
                         continue;
                     }
 #endif
