@@ -198,23 +198,19 @@ static int paged_decode(const float *q, int64_t q_stride, const void *k_cache, c
     return failed ? -1 : 0;
 }
 
-int paged_decode_f32(const float *q, int64_t q_stride, const void *k_cache, const void *v_cache,
-                     const int64_t *block_tables, int64_t max_pages, const int64_t *context_lens,
-                     const int64_t *kv_of_q, float *out, float *lse, int64_t B, int64_t H, int64_t Hkv,
-                     int64_t D, int64_t page_size, float scale, int num_threads) {
-    return paged_decode(q, q_stride, k_cache, v_cache, 0, block_tables, max_pages, context_lens, kv_of_q, out, lse,
-                        B, H, Hkv, D, page_size, scale, num_threads);
-}
-
+/* The entry points, one a cache dtype (the same arguments; paged_decode_bf16 built where the CPU
+ * has AVX512-BF16, for D a multiple of 32 up to MAX_D: the caller checks). */
+#define ENTRY(NAME, BF)                                                                                      \
+    int NAME(const float *q, int64_t q_stride, const void *k_cache, const void *v_cache,                     \
+             const int64_t *block_tables, int64_t max_pages, const int64_t *context_lens,                    \
+             const int64_t *kv_of_q, float *out, float *lse, int64_t B, int64_t H, int64_t Hkv, int64_t D,   \
+             int64_t page_size, float scale, int num_threads) {                                              \
+        return paged_decode(q, q_stride, k_cache, v_cache, BF, block_tables, max_pages, context_lens, kv_of_q, \
+                            out, lse, B, H, Hkv, D, page_size, scale, num_threads);                          \
+    }
+ENTRY(paged_decode_f32, 0)
 #if PAGED_BF16
-/* The same over bfloat16 caches, D a multiple of 32 up to MAX_D (the caller checks). */
-int paged_decode_bf16(const float *q, int64_t q_stride, const void *k_cache, const void *v_cache,
-                      const int64_t *block_tables, int64_t max_pages, const int64_t *context_lens,
-                      const int64_t *kv_of_q, float *out, float *lse, int64_t B, int64_t H, int64_t Hkv,
-                      int64_t D, int64_t page_size, float scale, int num_threads) {
-    return paged_decode(q, q_stride, k_cache, v_cache, 1, block_tables, max_pages, context_lens, kv_of_q, out, lse,
-                        B, H, Hkv, D, page_size, scale, num_threads);
-}
+ENTRY(paged_decode_bf16, 1)
 #endif
 
 const char *kernel_paths(void) {
