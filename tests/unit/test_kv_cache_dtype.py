@@ -91,3 +91,18 @@ def test_the_default_model_on_a_bfloat16_cache(smollm2_path: str) -> None:
         warm = llm.generate([shared + [601, 602]], GREEDY, use_tqdm=False)[0]
     assert warm.num_cached_tokens >= 96
     assert (warm.token_ids, warm.logprobs) == (whole.token_ids, whole.logprobs)
+
+
+@pytest.mark.skipif(not HAS_BF16_CACHE, reason="a bfloat16 KV cache needs AVX512-BF16")
+def test_a_draft_keeps_its_own_cache(tiny_model) -> None:
+    """--kv-cache-dtype is the target's: a draft whose heads take no bfloat16 cache (16 wide)
+    keeps its float32 one instead of refusing the server."""
+    target, _ = tiny_model("llama_hd32")
+    draft, _ = tiny_model("llama")
+    spec = {"model": draft, "num_speculative_tokens": 2}
+    with LLM(target, show_progress=False, num_pages=64, kv_cache_dtype="bfloat16", speculative_config=spec) as llm:
+        out = llm.generate([[5, 17, 42]], SamplingParams(max_tokens=8, temperature=0), use_tqdm=False)[0]
+        engine = llm.engine
+        assert engine.runner.pool.k.dtype == torch.bfloat16
+        assert engine.spec.proposer.runner.pool.k.dtype == torch.float32
+    assert len(out.token_ids) == 8

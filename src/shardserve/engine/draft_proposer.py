@@ -78,10 +78,11 @@ def build_draft_runner(cfg: EngineConfig, device: torch.device, groups: Parallel
     collectives it counts apart from the target's (as the "draft" group)."""
     spec = cfg.speculative_config
     ckpt = resolve_checkpoint(spec.model)
-    # Block-quantized drafts run the float32 CPU kernels whatever the target's dtype.
+    # Block-quantized drafts run the float32 CPU kernels whatever the target's dtype; a draft's
+    # KV cache is its own choice (--kv-cache-dtype is the target's: the draft's heads may not take it).
     dtype = "float32" if device.type == "cpu" else cfg.dtype
     dcfg = replace(cfg, model=spec.model, dtype=dtype, device=str(device), num_pages=num_pages,
-                   enable_prefix_cache=False, speculative_config=None, quantization="auto",
+                   enable_prefix_cache=False, speculative_config=None, quantization="auto", kv_cache_dtype="auto",
                    disaggregation_mode="null", pp_layer_partition=None, pp_micro_batches=None,
                    ep_num_redundant_experts=0, ep_expert_placement=None)
     if groups is not None:
