@@ -118,6 +118,11 @@ def test_kernel_lse_and_empty_contexts(heads, kv_of_q, dim, page_size):
     (5, (0, 0, 0, 1, 1), 32, 3),                # uneven groups, pages of 3
     (4, (0, 0, 1, 1), 128, 16),
     (2, (0, 1), 256, 1),                        # the widest head; one-token pages
+    (9, (0,) * 9, 32, 16),                      # a group of 9 summed as 8 and 1
+    (4, (0, 0, 0, 0), 96, 16),                  # widths between the powers of two: groups of 2
+    (3, (0, 0, 1), 160, 8),
+    (2, (0, 0), 192, 16),
+    (2, (0, 0), 224, 16),
 ])
 def test_bf16_cache_kernel(heads, kv_of_q, dim, page_size):
     """A bfloat16 cache: the float64 attention of the bfloat16-rounded query over the cached
@@ -138,6 +143,36 @@ def test_bf16_cache_kernel(heads, kv_of_q, dim, page_size):
     for i in range(len(lens)):
         alone = cpu_kernel.paged_decode(q[i: i + 1], kc, vc, tables[i: i + 1], ctx[i: i + 1], kv, page_size, scale)
         assert torch.equal(alone[0], got[i]), i
+
+
+def test_a_cache_the_kernel_cannot_read_is_refused():
+    q, kc, vc, pages = random_case(2, (0, 0), 16, 4, [5])
+    tables, lens, kv = tables_of(pages), torch.tensor([5]), torch.tensor([0, 0])
+    with pytest.raises(ValueError, match="float32 or bfloat16 both"):
+        cpu_kernel.paged_decode(q, kc.half(), vc.half(), tables, lens, kv, 4, 0.25)
+    with pytest.raises(ValueError, match="float32 or bfloat16 both"):
+        cpu_kernel.paged_decode(q, kc, vc.bfloat16(), tables, lens, kv, 4, 0.25)
+    with pytest.raises(ValueError, match="no bfloat16 cache of 16-wide heads"):
+        cpu_kernel.paged_decode(q, kc.bfloat16(), vc.bfloat16(), tables, lens, kv, 4, 0.25)
+
+
+def test_a_fresh_prefill_reads_its_keys_as_a_bfloat16_cache_holds_them():
+    """By SDPA (no batch invariance), a chunk without context attends to its own keys rounded as
+    the cache holds them, as a chunk after a cached prefix reads them back: the same numbers."""
+    heads, dim, ps, n = 2, 32, 4, 9
+    g = torch.Generator().manual_seed(8)
+    q, k, v = (torch.randn(n, heads, dim, generator=g) for _ in range(3))
+    kc = torch.zeros(16, heads, dim, dtype=torch.bfloat16)
+    vc = torch.zeros_like(kc)
+    att = Heads(heads, heads, dim, dim**-0.5, (0, 1))
+    backend = CpuBackend(batch_invariant=False)
+    meta = backend.prepare(ps, [], [([0, 1, 2], n, n)], torch.device("cpu"))
+    got = backend.forward(att, q, k, v, kc, vc, meta)
+    rounded = F.scaled_dot_product_attention(q.transpose(0, 1), k.bfloat16().float().transpose(0, 1),
+                                             v.bfloat16().float().transpose(0, 1), is_causal=True)
+    exact = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), is_causal=True)
+    torch.testing.assert_close(got, rounded.transpose(0, 1), atol=1e-6, rtol=1e-6)
+    assert float((got - exact.transpose(0, 1)).abs().max()) > 1e-4
 
 
 def test_bf16_cache_writes_round_to_nearest_even():

@@ -106,3 +106,30 @@ def test_a_draft_keeps_its_own_cache(tiny_model) -> None:
         assert engine.runner.pool.k.dtype == torch.bfloat16
         assert engine.spec.proposer.runner.pool.k.dtype == torch.float32
     assert len(out.token_ids) == 8
+
+
+def test_the_draft_pool_is_counted_in_its_own_dtype(tiny_model, monkeypatch) -> None:
+    """A bfloat16 target cache halves the target's pool, not the draft's: it keeps float32."""
+    import io
+
+    from shardserve.distributed.layout import LayoutError
+    from shardserve.launch import spec_checks
+    from shardserve.loader.model_path import resolve_checkpoint
+    from shardserve.loader.weights import read_model_config
+
+    target, draft = resolve_checkpoint(tiny_model("llama_hd32")[0]), resolve_checkpoint(tiny_model("llama")[0])
+    tcfg, dcfg = read_model_config(target), read_model_config(draft)
+    monkeypatch.setattr(spec_checks, "checkpoint_bytes", lambda ckpt: 0)
+    pages = 1000
+    per_token = dcfg.kv_values_per_token(dcfg.num_kv_heads, dcfg.num_layers)
+    draft_pool = pages * 16 * per_token * 4  # float32
+    target_pool = pages * 16 * tcfg.kv_values_per_token(tcfg.num_kv_heads, tcfg.num_layers) * 2
+    for avail, fits in ((target_pool + draft_pool + 4096, True), (target_pool + draft_pool // 2 + 4096, False)):
+        monkeypatch.setattr(spec_checks, "open", lambda *a, avail=avail: io.StringIO(
+            f"MemAvailable: {avail // 1024} kB\n"), raising=False)
+        cfg = EngineConfig(model="m", num_pages=pages, kv_cache_dtype="bfloat16")
+        if fits:
+            spec_checks.check_draft_fits(cfg, target, draft, tcfg, dcfg)
+        else:
+            with pytest.raises(LayoutError, match="KV pool"):
+                spec_checks.check_draft_fits(cfg, target, draft, tcfg, dcfg)

@@ -33,6 +33,8 @@ def load() -> ctypes.CDLL:
             fn.argtypes = [ptr, i64, ptr, ptr, ptr, i64, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, ctypes.c_float,
                            ctypes.c_int]
             fn.restype = ctypes.c_int
+    if hasattr(lib, "paged_bf16_width"):
+        lib.paged_bf16_width.argtypes, lib.paged_bf16_width.restype = [i64], ctypes.c_int
     return lib
 
 
@@ -40,15 +42,17 @@ def supports(device: torch.device, dtype: torch.dtype) -> bool:
     return device.type == "cpu" and dtype == torch.float32
 
 
+@functools.cache  # asked on every call of paged_decode with such a cache
 def bf16_cache(widths: tuple[int, int]) -> bool:
     """Whether the kernel reads a bfloat16 KV cache of these K/V widths here: built where the CPU
     has AVX512-BF16 (scores on vdpbf16ps, half the bytes a step reads), for heads whose K and V
-    widths are equal multiples of 32 up to 256 (not latent attention's one wide vector)."""
+    widths are equal and the kernel takes (paged_bf16_width: multiples of 32 up to 256; not
+    latent attention's one wide vector)."""
     try:
         lib = load()
     except KernelUnavailable:
         return False
-    return hasattr(lib, "paged_decode_bf16") and widths[0] == widths[1] and widths[0] % 32 == 0 and widths[0] <= 256
+    return hasattr(lib, "paged_decode_bf16") and widths[0] == widths[1] and bool(lib.paged_bf16_width(widths[0]))
 
 
 def function(cache_dtype: torch.dtype) -> ctypes._CFuncPtr:
@@ -66,6 +70,11 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     log(sum_t exp(scale * q . k_t)), -inf for an empty context, for merging partial attentions
     over disjoint key sets: out = sum_i out_i * exp(lse_i - logsumexp_i(lse_i))."""
     b, h, d = q.shape
+    # A cache the kernel cannot read is an error here, never bytes read as another dtype.
+    if k_cache.dtype != v_cache.dtype or k_cache.dtype not in (torch.float32, torch.bfloat16):
+        raise ValueError(f"paged_decode: caches of {k_cache.dtype} and {v_cache.dtype}; float32 or bfloat16 both")
+    if k_cache.dtype == torch.bfloat16 and not bf16_cache((d, d)):
+        raise ValueError(f"paged_decode: no bfloat16 cache of {d}-wide heads here (bf16_cache)")
     if q.stride(2) != 1 or q.stride(1) != d:
         q = q.contiguous()
     assert k_cache.is_contiguous() and v_cache.is_contiguous() and block_tables.is_contiguous()

@@ -24,6 +24,12 @@ def gather(cache: torch.Tensor, slots: torch.Tensor, dtype: torch.dtype | None =
     return rows if dtype is None else rows.to(dtype)
 
 
+def as_cached(x: torch.Tensor, cache: torch.Tensor) -> torch.Tensor:
+    """x as the cache holds it (rounded where the cache is narrower: a bfloat16 cache under float32
+    compute), in x's dtype."""
+    return x if cache.dtype == x.dtype else x.to(cache.dtype).to(x.dtype)
+
+
 class TorchBackend(AttentionBackend):
     name = "torch"
 
@@ -54,9 +60,9 @@ class TorchBackend(AttentionBackend):
     def _prefills(self, heads: Heads, q, k, v, k_cache, v_cache, meta: AttentionMetadata, out: torch.Tensor) -> None:
         for c in meta.prefills:
             qq = q[c.start : c.start + c.q_len].transpose(0, 1)
-            if c.kv_slots is None:
-                kk = k[c.start : c.start + c.q_len].transpose(0, 1)
-                vv = v[c.start : c.start + c.q_len].transpose(0, 1)
+            if c.kv_slots is None:  # as cached: a chunk's keys read alike fresh or from the cache
+                kk = as_cached(k[c.start : c.start + c.q_len], k_cache).transpose(0, 1)
+                vv = as_cached(v[c.start : c.start + c.q_len], v_cache).transpose(0, 1)
             else:
                 kk = gather(k_cache, c.kv_slots, q.dtype).transpose(0, 1)
                 vv = kk if v_cache is k_cache else gather(v_cache, c.kv_slots, q.dtype).transpose(0, 1)

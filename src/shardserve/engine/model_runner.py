@@ -56,8 +56,9 @@ def kv_cache_dtype(asked: str, compute: torch.dtype, bf16_weights: bool, backend
     if want == torch.float32:
         raise ValueError(f"--kv-cache-dtype float32 needs float32 compute, got {str(compute).removeprefix('torch.')}")
     cpu = "has" if cpu_kernel.bf16_cache((64, 64)) else "lacks"
-    raise ValueError(f"--kv-cache-dtype bfloat16 needs the cpu attention backend, AVX512-BF16 and K/V heads of a "
-                     f"multiple of 32 up to 256; here: backend {backend.name}, this CPU {cpu} AVX512-BF16, heads "
+    named = "context (context parallelism)" if backend.name == "context" else backend.name
+    raise ValueError(f"--kv-cache-dtype bfloat16 needs the cpu attention backend, AVX512-BF16 and K/V heads of one "
+                     f"width, a multiple of 32 up to 256; here: backend {named}, this CPU {cpu} AVX512-BF16, heads "
                      f"{widths[0]}/{widths[1]}")
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from dataclasses import replace
 
 from shardserve.config import EngineConfig
 from shardserve.distributed.layout import Layout, LayoutError
@@ -86,7 +87,10 @@ def check_draft_fits(cfg: EngineConfig, target: Checkpoint, draft: Checkpoint, t
     kv = cfg.kv_cache_memory if cfg.kv_cache_memory > 1 else cfg.kv_cache_memory * avail
     if cfg.num_pages is not None:
         kv = cfg.num_pages * cfg.page_size * per_token["t"] * kv_value_bytes(cfg)
-    draft_kv = kv * per_token["d"] / per_token["t"]
+    # As many tokens as the target's pool, each value in the draft's own cache dtype (it keeps
+    # --kv-cache-dtype auto: engine/draft_proposer), whatever the target's.
+    draft_kv = (kv * per_token["d"] / per_token["t"]
+                * kv_value_bytes(replace(cfg, kv_cache_dtype="auto")) / kv_value_bytes(cfg))
     draft_bytes = checkpoint_bytes(draft)
     need = checkpoint_bytes(target) + draft_bytes + kv + draft_kv
     if need > avail:

@@ -93,22 +93,24 @@ values_bf16(const int ng, const int nv, const float *const *p, const uint16_t *v
 /* The heads of a group at a time that registers hold: 8 rows of 32 dims' sums, two registers each. */
 static inline int group_max(int64_t D) { return (int)(256 / D); }
 
-/* values_bf16 with constant counts: ng <= group_max(D), D = 32 * nv. */
+/* values_bf16 with constant counts: ng <= group_max(D), D = 32 * nv for nv = 1 .. 8 (every
+ * width paged_bf16_width takes). */
 static void page_values_bf16(int ng, const float *const *p, const uint16_t *v, int64_t n, int64_t row_stride,
                              int64_t D, float *const *out) {
 #define VB(G, NV) values_bf16(G, NV, p, v, n, row_stride, out)
+#define UP_TO_8(NV)                                                                                          \
+    switch (ng) {                                                                                            \
+    case 8: VB(8, NV); return;                                                                               \
+    case 7: VB(7, NV); return;                                                                               \
+    case 6: VB(6, NV); return;                                                                               \
+    case 5: VB(5, NV); return;                                                                               \
+    case 4: VB(4, NV); return;                                                                               \
+    case 3: VB(3, NV); return;                                                                               \
+    case 2: VB(2, NV); return;                                                                               \
+    default: VB(1, NV); return;                                                                              \
+    }
     switch (D / 32) {
-    case 1:
-        switch (ng) {
-        case 8: VB(8, 1); return;
-        case 7: VB(7, 1); return;
-        case 6: VB(6, 1); return;
-        case 5: VB(5, 1); return;
-        case 4: VB(4, 1); return;
-        case 3: VB(3, 1); return;
-        case 2: VB(2, 1); return;
-        default: VB(1, 1); return;
-        }
+    case 1: UP_TO_8(1)
     case 2:
         switch (ng) {
         case 4: VB(4, 2); return;
@@ -116,14 +118,25 @@ static void page_values_bf16(int ng, const float *const *p, const uint16_t *v, i
         case 2: VB(2, 2); return;
         default: VB(1, 2); return;
         }
+    case 3:
+        if (ng == 2) VB(2, 3);
+        else VB(1, 3);
+        return;
     case 4:
         if (ng == 2) VB(2, 4);
         else VB(1, 4);
         return;
+    case 5: VB(1, 5); return;
+    case 6: VB(1, 6); return;
+    case 7: VB(1, 7); return;
     default: VB(1, 8); return;
     }
+#undef UP_TO_8
 #undef VB
 }
+
+/* Whether paged_decode_bf16 reads heads of width D: the one answer (attention/cpu_kernel.py asks). */
+int paged_bf16_width(int64_t D) { return D % 32 == 0 && D >= 32 && D <= MAX_D; }
 #else
 #define PAGED_BF16 0
 #endif
