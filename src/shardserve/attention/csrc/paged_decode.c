@@ -90,6 +90,11 @@ static void block_item(const float *q, int64_t q_stride, const void *k_cache, co
                 int64_t len = lens[b], n = len - t0 < page_size ? len - t0 : page_size;
                 float *sc = scores + (b - b0) * H * max_len;
                 if (n <= 0) continue;
+#if PAGED_BF16
+                const float *ps[GROUP_MAX]; /* a bfloat16 page's values: the heads gathered so far */
+                float *os[GROUP_MAX];
+                int ng = 0;
+#endif
                 for (int64_t h = 0, j = 0; h < H; ++h) {
                     if (!take[h]) continue;
                     if (next && b == lb)
@@ -99,20 +104,13 @@ static void block_item(const float *q, int64_t q_stride, const void *k_cache, co
                     const char *rows = page + kv_of_q[h] * D * es;
                     float *o = out + b * H * D + h * D, *s = sc + h * len + t0;
 #if PAGED_BF16
-                    if (bf && values) { /* with the next taken heads reading this KV head: one row load */
-                        const float *ps[GROUP_MAX] = {s};
-                        float *os[GROUP_MAX] = {o};
-                        int ng = 1;
-                        while (ng < group_max(D) && h + 1 < H && take[h + 1] && kv_of_q[h + 1] == kv_of_q[h]) {
-                            ++h;
-                            if (next && b == lb)
-                                prefetch_rows(next, j * page_size / heads, (j + 1) * page_size / heads, stride * es,
-                                              kv0 * D * es, (kv1 - kv0) * D * es);
-                            ++j;
-                            ps[ng] = sc + h * len + t0;
-                            os[ng++] = out + b * H * D + h * D;
+                    if (bf && values) { /* gathered with the next taken heads reading this KV head: one row load */
+                        ps[ng] = s;
+                        os[ng++] = o;
+                        if (ng == group_max(D) || h + 1 == H || !take[h + 1] || kv_of_q[h + 1] != kv_of_q[h]) {
+                            page_values_bf16(ng, ps, (const uint16_t *)rows, n, stride, D, os);
+                            ng = 0;
                         }
-                        page_values_bf16(ng, ps, (const uint16_t *)rows, n, stride, D, os);
                         continue;
                     }
                     if (bf) {
