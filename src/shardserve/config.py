@@ -38,6 +38,11 @@ def torch_dtype(name: str) -> torch.dtype:
 # "float32" keeps float32 (float32 compute only).
 KV_CACHE_DTYPES = ("auto", "float32", "bfloat16")
 
+# Where the scheduler ranks run (--distributed-executor-backend): "local" = this machine's child
+# processes (other machines' through their own launchers, --nnodes), "ray" = Ray actors on a Ray
+# cluster's nodes (launch/ray_cluster.py).
+EXECUTORS = ("local", "ray")
+
 # Attention backends (attention/select.py chooses): "cpu" = the C kernel reading pages in place
 # (CPU, float32), "triton" = paged Triton kernels (GPU, or the CPU under Triton's interpreter),
 # "torch" = page gather + SDPA (any device and dtype), "auto" = cpu on the CPU where it applies,

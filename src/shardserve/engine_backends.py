@@ -17,8 +17,8 @@ from shardserve.core import SamplingParams
 from shardserve.distributed.layout import Layout
 from shardserve.ipc.messages.api import AbortReq, AddRequests, ErrorOut, TokenBatch, TokenizedReq, TokenOut
 from shardserve.ipc.messages.reports import RankReports, ReportReq, Stats, merge_stats
-from shardserve.ipc.sockets import push, recv, send
-from shardserve.launch.grid import LocalGrid, endpoints
+from shardserve.ipc.sockets import Endpoints, bind_address, bound, gate_for, push, recv, send
+from shardserve.launch.grid import LocalGrid, endpoints, place
 from shardserve.launch.nodes import NodeSpec
 from shardserve.router.replicas import router_child
 from shardserve.scheduler.engine_core import EngineCore, RequestLimits
@@ -54,6 +54,14 @@ class LocalBackend:
         self.engine = None
 
 
+def offline_inbox(ctx: zmq.Context, ep: Endpoints, gate) -> zmq.Socket:
+    """One PULL socket bound where the leaders send tokens (the detokenizer's address) and
+    errors (the API's): the offline API is both."""
+    sock = bound(ctx, zmq.PULL, ep.detokenizer, ep.secret, gate, "the offline inbox")
+    sock.bind(bind_address(ep.api))
+    return sock
+
+
 class ProcessBackend:
     """One scheduler process per rank of `layout` on this machine (node 0 of several, or the
     only one); requests go to rank 0, the leader, which fans them out (with several replicas, to
@@ -61,17 +69,23 @@ class ProcessBackend:
 
     def __init__(self, cfg: EngineConfig, layout: Layout, node: NodeSpec, model_name: str,
                  startup_timeout: float = 600.0, load_balance_method: str = "cache_aware"):
-        self.ep = endpoints(layout, node, 1)
         self.replicas = layout.dp
-        router = ([router_child(self.ep, load_balance_method, cfg.page_size, cfg.enable_prefix_cache,
-                                layout.dp_attention)]
-                  if layout.dp > 1 else [])
-        self.grid = LocalGrid(cfg, layout, node, self.ep, model_name, router)
+        placement = place(cfg, layout, node, startup_timeout)  # with Ray: where each rank runs
+        try:
+            self.ep = endpoints(layout, node, 1, placement=placement)
+            router = ([router_child(self.ep, load_balance_method, cfg.page_size, cfg.enable_prefix_cache,
+                                    layout.dp_attention)]
+                      if layout.dp > 1 else [])
+            self.grid = LocalGrid(cfg, layout, node, self.ep, model_name, router, placement=placement)
+        except BaseException:
+            if placement is not None:
+                placement.release()
+            raise
         self.ctx = zmq.Context()
-        self.inbox = self.ctx.socket(zmq.PULL)
-        for addr in (self.ep.detokenizer, self.ep.api):  # scheduler-0's token and error outputs
-            self.inbox.bind(addr)
-        self.to_scheduler = push(self.ctx, self.ep.scheduler)
+        # scheduler-0's token and error outputs (TCP when Ray placed the leaders elsewhere)
+        self.gate = gate_for(self.ctx, self.ep.secret, self.ep.api)
+        self.inbox = offline_inbox(self.ctx, self.ep, self.gate)
+        self.to_scheduler = push(self.ctx, self.ep.scheduler, self.ep.secret)
         self.timeout_s = cfg.dist_timeout
         try:
             self.infos = self.grid.start(startup_timeout)
@@ -145,4 +159,6 @@ class ProcessBackend:
         self.grid.stop()
         self.inbox.close(linger=0)
         self.to_scheduler.close(linger=0)
+        if self.gate is not None:
+            self.gate.stop()
         self.ctx.term()

@@ -72,7 +72,8 @@ class LLM:
                  ep_size: int = 1, cp_size: int = 1, enable_dp_attention: bool = False,
                  load_balance_method: str | None = None, isolated: bool = False,
                  generation_config: str = "auto", nnodes: int = 1, node_rank: int = 0, dist_init_addr: str = "",
-                 dist_secret_file: str | None = None, log_level: str | None = None,
+                 dist_secret_file: str | None = None, distributed_executor_backend: str = "local",
+                 ray_address: str = "", log_level: str | None = None,
                  startup_timeout: float = 600.0, pooling: str | None = None, **kwargs):
         if log_level is not None:  # this process's and its workers'; no load bar above info
             use_log_level(log_level)
@@ -81,7 +82,8 @@ class LLM:
         self.layout = Layout.from_sizes(tp=tp_size, pp=pp_size, dp=dp_size, ep=ep_size, nnodes=nnodes,
                                         dp_attention=enable_dp_attention, cp=cp_size)
         policy = resolve_policy(load_balance_method, dp_size, enable_dp_attention)
-        self.node = NodeSpec(node_rank, dist_init_addr, deployment_secret(dist_secret_file, node_rank == 0))
+        self.node = NodeSpec(node_rank, dist_init_addr, deployment_secret(dist_secret_file, node_rank == 0),
+                             distributed_executor_backend, ray_address)
         if kwargs.get("pp_layer_partition") is not None:
             kwargs["pp_layer_partition"] = tuple(kwargs["pp_layer_partition"])
         if kwargs.get("disaggregation_mode", "null") != "null":

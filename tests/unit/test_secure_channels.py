@@ -15,8 +15,8 @@ from zmq.utils.monitor import recv_monitor_message
 from shardserve.ipc.messages import decode_or_none, encode
 from shardserve.ipc.messages.api import AbortReq
 from shardserve.ipc.secure import SecretError, connect_secure, deployment_secret
-from shardserve.ipc.sockets import Endpoints, recv_all
-from shardserve.scheduler.inbox import _bound, connected
+from shardserve.ipc.sockets import Endpoints, connected, recv_all
+from shardserve.ipc.sockets import bound as _bound
 
 
 def free_port() -> int:

@@ -15,6 +15,7 @@ from shardserve.config import (
     ATTENTION_BACKENDS,
     DRAFT_TP,
     DTYPE_CHOICES,
+    EXECUTORS,
     KV_CACHE_DTYPES,
     MAX_SPECULATIVE_TOKENS,
     QUANTIZATION_MODES,
@@ -184,6 +185,13 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="this machine's index; node 0 serves HTTP, the others only run their ranks")
     g.add_argument("--dist-init-addr", default="",
                    help="HOST:PORT of node 0 (needed with --nnodes > 1); PORT to PORT+3 must be reachable")
+    g.add_argument("--distributed-executor-backend", choices=EXECUTORS, default="local",
+                   help="where the ranks run: local = processes on this machine (and other nodes' launchers with "
+                        "--nnodes), ray = Ray actors on a Ray cluster, one placement group per --dp-size replica "
+                        "(pip install 'shardserve[ray]')")
+    g.add_argument("--ray-address", default="",
+                   help="the Ray cluster for --distributed-executor-backend ray (default: RAY_ADDRESS, else a "
+                        "cluster started on this machine)")
     g.add_argument("--dist-secret-file", default=None,
                    help="file holding the deployment secret that keys the channels between nodes (node 0 writes a "
                         "new one if it is missing; copy it to the other nodes); or set SHARDSERVE_DIST_SECRET")
@@ -278,7 +286,8 @@ def node_spec_from_args(args: argparse.Namespace):
     from shardserve.ipc.secure import deployment_secret
     from shardserve.launch.nodes import NodeSpec  # ZeroMQ and the process tree: not for parsing alone
 
-    return NodeSpec(args.node_rank, args.dist_init_addr, deployment_secret(args.dist_secret_file, args.node_rank == 0))
+    return NodeSpec(args.node_rank, args.dist_init_addr, deployment_secret(args.dist_secret_file, args.node_rank == 0),
+                    args.distributed_executor_backend, args.ray_address)
 
 
 def deployment(args: argparse.Namespace, **overrides):
@@ -296,4 +305,5 @@ def llm_kwargs(args: argparse.Namespace) -> dict:
             "enable_dp_attention": args.enable_dp_attention, "load_balance_method": args.load_balance_method,
             "nnodes": args.nnodes, "node_rank": args.node_rank, "dist_init_addr": args.dist_init_addr,
             "dist_secret_file": args.dist_secret_file,
+            "distributed_executor_backend": args.distributed_executor_backend, "ray_address": args.ray_address,
             "generation_config": args.generation_config}

@@ -32,6 +32,7 @@ class ParallelGroups:
     control: Communicator
     expert: Communicator
     moe_tp: Communicator
+    device_index: int | None = None  # the launcher's choice of GPU (RankSpec.device_index)
 
     @property
     def coords(self) -> Coords:
@@ -40,7 +41,7 @@ class ParallelGroups:
     @property
     def local_rank(self) -> int:
         """Index among this machine's ranks: picks the GPU."""
-        return self.layout.local_rank(self.rank)
+        return self.layout.local_rank(self.rank) if self.device_index is None else self.device_index
 
     @property
     def label(self) -> str:

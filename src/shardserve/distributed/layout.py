@@ -213,8 +213,14 @@ class Layout:
 @dataclass(frozen=True)
 class RankSpec:
     """Where one scheduler process sits: its global rank in the layout, and the rendezvous
-    address (host:port) every rank of the grid meets at."""
+    address (host:port) every rank of the grid meets at. `device_index` picks the GPU where the
+    launcher knows better than the layout's local rank (Ray's GPUs for the rank's node)."""
 
     rank: int = 0
     layout: Layout = Layout()
     master: str = ""
+    device_index: int | None = None
+
+    @property
+    def local_rank(self) -> int:
+        return self.layout.local_rank(self.rank) if self.device_index is None else self.device_index

@@ -23,8 +23,10 @@ def setup_logging(name: str) -> None:
                         format=f"%(asctime)s %(levelname)s [{name}] %(name)s: %(message)s")
 
 
-def run_child(name: str, ready_addr: str, setup: Callable[[], tuple[Callable[[], None], dict]]) -> None:
-    """`setup()` builds the process's state and returns (serve loop, info for the Ready message).
+def run_child(name: str, ready_addr: str, setup: Callable[[], tuple[Callable[[], None], dict]],
+              secret: bytes = b"") -> None:
+    """`setup()` builds the process's state and returns (serve loop, info for the Ready message);
+    `secret` keys a TCP ready channel (ranks placed by Ray report to the launcher over one).
 
     Any exception during setup is reported to the launcher with its traceback, so the launcher
     can print it and exit instead of waiting."""
@@ -35,7 +37,7 @@ def run_child(name: str, ready_addr: str, setup: Callable[[], tuple[Callable[[],
     # Its own context: term() then waits for just this socket's message to leave, which a bare
     # close() before os._exit would not.
     ctx = zmq.Context()
-    ready = push(ctx, ready_addr)
+    ready = push(ctx, ready_addr, secret)
     try:
         loop, info = setup()
     except BaseException:

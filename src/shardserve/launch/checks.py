@@ -9,6 +9,7 @@ never needs it otherwise.
 from __future__ import annotations
 
 import math
+import os
 import socket
 
 from shardserve.config import EngineConfig, ModelConfig
@@ -42,7 +43,10 @@ def check_deployment(plan: Deployment, ckpt: Checkpoint, torchrun: bool = False)
         raise LayoutError(f"--dp-size {layout.dp} with --nnodes {layout.nnodes} is not supported yet: run one "
                           f"multi-node server per replica and put `shardserve router` in front")
     node.check(layout)
-    check_device(cfg.device, layout)
+    if node.executor == "ray":
+        check_ray(cfg, node, torchrun)
+    else:
+        check_device(cfg.device, layout)
     check_quantization(cfg, ckpt)
     mc = read_model_config(ckpt)
     layout.check_model(mc.num_layers, mc.num_heads, mc.num_experts)
@@ -85,6 +89,27 @@ def check_placement(cfg: EngineConfig, layout: Layout, mc) -> None:
     for layer in range(mc.num_layers):
         if mc.is_moe_layer(layer):
             plan.for_layer(layer, mc.num_experts)
+
+
+def check_ray(cfg: EngineConfig, node: NodeSpec, torchrun: bool) -> None:
+    """What --distributed-executor-backend ray does not run (yet), one line each; the cluster's
+    own resources are checked when the ranks are placed (launch/ray_cluster.py)."""
+    from shardserve.launch.ray_cluster import import_ray  # Ray is an optional extra
+
+    flag = "--distributed-executor-backend ray"
+    import_ray()  # not installed: says how to install it
+    if torchrun:
+        raise ValueError(f"{flag} places the ranks itself: run it as a plain command, not under torchrun")
+    address = node.ray_address or os.environ.get("RAY_ADDRESS", "")
+    if address.startswith("ray://"):
+        raise ValueError(f"--ray-address {address}: Ray Client addresses are not supported (the ranks' channels "
+                         f"need this process on a node of the cluster): run the command on a node, with the "
+                         f"cluster's GCS address (HOST:6379)")
+    if cfg.disaggregation_mode != "null":
+        raise ValueError(f"--disaggregation-mode {cfg.disaggregation_mode} does not run with {flag} yet: start "
+                         f"the prefill and decode instances with the local executor")
+    if cfg.device and ":" in cfg.device:
+        raise ValueError(f"--device {cfg.device} with {flag}: Ray gives each rank its own GPU; use --device cuda")
 
 
 def check_disaggregation(cfg: EngineConfig, layout: Layout, node: NodeSpec, torchrun: bool) -> None:

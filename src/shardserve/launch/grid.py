@@ -27,22 +27,40 @@ def heartbeat_timeout(cfg: EngineConfig) -> float:
     return min(5.0, cfg.dist_timeout)
 
 
-def endpoints(layout: Layout, node: NodeSpec, num_tokenizers: int, torchrun: bool = False) -> Endpoints:
+def endpoints(layout: Layout, node: NodeSpec, num_tokenizers: int, torchrun: bool = False,
+              placement=None) -> Endpoints:
     """With ranks that are not this launcher's children (other nodes, torchrun's processes) the
-    fan-out is TCP on node 0; otherwise an ipc path."""
+    fan-out is TCP on node 0; with ranks Ray placed, every channel they use is TCP; otherwise ipc
+    paths."""
+    if placement is not None:
+        return placement.endpoints(num_tokenizers)
     remote = layout.nnodes > 1 or torchrun
     return Endpoints.create(num_tokenizers, fanout_tcp=node.fanout if remote else "",
                             results_tcp=node.results if remote else "", dp=layout.dp, secret=node.secret)
 
 
+def place(cfg: EngineConfig, layout: Layout, node: NodeSpec, timeout: float):
+    """The ranks' places on a Ray cluster (--distributed-executor-backend ray), else None: the
+    ranks are this machine's children (or other nodes' launchers' or torchrun's)."""
+    if node.executor != "ray":
+        return None
+    from shardserve.launch.ray_cluster import RayPlacement  # Ray is an optional extra
+
+    return RayPlacement(cfg, layout, node, timeout)
+
+
 class LocalGrid:
     """`torchrun=True`: the other ranks are torchrun's processes, so start scheduler-0 alone (it
-    joins torch's rendezvous through the inherited environment) and run no node channel."""
+    joins torch's rendezvous through the inherited environment) and run no node channel. With a
+    Ray `placement` every rank starts on its actor's node; `stop` releases the placement."""
 
     def __init__(self, cfg: EngineConfig, layout: Layout, node: NodeSpec, ep: Endpoints, model_name: str,
-                 others: list[Child] = (), torchrun: bool = False):
+                 others: list[Child] = (), torchrun: bool = False, placement=None):
+        self.placement = placement
         if torchrun:
             ranks = scheduler_children(cfg, ep, layout, "env://", only=range(1))
+        elif placement is not None:
+            ranks = scheduler_children(cfg, ep, layout, placement=placement)
         else:
             master = node.rendezvous if layout.nnodes > 1 else ""
             ranks = scheduler_children(cfg, ep, layout, master, node.node_rank)
@@ -104,7 +122,8 @@ class LocalGrid:
 
     def _children_of(self, unit: Unit) -> list:
         ranks = [int(n.removeprefix("scheduler-")) for n in unit.names]
-        return scheduler_children(self.cfg, self.ep, self.layout, only=range(ranks[0], ranks[-1] + 1))
+        return scheduler_children(self.cfg, self.ep, self.layout, only=range(ranks[0], ranks[-1] + 1),
+                                  placement=self.placement)
 
     def stop(self) -> None:
         if self.supervisor is not None:
@@ -112,6 +131,8 @@ class LocalGrid:
         if self.nodes is not None:
             self.nodes.stop()
         self.tree.stop()
+        if self.placement is not None:
+            self.placement.release()
 
 
 def starting_text(children: list[Child], layout: Layout) -> str:

@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 
 import zmq
 
+from shardserve.config import EXECUTORS
 from shardserve.distributed.layout import Layout, LayoutError
 from shardserve.ipc.messages import decode_or_none, encode
 from shardserve.ipc.messages.nodes import NodeBeat, NodeFailed, NodeHello, NodeRefused, NodeStop, NodeWelcome
@@ -48,8 +49,16 @@ class NodeSpec:
     node_rank: int = 0
     dist_init_addr: str = ""  # host:port of node 0; needed with more than one node
     secret: bytes = field(default=b"", repr=False)  # keys the TCP channels; never printed
+    executor: str = "local"  # --distributed-executor-backend: local (this machine's children) or ray
+    ray_address: str = ""  # --ray-address (else RAY_ADDRESS, else a Ray cluster started here)
 
     def check(self, layout: Layout) -> None:
+        if self.executor not in EXECUTORS:
+            raise LayoutError(f"--distributed-executor-backend must be one of {', '.join(EXECUTORS)}, "
+                              f"got {self.executor!r}")
+        if self.executor == "ray" and layout.nnodes > 1:
+            raise LayoutError("--distributed-executor-backend ray places the ranks on the Ray cluster's nodes itself: "
+                              "leave out --nnodes/--node-rank/--dist-init-addr")
         if not 0 <= self.node_rank < layout.nnodes:
             raise LayoutError(f"--node-rank {self.node_rank} must be in [0, {layout.nnodes}) for --nnodes "
                               f"{layout.nnodes}")

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import zmq
 
 from shardserve.ipc.messages.lifecycle import Failed, Ready
-from shardserve.ipc.sockets import Endpoints, pull, recv
+from shardserve.ipc.sockets import Endpoints, gate_for, pull, recv
 from shardserve.launch import LaunchError
 from shardserve.launch.worker import PARENT_ENV
 
@@ -53,6 +53,9 @@ class Child:
     args: tuple
     env: dict[str, str] | None = None  # extra environment (e.g. thread counts)
     role: str = ""  # where it sits, for reports, e.g. "pipeline stage 1 of 2"
+    # Starts it elsewhere (a rank Ray placed: launch/ray_cluster.py): (name, pickled (target, args),
+    # env) -> a handle like subprocess.Popen's. None: a child of this process.
+    spawn: Callable | None = None
 
 
 # A child refusing a setting raises one of these with a message that names the flag: the user
@@ -77,7 +80,8 @@ class ProcessTree:
     def __init__(self, ep: Endpoints, children: list[Child]):
         self.ep, self.specs = ep, children
         self.ctx = zmq.Context()
-        self.ready_sock = pull(self.ctx, ep.ready)  # bound before any child can report
+        self.gate = gate_for(self.ctx, ep.secret, ep.ready)  # TCP when ranks report from other machines
+        self.ready_sock = pull(self.ctx, ep.ready, ep.secret, self.gate, "the ready channel")  # before any child starts
         self.procs: dict[str, subprocess.Popen] = {}
         self.unreaped: list[tuple[str, subprocess.Popen]] = []  # SIGKILLed, not gone yet (see stop_children)
         self._stop_watch = threading.Event()
@@ -89,12 +93,17 @@ class ProcessTree:
             fresh = {c.name: c for c in children}
             self.specs = [fresh.pop(c.name, c) for c in self.specs] + list(fresh.values())
         for c in children if children is not None else self.specs:
-            env = {**os.environ, **(c.env or {}), PARENT_ENV: str(os.getpid())}
-            p = subprocess.Popen([sys.executable, "-m", "shardserve.launch.worker", c.name], stdin=subprocess.PIPE,
-                                 env=env)
-            p.stdin.write(pickle.dumps((c.target, c.args)))
-            p.stdin.close()
-            log.info("started %s pid=%d", c.name, p.pid)
+            payload = pickle.dumps((c.target, c.args))
+            if c.spawn is not None:
+                p = c.spawn(c.name, payload, c.env or {})
+                log.info("started %s pid=%d (%s)", c.name, p.pid, getattr(p, "who", "elsewhere"))
+            else:
+                env = {**os.environ, **(c.env or {}), PARENT_ENV: str(os.getpid())}
+                p = subprocess.Popen([sys.executable, "-m", "shardserve.launch.worker", c.name],
+                                     stdin=subprocess.PIPE, env=env)
+                p.stdin.write(payload)
+                p.stdin.close()
+                log.info("started %s pid=%d", c.name, p.pid)
             self.procs[c.name] = p
 
     def wait_ready(self, timeout: float) -> dict[str, dict]:
@@ -141,11 +150,12 @@ class ProcessTree:
         """Every dead child (of `names`, if given) and how it ended, those killed by a signal (the
         likely cause) first."""
         roles = {c.name: f"{c.name} ({c.role})" for c in self.specs if c.role}
-        dead = [(roles.get(n, n), p.returncode) for n, p in self.procs.items()
+        dead = [(roles.get(n, n), p.returncode, getattr(p, "ended", "")) for n, p in self.procs.items()
                 if p.poll() is not None and (names is None or n in names)]
         dead.sort(key=lambda d: (d[1] >= 0, d[0]))
-        return "; ".join(f"{n} was killed by signal {-c}" if c < 0 else f"{n} exited unexpectedly with code {c}"
-                         for n, c in dead)
+        # A rank whose Ray actor (or node) is gone says so in Ray's words (launch/ray_host.py).
+        return "; ".join(e or (f"{n} was killed by signal {-c}" if c < 0 else f"{n} exited unexpectedly with code {c}")
+                         for n, c, e in dead)
 
     def watch(self, on_death: Callable[[str], None], interval: float = 0.5) -> None:
         """Call `on_death(message)` once, from a thread, when any child exits."""
@@ -163,6 +173,8 @@ class ProcessTree:
         self.stop_children(list(self.procs), grace)
         self._reap()
         self.ready_sock.close(linger=0)
+        if self.gate is not None:
+            self.gate.stop()
         self.ctx.term()
         shutil.rmtree(self.ep.root, ignore_errors=True)
 

@@ -15,11 +15,14 @@ SCHEDULER_MAIN = ByName("shardserve.scheduler.process", "scheduler_main")
 
 
 def scheduler_children(cfg: EngineConfig, ep: Endpoints, layout: Layout, master: str = "",
-                       node: int = 0, only: range | None = None) -> list[Child]:
+                       node: int = 0, only: range | None = None, placement=None) -> list[Child]:
     """One scheduler process per rank on `node` (or just the ranks in `only`). `master` is
     host:port of the rendezvous; when empty, a free local port, one per independent replica
-    (each its own world, distributed/groups.py), so a replica can start again on its own."""
+    (each its own world, distributed/groups.py), so a replica can start again on its own.
+    With a Ray `placement` (launch/ray_cluster.py) every rank starts on its actor's node."""
     ranks = only if only is not None else layout.node_ranks(node)
+    if placement is not None:
+        return ray_children(cfg, ep, layout, ranks, placement)
     masters: dict[int, str] = {}
 
     def master_of(rank: int) -> str:
@@ -34,6 +37,16 @@ def scheduler_children(cfg: EngineConfig, ep: Endpoints, layout: Layout, master:
     return [Child(f"scheduler-{r}", SCHEDULER_MAIN, (cfg, ep, RankSpec(r, layout, master_of(r))), env=env,
                   role=role(layout, r))
             for r in ranks]
+
+
+def ray_children(cfg: EngineConfig, ep: Endpoints, layout: Layout, ranks: range, placement) -> list[Child]:
+    masters = placement.masters(ranks)
+    out = []
+    for r in ranks:
+        spec = RankSpec(r, layout, masters[r], placement.device_index(r))
+        out.append(Child(f"scheduler-{r}", SCHEDULER_MAIN, (cfg, ep, spec), env=placement.env(r), role=role(layout, r),
+                         spawn=placement.spawner(r, role(layout, r))))
+    return out
 
 
 def thread_env(cfg: EngineConfig, layout: Layout) -> dict[str, str] | None:

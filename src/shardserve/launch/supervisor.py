@@ -158,8 +158,8 @@ class Supervisor:
                   unit.them, delay, unit.restarts, self.limit)
 
     def _start(self, unit: Unit) -> None:
-        children = self.children_of(unit)
         try:
+            children = self.children_of(unit)  # on Ray, lost actors are started again here
             self.tree.start(children)
         except OSError as e:
             self._lost(unit, f"its processes could not be started: {e}")

@@ -31,7 +31,7 @@ from shardserve.ipc.messages.lifecycle import Shutdown
 from shardserve.ipc.messages.plan import Wake
 from shardserve.ipc.messages.replicas import DropStreams, ReplicaDown, ReplicaLost, ReplicaUp
 from shardserve.ipc.messages.reports import CacheEvents, ReportReq, RouterStats
-from shardserve.ipc.sockets import Endpoints, pull, push, recv_all, send
+from shardserve.ipc.sockets import Endpoints, connected, pull, push, recv_all, send
 from shardserve.kvcache.pages import page_hashes
 from shardserve.launch.process_tree import Child
 from shardserve.router.policy import NoReplica, Router, Thresholds
@@ -48,13 +48,10 @@ class ReplicaRouter:
         self.ep = ep
         self.inbox = pull(ctx, ep.scheduler)
         self.leaders = [self._leader_socket(d) for d in range(ep.dp)]
-        self.events = ctx.socket(zmq.SUB)
-        self.events.setsockopt(zmq.RCVHWM, 0)
+        self.events = connected(ctx, zmq.SUB, [ep.events(d) for d in range(ep.dp)], ep.secret, {zmq.RCVHWM: 0})
         self.events.setsockopt(zmq.SUBSCRIBE, b"")
-        for d in range(ep.dp):
-            self.events.connect(ep.events(d))
-        self.to_api = push(ctx, ep.api)
-        self.to_detok = push(ctx, ep.detokenizer)
+        self.to_api = push(ctx, ep.api, ep.secret)
+        self.to_detok = push(ctx, ep.detokenizer, ep.secret)
         self.held: list[TokenizedReq] = []  # while no replica serves
         self.router = Router(ep.dp, policy, page_size, thresholds)
         self.page_size = page_size if prefix_cache else 0
@@ -84,7 +81,7 @@ class ReplicaRouter:
             self.maybe_send_stats()
 
     def _leader_socket(self, d: int) -> zmq.Socket:
-        sock = push(self.ctx, self.ep.leader(d))
+        sock = push(self.ctx, self.ep.leader(d), self.ep.secret)
         sock.setsockopt(zmq.SNDHWM, 0)  # never block: a replica busy in a long step must not stall the others
         return sock
 
@@ -235,7 +232,7 @@ def router_main(ep: Endpoints, policy: str, page_size: int, prefix_cache: bool =
         router = ReplicaRouter(ep, policy, page_size, prefix_cache, lockstep=lockstep)
         return router.serve, {}
 
-    run_child("router", ep.ready, setup)
+    run_child("router", ep.ready, setup, ep.secret)
 
 
 def router_child(ep: Endpoints, policy: str, page_size: int, prefix_cache: bool = True,

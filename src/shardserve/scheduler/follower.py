@@ -22,10 +22,10 @@ from shardserve.ipc.messages import Msg, encode
 from shardserve.ipc.messages.lifecycle import Shutdown
 from shardserve.ipc.messages.plan import StageTraffic, StepPlan, Tick
 from shardserve.ipc.messages.reports import ReportReq
-from shardserve.ipc.sockets import Endpoints
+from shardserve.ipc.sockets import Endpoints, connected
 from shardserve.loader.model_path import resolve_checkpoint
 from shardserve.loader.weights import read_model_config, resolve_dtype
-from shardserve.scheduler.inbox import Feed, connected
+from shardserve.scheduler.inbox import Feed
 from shardserve.scheduler.pd_decode import make_receiver
 
 log = logging.getLogger(__name__)

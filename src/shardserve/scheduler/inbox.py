@@ -22,8 +22,7 @@ import zmq
 from shardserve.distributed.communicator import CollectiveError, Communicator
 from shardserve.ipc.messages import Msg, decode_or_none, encode
 from shardserve.ipc.messages.plan import Tick
-from shardserve.ipc.secure import Gate, connect_secure, serve_secure
-from shardserve.ipc.sockets import bind_address, recv_all
+from shardserve.ipc.sockets import bound, connected, gate_for, recv_all
 
 SYNC = b"\x00sync"  # published at start-up until every subscriber has seen one; never counted
 TICK_INTERVAL = 1.0  # seconds between Ticks while the leader publishes nothing else
@@ -37,17 +36,18 @@ class Inbox:
         """`results_addr` only with several pipeline stages (None: results are computed here);
         `secret` keys the TCP channels."""
         self.control = control
-        self.pull = ctx.socket(zmq.PULL)
-        self.pull.bind(pull_addr)
-        self.pub = self.results = self.gate = None
+        many = control.size > 1
+        # One ZAP handler for every TCP channel this process binds (ipc/sockets.gate_for).
+        self.gate = gate_for(ctx, secret, pull_addr, *([fanout_addr] if many else []),
+                             *([results_addr] if many and results_addr else []))
+        self.pull = bound(ctx, zmq.PULL, pull_addr, secret, self.gate, "the scheduler's inbox")
+        self.pub = self.results = None
         self.last_publish = time.monotonic()
-        if control.size > 1:
-            if fanout_addr.startswith("tcp://"):
-                self.gate = Gate(ctx, _need(secret, fanout_addr))
-            self.pub = _bound(ctx, zmq.PUB, fanout_addr, secret, self.gate, "the plan feed")
+        if many:
+            self.pub = bound(ctx, zmq.PUB, fanout_addr, secret, self.gate, "the plan feed")
             self.pub.setsockopt(zmq.SNDHWM, 0)
             if results_addr is not None:
-                self.results = _bound(ctx, zmq.PULL, results_addr, secret, self.gate, "the results inbox")
+                self.results = bound(ctx, zmq.PULL, results_addr, secret, self.gate, "the results inbox")
             _sync(control, timeout_s, self._send_sync, again=True)
 
     def _send_sync(self) -> bool:
@@ -112,32 +112,6 @@ class Feed:
             data = self.sub.recv()
             if data != SYNC and (msg := decode_or_none(data, "the plan feed")) is not None:
                 return msg
-
-
-def _need(secret: bytes, addr: str) -> bytes:
-    if not secret:
-        raise ValueError(f"{addr} is a TCP channel and no deployment secret was given")
-    return secret
-
-
-def _bound(ctx: zmq.Context, kind: int, addr: str, secret: bytes, gate: Gate | None = None,
-           channel: str = "") -> zmq.Socket:
-    sock = ctx.socket(kind)
-    if addr.startswith("tcp://"):
-        serve_secure(sock, _need(secret, addr))
-        if gate is not None:
-            gate.watch(sock, f"{channel} ({addr})")
-    sock.bind(bind_address(addr))
-    return sock
-
-
-def connected(ctx: zmq.Context, kind: int, addr: str, secret: bytes) -> zmq.Socket:
-    """A socket connected to one of the leader's channels (CURVE client on TCP)."""
-    sock = ctx.socket(kind)
-    if addr.startswith("tcp://"):
-        connect_secure(sock, _need(secret, addr))
-    sock.connect(addr)
-    return sock
 
 
 def _sync(control: Communicator, timeout_s: float, attempt, again: bool = False) -> None:

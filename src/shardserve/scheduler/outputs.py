@@ -7,7 +7,7 @@ import zmq
 
 from shardserve.ipc.messages.api import TokenOut
 from shardserve.ipc.messages.reports import CacheEvents
-from shardserve.ipc.sockets import send
+from shardserve.ipc.sockets import bound, send
 from shardserve.scheduler.engine_core import StepOutput
 
 
@@ -18,10 +18,11 @@ class CacheEventFeed:
     `ended` would leave its load on the router's books for good, so the leader does not report
     Ready until the router's subscription has arrived (other subscribers may join later)."""
 
-    def __init__(self, ctx: zmq.Context, addr: str, replica: int, allocator, timeout_s: float):
-        self.pub = ctx.socket(zmq.XPUB)
+    def __init__(self, ctx: zmq.Context, addr: str, replica: int, allocator, timeout_s: float, secret: bytes = b"",
+                 gate=None):
+        """`secret` and `gate` (the process's ZAP handler) where `addr` is TCP (ranks placed by Ray)."""
+        self.pub = bound(ctx, zmq.XPUB, addr, secret, gate, "the cache events")
         self.pub.setsockopt(zmq.SNDHWM, 0)
-        self.pub.bind(addr)
         if not self.pub.poll(int(timeout_s * 1000)):
             raise RuntimeError(f"replica {replica}'s leader: the router did not subscribe to its cache events "
                                f"within {timeout_s:.0f} s")

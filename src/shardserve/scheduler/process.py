@@ -60,11 +60,11 @@ class SchedulerServer:
                            cfg.dist_timeout, ep.secret)
         self.engine.publish = self.inbox.publish if groups.control.size > 1 else None
         self.engine.results = self.inbox.take_results if groups.layout.pp > 1 else None
-        self.to_detok = push(ctx, ep.detokenizer)
-        self.to_api = push(ctx, ep.api)
+        self.to_detok = push(ctx, ep.detokenizer, ep.secret)
+        self.to_api = push(ctx, ep.api, ep.secret)
         self.aborted_early: set[str] = set()  # aborts that overtook their request
         self.events = CacheEventFeed(ctx, ep.events(self.replica), self.replica, self.engine.allocator,
-                                     cfg.dist_timeout) if ep.dp > 1 else None
+                                     cfg.dist_timeout, ep.secret, self.inbox.gate) if ep.dp > 1 else None
         self.last_stats = 0.0
         self.last_status: dict = {}
         self.running = True
@@ -239,9 +239,10 @@ class SchedulerServer:
 
 def rank_server(cfg: EngineConfig, ep: Endpoints, spec: RankSpec) -> SchedulerServer | Follower:
     """Join the grid and build this rank's loop: the leader's, or a follower's."""
-    device = pick_device(cfg.device, spec.layout.local_rank(spec.rank))
+    device = pick_device(cfg.device, spec.local_rank)
     groups = (init_distributed(spec.layout, spec.rank, spec.master, device, cfg.dist_timeout)
               if spec.layout.world > 1 else single_process_groups())
+    groups.device_index = spec.device_index
     ep = with_secret(ep, groups)
     if groups.control.rank != 0:
         return Follower(cfg, ep, groups)
@@ -272,4 +273,4 @@ def scheduler_main(cfg: EngineConfig, ep: Endpoints, spec: RankSpec) -> None:
         server = rank_server(cfg, ep, spec)
         return server.serve, server.info()
 
-    run_child(f"scheduler-{spec.rank}", ep.ready, setup)
+    run_child(f"scheduler-{spec.rank}", ep.ready, setup, ep.secret)

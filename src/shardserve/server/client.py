@@ -31,7 +31,7 @@ from shardserve.ipc.messages.api import (
 )
 from shardserve.ipc.messages.replicas import ReplicaDown, ReplicaLost, ReplicaUp
 from shardserve.ipc.messages.reports import RouterStats, Stats, merge_stats
-from shardserve.ipc.sockets import Endpoints
+from shardserve.ipc.sockets import Endpoints, bound, connected, gate_for
 from shardserve.server.errors import APIError
 from shardserve.server.replica_board import ReplicaBoard
 
@@ -52,16 +52,17 @@ class EngineClient:
 
     def __init__(self, ep: Endpoints, num_tokenizer_sockets: int):
         self.ctx = zmq.asyncio.Context()
-        self.inbox = self.ctx.socket(zmq.PULL)
-        self.inbox.bind(ep.api)
+        # Leaders placed by Ray on other machines send here over TCP: the ZAP handler runs on a
+        # plain (not asyncio) context over the same one underneath.
+        self.gate = gate_for(zmq.Context.shadow(self.ctx.underlying), ep.secret, ep.api)
+        self.inbox = bound(self.ctx, zmq.PULL, ep.api, ep.secret)
         self._inbox_name = f"the API process's inbox ({ep.api})"
         self.tokenizers = []
         for i in range(num_tokenizer_sockets):
             s = self.ctx.socket(zmq.PUSH)
             s.connect(ep.tokenizer(i))
             self.tokenizers.append(s)
-        self.scheduler = self.ctx.socket(zmq.PUSH)
-        self.scheduler.connect(ep.scheduler)
+        self.scheduler = connected(self.ctx, zmq.PUSH, ep.scheduler, ep.secret)
         self._rr = itertools.cycle(range(num_tokenizer_sockets))
         self.queues: dict[str, asyncio.Queue] = {}
         self.reqs: dict[str, GenerateReq] = {}  # by rid: to send again should its replica die
@@ -246,6 +247,8 @@ class EngineClient:
         """Drop unsent messages (aborts towards stopped workers) rather than wait to deliver them."""
         for s in (self.inbox, self.scheduler, *self.tokenizers):
             s.close(linger=0)
+        if self.gate is not None:
+            self.gate.stop()
         self.ctx.term()
 
     @property

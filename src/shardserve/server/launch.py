@@ -27,7 +27,7 @@ from shardserve.ipc.sockets import Endpoints
 from shardserve.launch import LaunchError
 from shardserve.launch.checks import bind_socket, check_deployment
 from shardserve.launch.deployment import Deployment
-from shardserve.launch.grid import LocalGrid, endpoints, run_other_node
+from shardserve.launch.grid import LocalGrid, endpoints, place, run_other_node
 from shardserve.launch.process_tree import ByName, Child
 from shardserve.launch.torchrun import run_rank_here, torchrun_env, torchrun_layout
 from shardserve.loader.generation_config import describe, generation_defaults
@@ -78,13 +78,14 @@ def serve(args: argparse.Namespace, plan: Deployment) -> int:
     except LaunchError as e:
         print(f"shardserve: error: {e}", file=sys.stderr)
         return 1
-    ep = endpoints(layout, node, max(1, args.num_tokenizers), torchrun=env is not None)
-    grid = None
+    grid = placement = None
     try:
+        placement = place(cfg, layout, node, args.startup_timeout)  # with Ray: where each rank runs
+        ep = endpoints(layout, node, max(1, args.num_tokenizers), torchrun=env is not None, placement=placement)
         others = tokenizer_children(cfg.model, ep, args.num_tokenizers)
         if layout.dp > 1:
             others.append(router_child(ep, policy, cfg.page_size, cfg.enable_prefix_cache, layout.dp_attention))
-        grid = LocalGrid(cfg, layout, node, ep, ckpt.name, others, torchrun=env is not None)
+        grid = LocalGrid(cfg, layout, node, ep, ckpt.name, others, torchrun=env is not None, placement=placement)
         infos = grid.start(args.startup_timeout)
         info = infos["scheduler-0"] | infos["tokenizer-0"] | {"pooling": pooling_of(ckpt, args.pooling)}
         return run_http(args, ckpt.name.removesuffix(".gguf"), info, ep, grid, sock, defaults)
@@ -94,6 +95,8 @@ def serve(args: argparse.Namespace, plan: Deployment) -> int:
     finally:
         if grid is not None:
             grid.stop()
+        elif placement is not None:
+            placement.release()
 
 
 class _Server(uvicorn.Server):

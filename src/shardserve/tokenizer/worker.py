@@ -28,7 +28,7 @@ from shardserve.ipc.messages.api import (
 )
 from shardserve.ipc.messages.lifecycle import Shutdown
 from shardserve.ipc.messages.replicas import DropStreams
-from shardserve.ipc.sockets import Endpoints, pull, push, recv, send
+from shardserve.ipc.sockets import Endpoints, gate_for, pull, push, recv, send
 from shardserve.loader.model_path import resolve_checkpoint
 from shardserve.loader.tokenizer import load_tokenizer
 from shardserve.tokenizer.detokenizer import Detokenizer
@@ -124,14 +124,19 @@ def tokenizer_main(model: str | None, ep: Endpoints, index: int, detokenize: boo
     def setup():
         tok = load_tokenizer(resolve_checkpoint(model))
         ctx = zmq.Context.instance()
-        to_api = push(ctx, ep.api)
-        worker = Tokenizer(tok, push(ctx, ep.scheduler), to_api)
+        to_api = push(ctx, ep.api, ep.secret)
+        worker = Tokenizer(tok, push(ctx, ep.scheduler, ep.secret), to_api)
         handlers = {pull(ctx, ep.tokenizer(index)): worker.handle}
         if detokenize:
-            handlers[pull(ctx, ep.detokenizer)] = _detok_handler(Detokenizer(tok), to_api)
+            handlers[detokenizer_inbox(ctx, ep)] = _detok_handler(Detokenizer(tok), to_api)
         return (lambda: _serve(handlers)), template_facts(tok)
 
-    run_child(f"tokenizer-{index}", ep.ready, setup)
+    run_child(f"tokenizer-{index}", ep.ready, setup, ep.secret)
+
+
+def detokenizer_inbox(ctx: zmq.Context, ep: Endpoints) -> zmq.Socket:
+    """Where the leaders send tokens: on TCP (ranks placed by Ray) behind this process's ZAP handler."""
+    return pull(ctx, ep.detokenizer, ep.secret, gate_for(ctx, ep.secret, ep.detokenizer), "the detokenizer")
 
 
 def _detok_handler(detok: Detokenizer, to_api: zmq.Socket):
@@ -151,7 +156,7 @@ def detokenizer_main(model: str | None, ep: Endpoints) -> None:
     def setup():
         tok = load_tokenizer(resolve_checkpoint(model))
         ctx = zmq.Context.instance()
-        handlers = {pull(ctx, ep.detokenizer): _detok_handler(Detokenizer(tok), push(ctx, ep.api))}
+        handlers = {detokenizer_inbox(ctx, ep): _detok_handler(Detokenizer(tok), push(ctx, ep.api, ep.secret))}
         return (lambda: _serve(handlers)), {}
 
-    run_child("detokenizer", ep.ready, setup)
+    run_child("detokenizer", ep.ready, setup, ep.secret)
