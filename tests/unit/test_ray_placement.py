@@ -1,6 +1,6 @@
 """--distributed-executor-backend ray without a cluster: the rank order over Ray's bundles (the
-API process's node first, each node's ranks contiguous), the refusal of a tensor group split over
-nodes, every channel's TCP address, Ray's reason for a dead actor in one line, and the settings
+API process's node first, each node's ranks contiguous), a tensor group across nodes named, every
+channel's TCP address, Ray's reason for a dead actor in one line, and the settings
 refused before anything starts (each one line naming the flag)."""
 
 from __future__ import annotations
@@ -24,11 +24,11 @@ def test_bundles_are_ordered_api_node_first_then_by_node():
     assert order_bundles(["x", "y"], "elsewhere") == [0, 1]
 
 
-def test_a_tensor_group_split_over_nodes_is_named():
+def test_a_tensor_group_across_nodes_is_named():
     layout = Layout.from_sizes(tp=2, pp=2)
     assert split_tensor_group(layout, {0: "n1", 1: "n1", 2: "n2", 3: "n2"}) is None  # a stage per node: fine
     assert split_tensor_group(layout, {0: "n1", 1: "n1", 2: "n1", 3: "n2"}) == (
-        "Ray placed the tensor group of ranks 2-3 on nodes n1, n2; each node needs room for --tp-size 2 ranks")
+        "Ray placed the tensor group of ranks 2-3 on nodes n1, n2")
     dp = Layout.from_sizes(tp=2, dp=2)
     assert "ranks 0-1" in split_tensor_group(dp, {0: "n1", 1: "n2", 2: "n3", 3: "n3"})
 

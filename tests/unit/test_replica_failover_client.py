@@ -145,3 +145,25 @@ def test_totals_do_not_fall_when_a_replica_starts_again_from_zero():
         unwire(client, tokenizer)
 
     asyncio.run(run())
+
+
+def test_a_request_sent_again_is_aborted_under_its_new_id_after_shutdown():
+    """fail_all (the server stopping) ends every waiter; each waiter's abort must still name the
+    id its request runs under since it was sent again, not the old id its replica no longer has."""
+
+    async def run():
+        client, tokenizer = wired()
+        scheduler = zmq.asyncio.Context.instance().socket(zmq.PULL)
+        scheduler.bind(client.scheduler.getsockopt_string(zmq.LAST_ENDPOINT))
+        await client.submit(GenerateReq(rid="r", params=SamplingParams(max_tokens=4), text="hi"), asyncio.Queue())
+        await within(tokenizer.recv())
+        client._dispatch(ReplicaLost(replica=1, rids=["r"], reason="killed"))
+        new = decode(await within(tokenizer.recv())).rid
+        assert new != "r"
+        client.fail_all("the server is shutting down", status=503)
+        await client.abort("r")
+        assert decode(await within(scheduler.recv(), "the abort")).rid == new
+        scheduler.close(linger=0)
+        unwire(client, tokenizer)
+
+    asyncio.run(run())

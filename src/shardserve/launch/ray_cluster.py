@@ -5,7 +5,8 @@ scheduler rank runs on the node Ray gives it, started by a `RankHost` actor (lau
 Each replica is one placement group with a bundle per rank ({"CPU": threads}, or {"GPU": 1,
 "CPU": 1}), PACKed, so replicas spread over nodes as they fill. Within a replica the bundles are
 ordered by Ray node id, the API process's node first, and ranks taken tensor-fastest in that
-order: a tensor group lies on one node, or the placement is refused saying where it fell.
+order: a tensor group lies on one node wherever Ray packed it onto one (a warning says where it
+did not).
 
 Every channel a rank uses is TCP and CURVE-keyed by the deployment secret (drawn now when none
 is set): the launcher's ready channel, the API inbox and the detokenizer on this machine, and
@@ -67,8 +68,8 @@ def split_tensor_group(layout: Layout, node_of: dict[int, str]) -> str | None:
     for ranks in groups.values():
         nodes = sorted({node_of[r] for r in ranks})
         if len(nodes) > 1:
-            return (f"Ray placed the tensor group of ranks {ranks[0]}-{ranks[-1]} on nodes "
-                    f"{', '.join(n[:12] for n in nodes)}; each node needs room for --tp-size {layout.tp} ranks")
+            names = ", ".join(n[:12] for n in nodes)
+            return f"Ray placed the tensor group of ranks {ranks[0]}-{ranks[-1]} on nodes {names}"
     return None
 
 
@@ -153,8 +154,9 @@ class RayPlacement:
                 self.new_actor[rank] = options.remote
                 self.actors[rank] = options.remote()
         split = split_tensor_group(self.layout, node_of)
-        if split:
-            raise LaunchError(f"--distributed-executor-backend ray: {split}", exit_code=2)
+        if split:  # it runs, as TP over --nnodes does, but every layer's all-reduce crosses machines
+            log.warning("%s: its all-reduces cross between nodes every layer (a node with room for --tp-size %d "
+                        "ranks keeps them inside one)", split, self.layout.tp)
         self.where = dict(zip(self.actors, self.ray.get([a.where.remote() for a in self.actors.values()]),
                               strict=True))
         for rank in sorted(self.where):

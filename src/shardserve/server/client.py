@@ -239,7 +239,9 @@ class EngineClient:
         for rid, q in list(self.queues.items()):
             q.put_nowait(ErrorOut(rid=rid, message=reason, status=status))
         cut = len({id(q) for q in self.queues.values()})
-        for state in (self.queues, self.reqs, self.started, self.replayable, self.current, self.alias):
+        # `current`/`alias` stay: each waiter's abort (its finally) still needs the id its request
+        # runs under since it was sent again, and `release` forgets the pair then.
+        for state in (self.queues, self.reqs, self.started, self.replayable):
             state.clear()
         return cut
 
