@@ -102,3 +102,19 @@ def test_without_ray_the_server_says_so_in_one_line(capsys, tiny_model, monkeypa
     path, _ = tiny_model("llama")
     assert _refused(capsys, ["--model", path, "--distributed-executor-backend", "ray"]) == (
         "shardserve: error: --distributed-executor-backend ray needs Ray: pip install 'shardserve[ray]'")
+
+
+def test_an_address_where_no_cluster_answers_is_said_at_once(monkeypatch):
+    """Ray retries an address that does not answer for ever; the refusal is one line at once."""
+    ray = pytest.importorskip("ray")
+    from shardserve.launch.ray_cluster import connect, local_cluster
+
+    with pytest.raises(LaunchError, match=r"^--ray-address 127.0.0.1:1: no Ray cluster answers there \(.*refused"):
+        connect(ray, "127.0.0.1:1")
+    monkeypatch.setenv("RAY_ADDRESS", "127.0.0.1:1")
+    with pytest.raises(LaunchError, match=r"^RAY_ADDRESS 127.0.0.1:1: no Ray cluster answers there"):
+        connect(ray, "")
+    assert not ray.is_initialized()
+    # No address, and the last cluster started on this machine is gone: start one, not wait on it.
+    monkeypatch.setattr(ray._private.utils, "read_ray_address", lambda *a: "127.0.0.1:1")
+    assert local_cluster(ray) == "local"
