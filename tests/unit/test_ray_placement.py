@@ -14,7 +14,8 @@ from shardserve.distributed.layout import Layout, LayoutError
 from shardserve.ipc.sockets import Endpoints, TcpHosts
 from shardserve.launch import LaunchError
 from shardserve.launch.nodes import NodeSpec
-from shardserve.launch.ray_cluster import import_ray, order_bundles, passed_env, split_tensor_group
+from shardserve.launch.ray_cluster import order_bundles, split_tensor_group
+from shardserve.launch.ray_connect import import_ray, passed_env
 from shardserve.launch.ray_host import actor_died
 
 
@@ -107,7 +108,7 @@ def test_without_ray_the_server_says_so_in_one_line(capsys, tiny_model, monkeypa
 def test_an_address_where_no_cluster_answers_is_said_at_once(monkeypatch):
     """Ray retries an address that does not answer for ever; the refusal is one line at once."""
     ray = pytest.importorskip("ray")
-    from shardserve.launch.ray_cluster import connect, local_cluster
+    from shardserve.launch.ray_connect import connect, local_cluster
 
     with pytest.raises(LaunchError, match=r"^--ray-address 127.0.0.1:1: no Ray cluster answers there \(.*refused"):
         connect(ray, "127.0.0.1:1")

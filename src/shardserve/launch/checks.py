@@ -94,7 +94,7 @@ def check_placement(cfg: EngineConfig, layout: Layout, mc) -> None:
 def check_ray(cfg: EngineConfig, node: NodeSpec, torchrun: bool) -> None:
     """What --distributed-executor-backend ray does not run (yet), one line each; the cluster's
     own resources are checked when the ranks are placed (launch/ray_cluster.py)."""
-    from shardserve.launch.ray_cluster import import_ray  # Ray is an optional extra
+    from shardserve.launch.ray_connect import import_ray  # Ray is an optional extra
 
     flag = "--distributed-executor-backend ray"
     import_ray()  # not installed: says how to install it
