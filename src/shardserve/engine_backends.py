@@ -82,12 +82,13 @@ class ProcessBackend:
                 placement.release()
             raise
         self.ctx = zmq.Context()
-        # scheduler-0's token and error outputs (TCP when Ray placed the leaders elsewhere)
-        self.gate = gate_for(self.ctx, self.ep.secret, self.ep.api)
-        self.inbox = offline_inbox(self.ctx, self.ep, self.gate)
-        self.to_scheduler = push(self.ctx, self.ep.scheduler, self.ep.secret)
+        self.gate = self.inbox = self.to_scheduler = None
         self.timeout_s = cfg.dist_timeout
         try:
+            # scheduler-0's token and error outputs (TCP when Ray placed the leaders elsewhere)
+            self.gate = gate_for(self.ctx, self.ep.secret, self.ep.api)
+            self.inbox = offline_inbox(self.ctx, self.ep, self.gate)
+            self.to_scheduler = push(self.ctx, self.ep.scheduler, self.ep.secret)
             self.infos = self.grid.start(startup_timeout)
             # With several nodes this also keeps the heartbeats going; poll() reports a failure.
             self.grid.watch(lambda reason: log.error("%s", reason))
@@ -157,8 +158,9 @@ class ProcessBackend:
 
     def shutdown(self) -> None:
         self.grid.stop()
-        self.inbox.close(linger=0)
-        self.to_scheduler.close(linger=0)
+        for sock in (self.inbox, self.to_scheduler):
+            if sock is not None:  # None: start-up failed before it was made
+                sock.close(linger=0)
         if self.gate is not None:
             self.gate.stop()
         self.ctx.term()

@@ -102,7 +102,7 @@ class LLM:
         self.pooling = pooling_of(ckpt, pooling)
         self.tokenizer = load_tokenizer(ckpt)
         tok = self.tokenizer
-        if self.layout.world > 1 or isolated:
+        if self.layout.world > 1 or isolated or self.node.executor == "ray":  # ray: the rank runs on the cluster
             self._backend = ProcessBackend(self.config, self.layout, self.node, ckpt.name, startup_timeout, policy)
         else:
             use_threads(self.config.threads)

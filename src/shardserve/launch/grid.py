@@ -126,6 +126,8 @@ class LocalGrid:
                                   placement=self.placement)
 
     def stop(self) -> None:
+        if self.placement is not None:
+            self.placement.closed = True  # a replica being started again asks for no more actors
         if self.supervisor is not None:
             self.supervisor.stop()
         if self.nodes is not None:

@@ -121,7 +121,7 @@ class ProcessTree:
             if dead and dead not in infos:
                 # Its Failed message may still be in flight: it says more than an exit code.
                 self._take(recv(self.ready_sock, timeout_ms=1000, where="the ready channel"), infos)
-                raise LaunchError(f"{dead} exited with code {self.procs[dead].returncode} while starting")
+                raise LaunchError(f"{self.death_report([dead])} while starting")
             if time.monotonic() > deadline:
                 missing = sorted(set(self.procs) - set(infos))
                 raise LaunchError(f"timed out after {timeout:.0f} s waiting for {', '.join(missing)} to start")

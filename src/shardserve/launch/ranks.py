@@ -40,7 +40,7 @@ def scheduler_children(cfg: EngineConfig, ep: Endpoints, layout: Layout, master:
 
 
 def ray_children(cfg: EngineConfig, ep: Endpoints, layout: Layout, ranks: range, placement) -> list[Child]:
-    masters = placement.masters(ranks)
+    masters = placement.prepare(ranks)  # lost actors started again first: their nodes decide env and GPUs
     out = []
     for r in ranks:
         spec = RankSpec(r, layout, masters[r], placement.device_index(r))

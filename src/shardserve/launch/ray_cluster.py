@@ -18,8 +18,8 @@ object), never in argv, environment or logs.
 from __future__ import annotations
 
 import logging
-import os
 import time
+import uuid
 
 from shardserve.config import EngineConfig
 from shardserve.distributed.layout import Layout
@@ -36,8 +36,11 @@ ACTOR_WAIT = 60.0  # seconds for an actor to answer, or to start again in its bu
 
 def order_bundles(bundle_nodes: list[str], first: str) -> list[int]:
     """Bundle indexes in the order ranks take them: `first` (the API process's node) first, then
-    by node id, so each node's bundles are contiguous."""
-    return sorted(range(len(bundle_nodes)), key=lambda b: (bundle_nodes[b] != first, bundle_nodes[b], b))
+    the nodes holding more of them, then by node id, so each node's bundles are contiguous and
+    the big blocks (whole tensor groups, where they fit) come early."""
+    count = {n: bundle_nodes.count(n) for n in bundle_nodes}
+    return sorted(range(len(bundle_nodes)),
+                  key=lambda b: (bundle_nodes[b] != first, -count[bundle_nodes[b]], bundle_nodes[b], b))
 
 
 def split_tensor_group(layout: Layout, node_of: dict[int, str]) -> str | None:
@@ -62,15 +65,32 @@ class RayPlacement:
         self.ray = ray = import_ray()
         self.layout, self.secret = layout, node.secret or new_secret()
         self.groups, self.actors = [], {}
+        self.closed = False
         # A script that is a Ray driver already (ray.init before LLM(...)) keeps its connection.
         self.connected_here = not ray.is_initialized()
         if self.connected_here:
             connect(ray, node.ray_address)
         try:
             self._place(cfg, timeout)
+        except OSError as e:  # an actor that did not answer or start: said as a launch failure
+            self.release()
+            raise LaunchError(f"--distributed-executor-backend ray: {e}") from None
         except BaseException:
             self.release()
             raise
+
+    def _get(self, ref, what: str):
+        """ray.get with a bound; OSError naming `what` if the actor is gone or silent (the
+        supervisor's restart treats that as a failed start), or once the placement is released."""
+        ray = self.ray
+        if self.closed:
+            raise OSError(f"{what}: the Ray placement was released (the server is stopping)")
+        try:
+            return ray.get(ref, timeout=ACTOR_WAIT)
+        except ray.exceptions.GetTimeoutError:
+            raise OSError(f"{what}: no answer within {ACTOR_WAIT:.0f} s") from None
+        except ray.exceptions.RayActorError as e:
+            raise OSError(f"{what}: {actor_died(e)}") from None
 
     def _place(self, cfg: EngineConfig, timeout: float) -> None:
         ray, layout = self.ray, self.layout
@@ -88,9 +108,10 @@ class RayPlacement:
         from ray.util.placement_group import placement_group
 
         self.first = ray.get_runtime_context().get_node_id()
+        run = uuid.uuid4().hex[:12]  # names unique in the namespace, whoever else places there
         for d in range(layout.dp):
             pg = placement_group([dict(bundle)] * len(layout.replica_ranks(d)), strategy="PACK",
-                                 name=f"shardserve-{os.getpid()}-replica-{d}")
+                                 name=f"shardserve-{run}-replica-{d}")
             self.groups.append(pg)
         self._wait_ready(bundle, timeout)
         self._start_actors(bundle)
@@ -133,8 +154,7 @@ class RayPlacement:
         if split:  # it runs, as TP over --nnodes does, but every layer's all-reduce crosses machines
             log.warning("%s: its all-reduces cross between nodes every layer (a node with room for --tp-size %d "
                         "ranks keeps them inside one)", split, self.layout.tp)
-        self.where = dict(zip(self.actors, self.ray.get([a.where.remote() for a in self.actors.values()]),
-                              strict=True))
+        self.where = {rank: self._get(a.where.remote(), f"rank {rank}'s Ray actor") for rank, a in self.actors.items()}
         for rank in sorted(self.where):
             self._say_where(rank)
 
@@ -149,7 +169,7 @@ class RayPlacement:
         leaders = []
         self.leaders = [self.layout.replica_ranks(d)[0] for d in range(self.layout.dp)]
         for leader in self.leaders:  # each leader's inbox, plan feed, results inbox, cache events
-            port = self.ray.get(self.actors[leader].free_port.remote(4))
+            port = self._get(self.actors[leader].free_port.remote(4), f"rank {leader}'s Ray actor")
             leaders.append(f"{self.where[leader]['ip']}:{port}")
         self.hosts = TcpHosts(head=f"{ip}:{head}", leaders=tuple(leaders))
         names = sorted(passed_env())
@@ -159,16 +179,20 @@ class RayPlacement:
     def endpoints(self, num_tokenizers: int) -> Endpoints:
         return Endpoints.create(num_tokenizers, dp=self.layout.dp, secret=self.secret, hosts=self.hosts)
 
-    def masters(self, ranks: range) -> dict[int, str]:
-        """Fresh rendezvous addresses (host:port on each world's first rank's node) for `ranks`:
-        one per replica, or one for all under data-parallel attention (one world)."""
+    def prepare(self, ranks: range) -> dict[int, str]:
+        """Before `ranks` start (again): every one's actor live (started again in its bundle if
+        lost, so its node, GPUs and environment are known), and fresh rendezvous addresses
+        (host:port on each world's first rank's node): one per replica, or one for all under
+        data-parallel attention (one world). OSError when an actor cannot be had."""
+        for rank in ranks:
+            self.live_actor(rank)
         out: dict[int, str] = {}
         by_world: dict[int, str] = {}
         for rank in ranks:
             key = self.layout.coords(rank).dp if self.layout.independent_replicas else 0
             if key not in by_world:
                 first = self.layout.replica_ranks(key)[0]
-                port = self.ray.get(self.live_actor(first).free_port.remote(1))
+                port = self._get(self.live_actor(first).free_port.remote(1), f"rank {first}'s Ray actor")
                 by_world[key] = f"{self.where[first]['ip']}:{port}"
             out[rank] = by_world[key]
         return out
@@ -194,9 +218,13 @@ class RayPlacement:
         bundle not placed within ACTOR_WAIT s, or a replica leader's node changed (its channels'
         addresses are fixed for the server's life)."""
         ray = self.ray
+        if self.closed:
+            raise OSError(f"rank {rank}: the Ray placement was released (the server is stopping)")
         try:
-            ray.get(self.actors[rank].poll.remote(), timeout=ACTOR_WAIT)
+            ray.get(self.actors[rank].ping.remote(), timeout=ACTOR_WAIT)
             return self.actors[rank]
+        except getattr(ray.exceptions, "ActorUnavailableError", TimeoutError):
+            raise OSError(f"rank {rank}'s Ray actor is unreachable for now") from None
         except ray.exceptions.RayActorError as e:
             log.warning("rank %d's Ray actor is gone (%s); starting another in its bundle", rank, actor_died(e))
         except ray.exceptions.GetTimeoutError:
@@ -224,10 +252,7 @@ class RayPlacement:
         def spawn(name: str, payload: bytes, env: dict[str, str]) -> RemoteProc:
             actor = self.live_actor(rank)
             who = f"rank {rank} on node {self.where[rank]['node_id'][:12]}" + (f" ({role})" if role else "")
-            try:
-                pid = self.ray.get(actor.spawn.remote(name, payload, env), timeout=ACTOR_WAIT)
-            except (self.ray.exceptions.RayActorError, self.ray.exceptions.GetTimeoutError) as e:
-                raise OSError(f"{who}: its process could not be started: {actor_died(e)}") from None
+            pid = self._get(actor.spawn.remote(name, payload, env), f"{who}: its process could not be started")
             return RemoteProc(actor, pid, who, self.where[rank]["node_id"])
 
         return spawn
@@ -236,6 +261,7 @@ class RayPlacement:
         """Kill the actors (their ranks die with them), remove the placement groups, disconnect."""
         from ray.util.placement_group import remove_placement_group
 
+        self.closed = True  # first: a replica being started again stops asking for actors
         for a in self.actors.values():
             try:
                 self.ray.kill(a)

@@ -58,7 +58,12 @@ def connect(ray, flag: str) -> None:
         done.set()
 
     if address == "local":  # starting Ray's daemons must be this (main) thread's: they die with their starter
-        init()
+        secret = os.environ.pop(SECRET_ENV, None)  # the daemons (and so the actors) never hold it
+        try:
+            init()
+        finally:
+            if secret is not None:
+                os.environ[SECRET_ENV] = secret
         if failed:
             raise LaunchError(f"--distributed-executor-backend ray: cannot start Ray here: {failed[0]}",
                               exit_code=2) from None

@@ -18,16 +18,21 @@ import subprocess
 import sys
 import time
 
+from shardserve.ipc.secure import SECRET_ENV
 from shardserve.launch.worker import PARENT_ENV
 
-CALL_TIMEOUT = 10.0  # seconds: an actor that does not answer a poll in this time is asked again later
+CALL_TIMEOUT = 2.0  # seconds an actor has to answer a poll or a signal; a silent one is asked again later
 
 
 class RankHost:
-    """The actor's body (made a Ray actor by launch/ray_cluster.py): one rank process at a time."""
+    """The actor's body (made a Ray actor by launch/ray_cluster.py): the rank processes it
+    started, by pid (a restart's new process never takes over the old one's handle)."""
 
     def __init__(self) -> None:
-        self.proc: subprocess.Popen | None = None
+        self.procs: dict[int, subprocess.Popen] = {}
+
+    def ping(self) -> bool:
+        return True
 
     def where(self) -> dict:
         """This node's Ray id and address, and the GPUs Ray gave this actor."""
@@ -44,26 +49,31 @@ class RankHost:
         return free_base(ray.util.get_node_ip_address(), span)
 
     def spawn(self, name: str, payload: bytes, env: dict[str, str]) -> int:
-        """Start the rank `name`; `payload` is the pickled (function, args) it runs. Its pid."""
-        full = {**os.environ, **env, PARENT_ENV: str(os.getpid())}
-        self.proc = subprocess.Popen([sys.executable, "-m", "shardserve.launch.worker", name],
-                                     stdin=subprocess.PIPE, env=full)
-        self.proc.stdin.write(payload)
-        self.proc.stdin.close()
-        return self.proc.pid
+        """Start the rank `name`; `payload` is the pickled (function, args) it runs. Its pid.
+        A previous rank process still here (killed, not yet gone) is killed and reaped first."""
+        for pid, old in list(self.procs.items()):
+            if old.poll() is None:
+                old.kill()
+                old.wait(10)
+            del self.procs[pid]
+        # Whatever environment Ray's daemons were started with, the secret is not passed on: the
+        # rank has it in its arguments.
+        full = {k: v for k, v in os.environ.items() if k != SECRET_ENV} | env | {PARENT_ENV: str(os.getpid())}
+        proc = subprocess.Popen([sys.executable, "-m", "shardserve.launch.worker", name], stdin=subprocess.PIPE,
+                                env=full)
+        proc.stdin.write(payload)
+        proc.stdin.close()
+        self.procs[proc.pid] = proc
+        return proc.pid
 
-    def poll(self) -> int | None:
-        return self.proc.poll() if self.proc is not None else None
+    def poll(self, pid: int) -> int | None:
+        proc = self.procs.get(pid)
+        return proc.poll() if proc is not None else -signal.SIGKILL  # replaced by a later spawn: killed
 
-    def signal(self, sig: int) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.send_signal(sig)
-
-    def wait(self, timeout: float) -> int | None:
-        try:
-            return self.proc.wait(timeout) if self.proc is not None else None
-        except subprocess.TimeoutExpired:
-            return None
+    def signal(self, pid: int, sig: int) -> None:
+        proc = self.procs.get(pid)
+        if proc is not None and proc.poll() is None:
+            proc.send_signal(sig)
 
 
 def free_base(ip: str, span: int) -> int:
@@ -114,9 +124,9 @@ class RemoteProc:
         import ray
 
         try:
-            code = ray.get(self.actor.poll.remote(), timeout=CALL_TIMEOUT)
-        except ray.exceptions.GetTimeoutError:
-            return None  # busy or slow to answer: asked again on the next poll
+            code = ray.get(self.actor.poll.remote(self.pid), timeout=CALL_TIMEOUT)
+        except (ray.exceptions.GetTimeoutError, getattr(ray.exceptions, "ActorUnavailableError", TimeoutError)):
+            return None  # busy, slow or briefly unreachable: asked again on the next poll
         except ray.exceptions.RayActorError as e:
             self.returncode = -signal.SIGKILL
             why = actor_died(e)
@@ -129,7 +139,7 @@ class RemoteProc:
         import ray
 
         try:
-            ray.get(self.actor.signal.remote(sig), timeout=CALL_TIMEOUT)
+            ray.get(self.actor.signal.remote(self.pid, sig), timeout=CALL_TIMEOUT)
         except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
             pass  # gone already, or stopped with its actor
 
