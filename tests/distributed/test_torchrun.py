@@ -20,10 +20,12 @@ pytestmark = pytest.mark.slow
 
 def test_server_under_torchrun(tiny_model, tmp_path):
     path, _ = tiny_model("llama")
-    port = free_port()
-    run = Node(["--standalone", "--nproc-per-node", "2", "-m", "shardserve", "serve", "--model", path,
-                "--tp-size", "2", "--num-pages", "64", "--port", str(port)], str(tmp_path / "torchrun.log"),
-               module="torch.distributed.run")
+    port, master = free_port(), free_port()
+    # A master port whose +2 and +3 (the plan feed, the results inbox) are free: --standalone
+    # draws one from the ephemeral range, where another process may hold them.
+    run = Node(["--nproc-per-node", "2", "--master-addr", "127.0.0.1", "--master-port", str(master),
+                "-m", "shardserve", "serve", "--model", path, "--tp-size", "2", "--num-pages", "64", "--port",
+                str(port)], str(tmp_path / "torchrun.log"), module="torch.distributed.run")
     run.wait_for(f"serving {os.path.basename(path)} on http://127.0.0.1:{port}", timeout=180)
     log = run.read()
     assert "scheduler-1 ready (torchrun rank 1 of 2)" in log

@@ -143,3 +143,20 @@ def test_several_nodes_need_a_secret():
     with pytest.raises(LayoutError, match="--nnodes 2 needs a deployment secret on every node"):
         NodeSpec(0, "127.0.0.1:29500").check(Layout(tp=2, nnodes=2))
     NodeSpec(0, "127.0.0.1:29500", b"a-secret-of-enough-length").check(Layout(tp=2, nnodes=2))
+
+
+def test_a_taken_port_is_one_line_naming_the_channel():
+    """A channel's port held by another process (torchrun's MASTER_PORT + 2, say): a one-line
+    refusal the launcher shows as is, not a ZeroMQ traceback."""
+    ctx = zmq.Context()
+    port = free_port()
+    holder = socket.socket()
+    holder.bind(("127.0.0.1", port))
+    holder.listen()
+    try:
+        taken = rf"^the plan feed cannot listen on tcp://127.0.0.1:{port}: Address already"
+        with pytest.raises(ValueError, match=taken):
+            _bound(ctx, zmq.PUB, f"tcp://127.0.0.1:{port}", b"s" * 32, None, "the plan feed")
+    finally:
+        holder.close()
+        ctx.term()

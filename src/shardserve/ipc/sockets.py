@@ -156,7 +156,11 @@ def bound(ctx: zmq.Context, kind: int, addr: str, secret: bytes = b"", gate: Gat
         serve_secure(sock, _need(secret, addr))
         if gate is not None:
             gate.watch(sock, f"{channel or 'a channel'} ({addr})")
-    sock.bind(bind_address(addr))
+    try:
+        sock.bind(bind_address(addr))
+    except zmq.ZMQError as e:  # a port taken: one line naming it, not a traceback
+        sock.close(linger=0)
+        raise ValueError(f"{channel or 'a channel'} cannot listen on {addr}: {e.strerror}") from None
     return sock
 
 
