@@ -1,9 +1,9 @@
 """shardserve: serve large language models split across many devices."""
 
-from shardserve.core import RequestOutput, SamplingParams
+from shardserve.core import LoRARequest, RequestOutput, SamplingParams
 from shardserve.structured_outputs import StructuredOutputsParams
 
-__all__ = ["LLM", "RequestOutput", "SamplingParams", "StructuredOutputsParams"]
+__all__ = ["LLM", "LoRARequest", "RequestOutput", "SamplingParams", "StructuredOutputsParams"]
 __version__ = "0.1.0"
 
 

@@ -171,6 +171,14 @@ class EngineConfig:
     disaggregation_timeout: float = 30.0
     # Speculative decoding (a SpeculativeConfig, or its fields as a dict as vLLM takes it); None: off.
     speculative_config: SpeculativeConfig | None = None
+    # Multi-LoRA (vLLM's names): adapters in `max_loras` slots at once, each of rank up to
+    # `max_lora_rank`; `max_cpu_loras` (None: max_loras) kept parsed in host memory, least
+    # recently used dropped first; fully sharded: A and B both split over the tensor group.
+    enable_lora: bool = False
+    max_loras: int = 1
+    max_lora_rank: int = 16
+    max_cpu_loras: int | None = None
+    fully_sharded_loras: bool = False
 
     def __post_init__(self) -> None:
         if isinstance(self.speculative_config, dict):
@@ -192,10 +200,18 @@ class EngineConfig:
             (self.disaggregation_mode in DISAGGREGATION_MODES, "disaggregation_mode",
              f"must be one of {list(DISAGGREGATION_MODES)}"),
             (self.disaggregation_timeout > 0, "disaggregation_timeout", "must be > 0"),
+            (self.max_loras >= 1, "max_loras", "must be >= 1"),
+            (self.max_lora_rank >= 1, "max_lora_rank", "must be >= 1"),
+            (self.max_cpu_loras is None or self.max_cpu_loras >= self.max_loras, "max_cpu_loras",
+             f"must be >= max_loras ({self.max_loras})"),
         ]
         for ok, name, why in checks:
             if not ok:
                 raise ValueError(f"{name} {why} (got {getattr(self, name)!r})")
+
+    @property
+    def cpu_loras(self) -> int:
+        return self.max_cpu_loras or self.max_loras
 
     @property
     def torch_dtype(self) -> torch.dtype:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+import hashlib
 import itertools
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -14,6 +15,29 @@ if TYPE_CHECKING:
     import torch
 
 _MAX_LOGPROBS = 20
+
+
+@dataclass(frozen=True)
+class LoRARequest:
+    """A LoRA adapter to run a request with, as vLLM names it: `lora_int_id` must be unique per
+    adapter (>= 1) for the engine's life; the adapter is the PEFT directory at `lora_path`."""
+
+    lora_name: str
+    lora_int_id: int
+    lora_path: str
+
+    def __post_init__(self) -> None:
+        if not (_is_int(self.lora_int_id) and self.lora_int_id >= 1):
+            raise ValueError(f"LoRARequest.lora_int_id must be an integer >= 1 (got {self.lora_int_id!r})")
+        if not self.lora_name or not self.lora_path:
+            raise ValueError("LoRARequest needs a lora_name and a lora_path")
+
+    @property
+    def cache_root(self) -> bytes:
+        """The parent digest of a sequence's first KV page under this adapter: pages computed with
+        different adapters (or none: b"") never share a prefix-cache entry."""
+        return hashlib.blake2b(f"lora\0{self.lora_int_id}\0{self.lora_name}\0{self.lora_path}".encode(),
+                               digest_size=16).digest()
 
 
 @dataclass
@@ -68,6 +92,8 @@ class SamplingParams:
     bad_words_token_ids: list[list[int]] | None = None  # set by update_from_tokenizer
     truncate_prompt_tokens: int | None = None
     pooling: str | None = None
+    # The LoRA adapter to run with (set from the request's `model`, or LLM.generate's lora_request).
+    lora_request: LoRARequest | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -116,6 +142,8 @@ class SamplingParams:
             self.logit_bias = {t: float(v) for t, v in self.logit_bias.items()} or None
         if isinstance(self.structured_outputs, dict):
             self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
+        if isinstance(self.lora_request, dict):
+            self.lora_request = LoRARequest(**self.lora_request)
         if not isinstance(self.structured_outputs, StructuredOutputsParams | None):
             raise ValueError(f"SamplingParams.structured_outputs must be a StructuredOutputsParams "
                              f"(got {type(self.structured_outputs).__name__})")
@@ -227,6 +255,13 @@ class Request:
     pooled_upto: int = 0
     embedding: list[float] | None = field(default=None, repr=False, compare=False)
     error: str | None = None  # why it failed alone (finish_reason "error"): a fault in its rows or its grammar
+    lora_slot: int = -1  # leader, --enable-lora: the adapter slot it holds while running (-1: none)
+
+    @property
+    def cache_root(self) -> bytes:
+        """Where its prefix-cache digests start: keyed by its adapter, if any."""
+        lora = self.params.lora_request
+        return lora.cache_root if lora is not None else b""
 
     @property
     def computes_prompt(self) -> bool:

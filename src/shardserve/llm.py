@@ -11,7 +11,14 @@ from tqdm import tqdm
 
 from shardserve.chat_messages import check_template_options, normalize_messages, render_chat
 from shardserve.config import EngineConfig
-from shardserve.core import CompletionOutput, EmbeddingOutput, EmbeddingRequestOutput, RequestOutput, SamplingParams
+from shardserve.core import (
+    CompletionOutput,
+    EmbeddingOutput,
+    EmbeddingRequestOutput,
+    LoRARequest,
+    RequestOutput,
+    SamplingParams,
+)
 from shardserve.distributed.layout import Layout
 from shardserve.engine_backends import LocalBackend, ProcessBackend
 from shardserve.ipc.messages.api import TokenOut
@@ -148,13 +155,16 @@ class LLM:
 
     def generate(self, prompts: Prompt | Sequence[Prompt],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 use_tqdm: bool = True) -> list[RequestOutput]:
-        """Generate for each prompt (a string or token ids); outputs keep the input order."""
+                 use_tqdm: bool = True,
+                 lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None) -> list[RequestOutput]:
+        """Generate for each prompt (a string or token ids); outputs keep the input order.
+        `lora_request`: the adapter every prompt runs with, or one per prompt (None: the base
+        model); the LLM needs enable_lora=True."""
         backend = self._live()
         prompts = _as_prompt_list(prompts)
         if sampling_params is None:
             sampling_params = self.get_default_sampling_params()
-        params = _as_params_list(sampling_params, len(prompts))
+        params = _with_loras(_as_params_list(sampling_params, len(prompts)), lora_request)
         encoded = [self._prepare(p, sp) for p, sp in zip(prompts, params)]
         for ids, sp in zip(encoded, params):
             backend.limits.check(ids, sp)  # refuse the batch before anything starts
@@ -334,6 +344,16 @@ def _as_prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
         if not isinstance(p, str | list | tuple):
             raise TypeError(f"a prompt must be a string or a list of token ids, got {type(p).__name__}")
     return [p if isinstance(p, str) else list(p) for p in prompts]
+
+
+def _with_loras(params: list[SamplingParams], lora) -> list[SamplingParams]:
+    """Each prompt's parameters with its adapter (vLLM's lora_request: one for all, or a list)."""
+    if lora is None:
+        return params
+    loras = list(lora) if isinstance(lora, list | tuple) else [lora] * len(params)
+    if len(loras) != len(params):
+        raise ValueError(f"lora_request: {len(loras)} given for {len(params)} prompts")
+    return [dataclasses.replace(p, lora_request=x) if x is not None else p for p, x in zip(params, loras)]
 
 
 def _as_params_list(sp, n: int) -> list[SamplingParams]:

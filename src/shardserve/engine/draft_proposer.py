@@ -84,7 +84,7 @@ def build_draft_runner(cfg: EngineConfig, device: torch.device, groups: Parallel
     dcfg = replace(cfg, model=spec.model, dtype=dtype, device=str(device), num_pages=num_pages,
                    enable_prefix_cache=False, speculative_config=None, quantization="auto", kv_cache_dtype="auto",
                    disaggregation_mode="null", pp_layer_partition=None, pp_micro_batches=None,
-                   ep_num_redundant_experts=0, ep_expert_placement=None)
+                   ep_num_redundant_experts=0, ep_expert_placement=None, enable_lora=False)
     if groups is not None:
         t = groups.tensor
         groups = replace(groups, tensor=Communicator(t.group, t.rank, t.size, "draft", t.members))

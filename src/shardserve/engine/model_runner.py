@@ -23,6 +23,7 @@ from shardserve.config import EngineConfig, ModelConfig
 from shardserve.distributed.expert_placement import PlacementPlan, load_counts
 from shardserve.distributed.groups import ParallelGroups, single_process_groups
 from shardserve.distributed.pipeline import Stage
+from shardserve.engine.lora_runtime import LoraRuntime
 from shardserve.kvcache.budget import kv_budget_message
 from shardserve.kvcache.pool import KVPool
 from shardserve.layers import quant_kernel
@@ -74,6 +75,7 @@ class StepInputs:
     context: ContextStep | None = None  # context parallelism: this rank's rows (then the above are unused)
     hidden_rows: list[int] = field(default_factory=list)  # rows whose final hidden states are pooled
     hidden: torch.Tensor | None = None  # filled by forward on the last stage: those rows, float32
+    lora_slots: list[int] = field(default_factory=list)  # --enable-lora: each row's adapter slot (-1: none)
 
 
 class ModelRunner:
@@ -116,6 +118,8 @@ class ModelRunner:
         desc = f"[{groups.label}] Loading {ckpt.name}"
         load_weights(self.model, sources, total, progress=cfg.show_progress, desc=desc)
         self.model.eval()
+        self.lora = (LoraRuntime(self.model, cfg, self.comm, self.stage, self.dtype, self.device)
+                     if cfg.enable_lora else None)
         shard = head_shard(model_cfg.num_heads, model_cfg.num_kv_heads, self.comm.size, self.comm.rank)
         pages = cfg.num_pages or self._pages_from_budget(shard.num_kv)
         # Every rank must schedule identically, so all use the smallest pool any rank can hold.
@@ -214,6 +218,8 @@ class ModelRunner:
         ctx = ForwardContext(self.kv_views, meta, self.attention, after_layer=after_layer)
         pos = torch.tensor(step.positions, dtype=torch.long, device=self.device)
         ids = torch.tensor(step.token_ids, dtype=torch.long, device=self.device) if self.stage.first else None
+        if self.lora is not None:
+            ctx.adapters = self.lora.set_rows(step.lora_slots)
         out = self.model(ids, pos, ctx, hidden)
         if not self.stage.last:
             return out

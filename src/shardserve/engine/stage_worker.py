@@ -120,6 +120,8 @@ class StageWorker:
         return logits if self.samples else None
 
     def _learn(self, plan: StepPlan) -> None:
+        if plan.lora_loads or plan.lora_evict:
+            self.runner.lora.apply(plan.lora_loads, plan.lora_evict)
         for room in plan.dropped:
             if self.receiver is not None:
                 self.receiver.cancel(room)
@@ -171,6 +173,7 @@ class StageWorker:
             if self.stage.first:
                 step.token_ids.extend(e.token_ids)
             step.positions.extend(range(e.start, end))
+            step.lora_slots.extend([e.lora_slot] * n)
             if n == 1 or e.num_draft == n - 1:
                 # A decode; or a verification (its last token and the proposals, placed after the
                 # plain decodes): each row attends as a decode over the cache up to its position,

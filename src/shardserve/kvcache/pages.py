@@ -165,15 +165,15 @@ class PageAllocator:
             if self.refs[page] == 0:
                 self.pools[self.part_of(page)][page] = None
 
-    def match_prefix(self, tokens: list[int]) -> list[int]:
+    def match_prefix(self, tokens: list[int], root: bytes = ROOT) -> list[int]:
         """Take a reference to the cached pages holding the longest prefix of `tokens`.
 
         At least one token is always left uncached, since the last prompt token's logits are
-        needed to sample."""
+        needed to sample. `root`: the chain's start (a LoRA adapter's, so adapters never share)."""
         if not self.prefix_cache:
             return []
-        pages, parent, size = [], ROOT, self.page_size
-        for i, h in enumerate(page_hashes(tokens[: len(tokens) - 1], size)):
+        pages, parent, size = [], root, self.page_size
+        for i, h in enumerate(page_hashes(tokens[: len(tokens) - 1], size, root)):
             page = self.page_of.get(h)
             # A digest match must also be a content match: never serve a colliding page.
             if page is None or self.content[page] != (parent, tuple(tokens[i * size : (i + 1) * size])):
@@ -191,7 +191,8 @@ class PageAllocator:
         self.queries += num_tokens
         self.hits += num_hit
 
-    def register(self, tokens: list[int], pages: list[int], num_computed: int, chain: list[int]) -> None:
+    def register(self, tokens: list[int], pages: list[int], num_computed: int, chain: list[int],
+                 root: bytes = ROOT) -> None:
         """Publish the full pages among the first `num_computed` tokens.
 
         `chain` is the caller's list of this sequence's page hashes so far; it is extended in
@@ -203,13 +204,13 @@ class PageAllocator:
             return
         start = len(chain) * self.page_size
         size = self.page_size
-        chain.extend(page_hashes(tokens[start : full * size], size, chain[-1] if chain else ROOT))
+        chain.extend(page_hashes(tokens[start : full * size], size, chain[-1] if chain else root))
         for i in range(start // size, full):
             page, h = pages[i], chain[i]
             if page in self.hash_of or h in self.page_of:
                 continue  # already known, or the same content (or a colliding one) lives in another page
             self.hash_of[page], self.page_of[h] = h, page
-            self.content[page] = (chain[i - 1] if i else ROOT, tuple(tokens[i * size : (i + 1) * size]))
+            self.content[page] = (chain[i - 1] if i else root, tuple(tokens[i * size : (i + 1) * size]))
             self._event(h, True)
 
     def _forget(self, page: int) -> None:

@@ -59,9 +59,26 @@ def check_deployment(plan: Deployment, ckpt: Checkpoint, torchrun: bool = False)
 
         split_layers(mc.num_layers, layout.pp, cfg.pp_layer_partition)
     check_speculative(cfg, layout, ckpt)
+    if cfg.enable_lora:
+        check_lora(cfg, layout, mc)
     if (cfg.pp_micro_batches or 1) > 1 and layout.pp == 1:
         raise LayoutError(f"--pp-micro-batches {cfg.pp_micro_batches} needs --pp-size > 1 (one stage runs one "
                           f"micro-batch at a time)")
+
+
+def check_lora(cfg: EngineConfig, layout: Layout, mc: ModelConfig) -> None:
+    """--enable-lora where adapters run as PEFT defines them; elsewhere one line saying what not."""
+    why = None
+    if mc.mla is not None:
+        why = "on latent attention (DeepSeek MLA) models"
+    elif layout.cp > 1:
+        why = "with --cp-size > 1 (context parallelism)"
+    elif layout.dp_attention:
+        why = "with --enable-dp-attention"
+    elif cfg.disaggregation_mode != "null":
+        why = "with --disaggregation-mode"
+    if why is not None:
+        raise LayoutError(f"--enable-lora is not supported {why} yet")
 
 
 def check_quantization(cfg: EngineConfig, ckpt: Checkpoint) -> None:

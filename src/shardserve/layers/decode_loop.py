@@ -93,7 +93,7 @@ class DecodeLoop:
         # The C loop calls the C attention kernel: only where the runner's backend is that one.
         return (ctx.backend.name == "cpu" and meta.paged is not None and not meta.prefills
                 and not meta.decode_groups and meta.num_decode == x.shape[0]
-                and ctx.after_layer is None and x.dtype == torch.float32)
+                and ctx.after_layer is None and not ctx.adapters and x.dtype == torch.float32)
 
     def _layer_table(self, ctx: ForwardContext) -> ctypes.Array:
         # The pool's caches are made once; a new pool (a new first K cache) means new addresses.

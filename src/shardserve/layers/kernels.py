@@ -1,4 +1,4 @@
-"""The layers' C library (csrc/decode_loop.c, which includes quant_matmul.c and cpu_ops.c): the
+"""The layers' C library (csrc/decode_loop.c, which includes quant_matmul.c, cpu_ops.c and lora.c): the
 one place that loads it and declares its functions' ctypes signatures.
 
 quant_kernel (the block-quantized products), cpu_ops (the fused small operators) and
@@ -27,6 +27,8 @@ SIGNATURES: dict[str, tuple[list[type], type | None]] = {
     "rotary_f32": ([ptr, i64, i64, ptr, i64, i64, i64, i64, ptr, ptr, c_int], None),
     "silu_mul_f32": ([ptr, i64, i64, i64, ptr, c_int], None),
     "bf16_path": ([], c_int),
+    "lora_shrink_f32": ([ptr, i64, i64, i64, ptr, ptr, i64, ptr, c_int], None),
+    "lora_expand_f32": ([ptr, i64, i64, ptr, ptr, i64, i64, ptr, i64, ptr, i64, c_int], None),
     "decode_layers": ([ptr, i64, ptr, ptr, i64, ptr, ptr, ptr, ptr, i64, ptr, i64, ptr, c_int], c_int),
 }
 

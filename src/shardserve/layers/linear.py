@@ -15,6 +15,7 @@ from torch import nn
 
 from shardserve.distributed.communicator import Communicator
 from shardserve.layers import quant_kernel
+from shardserve.layers.lora import LoraStep, LoraWeights
 from shardserve.layers.sharding import HeadShard, split_range
 from shardserve.loader.quantized import BF16, QuantWeight
 from shardserve.loader.source import TensorSource
@@ -101,6 +102,7 @@ class PackedLinear(nn.Module):
     # False where the weight must keep float32 precision (a DeepSeek gate): bfloat16 rows offered
     # under --dtype bfloat16 are then not taken, and the weight loads as floats.
     takes_bf16_rows = True
+    lora: LoraWeights | None = None  # adapter slots (--enable-lora), attached after building
 
     def __init__(self) -> None:
         super().__init__()
@@ -171,7 +173,7 @@ class ColumnParallelLinear(PackedLinear):
             self.offsets[shard_id] = (local, start, end)
             local += end - start
         ids = list(self.offsets)
-        self.out_features = local
+        self.in_features, self.out_features = in_f, local
         self.weight = make_param((local, in_f), dtype, device, self._load, ids)
         self.bias = make_param((local,), dtype, device, self._load, ids) if bias else None
 
@@ -182,7 +184,17 @@ class ColumnParallelLinear(PackedLinear):
         copy_into(param.data.narrow(0, local, end - start), src.read(0, start, end), src.name)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.matmul(x, self.bias)
+        y = self.matmul(x, self.bias)
+        if self.lora is not None:
+            self.lora.add(x, y)
+        return y
+
+    def make_lora(self, step: LoraStep, slots: int, rank: int, comm: Communicator, fully_sharded: bool, dtype,
+                  device) -> LoraWeights:
+        """Adapter slots sharded like this layer: A whole, B split like the output pieces."""
+        pieces = [(sid, local, start, end) for sid, (local, start, end) in self.offsets.items()]
+        self.lora = LoraWeights(step, slots, rank, self.in_features, pieces, comm, fully_sharded, dtype, device)
+        return self.lora
 
 
 def column_linear(in_f: int, out_f: int, bias: bool, comm: Communicator, dtype, device) -> ColumnParallelLinear:
@@ -233,8 +245,17 @@ class RowParallelLinear(PackedLinear):
     def _load_b(self, param: nn.Parameter, src: TensorSource, shard_id=None) -> None:
         copy_into(param.data, src.read(), src.name)
 
+    def make_lora(self, step: LoraStep, slots: int, rank: int, comm: Communicator, fully_sharded: bool, dtype,
+                  device) -> LoraWeights:
+        """Adapter slots sharded like this layer: A split like the input, B whole."""
+        self.lora = LoraWeights(step, slots, rank, 0, [], self.comm, fully_sharded, dtype, device,
+                                in_range=(self.start, self.end), out_f=self.out_features)
+        return self.lora
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.matmul(x)
+        if self.lora is not None:  # the partial product joins the partial sum: one all-reduce still
+            self.lora.add(x, y)
         if self.reduce:
             y = self.comm.all_reduce(y)
         if self.bias is not None:

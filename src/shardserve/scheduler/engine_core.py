@@ -21,11 +21,13 @@ from shardserve.ipc.messages.plan import StageTraffic, StepPlan, StepResult
 from shardserve.ipc.messages.reports import Stats
 from shardserve.kvcache.pages import PageAllocator
 from shardserve.loader.generation_config import eos_ids
+from shardserve.loader.lora import base_shapes
 from shardserve.loader.model_path import Checkpoint, resolve_checkpoint
 from shardserve.loader.weights import read_model_config, resolve_dtype
 from shardserve.scheduler.engine_stats import engine_stats, running_status
 from shardserve.scheduler.finish import finish_reason
 from shardserve.scheduler.limits import RequestLimits
+from shardserve.scheduler.lora_slots import LoraSlots
 from shardserve.scheduler.plan_feed import PlanFeed, Wait
 from shardserve.scheduler.scheduler import Scheduler
 from shardserve.scheduler.speculator import make_speculator
@@ -100,6 +102,9 @@ class EngineCore:
         self.stage_traffic: dict[str, dict] = {}
         self.max_in_flight = 0  # the most micro-batches ever in flight at once
         self.stage_reports = 0  # StageTraffic messages received (a change worth a Stats message)
+        self.loras = (LoraSlots(cfg.max_loras, cfg.cpu_loras, cfg.max_lora_rank, base_shapes(self.model_cfg), self.feed)
+                      if cfg.enable_lora else None)
+        self.scheduler.loras = self.loras
         self.spec = make_speculator(cfg, self.worker, self.allocator, self.max_model_len, self._run_draft)
         if self.spec is not None:  # a preempted request's draft KV is freed with its own
             self.scheduler.on_preempt = self.spec.forget
@@ -127,6 +132,11 @@ class EngineCore:
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         self.check_request(prompt_token_ids, params)
+        if params.lora_request is not None:
+            if self.loras is None:
+                raise ValueError(f"LoRA adapter {params.lora_request.lora_name!r} asked for, but this engine serves "
+                                 "none: start it with --enable-lora (LLM(enable_lora=True))")
+            self.loras.register(params.lora_request)
         seed = self.resolve_seed(params) if seed is None else seed
         req = Request(request_id, list(prompt_token_ids), params, self.eos_ids, seed=seed, transfer=transfer)
         self.requests[request_id] = req
@@ -166,6 +176,8 @@ class EngineCore:
     def _end(self, req: Request, reason: str) -> None:
         if self.spec is not None:
             self.spec.forget(req)
+        if req.params.lora_request is not None and self.loras is not None:
+            self.loras.unregister(req.params.lora_request)
         self.num_finished += 1
         self.scheduler.finish(req, reason)
         self.requests.pop(req.request_id, None)

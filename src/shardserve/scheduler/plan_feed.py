@@ -4,7 +4,7 @@ ranks must learn before they run it."""
 from __future__ import annotations
 
 from shardserve.core import Batch, Request
-from shardserve.ipc.messages.plan import PlanEntry, PlanRequest, StepPlan
+from shardserve.ipc.messages.plan import LoraLoad, PlanEntry, PlanRequest, StepPlan
 
 # A request the plan's result answers: (request, samples a token, scores prompt tokens).
 Wait = tuple[Request, bool, bool]
@@ -19,11 +19,14 @@ class PlanFeed:
         self.new: list[PlanRequest] = []
         self.done: list[str] = []
         self.dropped: list[str] = []
+        self.lora_loads: list[LoraLoad] = []
+        self.lora_evict: list[int] = []
 
     def plan(self, mb: int, entries: list[PlanEntry], draft: bool = False) -> StepPlan:
         """Plan `mb`, carrying (and clearing) everything collected since the last one."""
-        plan = StepPlan(mb=mb, entries=entries, new=self.new, done=self.done, dropped=self.dropped, draft=draft)
-        self.new, self.done, self.dropped = [], [], []
+        plan = StepPlan(mb=mb, entries=entries, new=self.new, done=self.done, dropped=self.dropped, draft=draft,
+                        lora_loads=self.lora_loads, lora_evict=self.lora_evict)
+        self.new, self.done, self.dropped, self.lora_loads, self.lora_evict = [], [], [], [], []
         return plan
 
     def batch_plan(self, mb: int, batch: Batch) -> tuple[StepPlan, list[Wait]]:
@@ -45,7 +48,7 @@ class PlanFeed:
             req.pages_synced = len(req.pages)
             draft = batch.drafts.get(req.request_id, [])
             entries.append(PlanEntry(req.request_id, start, req.all_token_ids[start : start + n] + draft, base,
-                                     req.pages[base:], sample, first, count, len(draft)))
+                                     req.pages[base:], sample, first, count, len(draft), req.lora_slot))
             if sample or count:
                 waits.append((req, sample, count > 0))
         return self.plan(mb, entries), waits

@@ -19,6 +19,7 @@ from collections.abc import Callable
 
 from shardserve.core import Batch, Request, Status
 from shardserve.kvcache.pages import PageAllocator
+from shardserve.scheduler.lora_slots import LoraSlots
 
 
 class Scheduler:
@@ -30,6 +31,7 @@ class Scheduler:
         self.running: list[Request] = []
         self.num_preemptions = 0
         self.on_preempt: Callable[[Request], None] | None = None  # speculative decoding frees the draft's KV
+        self.loras: LoraSlots | None = None  # --enable-lora: a request runs only in its adapter's slot
 
     def add(self, req: Request) -> None:
         self.waiting.append(req)
@@ -69,18 +71,31 @@ class Scheduler:
         return Batch(entries, sum(1 for _, n in entries if n == 1))
 
     def _admit(self, entries: list[tuple[Request, int]], budget: int, max_seqs: int) -> int:
+        # A request whose adapter has no slot yet waits in its place; those behind it may go.
+        passed: list[Request] = []
+        try:
+            return self._admit_in_order(entries, budget, max_seqs, passed)
+        finally:
+            self.waiting.extendleft(reversed(passed))
+
+    def _admit_in_order(self, entries: list[tuple[Request, int]], budget: int, max_seqs: int,
+                        passed: list[Request]) -> int:
         while self.waiting and budget > 0 and len(self.running) < self.max_running and len(entries) < max_seqs:
             req = self.waiting[0]
+            if not self._take_slot(req):
+                passed.append(self.waiting.popleft())
+                continue
             tokens = req.all_token_ids
             # Cached tokens are never computed, so a request scoring or pooling its prompt cannot use them.
             computes_prompt = req.computes_prompt
-            req.pages = [] if computes_prompt else self.alloc.match_prefix(tokens)
+            req.pages = [] if computes_prompt else self.alloc.match_prefix(tokens, req.cache_root)
             req.pages_synced = 0
             req.num_computed_tokens = len(req.pages) * self.page_size
             n = min(req.num_tokens - req.num_computed_tokens, budget)
             if not self.alloc.extend_to(req.pages, req.num_computed_tokens + n):
                 self.alloc.release(req.pages)
                 req.pages, req.num_computed_tokens = [], 0
+                self._drop_slot(req)
                 break
             if req.num_preemptions == 0:
                 req.num_cached_tokens = req.num_computed_tokens
@@ -93,7 +108,21 @@ class Scheduler:
             budget -= n
         return budget
 
+    def _take_slot(self, req: Request) -> bool:
+        lora = req.params.lora_request
+        if lora is None or self.loras is None:
+            return True
+        slot = self.loras.acquire(lora)
+        req.lora_slot = -1 if slot is None else slot
+        return slot is not None
+
+    def _drop_slot(self, req: Request) -> None:
+        if req.lora_slot >= 0:
+            self.loras.release(req.params.lora_request)
+            req.lora_slot = -1
+
     def _preempt(self, req: Request) -> None:
+        self._drop_slot(req)
         self.running.remove(req)
         self.alloc.release(req.pages)
         req.pages, req.num_computed_tokens, req.pages_synced = [], 0, 0
@@ -109,10 +138,12 @@ class Scheduler:
         """Mark the batch's tokens computed and publish newly full pages to the prefix cache."""
         for req, n in batch.entries:
             req.num_computed_tokens += n
-            self.alloc.register(req.all_token_ids, req.pages, req.num_computed_tokens, req.page_hashes)
+            self.alloc.register(req.all_token_ids, req.pages, req.num_computed_tokens, req.page_hashes,
+                               req.cache_root)
 
     def finish(self, req: Request, reason: str) -> None:
         """End a request (done or aborted) wherever it is, freeing its pages."""
+        self._drop_slot(req)
         if req.status is Status.RUNNING:
             self.running.remove(req)
         elif req.status is Status.WAITING and req in self.waiting:

@@ -28,6 +28,17 @@ class PlanRequest(msgspec.Struct, array_like=True):
     rng_state: bytes = b""
 
 
+class LoraLoad(msgspec.Struct, array_like=True):
+    """Put adapter `lora_id` into `slot` before the plan runs (--enable-lora). `data`: the
+    adapter's safetensors file, sent the first time the ranks meet it (or since they dropped it);
+    empty when they keep it parsed already."""
+
+    slot: int
+    lora_id: int
+    scale: float  # lora_alpha / r (or / sqrt(r), rsLoRA): B is multiplied by it
+    data: bytes = b""
+
+
 class PlanEntry(msgspec.Struct, array_like=True):
     """One request's share of a micro-batch: tokens [start, start + n) of its sequence."""
 
@@ -42,6 +53,7 @@ class PlanEntry(msgspec.Struct, array_like=True):
     # Speculative decoding: the last num_draft of token_ids are proposals; the target's logits at
     # this chunk's last num_draft + 1 positions decide which it keeps (engine/verify.py).
     num_draft: int = 0
+    lora_slot: int = -1  # the adapter slot its rows run with (-1: the base model alone)
 
 
 class StepPlan(Msg):
@@ -55,6 +67,9 @@ class StepPlan(Msg):
     # Speculative decoding with the draft sharded like the target: this plan is one draft forward
     # (entries extend the draft's caches; each entry's last row gives the leader logits).
     draft: bool = False
+    # LoRA adapters (applied before the plan runs): slots to fill, parsed adapters to drop.
+    lora_loads: list[LoraLoad] = []
+    lora_evict: list[int] = []
 
 
 class Tick(Msg):

@@ -18,6 +18,7 @@
  */
 #include "quant_matmul.c"
 #include "cpu_ops.c"
+#include "lora.c"
 
 #ifdef __AVX2__
 #define GEMM_PATH "avx2 fma, 8 lanes"

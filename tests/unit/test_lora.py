@@ -1,0 +1,163 @@
+"""Multi-LoRA in one process against PEFT: each adapter's greedy tokens and logprobs, a batch
+mixing adapters and the base model, slots evicted least recently used, the prefix cache kept apart
+per adapter, the grouped products' C and torch paths, and every bad adapter refused in one line."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+
+import pytest
+import torch
+from lora_util import adapter_set, check_outputs
+
+from shardserve import LLM, LoRARequest, SamplingParams
+from shardserve.layers.lora import LoraRows, LoraStep, LoraWeights
+from shardserve.loader.lora import BaseShapes, module_shapes, read_adapter
+
+NEW = 10
+GREEDY = SamplingParams(max_tokens=NEW, temperature=0, logprobs=0)
+PROMPTS = [[5, 17, 42, 99, 7, 3, 250, 11], [200, 1, 2, 3], list(range(40, 75))]
+
+
+@pytest.fixture(scope="module")
+def adapters(tiny_model, tmp_path_factory):
+    return adapter_set(tiny_model, tmp_path_factory.mktemp("adapters"), PROMPTS, NEW)
+
+
+def check(outs, names, ref, prompts=PROMPTS):
+    check_outputs(outs, names, ref, prompts)
+
+
+def test_each_adapter_and_a_mixed_batch_equal_peft(adapters):
+    path, reqs, ref = adapters
+    with LLM(path, enable_lora=True, max_loras=3, max_lora_rank=8, num_pages=128, show_progress=False) as llm:
+        # Alone: each adapter's batch of prompts (and the base model's).
+        for name in ("base", *reqs):
+            outs = llm.generate(PROMPTS, GREEDY, use_tqdm=False, lora_request=reqs.get(name))
+            check(outs, [name] * len(PROMPTS), ref)
+        # Mixed: three adapters and the base in one batch, each prompt under each.
+        names = [n for n in ("base", *reqs) for _ in PROMPTS]
+        loras = [reqs.get(n) for n in names]
+        worker, slots_seen = llm.engine.worker, []
+        execute = worker.execute
+        worker.execute = lambda plan: slots_seen.append({e.lora_slot for e in plan.entries}) or execute(plan)
+        outs = llm.generate(PROMPTS * 4, GREEDY, use_tqdm=False, lora_request=loras)
+        check(outs, names, ref)
+        # The steps really mixed them: every decode step ran the base and all three slots.
+        assert slots_seen[1:NEW - 1] == [{-1, 0, 1, 2}] * (NEW - 2)
+        assert llm.engine.loras.loads == 3
+
+
+def test_lru_eviction_with_more_adapters_than_slots(adapters):
+    path, reqs, ref = adapters
+    with LLM(path, enable_lora=True, max_loras=1, max_cpu_loras=2, max_lora_rank=8, num_pages=128,
+             show_progress=False) as llm:
+        names = [n for n in reqs for _ in PROMPTS]
+        outs = llm.generate(PROMPTS * 3, GREEDY, use_tqdm=False, lora_request=[reqs[n] for n in names])
+        check(outs, names, ref)
+        slots = llm.engine.loras
+        assert slots.loads == 3  # one slot: each adapter loaded once, its requests run in turn
+        assert list(slots.parsed) == [2, 3]  # the ranks keep two parsed: the first was dropped
+        # Back to the first: it must be sent again (the ranks dropped it) and still be right.
+        outs = llm.generate(PROMPTS[:1], GREEDY, use_tqdm=False, lora_request=reqs["full"])
+        check(outs, ["full"], ref, PROMPTS[:1])
+        assert slots.loads == 4 and list(slots.parsed) == [3, 1]
+
+
+def test_prefix_cache_is_kept_apart_per_adapter(adapters):
+    path, reqs, ref = adapters
+    prompt = list(range(100, 180))  # five full pages of 16
+    with LLM(path, enable_lora=True, max_loras=2, max_lora_rank=8, num_pages=128, show_progress=False) as llm:
+        alloc = llm.engine.allocator
+        cached = []
+        for lora in (reqs["full"], reqs["part"], reqs["full"], None, None):
+            out = llm.generate([prompt], GREEDY, use_tqdm=False, lora_request=lora)
+            cached.append(out[0].num_cached_tokens)
+        # Another adapter's (or the base's) pages are never served; the same adapter's are.
+        assert cached == [0, 0, 64, 0, 64]
+        roots = {alloc.content[p][0] for p in alloc.content if alloc.content[p][0] in
+                 (reqs["full"].cache_root, reqs["part"].cache_root, b"")}
+        assert len(roots) == 3
+
+
+def test_grouped_products_c_and_torch_agree():
+    """The C kernel and the torch path of LoraWeights give the same sums, fused pieces included."""
+    from shardserve.distributed.communicator import Communicator
+    from shardserve.layers import kernels
+
+    if kernels.available() is not None:
+        pytest.skip(kernels.available())
+    g = torch.Generator().manual_seed(0)
+    step = LoraStep()
+    pieces = [("q", 0, 0, 24), ("k", 24, 0, 8), ("v", 32, 0, 8)]
+    comm = Communicator(None, 0, 1, "tensor", [0])
+    w = LoraWeights(step, 3, 4, 16, pieces, comm, False, torch.float32, torch.device("cpu"))
+    for slot in range(3):
+        for sid, _, _, end in pieces:
+            a, b = torch.randn(3, 16, generator=g), torch.randn(end, 3, generator=g)
+            w.write(slot, sid, *w.shard(sid, a, b, 0.5))
+    x = torch.randn(7, 16, generator=g)
+    step.rows = LoraRows.of([2, -1, 0, 2, 1, -1, 0], torch.device("cpu"))
+    fast = torch.zeros(7, 40)
+    w.add(x, fast)
+    slow = torch.zeros(7, 40)
+    import shardserve.layers.lora as lora
+
+    real = lora.load_or_none
+    lora.load_or_none = lambda: None
+    try:
+        w.add(x, slow)
+    finally:
+        lora.load_or_none = real
+    assert torch.allclose(fast, slow, atol=1e-5)
+    assert fast[1].abs().sum() == 0 and fast[5].abs().sum() == 0  # base rows untouched
+
+
+BASE = BaseShapes(2, module_shapes(64, 4, 2, 16, 96))
+
+
+@pytest.mark.parametrize("case, match", [
+    ("missing", "is not a directory"),
+    ("rank", "rank 8 exceeds --max-lora-rank 4"),
+    ("no_weights", "has no adapter_model.safetensors"),
+    ("dora", "DoRA is not supported"),
+    ("other_base", "is it for another base model"),
+    ("save", "modules_to_save"),
+])
+def test_bad_adapters_refused_in_one_line(adapters, tmp_path, case, match):
+    _, reqs, _ = adapters
+    src = reqs["part"].lora_path  # rank 8
+    path = str(tmp_path / "a")
+    if case != "missing":
+        shutil.copytree(src, path)
+    cfg_path = os.path.join(path, "adapter_config.json")
+    max_rank, base = (4 if case == "rank" else 8), BASE
+    if case == "no_weights":
+        os.remove(os.path.join(path, "adapter_model.safetensors"))
+    elif case in ("dora", "save"):
+        cfg = json.load(open(cfg_path))
+        cfg["use_dora" if case == "dora" else "modules_to_save"] = True if case == "dora" else ["lm_head"]
+        json.dump(cfg, open(cfg_path, "w"))
+    elif case == "other_base":
+        base = BaseShapes(2, module_shapes(32, 4, 2, 8, 96))
+    with pytest.raises(ValueError, match=match) as e:
+        read_adapter("x", path, base, max_rank)
+    assert "\n" not in str(e.value) and "'x'" in str(e.value)
+
+
+def test_engine_refuses_bad_requests_and_keeps_serving(adapters, tmp_path):
+    path, reqs, ref = adapters
+    with LLM(path, num_pages=64, show_progress=False) as plain:
+        with pytest.raises(ValueError, match="start it with --enable-lora"):
+            plain.generate(PROMPTS[:1], GREEDY, use_tqdm=False, lora_request=reqs["full"])
+    with LLM(path, enable_lora=True, max_lora_rank=4, num_pages=64, show_progress=False) as llm:
+        with pytest.raises(ValueError, match="rank 8 exceeds --max-lora-rank 4"):
+            llm.generate(PROMPTS[:1], GREEDY, use_tqdm=False, lora_request=reqs["part"])
+        bad = LoRARequest("gone", 9, str(tmp_path / "nothing"))
+        with pytest.raises(ValueError, match="'gone'.*is not a directory"):
+            llm.generate(PROMPTS[:1], GREEDY, use_tqdm=False, lora_request=bad)
+        check(llm.generate(PROMPTS[:1], GREEDY, use_tqdm=False, lora_request=reqs["full"]), ["full"], ref,
+              PROMPTS[:1])
+        assert llm.engine.loras.wanted == {}  # nothing left held by the refused requests
