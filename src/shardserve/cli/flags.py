@@ -207,10 +207,26 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="weights: auto = a GGUF keeps its block formats (CPU float32 kernels; floats elsewhere), "
                         "none = expand to --dtype, int8 = quantize a safetensors checkpoint's linear weights at load")
     add_speculative_args(p)
+    add_lora_args(p)
     g.add_argument("--generation-config", default="auto",
                    help="default sampling settings for requests that leave them out: 'auto' reads the model's "
                         "(generation_config.json, or a GGUF's general.sampling.*), 'none' keeps the built-in "
                         "ones, or a directory holding a generation_config.json")
+
+
+def add_lora_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("LoRA adapters")
+    g.add_argument("--enable-lora", action="store_true",
+                   help="serve PEFT LoRA adapters on the base model, many in one batch (a request's `model` names "
+                        "one; serve's --lora-modules and /v1/load_lora_adapter add them)")
+    g.add_argument("--max-loras", type=positive_int, default=1, help="adapters resident at once (slots)")
+    g.add_argument("--max-lora-rank", type=positive_int, default=16, help="the largest adapter rank taken")
+    g.add_argument("--max-cpu-loras", type=positive_int, default=None,
+                   help="adapters kept parsed in host memory, least recently used dropped first (default: "
+                        "--max-loras)")
+    g.add_argument("--fully-sharded-loras", action="store_true",
+                   help="split both LoRA matrices over the tensor group (less memory, one small collective per "
+                        "adapted layer) instead of only B of column-parallel and A of row-parallel layers")
 
 
 def add_speculative_args(p: argparse.ArgumentParser) -> None:
@@ -268,6 +284,8 @@ def engine_config(args: argparse.Namespace, **overrides) -> EngineConfig:
         ep_num_redundant_experts=args.ep_num_redundant_experts, ep_expert_placement=args.ep_expert_placement,
         threads=args.threads, show_progress=args.log_level in ("debug", "info"),  # a load bar is info
         speculative_config=speculative_config(args),
+        enable_lora=args.enable_lora, max_loras=args.max_loras, max_lora_rank=args.max_lora_rank,
+        max_cpu_loras=args.max_cpu_loras, fully_sharded_loras=args.fully_sharded_loras,
     )
     fields.update(overrides)
     return EngineConfig(**fields)

@@ -54,6 +54,9 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--trust-request-chat-template", action="store_true",
                    help="run a chat_template that a request sends (a template that loops stalls a tokenizer "
                         "worker, so only trusted clients should reach a server started with this)")
+    g.add_argument("--lora-modules", nargs="+", default=[], metavar="NAME=PATH",
+                   help="LoRA adapters served from the start (PEFT directories), each named as a request's `model` "
+                        "names it (needs --enable-lora)")
     g.add_argument("--startup-timeout", type=positive_float, default=300.0,
                    help="seconds to wait for workers to be ready")
     d = p.add_argument_group("disaggregated prefill/decode")

@@ -124,7 +124,10 @@ class ReplicaRouter:
             send(self.to_api, ErrorOut(rid=req.rid, message=f"request id {req.rid!r} is already in use"))
             return None
         # The last prompt token is always recomputed (its logits are needed), as in match_prefix.
-        pages = page_hashes(req.token_ids[: len(req.token_ids) - 1], self.page_size) if self.page_size else []
+        # An adapter's pages chain from its own root (as its replica caches them).
+        lora = req.params.lora_request
+        root = lora.cache_root if lora is not None else b""
+        pages = page_hashes(req.token_ids[: len(req.token_ids) - 1], self.page_size, root) if self.page_size else []
         max_tokens = None if req.auto_max_tokens else req.params.max_tokens
         try:
             return self.router.route(req.rid, pages, len(req.token_ids), max_tokens)

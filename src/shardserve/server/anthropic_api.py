@@ -22,7 +22,7 @@ from shardserve.server.generation import Choice, collect, stream_choices
 from shardserve.server.request_params import chat_options
 from shardserve.server.sse import named, sse
 from shardserve.server.tools import ToolUse, chat_tool_use
-from shardserve.server.turns import chat_messages, chat_turn, check_model
+from shardserve.server.turns import chat_messages, chat_turn, check_model, served_name
 
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
                404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error", 503: "overloaded_error"}
@@ -53,7 +53,7 @@ class MessagesHandlers:
         reqs, tools = chat_turn(self.s, chat, prefill)
         display = body.thinking.display if body.thinking is not None else None
         meta = {"id": f"msg_{EngineClient.new_rid()}", "type": "message", "role": "assistant",
-                "model": self.s.model_name}
+                "model": served_name(self.s, reqs[0].params.lora_request)}
         if body.stream:
             return await sse(self._events(reqs, meta, tools, display), named,
                              lambda e: named(anthropic_error(e.status, e.message)))

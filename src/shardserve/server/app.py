@@ -20,6 +20,7 @@ from shardserve.server.client import EngineClient
 from shardserve.server.embeddings import EmbeddingRequest, embeddings
 from shardserve.server.errors import APIError, parse_body
 from shardserve.server.generation import Timeouts
+from shardserve.server.lora_registry import LoadLoraRequest, LoraRegistry, UnloadLoraRequest
 from shardserve.server.metrics import Metrics
 from shardserve.server.openai_api import OpenAIHandlers
 from shardserve.server.openapi import document_bodies
@@ -68,6 +69,11 @@ class ServerState:
     trust_request_chat_template: bool = False
     disaggregation_mode: str = "null"  # --disaggregation-mode
     bootstrap_port: int | None = None  # where decode instances reach a prefill instance's leader
+    loras: LoraRegistry | None = None  # --enable-lora: the adapters a request's `model` may name
+
+    def __post_init__(self) -> None:
+        if self.loras is None:
+            self.loras = LoraRegistry(self.model_name, None, 0)
 
 
 def build_app(state: ServerState) -> FastAPI:
@@ -153,8 +159,29 @@ def build_app(state: ServerState) -> FastAPI:
 
     @app.get("/v1/models")
     async def models():
-        return {"object": "list", "data": [{"id": state.model_name, "object": "model", "owned_by": "shardserve",
-                                            "max_model_len": state.max_model_len}]}
+        base = {"id": state.model_name, "object": "model", "owned_by": "shardserve",
+                "max_model_len": state.max_model_len}
+        return {"object": "list", "data": [base, *state.loras.cards(state.max_model_len)]}
+
+    @app.post("/v1/load_lora_adapter")
+    async def load_lora_adapter(request: Request):
+        body = await parse_body(request, LoadLoraRequest, state.max_body)
+        try:
+            state.loras.load(body.lora_name, body.lora_path)
+        except ValueError as e:
+            raise APIError(400, str(e), param="lora_path") from None
+        log.info("LoRA adapter %r loaded from %s", body.lora_name, body.lora_path)
+        return Response(f"Success: LoRA adapter '{body.lora_name}' added successfully.", media_type="text/plain")
+
+    @app.post("/v1/unload_lora_adapter")
+    async def unload_lora_adapter(request: Request):
+        body = await parse_body(request, UnloadLoraRequest, state.max_body)
+        try:
+            state.loras.unload(body.lora_name)
+        except KeyError:
+            raise APIError(404, f"no LoRA adapter named {body.lora_name!r} is loaded", param="lora_name") from None
+        log.info("LoRA adapter %r unloaded (requests running with it finish first)", body.lora_name)
+        return Response(f"Success: LoRA adapter '{body.lora_name}' removed successfully.", media_type="text/plain")
 
     @app.get("/health")
     async def health():

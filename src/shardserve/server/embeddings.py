@@ -14,7 +14,7 @@ from shardserve.core import SamplingParams
 from shardserve.server.errors import APIError
 from shardserve.server.generation import collect
 from shardserve.server.protocol import Refusing
-from shardserve.server.turns import check_model, check_queue, completion_prompts, fan_out
+from shardserve.server.turns import check_model, check_queue, completion_prompts, fan_out, served_name
 
 
 class EmbeddingRequest(Refusing):
@@ -34,7 +34,7 @@ async def embeddings(s, body: EmbeddingRequest) -> dict:
     """`s`: the ServerState."""
     if s.disaggregation_mode != "null":
         raise APIError(400, "embeddings are served by a colocated server, not a prefill or decode instance")
-    check_model(s, body.model)
+    lora = check_model(s, body.model)
     pool = s.pooling
     if pool.mode is None:
         raise APIError(400, f"this server cannot embed: {pool.why_not}")
@@ -45,11 +45,11 @@ async def embeddings(s, body: EmbeddingRequest) -> dict:
         raise APIError(400, f"{len(items)} inputs exceed the limit of {s.max_prompts} per request (--max-prompts)",
                        param="input")
     check_queue(s, len(items))
-    reqs = fan_out(items, SamplingParams(max_tokens=1, temperature=0, pooling=pool.mode), 1)
+    reqs = fan_out(items, SamplingParams(max_tokens=1, temperature=0, pooling=pool.mode, lora_request=lora), 1)
     choices = await collect(s.client, s.metrics, reqs, s.request_timeout)
     data = [{"object": "embedding", "index": i,
              "embedding": _encoded(pool.finish(c.embedding, body.dimensions), body.encoding_format)}
             for i, c in enumerate(choices)]
     tokens = sum(c.prompt_tokens for c in choices)
-    return {"object": "list", "data": data, "model": s.model_name,
+    return {"object": "list", "data": data, "model": served_name(s, lora),
             "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}

@@ -33,11 +33,13 @@ from shardserve.launch.torchrun import run_rank_here, torchrun_env, torchrun_lay
 from shardserve.loader.generation_config import describe, generation_defaults
 from shardserve.loader.model_path import resolve_checkpoint
 from shardserve.loader.pooling import pooling_of
+from shardserve.loader.weights import read_model_config
 from shardserve.router.policy import resolve_policy
 from shardserve.router.replicas import router_child
 from shardserve.server.app import ServerState, build_app
 from shardserve.server.client import EngineClient
 from shardserve.server.generation import Timeouts
+from shardserve.server.lora_registry import LoraRegistry
 from shardserve.server.metrics import Metrics
 from shardserve.server.reasoning import Reasoning
 from shardserve.server.response_store import ResponseStore
@@ -71,6 +73,8 @@ def serve(args: argparse.Namespace, plan: Deployment) -> int:
         return run_rank_here(cfg, layout, env, node.secret)
     if node.node_rank > 0:
         return run_other_node(cfg, layout, node, ckpt.name, args.startup_timeout)
+    name = args.served_model_name or ckpt.name.removesuffix(".gguf")
+    loras = LoraRegistry.at_start(name, cfg, read_model_config(ckpt), args.lora_modules)
     defaults, origin = generation_defaults(ckpt, args.generation_config)
     log.info(describe(defaults, origin))
     try:
@@ -88,7 +92,7 @@ def serve(args: argparse.Namespace, plan: Deployment) -> int:
         grid = LocalGrid(cfg, layout, node, ep, ckpt.name, others, torchrun=env is not None, placement=placement)
         infos = grid.start(args.startup_timeout)
         info = infos["scheduler-0"] | infos["tokenizer-0"] | {"pooling": pooling_of(ckpt, args.pooling)}
-        return run_http(args, ckpt.name.removesuffix(".gguf"), info, ep, grid, sock, defaults)
+        return run_http(args, name, info, ep, grid, sock, defaults, loras)
     except LaunchError as e:
         print(f"shardserve: error: {e}", file=sys.stderr)
         return e.exit_code
@@ -137,10 +141,10 @@ class _ReplicaEvents:
         self.loop.call_soon_threadsafe(self.client.board.gave_up, replicas, reason)
 
 
-def run_http(args, default_name: str, info: dict, ep: Endpoints, grid: LocalGrid, sock: socket.socket,
-             sampling_defaults: dict) -> int:
+def run_http(args, name: str, info: dict, ep: Endpoints, grid: LocalGrid, sock: socket.socket,
+             sampling_defaults: dict, loras: LoraRegistry) -> int:
     client = EngineClient(ep, max(1, args.num_tokenizers))
-    state = ServerState(client, Metrics(), args.served_model_name or default_name, info["max_model_len"],
+    state = ServerState(client, Metrics(), name, info["max_model_len"],
                         max_n=args.max_n, max_queued=args.max_queued_requests, max_body=args.max_body_bytes,
                         sampling_defaults=sampling_defaults, api_key=args.api_key,
                         metrics_require_key=args.metrics_require_key, max_prompts=args.max_prompts,
@@ -154,7 +158,7 @@ def run_http(args, default_name: str, info: dict, ep: Endpoints, grid: LocalGrid
                         pooling=info["pooling"], hidden_size=info["limits"]["hidden_size"],
                         trust_request_chat_template=args.trust_request_chat_template,
                         disaggregation_mode=args.disaggregation_mode,
-                        bootstrap_port=args.disaggregation_bootstrap_port or args.port + 1)
+                        bootstrap_port=args.disaggregation_bootstrap_port or args.port + 1, loras=loras)
     config = uvicorn.Config(build_app(state), log_level=args.log_level, timeout_graceful_shutdown=5)
     server = _Server(config, client)
     failure: list[str] = []

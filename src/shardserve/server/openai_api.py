@@ -17,7 +17,7 @@ from shardserve.server.protocol import ChatRequest, CompletionRequest, error_bod
 from shardserve.server.request_params import sampling_params
 from shardserve.server.sse import data, sse
 from shardserve.server.tools import ToolUse, finish_reason
-from shardserve.server.turns import admit, chat_turn, completion_prompts, fan_out
+from shardserve.server.turns import admit, chat_turn, completion_prompts, fan_out, served_name
 
 
 class OpenAIHandlers:
@@ -27,7 +27,7 @@ class OpenAIHandlers:
     async def completions(self, body: CompletionRequest, prefill: str = ""):
         """`prefill` (a decode instance): the prefill instance that computes each prompt."""
         prompts = completion_prompts(body.prompt)
-        admit(self.s, body, len(prompts) * body.n)
+        lora = admit(self.s, body, len(prompts) * body.n)
         if body.best_of is not None and body.best_of != body.n:
             raise APIError(400, f"best_of ({body.best_of}) other than n ({body.n}) is not supported: ask for n "
                                 f"samples with logprobs and rank them", param="best_of")
@@ -44,12 +44,12 @@ class OpenAIHandlers:
         # echo + logprobs scores the prompt too, as OpenAI's legacy completions do.
         scored = _most(body.logprobs if body.echo else None, body.prompt_logprobs)
         params = sampling_params(body, self.s.sampling_defaults, 1 if score_only else body.max_tokens, body.logprobs,
-                                 scored, self.s.vocab_size, self.s.max_model_len)
+                                 scored, self.s.vocab_size, self.s.max_model_len, lora)
         reqs = fan_out(prompts, params, body.n, body.request_id, prefill=prefill,
                        add_special_tokens=body.add_special_tokens)
         echo = [await self._prompt_text(p, body.skip_special_tokens) for p in prompts] if body.echo else None
         meta = {"id": f"cmpl-{body.request_id or EngineClient.new_rid()}", "created": int(time.time()),
-                "model": self.s.model_name}
+                "model": served_name(self.s, lora)}
         if body.stream:
             return await self._sse(self._completion_chunks(reqs, meta, body, echo, score_only))
         choices = await self._collect(reqs, body)
@@ -108,7 +108,7 @@ class OpenAIHandlers:
     async def chat(self, body: ChatRequest, prefill: str = ""):
         reqs, tools = chat_turn(self.s, body, prefill)
         meta = {"id": f"chatcmpl-{body.request_id or EngineClient.new_rid()}", "created": int(time.time()),
-                "model": self.s.model_name}
+                "model": served_name(self.s, reqs[0].params.lora_request)}
         if body.stream:
             return await self._sse(self._chat_chunks(reqs, meta, body, tools))
         choices = await self._collect(reqs, body)

@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 from shardserve.chat_messages import ChatMessageError, check_template_options
-from shardserve.core import SamplingParams
+from shardserve.core import LoRARequest, SamplingParams
 from shardserve.server.errors import APIError
 from shardserve.server.structured import structured_outputs
 
@@ -13,9 +13,9 @@ MODEL_DEFAULTED = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty
 
 def sampling_params(body, defaults: dict, max_tokens: int, logprobs: int | None,
                     prompt_logprobs: int | None = None, vocab_size: int | None = None,
-                    max_model_len: int | None = None) -> SamplingParams:
+                    max_model_len: int | None = None, lora: LoRARequest | None = None) -> SamplingParams:
     """The request's fields; those it leaves out come from `defaults` (the model's), else
-    SamplingParams' own."""
+    SamplingParams' own. `lora`: the adapter its `model` named."""
     given = {k: getattr(body, k) for k in MODEL_DEFAULTED if getattr(body, k) is not None}
     bias = logit_bias(body.logit_bias, vocab_size)
     check_token_ids(body.allowed_token_ids, vocab_size, "allowed_token_ids")
@@ -31,6 +31,7 @@ def sampling_params(body, defaults: dict, max_tokens: int, logprobs: int | None,
             structured_outputs=guided, min_tokens=body.min_tokens,
             include_stop_str_in_output=body.include_stop_str_in_output,
             allowed_token_ids=body.allowed_token_ids, bad_words=body.bad_words, truncate_prompt_tokens=truncate,
+            lora_request=lora,
         )
     except ValueError as e:
         param = str(e).split(".", 1)[1].split(" ", 1)[0] if str(e).startswith("SamplingParams.") else None

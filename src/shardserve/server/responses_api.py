@@ -84,7 +84,7 @@ class ResponsesHandlers:
             body.tool_choice.model_dump()
         return {"id": new_id("resp"), "object": "response", "created_at": int(time.time()), "status": "in_progress",
                 "error": None, "incomplete_details": None, "instructions": body.instructions,
-                "max_output_tokens": body.max_output_tokens, "model": self.s.model_name, "output": [],
+                "max_output_tokens": body.max_output_tokens, "model": body.model or self.s.model_name, "output": [],
                 "parallel_tool_calls": body.parallel_tool_calls is not False,
                 "previous_response_id": body.previous_response_id, "reasoning": {"effort": None, "summary": None},
                 "store": body.store, "temperature": body.temperature, "top_p": body.top_p, "text": {"format": fmt},

@@ -7,7 +7,7 @@ from __future__ import annotations
 import dataclasses
 
 from shardserve.chat_messages import ChatMessageError, normalize_messages
-from shardserve.core import SamplingParams
+from shardserve.core import LoRARequest, SamplingParams
 from shardserve.ipc.messages.api import GenerateReq
 from shardserve.server.client import EngineClient
 from shardserve.server.errors import APIError
@@ -52,11 +52,15 @@ def fan_out(prompts: list[dict], params: SamplingParams, n: int, request_id: str
     return reqs
 
 
-def check_model(s, model: str | None) -> None:
-    """A request naming a model must name this server's (`s`: the ServerState)."""
-    if model is not None and model != s.model_name:
-        raise APIError(404, f"the model {model!r} does not exist; this server serves {s.model_name!r}",
-                       param="model")
+def check_model(s, model: str | None) -> LoRARequest | None:
+    """The LoRA adapter a request's `model` names, None for this server's base model; a 404 for any
+    other name (`s`: the ServerState)."""
+    return s.loras.resolve(model)
+
+
+def served_name(s, lora: LoRARequest | None) -> str:
+    """The model an answer names: the adapter the request ran with, else the base model."""
+    return lora.lora_name if lora is not None else s.model_name
 
 
 def check_queue(s, count: int) -> None:
@@ -65,10 +69,10 @@ def check_queue(s, count: int) -> None:
         raise APIError(503, "the server is at its queue limit; retry later", headers={"Retry-After": "1"})
 
 
-def admit(s, body, count: int) -> None:
+def admit(s, body, count: int) -> LoRARequest | None:
     """The checks every generating request passes first; `s`: the ServerState, `count`: its
-    sub-requests."""
-    check_model(s, body.model)
+    sub-requests. Returns the adapter its `model` names (None: the base model)."""
+    lora = check_model(s, body.model)
     if not 1 <= body.n <= s.max_n:
         raise APIError(400, f"n must be between 1 and {s.max_n}, got {body.n}", param="n")
     if count // body.n > s.max_prompts:
@@ -85,6 +89,7 @@ def admit(s, body, count: int) -> None:
         raise APIError(400, "stream_options is only allowed with stream: true", param="stream_options")
     check_scheduling(body)
     check_queue(s, count)
+    return lora
 
 
 def reasoning_for(reasoning: Reasoning, body: ChatRequest) -> Reasoning:
@@ -100,7 +105,7 @@ def reasoning_for(reasoning: Reasoning, body: ChatRequest) -> Reasoning:
 def chat_turn(s, body: ChatRequest, prefill: str = "") -> tuple[list[GenerateReq], ToolUse]:
     """A chat request's engine sub-requests (n of them) and what its tools (and the server's
     reasoning parser) make of the output."""
-    admit(s, body, body.n)
+    lora = admit(s, body, body.n)
     field = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
     max_tokens = getattr(body, field)
     if max_tokens is not None and max_tokens < 1:
@@ -116,7 +121,7 @@ def chat_turn(s, body: ChatRequest, prefill: str = "") -> tuple[list[GenerateReq
         tools = dataclasses.replace(tools, thinking_budget=body.thinking_budget)
     # Without max_tokens the scheduler gives whatever context the prompt leaves (min_tokens till then).
     params = tools.constrain(sampling_params(body, s.sampling_defaults, max_tokens or max(1, body.min_tokens),
-                                             top, body.prompt_logprobs, s.vocab_size, s.max_model_len))
+                                             top, body.prompt_logprobs, s.vocab_size, s.max_model_len, lora))
     messages = chat_messages(body.messages)
     reqs = fan_out([{"messages": messages, "tools": tools.tools}], params, body.n, body.request_id,
                    auto_max_tokens=max_tokens is None, prefill=prefill,
