@@ -240,3 +240,23 @@ def test_character_units_keep_loads_and_thresholds_in_tokens():
     assert r.replicas[0].load == 1000 + 8 and r.replicas[0].prompt_tokens == 1000
     assert r.route("b", pages, len(text), 8) == 0
     assert r.route("c", pages, len(text), 8) == 0  # replica 1 idle, yet no imbalance in tokens
+
+
+def test_a_lora_adapters_requests_follow_it_until_its_replica_is_busy():
+    """An adapter's requests go where its last one went (it likely sits in a slot there), other
+    adapters and the base spread by load, and load still wins past `adapter_tokens`."""
+    r = Router(2, page_size=PS)
+
+    def lora(rid: str, tail: int, adapter: int | None, max_tokens: int = 8) -> int:
+        tokens = [tail] * 6
+        return r.route(rid, pages(tokens), len(tokens), max_tokens, confirmed=True, adapter=adapter)
+
+    first = lora("a1", 1, 7)
+    assert [lora(f"a{i}", i, 7) for i in range(2, 5)] == [first] * 3  # follows adapter 7 despite its load
+    other = lora("b1", 50, 8)
+    assert other != first  # a new adapter goes to the less loaded replica
+    assert lora("b2", 51, 8) == other
+    # Swamp adapter 7's replica: past adapter_tokens of extra load its next request moves.
+    moved = lora("big", 2, 7, max_tokens=5000)
+    assert moved == first
+    assert lora("a5", 3, 7) != first and r.adapter_home[7] != first

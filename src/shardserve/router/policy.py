@@ -11,14 +11,15 @@ cache_aware (the default), in order:
    `balance_abs_tokens` AND the most loaded carries more than `balance_rel` times the least,
    send to the least loaded (sgl-router's rule: both thresholds, so small absolute gaps between
    idle replicas never override affinity, nor do large relative gaps between tiny loads).
-2. Otherwise score each replica by `cached_tokens - load_weight * load` and take the best;
+2. Otherwise score each replica by `cached_tokens - load_weight * load` (plus `adapter_tokens`
+   where the request's LoRA adapter last went, which likely holds it in a slot) and take the best;
    ties go to the lower load, then the smaller prefix index (more room, and a prompt no replica
    holds starts a new one's cache, as sgl-router sends it to its smallest tree), then the lower index.
 
 Defaults (`Thresholds`): balance_abs_tokens 2048, balance_rel 1.5, load_weight 0.5 (a cached
 prompt token saves roughly a prefill token of work; outstanding tokens mix prefill and decode,
 so they count half), decode_estimate 256 (the decode tokens a request without max_tokens is
-assumed to ask for).
+assumed to ask for), adapter_tokens 512 (a slot load saved is worth about a short prefill).
 """
 
 from __future__ import annotations
@@ -50,6 +51,7 @@ class Thresholds:
     balance_rel: float = 1.5
     load_weight: float = 0.5
     decode_estimate: int = 256
+    adapter_tokens: int = 512
 
 
 @dataclass
@@ -86,20 +88,25 @@ class Router:
         self.units_per_token = units_per_token
         self.replicas = [ReplicaState(i, PrefixIndex(max_pages)) for i in range(num_replicas)]
         self.requests: dict[str, Routed] = {}
+        self.adapter_home: dict[int, int] = {}  # LoRA adapter id -> the replica its last request went to
         self._rr = itertools.count()
 
     def route(self, rid: str, pages: list[bytes], prompt_len: int, max_tokens: int | None,
-              confirmed: bool = False) -> int:
+              confirmed: bool = False, adapter: int | None = None) -> int:
         """Pick a replica for request `rid` whose prompt's full pages have the chained digests
         `pages`; count its load there and credit its pages to that replica (pending until the
-        replica reports them stored, or at once with `confirmed`, for workers that report nothing)."""
+        replica reports them stored, or at once with `confirmed`, for workers that report nothing).
+        `adapter`: the id of the LoRA adapter it runs with, if any."""
         healthy = [r for r in self.replicas if r.healthy]
         if not healthy:
             raise NoReplica("no healthy replica to send the request to")
         per = self.units_per_token
         cached = {r.index: min(r.prefixes.match(pages) * self.page_size, max(prompt_len - 1, 0)) / per
                   for r in healthy}
-        chosen = self._choose(healthy, cached)
+        home = self.adapter_home.get(adapter) if adapter is not None else None
+        chosen = self._choose(healthy, cached, home)
+        if adapter is not None:
+            self.adapter_home[adapter] = chosen.index
         decode = max_tokens if max_tokens is not None else self.t.decode_estimate
         cost = round(prompt_len / per - cached[chosen.index]) + decode
         claimed = chosen.prefixes.claim(pages, confirmed)
@@ -110,7 +117,7 @@ class Router:
         self.requests[rid] = Routed(chosen.index, cost, claimed)
         return chosen.index
 
-    def _choose(self, healthy: list[ReplicaState], cached: dict[int, float]) -> ReplicaState:
+    def _choose(self, healthy: list[ReplicaState], cached: dict[int, float], home: int | None) -> ReplicaState:
         def least(r: ReplicaState):
             return (r.load, r.index)
 
@@ -118,8 +125,9 @@ class Router:
             return healthy[next(self._rr) % len(healthy)]
         if self.policy == "least_load" or self.imbalanced(healthy):
             return min(healthy, key=least)
-        return max(healthy, key=lambda r: (cached[r.index] - self.t.load_weight * r.load, -r.load,
-                                           -len(r.prefixes), -r.index))
+        bonus = {home: self.t.adapter_tokens}
+        return max(healthy, key=lambda r: (cached[r.index] + bonus.get(r.index, 0) - self.t.load_weight * r.load,
+                                           -r.load, -len(r.prefixes), -r.index))
 
     def imbalanced(self, healthy: list[ReplicaState]) -> bool:
         hi, lo = max(r.load for r in healthy), min(r.load for r in healthy)

@@ -130,7 +130,8 @@ class ReplicaRouter:
         pages = page_hashes(req.token_ids[: len(req.token_ids) - 1], self.page_size, root) if self.page_size else []
         max_tokens = None if req.auto_max_tokens else req.params.max_tokens
         try:
-            return self.router.route(req.rid, pages, len(req.token_ids), max_tokens)
+            return self.router.route(req.rid, pages, len(req.token_ids), max_tokens,
+                                     adapter=lora.lora_int_id if lora is not None else None)
         except NoReplica:  # every replica is starting again: wait for one
             self.held.append(req)
             return None
