@@ -161,3 +161,22 @@ def test_engine_refuses_bad_requests_and_keeps_serving(adapters, tmp_path):
         check(llm.generate(PROMPTS[:1], GREEDY, use_tqdm=False, lora_request=reqs["full"]), ["full"], ref,
               PROMPTS[:1])
         assert llm.engine.loras.wanted == {}  # nothing left held by the refused requests
+
+
+def test_speculative_decoding_and_structured_outputs_per_adapter(adapters):
+    """Prompt-lookup proposals are verified by the target with each request's own adapter (greedy:
+    PEFT's tokens and logprobs exactly), and a grammar holds under an adapter."""
+    from shardserve.structured_outputs import StructuredOutputsParams
+
+    path, reqs, ref = adapters
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "ngram_min": 1, "disable_by_batch_size": 64}
+    names = [n for n in ("base", *reqs) for _ in PROMPTS]
+    with LLM(path, enable_lora=True, max_loras=3, max_lora_rank=8, num_pages=128, show_progress=False,
+             speculative_config=spec) as llm:
+        outs = llm.generate(PROMPTS * 4, GREEDY, use_tqdm=False, lora_request=[reqs.get(n) for n in names])
+        check(outs, names, ref)
+        assert llm.engine.spec.counts.accepted > 0  # proposals were made, and verified under each adapter
+        choice = SamplingParams(max_tokens=8, temperature=1.0, seed=3,
+                                structured_outputs=StructuredOutputsParams(choice=["alpha", "beta"]))
+        outs = llm.generate(["pick"] * 3, choice, use_tqdm=False, lora_request=[reqs["full"], reqs["part"], None])
+        assert all(o.outputs[0].text in ("alpha", "beta") for o in outs)

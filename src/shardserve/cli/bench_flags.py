@@ -59,11 +59,25 @@ def add_bench_args(bench: argparse.ArgumentParser) -> None:
                       help="requests per workload and size (at least the size)")
     spec.add_argument("--spec-max-tokens", type=positive_int, default=256)
     spec.add_argument("--spec-rounds", type=positive_int, default=2, help="alternating rounds of both engines")
+    add_lora_bench_args(sub.add_parser("lora", help="output tokens/s of a batch over 1, 4, 16 LoRA adapters vs the "
+                                                    "base model alone"))
     add_serve_bench_args(sub.add_parser("serve", help="load-test an OpenAI-compatible server over HTTP"))
     add_disagg_args(sub.add_parser("disagg", help="1 prefill + 1 decode instance vs one colocated server, mixed "
                                                   "workload"))
     add_soak_args(sub.add_parser("soak", help="mixed traffic for a while, replicas killed at random; then checks "
                                               "that no request was lost and nothing leaked"))
+
+
+def add_lora_bench_args(p: argparse.ArgumentParser) -> None:
+    add_engine_args(p)
+    p.add_argument("--num-requests", type=positive_int, default=32, help="requests in the batch")
+    p.add_argument("--prompt-len", type=positive_int, default=64)
+    p.add_argument("--output-len", type=positive_int, default=64, help="tokens each request decodes (EOS ignored)")
+    p.add_argument("--lora-rank", type=positive_int, default=16, help="rank of the random adapters")
+    p.add_argument("--lora-counts", type=positive_ints, default=(1, 4, 16),
+                   help="comma-separated numbers of distinct adapters the batch is spread over")
+    p.add_argument("--rounds", type=positive_int, default=2, help="alternating rounds of every run")
+    p.add_argument("--workload-seed", type=seed_int, default=0)
 
 
 def add_soak_args(p: argparse.ArgumentParser) -> None:
@@ -200,6 +214,12 @@ def run_bench(args: argparse.Namespace) -> int:
         from shardserve.bench.offline import run_offline
 
         return run_offline(args, llm_kwargs(args))
+    if args.bench == "lora":
+        from shardserve.bench.lora import run_lora_bench
+
+        if args.num_requests < max(args.lora_counts):
+            raise ValueError(f"--num-requests {args.num_requests} cannot spread over {max(args.lora_counts)} adapters")
+        return run_lora_bench(args, llm_kwargs(args))
     if args.bench == "serve":
         import logging
 
