@@ -192,19 +192,20 @@ class LLM:
              sampling_params: SamplingParams | None = None, use_tqdm: bool = True,
              tools: list[dict] | None = None, chat_template: str | None = None,
              chat_template_kwargs: dict | None = None, add_generation_prompt: bool = True,
-             continue_final_message: bool = False):
+             continue_final_message: bool = False, lora_request: LoRARequest | None = None):
         """One conversation returns one RequestOutput; a list of conversations returns a list.
         `tools` (OpenAI's function definitions) are rendered by the model's chat template, as
         vLLM's LLM.chat does; the output is the model's text (parse it with
         server.tool_parsers, or serve with --tool-call-parser). The template options are vLLM's:
         a Jinja `chat_template` in place of the model's, variables it reads, and whether the
-        prompt opens the answer or continues the conversation's last (assistant) message."""
+        prompt opens the answer or continues the conversation's last (assistant) message.
+        `lora_request`: the adapter every conversation runs with (enable_lora=True)."""
         single = bool(messages) and isinstance(messages[0], dict)
         convs = [messages] if single else messages
         options = {"add_generation_prompt": add_generation_prompt, "continue_final_message": continue_final_message,
                    "chat_template": chat_template, "chat_template_kwargs": chat_template_kwargs}
         prompts = [self.render_chat(c, tools, options) for c in convs]
-        outs = self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+        outs = self.generate(prompts, sampling_params, use_tqdm=use_tqdm, lora_request=lora_request)
         return outs[0] if single else outs
 
     def get_default_sampling_params(self) -> SamplingParams:

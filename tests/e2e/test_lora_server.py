@@ -7,6 +7,7 @@ a 400 that leaves the server serving."""
 from __future__ import annotations
 
 import json
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
@@ -94,6 +95,19 @@ def test_load_at_run_time_mix_and_refusals(server, adapters):
         got = list(pool.map(lambda j: complete(server.url, j[0], PROMPTS[j[2]]), jobs))
     for (_, name, p), g in zip(jobs, got):
         same_as_peft(g[:2], ref[name][p])
+    # Three adapters through two slots: at least three loads, both slots used, nothing left running.
+    deadline = time.monotonic() + 10
+    while True:  # the engine's last Stats may still be on its way
+        text = httpx.get(server.url + "/metrics", headers=AUTH, timeout=5).text
+        values = {line.split(" ")[0]: float(line.split(" ")[1]) for line in text.splitlines()
+                  if line.startswith("shardserve_lora")}
+        busy = [k for k in values if k.startswith("shardserve_lora_requests{")]
+        if not busy or time.monotonic() > deadline:
+            break
+        time.sleep(0.1)
+    assert busy == []
+    assert values['shardserve_lora_slots{state="total"}'] == 2 and values['shardserve_lora_slots{state="used"}'] == 2
+    assert values["shardserve_lora_slot_loads"] >= 3
 
 
 def test_unload_mid_stream_finishes_the_request(server, adapters, tiny_model, tmp_path):

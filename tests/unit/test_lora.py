@@ -158,6 +158,13 @@ def test_engine_refuses_bad_requests_and_keeps_serving(adapters, tmp_path):
         bad = LoRARequest("gone", 9, str(tmp_path / "nothing"))
         with pytest.raises(ValueError, match="'gone'.*is not a directory"):
             llm.generate(PROMPTS[:1], GREEDY, use_tqdm=False, lora_request=bad)
+        # A file whose header reads well but whose data is cut short: refused before any rank parses it.
+        cut = str(tmp_path / "cut")
+        shutil.copytree(reqs["full"].lora_path, cut)
+        weights = os.path.join(cut, "adapter_model.safetensors")
+        os.truncate(weights, os.path.getsize(weights) - 64)
+        with pytest.raises(ValueError, match="'cut': cannot read adapter_model.safetensors"):
+            llm.generate(PROMPTS[:1], GREEDY, use_tqdm=False, lora_request=LoRARequest("cut", 10, cut))
         check(llm.generate(PROMPTS[:1], GREEDY, use_tqdm=False, lora_request=reqs["full"]), ["full"], ref,
               PROMPTS[:1])
         assert llm.engine.loras.wanted == {}  # nothing left held by the refused requests

@@ -3,6 +3,7 @@ sending a new Stats message."""
 
 from __future__ import annotations
 
+from collections import Counter
 from typing import Any
 
 from shardserve.ipc.messages.reports import Stats
@@ -20,7 +21,19 @@ def engine_stats(e: EngineCore) -> Stats:
                  stages=stage_traffic(e), max_in_flight=e.max_in_flight,
                  preemptions=e.scheduler.num_preemptions, empty_steps=e.empty_steps,
                  expert_routed={str(k): v for k, v in runner.expert_counts().get("routed", {}).items()},
-                 speculative=e.spec.report() if e.spec is not None else {})
+                 speculative=e.spec.report() if e.spec is not None else {}, lora=lora_stats(e))
+
+
+def lora_stats(e: EngineCore) -> dict:
+    """--enable-lora: slots, slot loads so far, and requests running and waiting per adapter name."""
+    if e.loras is None:
+        return {}
+
+    def by_name(reqs) -> dict[str, int]:
+        return dict(Counter(r.params.lora_request.lora_name for r in reqs if r.params.lora_request is not None))
+
+    return {"slots": e.cfg.max_loras, "slots_used": len(e.loras.slot_of), "loads": e.loras.loads,
+            "running": by_name(e.scheduler.running), "waiting": by_name(e.scheduler.waiting)}
 
 
 def stage_traffic(e: EngineCore) -> dict:

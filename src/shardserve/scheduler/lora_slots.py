@@ -17,6 +17,9 @@ from __future__ import annotations
 import os
 from collections import Counter, OrderedDict
 
+from safetensors import SafetensorError
+from safetensors.torch import load as load_safetensors
+
 from shardserve.core import LoRARequest
 from shardserve.ipc.messages.plan import LoraLoad
 from shardserve.loader.lora import WEIGHTS, AdapterSpec, BaseShapes, read_adapter
@@ -43,7 +46,8 @@ class LoraSlots:
             try:
                 with open(os.path.join(spec.path, WEIGHTS), "rb") as f:
                     data = f.read()
-            except OSError as e:
+                load_safetensors(data)  # every rank parses these bytes: a broken file stops here
+            except (OSError, SafetensorError) as e:
                 raise ValueError(f"LoRA adapter {lora.lora_name!r}: cannot read {WEIGHTS}: {e}") from None
             self.specs[lora.lora_int_id] = (spec, data)
         self.wanted[lora.lora_int_id] += 1

@@ -61,6 +61,11 @@ class Metrics:
                                  "(1 + accepted proposals per step)", spec, registry=r)
         self.spec_pos = Gauge("shardserve_spec_decode_num_accepted_tokens_per_pos", "Proposals accepted, by their "
                               "position in the step's proposals", ["method", "position"], registry=r)
+        self.lora_slots = Gauge("shardserve_lora_slots", "LoRA adapter slots, and those holding an adapter",
+                                ["state"], registry=r)
+        self.lora_loads = Gauge("shardserve_lora_slot_loads", "Adapters put into a slot so far", registry=r)
+        self.lora_requests = Gauge("shardserve_lora_requests", "Requests per LoRA adapter, running or waiting",
+                                   ["adapter", "state"], registry=r)
         per = ["replica"]
         self.r_running = Gauge("shardserve_replica_num_requests_running", "Requests running, per data-parallel "
                                "replica", per, registry=r)
@@ -130,6 +135,8 @@ class Metrics:
                 self.transfer.labels(name).set(value)
         if s.speculative:
             self._update_speculative(s.speculative)
+        if s.lora:
+            self._update_lora(s.lora)
         for op, rec in s.traffic.items():
             self.comm_calls.labels(op).set(rec["calls"])
             self.comm_bytes.labels(op).set(rec["MB"] * 1e6)
@@ -147,6 +154,15 @@ class Metrics:
         self.spec_length.labels(m).set(c["emitted"] / c["drafts"] if c["drafts"] else 0.0)
         for pos, count in enumerate(c["per_position"]):
             self.spec_pos.labels(m, pos).set(count)
+
+    def _update_lora(self, c: dict) -> None:
+        self.lora_slots.labels("total").set(c["slots"])
+        self.lora_slots.labels("used").set(c["slots_used"])
+        self.lora_loads.set(c["loads"])
+        self.lora_requests.clear()  # an adapter no request uses any more leaves the listing
+        for state in ("running", "waiting"):
+            for name, n in c[state].items():
+                self.lora_requests.labels(name, state).set(n)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

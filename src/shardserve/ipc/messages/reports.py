@@ -44,6 +44,8 @@ class Stats(Msg):
     transfer: dict = {}
     # Speculative decoding's counters (scheduler/speculator.py SpecCounts.as_dict); {}: off
     speculative: dict = {}
+    # LoRA adapters (scheduler/engine_stats.lora_stats); {}: off
+    lora: dict = {}
 
 
 _SUMMED = ("running", "waiting", "pages_used", "pages_total", "steps", "finished", "preemptions",
@@ -62,7 +64,22 @@ def merge_stats(reps: list[Stats]) -> Stats:
                  prefix_hit_rate=sum(s.prefix_hit_tokens for s in reps) / queries if queries else 0.0,
                  max_in_flight=max(s.max_in_flight for s in reps), traffic=first.traffic, control=first.control,
                  stages=first.stages, expert_routed=sum_counts([s.expert_routed for s in reps]),
-                 speculative=merge_speculative([s.speculative for s in reps]))
+                 speculative=merge_speculative([s.speculative for s in reps]),
+                 lora=merge_lora([s.lora for s in reps]))
+
+
+def merge_lora(parts: list[dict]) -> dict:
+    """Replicas' LoRA numbers added up (requests per adapter name too)."""
+    parts = [p for p in parts if p]
+    if not parts:
+        return {}
+    out = {k: sum(p[k] for p in parts) for k in ("slots", "slots_used", "loads")}
+    for k in ("running", "waiting"):
+        out[k] = {}
+        for p in parts:
+            for name, n in p[k].items():
+                out[k][name] = out[k].get(name, 0) + n
+    return out
 
 
 def merge_speculative(parts: list[dict]) -> dict:
