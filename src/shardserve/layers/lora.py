@@ -28,20 +28,33 @@ from shardserve.layers.sharding import split_range
 
 @dataclass
 class LoraRows:
-    """A step's rows by adapter slot: `slots` [rows] (-1: the base model), and the same as groups
-    (slot, row indices) for the torch path."""
+    """A step's adapter rows grouped by slot: (slot, row indices) per group, and the same flat for
+    the C kernel: `order` (the groups' rows one after another), `bounds` (where each group starts,
+    and the end), `gslot` (each group's slot). Base-model rows are in no group."""
 
-    slots: torch.Tensor
+    rows: int
     groups: list[tuple[int, torch.Tensor]]
+    order: torch.Tensor
+    bounds: torch.Tensor
+    gslot: torch.Tensor
 
     @classmethod
     def of(cls, per_row: list[int], device: torch.device) -> LoraRows | None:
         """None where no row runs an adapter (the step is the base model's alone)."""
-        if all(s < 0 for s in per_row):
+        by_slot: dict[int, list[int]] = {}
+        for row, s in enumerate(per_row):
+            if s >= 0:
+                by_slot.setdefault(s, []).append(row)
+        if not by_slot:
             return None
-        slots = torch.tensor(per_row, dtype=torch.long, device=device)
-        groups = [(s, (slots == s).nonzero().flatten()) for s in sorted(set(per_row)) if s >= 0]
-        return cls(slots, groups)
+        slots = sorted(by_slot)
+        order = [row for s in slots for row in by_slot[s]]
+        bounds = [0]
+        for s in slots:
+            bounds.append(bounds[-1] + len(by_slot[s]))
+        groups = [(s, torch.tensor(by_slot[s], dtype=torch.long, device=device)) for s in slots]
+        as_tensor = lambda v: torch.tensor(v, dtype=torch.long)  # noqa: E731 (the C kernel reads these on the CPU)
+        return cls(len(per_row), groups, as_tensor(order), as_tensor(bounds), as_tensor(slots))
 
 
 class LoraStep:
@@ -141,9 +154,10 @@ class LoraWeights:
         x = x.contiguous()
         lib = load_or_none() if _fits(x, self.a) else None
         if lib is not None:
-            u = torch.empty(x.shape[0], self.k, dtype=torch.float32)
-            lib.lora_shrink_f32(x.data_ptr(), x.shape[0], x.stride(0), x.shape[1], rows.slots.data_ptr(),
-                                self.a.data_ptr(), self.k, u.data_ptr(), torch.get_num_threads())
+            u = torch.zeros(x.shape[0], self.k, dtype=torch.float32)  # base rows: zero (a collective sums them)
+            lib.lora_shrink_f32(x.data_ptr(), x.stride(0), x.shape[1], rows.order.data_ptr(), rows.bounds.data_ptr(),
+                                rows.gslot.data_ptr(), len(rows.groups), self.a.data_ptr(), self.k, u.data_ptr(),
+                                torch.get_num_threads())
             return u
         u = x.new_zeros(x.shape[0], self.k)
         for s, idx in rows.groups:
@@ -154,8 +168,9 @@ class LoraWeights:
         r, out = self.rank, self.piece_end[-1]
         lib = load_or_none() if _fits(u, y, self.bt) and y.stride(1) == 1 else None
         if lib is not None:
-            lib.lora_expand_f32(u.data_ptr(), u.shape[0], u.shape[1], rows.slots.data_ptr(), self.bt.data_ptr(), out,
-                                r, self._ends.data_ptr(), len(self.piece_end), y.data_ptr(), y.stride(0),
+            lib.lora_expand_f32(u.data_ptr(), u.shape[1], rows.order.data_ptr(), rows.bounds.data_ptr(),
+                                rows.gslot.data_ptr(), len(rows.groups), self.bt.data_ptr(), out, r,
+                                self._ends.data_ptr(), len(self.piece_end), y.data_ptr(), y.stride(0),
                                 torch.get_num_threads())
             return
         for s, idx in rows.groups:

@@ -1,53 +1,89 @@
-/* Multi-LoRA products for one step's rows, each row with its own adapter slot (or none, -1).
+/* Multi-LoRA products for one step's rows, each row with its own adapter slot (or none).
  *
  * A layer holds every slot's matrices stacked: A [slots, k, in] (the pieces of a fused layer
  * one after another, each `r` rows) and B transposed, Bt [slots, r, out], whose output columns
  * belong to the pieces in order (piece p ends at column piece_end[p] and reads u[p*r .. p*r+r)).
- *   shrink: u[t, :] = A[slot[t]] x[t]                (k values per row; zero for a base row)
- *   expand: y[t, o] += sum_j Bt[slot[t], j, o] u[t, p(o) * r + j]
- * The scale (lora_alpha / r) is folded into Bt when an adapter is loaded. One call per product
- * serves every adapter in the step, whatever the mix: no per-adapter loop, no weight copies.
+ *   shrink: u[t, :] = A[slot(t)] x[t]                (k values per row)
+ *   expand: y[t, o] += sum_j Bt[slot(t), j, o] u[t, p(o) * r + j]
+ * The scale (lora_alpha / r) is folded into Bt when an adapter is loaded.
+ *
+ * The rows arrive grouped by slot (`order`: row indices, group g = order[bounds[g] .. bounds[g+1]),
+ * all with slot gslot[g]; base rows are in no group), so each adapter's matrices are read once per
+ * step however many rows use it. Every u[t, j] and y[t, o] is summed in one fixed order whatever the
+ * grouping, so a row's result does not depend on what else is in the step.
  */
 #include <stdint.h>
 
 #define LORA_CHUNK 256
 
-void lora_shrink_f32(const float *x, int64_t rows, int64_t ldx, int64_t in, const int64_t *slot, const float *a,
-                     int64_t k, float *u, int nthreads) {
-#pragma omp parallel for collapse(2) num_threads(nthreads) schedule(static) if (rows * k >= 64)
-    for (int64_t t = 0; t < rows; t++) {
-        for (int64_t j = 0; j < k; j++) {
-            float acc = 0.0f;
-            if (slot[t] >= 0) {
-                const float *aj = a + (slot[t] * k + j) * in, *xt = x + t * ldx;
-                for (int64_t i = 0; i < in; i++) acc += aj[i] * xt[i];
+/* Four dot products of one x row at once: four independent chains keep the FMA units busy (one
+ * chain waits on its own latency). Each dot's order depends only on `n`, never on the rows around. */
+static void lora_dot4(const float *a, int64_t lda, const float *x, int64_t n, float *out) {
+    float s0 = 0.0f, s1 = 0.0f, s2 = 0.0f, s3 = 0.0f;
+    const float *a0 = a, *a1 = a + lda, *a2 = a + 2 * lda, *a3 = a + 3 * lda;
+    for (int64_t i = 0; i < n; i++) {
+        s0 += a0[i] * x[i];
+        s1 += a1[i] * x[i];
+        s2 += a2[i] * x[i];
+        s3 += a3[i] * x[i];
+    }
+    out[0] = s0, out[1] = s1, out[2] = s2, out[3] = s3;
+}
+
+static float lora_dot(const float *a, const float *x, int64_t n) {
+    float acc = 0.0f;
+    for (int64_t i = 0; i < n; i++) acc += a[i] * x[i];
+    return acc;
+}
+
+void lora_shrink_f32(const float *x, int64_t ldx, int64_t in, const int64_t *order, const int64_t *bounds,
+                     const int64_t *gslot, int64_t ngroups, const float *a, int64_t k, float *u, int nthreads) {
+    int64_t blocks = (k + 3) / 4; /* the last block may hold fewer than four rows of A */
+#pragma omp parallel for num_threads(nthreads) schedule(static) if (ngroups * blocks >= 8)
+    for (int64_t p = 0; p < ngroups * blocks; p++) {
+        int64_t g = p / blocks, j = (p % blocks) * 4;
+        const float *aj = a + (gslot[g] * k + j) * in;
+        for (int64_t i = bounds[g]; i < bounds[g + 1]; i++) {
+            int64_t t = order[i];
+            float *ut = u + t * k + j;
+            if (j + 4 <= k) {
+                lora_dot4(aj, in, x + t * ldx, in, ut);
+            } else {
+                for (int64_t jj = 0; j + jj < k; jj++) ut[jj] = lora_dot(aj + jj * in, x + t * ldx, in);
             }
-            u[t * k + j] = acc;
         }
     }
 }
 
-void lora_expand_f32(const float *u, int64_t rows, int64_t k, const int64_t *slot, const float *bt, int64_t out,
-                     int64_t r, const int64_t *piece_end, int64_t npieces, float *y, int64_t ldy, int nthreads) {
+void lora_expand_f32(const float *u, int64_t k, const int64_t *order, const int64_t *bounds, const int64_t *gslot,
+                     int64_t ngroups, const float *bt, int64_t out, int64_t r, const int64_t *piece_end,
+                     int64_t npieces, float *y, int64_t ldy, int nthreads) {
     int64_t chunks = (out + LORA_CHUNK - 1) / LORA_CHUNK;
-#pragma omp parallel for collapse(2) num_threads(nthreads) schedule(static) if (rows * chunks >= 2)
-    for (int64_t t = 0; t < rows; t++) {
-        for (int64_t c = 0; c < chunks; c++) {
-            if (slot[t] < 0) continue;
-            const float *b = bt + slot[t] * r * out;
-            float *yt = y + t * ldy;
-            int64_t lo = c * LORA_CHUNK, hi = lo + LORA_CHUNK < out ? lo + LORA_CHUNK : out;
-            int64_t start = 0;
-            for (int64_t p = 0; p < npieces; p++) {
-                int64_t end = piece_end[p];
-                int64_t o0 = lo > start ? lo : start, o1 = hi < end ? hi : end;
-                for (int64_t j = 0; j < r && o0 < o1; j++) {
-                    float uj = u[t * k + p * r + j];
-                    const float *bj = b + j * out;
-                    for (int64_t o = o0; o < o1; o++) yt[o] += uj * bj[o];
+#pragma omp parallel for num_threads(nthreads) schedule(static) if (ngroups * chunks >= 2)
+    for (int64_t p = 0; p < ngroups * chunks; p++) {
+        int64_t g = p / chunks, c = p % chunks;
+        const float *b = bt + gslot[g] * r * out;
+        int64_t lo = c * LORA_CHUNK, hi = lo + LORA_CHUNK < out ? lo + LORA_CHUNK : out;
+        int64_t start = 0;
+        for (int64_t q = 0; q < npieces; q++) {
+            int64_t end = piece_end[q];
+            int64_t o0 = lo > start ? lo : start, o1 = hi < end ? hi : end;
+            for (int64_t i = bounds[g]; i < bounds[g + 1] && o0 < o1; i++) {
+                int64_t t = order[i];
+                const float *ut = u + t * k + q * r;
+                float *yt = y + t * ldy;
+                int64_t j = 0;
+                for (; j + 4 <= r; j += 4) { /* four rank columns per pass over the chunk of y */
+                    const float *b0 = b + j * out, *b1 = b0 + out, *b2 = b1 + out, *b3 = b2 + out;
+                    float u0 = ut[j], u1 = ut[j + 1], u2 = ut[j + 2], u3 = ut[j + 3];
+                    for (int64_t o = o0; o < o1; o++) yt[o] += (u0 * b0[o] + u1 * b1[o]) + (u2 * b2[o] + u3 * b3[o]);
                 }
-                start = end;
+                for (; j < r; j++) {
+                    const float *bj = b + j * out;
+                    for (int64_t o = o0; o < o1; o++) yt[o] += ut[j] * bj[o];
+                }
             }
+            start = end;
         }
     }
 }
