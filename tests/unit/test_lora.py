@@ -187,3 +187,26 @@ def test_speculative_decoding_and_structured_outputs_per_adapter(adapters):
                                 structured_outputs=StructuredOutputsParams(choice=["alpha", "beta"]))
         outs = llm.generate(["pick"] * 3, choice, use_tqdm=False, lora_request=[reqs["full"], reqs["part"], None])
         assert all(o.outputs[0].text in ("alpha", "beta") for o in outs)
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2"])  # qwen2: a q/k/v bias, added before the adapters' share
+def test_decode_loop_runs_adapters_with_the_modules_arithmetic(tiny_model, tmp_path, kind, monkeypatch):
+    """Decode steps with adapter rows run in the C layer loop, bit for bit what the modules compute."""
+    from shardserve.layers import decode_loop
+
+    path, reqs, _ = adapter_set(tiny_model, tmp_path, PROMPTS[:2], 1, kind)
+    loras = [None, None] + [reqs[n] for n in reqs for _ in PROMPTS[:2]]
+    calls, run, applies = [], decode_loop.DecodeLoop.run, decode_loop.DecodeLoop.applies
+    monkeypatch.setattr(decode_loop.DecodeLoop, "run", lambda self, x, ctx: calls.append(1) or run(self, x, ctx))
+    outs = {}
+    for mode in ("loop", "modules"):
+        if mode == "modules":
+            monkeypatch.setattr(decode_loop.DecodeLoop, "applies", lambda self, x, ctx: False)
+        with LLM(path, enable_lora=True, max_loras=3, max_lora_rank=8, num_pages=64, show_progress=False) as llm:
+            outs[mode] = llm.generate(PROMPTS[:2] * 4, GREEDY, use_tqdm=False, lora_request=loras)
+        if mode == "loop":
+            assert len(calls) == NEW - 1  # every decode step, adapter rows and all
+    monkeypatch.setattr(decode_loop.DecodeLoop, "applies", applies)
+    for a, b in zip(outs["loop"], outs["modules"]):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        assert [d["logprob"] for d in a.outputs[0].logprobs] == [d["logprob"] for d in b.outputs[0].logprobs]

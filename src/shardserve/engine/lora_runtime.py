@@ -76,10 +76,9 @@ class LoraRuntime:
             out[key] = linear.lora.shard(shard, ab["A"], ab["B"], scale)
         return out
 
-    def set_rows(self, per_row: list[int]) -> bool:
-        """This step's adapter slot per row (-1: base); whether any row runs an adapter."""
+    def set_rows(self, per_row: list[int]) -> None:
+        """This step's adapter slot per row (-1: base), for every adapted layer to read."""
         self.step.rows = LoraRows.of(per_row, self.device)
-        return self.step.rows is not None
 
 
 def _target(model: torch.nn.Module, layer: int, module: str) -> tuple[torch.nn.Module | None, object]:

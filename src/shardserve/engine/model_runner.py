@@ -219,7 +219,7 @@ class ModelRunner:
         pos = torch.tensor(step.positions, dtype=torch.long, device=self.device)
         ids = torch.tensor(step.token_ids, dtype=torch.long, device=self.device) if self.stage.first else None
         if self.lora is not None:
-            ctx.adapters = self.lora.set_rows(step.lora_slots)
+            self.lora.set_rows(step.lora_slots)
         out = self.model(ids, pos, ctx, hidden)
         if not self.stage.last:
             return out

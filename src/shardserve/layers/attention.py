@@ -31,7 +31,6 @@ class ForwardContext:
     rope: tuple[torch.Tensor, torch.Tensor] | None = None  # cos, sin of this step's positions
     # Called with each layer's index once it has run (a prefill instance ships that layer's KV).
     after_layer: Callable[[int], None] | None = None
-    adapters: bool = False  # some rows run a LoRA adapter (the C decode loop knows none)
 
 
 class SelfAttention(nn.Module):

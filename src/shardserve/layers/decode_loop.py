@@ -3,7 +3,8 @@
 It applies to a dense llama-family stack (llama, qwen2, qwen3) on the CPU in float32 with every
 linear weight held as row segments for the C kernels (block-quantized: a GGUF under
 --quantization auto, or int8; or float32 weights as F32 rows), run by one tensor rank, and to
-steps made only of decode rows attended by the CPU paged kernel. Anything else runs the modules
+steps made only of decode rows attended by the CPU paged kernel. LoRA adapters' products (layers/
+lora.py) run inside it, by the same C functions the modules call. Anything else runs the modules
 one by one, with the same arithmetic.
 
 The weights' and caches' addresses are gathered once (the tensors never move after loading);
@@ -34,9 +35,18 @@ class Mat(ctypes.Structure):
     _fields_ = [("nseg", i64), ("seg", Seg * 3)]
 
 
+class LoraMat(ctypes.Structure):
+    _fields_ = [("a", ptr), ("bt", ptr), ("k", i64), ("r", i64), ("npieces", i64), ("piece_end", i64 * 3)]
+
+
+class LoraRowsC(ctypes.Structure):
+    _fields_ = [("order", ptr), ("bounds", ptr), ("gslot", ptr), ("ngroups", i64)]
+
+
 class Layer(ctypes.Structure):
     _fields_ = [("ln1", ptr), ("ln2", ptr), ("qkv_bias", ptr), ("q_norm", ptr), ("k_norm", ptr),
-                ("qkv", Mat), ("o", Mat), ("gate_up", Mat), ("down", Mat), ("k_cache", ptr), ("v_cache", ptr)]
+                ("qkv", Mat), ("o", Mat), ("gate_up", Mat), ("down", Mat), ("k_cache", ptr), ("v_cache", ptr),
+                ("lqkv", LoraMat), ("lo", LoraMat), ("lgate_up", LoraMat), ("ldown", LoraMat)]
 
 
 class Dims(ctypes.Structure):
@@ -52,12 +62,24 @@ def _mat(linear: PackedLinear) -> Mat:
     return m
 
 
+def _lora_mat(linear: PackedLinear) -> LoraMat:
+    """A layer's adapter slots as the C loop reads them (the same tensors the module path reads)."""
+    w = linear.lora
+    if w is None:
+        return LoraMat()
+    ends = (i64 * 3)(*w.piece_end)
+    return LoraMat(w.a.data_ptr(), w.bt.data_ptr(), w.k, w.rank, len(w.piece_end), ends)
+
+
 def _fits(layer: torch.nn.Module) -> bool:
     attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
     if not isinstance(attn, SelfAttention) or type(mlp) is not GatedMLP:
         return False
     linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
+    # Adapter slots: CPU float32 and whole (one tensor rank: the loop never shards them).
+    adapted = [lin.lora for lin in linears if lin.lora is not None]
     return (all(lin.quant is not None and len(lin.quant) <= 3 for lin in linears)
+            and all(w.a.dtype == torch.float32 and w.a.device.type == "cpu" and not w.fully for w in adapted)
             and attn.o_proj.bias is None and attn.o_proj.comm.size == 1 and mlp.down_proj.reduce
             and layer.input_layernorm.weight.dtype == torch.float32
             and layer.input_layernorm.weight.device.type == "cpu")
@@ -76,6 +98,11 @@ class DecodeLoop:
                          scale=first.heads.scale, kv_of_q=self.kv_index.data_ptr())
         self._table: ctypes.Array | None = None
         self._key = 0
+        # The step's adapter rows are shared by every adapted layer of the runner (layers/lora.py).
+        adapted = [lin.lora for layer in layers for lin in (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
+                                                            layer.mlp.gate_up_proj, layer.mlp.down_proj)
+                   if lin.lora is not None]
+        self.lora_step = adapted[0].step if adapted else None
 
     @classmethod
     def build(cls, layers: Sequence[torch.nn.Module]) -> DecodeLoop | None:
@@ -93,7 +120,7 @@ class DecodeLoop:
         # The C loop calls the C attention kernel: only where the runner's backend is that one.
         return (ctx.backend.name == "cpu" and meta.paged is not None and not meta.prefills
                 and not meta.decode_groups and meta.num_decode == x.shape[0]
-                and ctx.after_layer is None and not ctx.adapters and x.dtype == torch.float32)
+                and ctx.after_layer is None and x.dtype == torch.float32)
 
     def _layer_table(self, ctx: ForwardContext) -> ctypes.Array:
         # The pool's caches are made once; a new pool (a new first K cache) means new addresses.
@@ -113,7 +140,9 @@ class DecodeLoop:
                     q_norm=attn.q_norm.weight.data_ptr() if attn.q_norm is not None else None,
                     k_norm=attn.k_norm.weight.data_ptr() if attn.k_norm is not None else None,
                     qkv=_mat(attn.qkv_proj), o=_mat(attn.o_proj), gate_up=_mat(mlp.gate_up_proj),
-                    down=_mat(mlp.down_proj), k_cache=k_cache.data_ptr(), v_cache=v_cache.data_ptr())
+                    down=_mat(mlp.down_proj), k_cache=k_cache.data_ptr(), v_cache=v_cache.data_ptr(),
+                    lqkv=_lora_mat(attn.qkv_proj), lo=_lora_mat(attn.o_proj), lgate_up=_lora_mat(mlp.gate_up_proj),
+                    ldown=_lora_mat(mlp.down_proj))
             self._table, self._key = table, key
         return self._table
 
@@ -124,10 +153,14 @@ class DecodeLoop:
         cos, sin = cos.contiguous(), sin.contiguous()
         tables, lens, slots = meta.paged.block_tables, meta.paged.context_lens, meta.slot_mapping
         table = self._layer_table(ctx)  # first: it picks attn_fn for the pool's dtype
+        rows = self.lora_step.rows if self.lora_step is not None else None
+        lrows = (LoraRowsC(rows.order.data_ptr(), rows.bounds.data_ptr(), rows.gslot.data_ptr(), len(rows.groups))
+                 if rows is not None else None)
         rc = self.lib.decode_layers(
             ctypes.addressof(table), len(self.layers), ctypes.addressof(self.dims), x.data_ptr(),
             x.shape[0], cos.data_ptr(), sin.data_ptr(), slots.data_ptr(), tables.data_ptr(), tables.shape[1],
-            lens.data_ptr(), meta.page_size, self.attn_fn, torch.get_num_threads())
+            lens.data_ptr(), meta.page_size, self.attn_fn, torch.get_num_threads(),
+            ctypes.addressof(lrows) if lrows is not None else None)
         if rc == 1:
             raise ValueError("decode_layers: a weight's block format or shape is not supported")
         if rc:

@@ -55,6 +55,7 @@ typedef struct {
     const float *ln1, *ln2, *qkv_bias, *q_norm, *k_norm; /* the last three may be NULL */
     Mat qkv, o, gate_up, down;
     void *k_cache, *v_cache; /* [slots, hkv, d], float32 or (Dims.kv_bf16) bfloat16 */
+    LoraMat lqkv, lo, lgate_up, ldown; /* --enable-lora: the adapter slots of each product (a NULL: none) */
 } Layer;
 
 typedef struct {
@@ -140,7 +141,7 @@ static void norm_rows(const float *x, int64_t r0, int64_t r1, int64_t H, const f
  * per operator) separate the phases. */
 int decode_layers(const Layer *layers, int64_t nlayers, const Dims *dm, float *x, int64_t m, const float *cos,
                   const float *sin, const int64_t *slots, const int64_t *block_tables, int64_t max_pages,
-                  const int64_t *context_lens, int64_t page_size, attn_fn attn, int nthreads) {
+                  const int64_t *context_lens, int64_t page_size, attn_fn attn, int nthreads, const LoraRows *lrows) {
     int64_t H = dm->hidden, d = dm->d, nq = dm->hq * d, nkv = dm->hkv * d, nqkv = nq + 2 * nkv, I = dm->inter;
     for (int64_t l = 0; l < nlayers; l++) {
         const Layer *L = &layers[l];
@@ -155,14 +156,20 @@ int decode_layers(const Layer *layers, int64_t nlayers, const Dims *dm, float *x
     }
     int64_t kmax = H > nq ? H : nq;
     kmax = kmax > I ? kmax : I;
-    float *buf = malloc(sizeof(float) * (size_t)(m * (H + nqkv + nq + 3 * I + H)));
+    int64_t klora = 0; /* the widest adapter shrink: the scratch of A x */
+    for (int64_t l = 0; lrows && l < nlayers; l++) {
+        const LoraMat *lm[4] = {&layers[l].lqkv, &layers[l].lo, &layers[l].lgate_up, &layers[l].ldown};
+        for (int j = 0; j < 4; j++)
+            if (lm[j]->a && lm[j]->k > klora) klora = lm[j]->k;
+    }
+    float *buf = malloc(sizeof(float) * (size_t)(m * (H + nqkv + nq + 3 * I + H + klora)));
     int64_t *next = calloc((size_t)(nlayers * 5), sizeof(int64_t)); /* claim counters: 5 per layer */
     Acts a;
     int ok = acts_alloc(&a, m, kmax, paths);
     int prep = a.q || a.p || a.b; /* some product reads `a` (else all read x itself) */
     if (!buf || !next || !ok) { free(buf); free(next); acts_free(&a); return 2; }
     float *h = buf, *qkv = h + m * H, *att = qkv + m * nqkv, *gu = att + m * nq, *act = gu + m * 2 * I,
-          *t = act + m * I;
+          *t = act + m * I, *u = t + m * H;
     int rc = 0;
     Acts aH = a, aQ = a, aI = a; /* the same buffers, read as rows of H, nq or I */
     aH.k = H; aQ.k = nq; aI.k = I;
@@ -183,9 +190,16 @@ int decode_layers(const Layer *layers, int64_t nlayers, const Dims *dm, float *x
 #pragma omp barrier
             mat_rows(&L->qkv, &aH, h, m, qkv, nqkv, wp, &next[5 * l], nth);
 #pragma omp barrier
+            /* The module path's order: the product, its bias, then the adapters' share. */
+            int lq = lrows && L->lqkv.a;
+            if (lq) {
+                for (int64_t i = r0; i < r1 && L->qkv_bias; i++)
+                    for (int64_t e = 0; e < nqkv; e++) qkv[i * nqkv + e] += L->qkv_bias[e];
+                lora_apply(&L->lqkv, lrows, h, H, H, u, qkv, nqkv, tid, nth);
+            }
             for (int64_t i = r0; i < r1; i++) {
                 float *row = qkv + i * nqkv;
-                if (L->qkv_bias)
+                if (L->qkv_bias && !lq)
                     for (int64_t e = 0; e < nqkv; e++) row[e] += L->qkv_bias[e];
                 if (L->q_norm) {
                     rms_norm_f32(row, dm->hq, d, d, L->q_norm, dm->eps, row, d, 1);
@@ -213,16 +227,19 @@ int decode_layers(const Layer *layers, int64_t nlayers, const Dims *dm, float *x
 #pragma omp barrier
             mat_rows(&L->o, &aQ, att, m, t, H, wp, &next[5 * l + 1], nth);
 #pragma omp barrier
+            if (lrows && L->lo.a) lora_apply(&L->lo, lrows, att, nq, nq, u, t, H, tid, nth);
             for (int64_t e = r0 * H; e < r1 * H; e++) x[e] += t[e];
             norm_rows(x, r0, r1, H, L->ln2, dm->eps, h, &aH, prep);
 #pragma omp barrier
             mat_rows(&L->gate_up, &aH, h, m, gu, 2 * I, wp, &next[5 * l + 2], nth);
 #pragma omp barrier
+            if (lrows && L->lgate_up.a) lora_apply(&L->lgate_up, lrows, h, H, H, u, gu, 2 * I, tid, nth);
             silu_mul_f32(gu + r0 * 2 * I, r1 - r0, 2 * I, I, act + r0 * I, 1);
             if (prep) acts_rows(act, I, r0, r1, &aI);
 #pragma omp barrier
             mat_rows(&L->down, &aI, act, m, t, H, wp, &next[5 * l + 3], nth);
 #pragma omp barrier
+            if (lrows && L->ldown.a) lora_apply(&L->ldown, lrows, act, I, I, u, t, H, tid, nth);
             for (int64_t e = r0 * H; e < r1 * H; e++) x[e] += t[e]; /* the next layer starts on these rows */
         }
         free(wp);
