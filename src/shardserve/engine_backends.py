@@ -35,8 +35,16 @@ class LocalBackend:
         self.infos = {"scheduler-0": self.engine.worker.info()}
 
     def add(self, items: list[tuple[str, list[int], SamplingParams]]) -> None:
-        for rid, ids, params in items:
-            self.engine.add_request(rid, ids, params)
+        """All or none: a request the engine refuses takes those added before it back out."""
+        added = []
+        try:
+            for rid, ids, params in items:
+                self.engine.add_request(rid, ids, params)
+                added.append(rid)
+        except BaseException:
+            for rid in added:
+                self.engine.abort(rid)
+            raise
 
     def rank_reports(self) -> list[dict]:
         return [self.engine.traffic_by_group()]

@@ -28,10 +28,11 @@ from shardserve.launch.deployment import Deployment
 from shardserve.launch.grid import run_other_node
 from shardserve.launch.nodes import NodeSpec
 from shardserve.loader.generation_config import generation_defaults
+from shardserve.loader.lora import base_shapes, read_adapter
 from shardserve.loader.model_path import resolve_checkpoint
 from shardserve.loader.pooling import pooling_of
 from shardserve.loader.tokenizer import load_tokenizer
-from shardserve.loader.weights import resolve_dtype
+from shardserve.loader.weights import read_model_config, resolve_dtype
 from shardserve.logs import use_log_level
 from shardserve.router.policy import resolve_policy
 from shardserve.scheduler.startup import startup_summary, use_threads
@@ -105,6 +106,7 @@ class LLM:
             # Another machine's share of the grid: serve its ranks until node 0 shuts down.
             self.exit_code = run_other_node(self.config, self.layout, self.node, ckpt.name, startup_timeout)
             return
+        self._lora_base = base_shapes(read_model_config(ckpt)) if self.config.enable_lora else None
         self.generation_defaults, _ = generation_defaults(ckpt, generation_config)
         self.pooling = pooling_of(ckpt, pooling)
         self.tokenizer = load_tokenizer(ckpt)
@@ -168,12 +170,22 @@ class LLM:
         encoded = [self._prepare(p, sp) for p, sp in zip(prompts, params)]
         for ids, sp in zip(encoded, params):
             backend.limits.check(ids, sp)  # refuse the batch before anything starts
+        self._check_loras(params)
         groups = [[self._sample(sp, i) for i in range(sp.n)] for sp in params]
         # All at once: the engine admits the whole batch before its first step, so a run is
         # the same steps every time.
         backend.add([(s.rid, ids, s.params) for ids, g in zip(encoded, groups) for s in g])
         self._run(groups, use_tqdm)
         return [self._output(p, ids, g) for p, ids, g in zip(prompts, encoded, groups)]
+
+    def _check_loras(self, params: list[SamplingParams]) -> None:
+        """Every adapter the batch names, checked before any of it starts (the engine checks again)."""
+        loras = {p.lora_request for p in params if p.lora_request is not None}
+        if loras and self._lora_base is None:
+            raise ValueError(f"LoRA adapter {next(iter(loras)).lora_name!r} asked for, but this LLM serves none: "
+                             "make it with enable_lora=True")
+        for lora in loras:
+            read_adapter(lora.lora_name, lora.lora_path, self._lora_base, self.config.max_lora_rank)
 
     def embed(self, prompts: Prompt | Sequence[Prompt], dimensions: int | None = None,
               use_tqdm: bool = True) -> list[EmbeddingRequestOutput]:
@@ -231,6 +243,7 @@ class LLM:
             raise ValueError("add_request takes n=1; use generate for n > 1")
         ids = self._prepare(prompt, params)
         self._live().limits.check(ids, params)
+        self._check_loras([params])
         sample = self._sample(params, 0)
         self._live().add([(sample.rid, ids, sample.params)])
         return sample.rid
@@ -244,6 +257,7 @@ class LLM:
         backend = self._live()
         ids = self._prepare(prompt, params)
         backend.limits.check(ids, params)
+        self._check_loras([params])
         sample = self._sample(dataclasses.replace(params, n=1), 0)
         backend.add([(sample.rid, ids, sample.params)])
         done = False

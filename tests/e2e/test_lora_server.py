@@ -88,6 +88,8 @@ def test_load_at_run_time_mix_and_refusals(server, adapters):
     assert r.status_code == 400 and "extra" in r.json()["error"]["message"]
     assert post(server.url, "/v1/load_lora_adapter", {"lora_name": "mlp", "lora_path": reqs["mlp"].lora_path}
                 ).status_code == 200
+    wrong = post(server.url, "/v1/unload_lora_adapter", {"lora_name": "mlp", "lora_int_id": 999})
+    assert wrong.status_code == 404 and "lora_int_id 999" in wrong.json()["error"]["message"]
     # Three adapters and the base at once, two slots: each request gets its own adapter's tokens.
     jobs = [(m, n, p) for m, n in (("tiny", "base"), ("full", "full"), ("part", "part"), ("mlp", "mlp"))
             for p in range(len(PROMPTS))] * 2
@@ -149,7 +151,10 @@ def test_bad_lora_modules_refused_at_start(adapters, tmp_path):
     for flags, why in ((["--enable-lora", "--max-lora-rank", "4", "--lora-modules", f"p={reqs['part'].lora_path}"],
                         "rank 8 exceeds --max-lora-rank 4"),
                        (["--lora-modules", f"p={reqs['part'].lora_path}"], "--lora-modules needs --enable-lora"),
-                       (["--enable-lora", "--lora-modules", "nopath"], "expected name=path")):
+                       (["--enable-lora", "--lora-modules", "nopath"], "expected name=path"),
+                       # a repeated flag adds to the list (its second item is the bad one)
+                       (["--enable-lora", "--lora-modules", f"p={reqs['part'].lora_path}", "--lora-modules", "q=/nope"],
+                        "'q': /nope is not a directory")):
         r = subprocess.run([sys.executable, "-m", "shardserve", "serve", "--model", path, *flags],
                            capture_output=True, text=True, timeout=60)
         assert r.returncode == 2 and why in r.stderr, r.stderr

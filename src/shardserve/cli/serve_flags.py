@@ -54,7 +54,7 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--trust-request-chat-template", action="store_true",
                    help="run a chat_template that a request sends (a template that loops stalls a tokenizer "
                         "worker, so only trusted clients should reach a server started with this)")
-    g.add_argument("--lora-modules", nargs="+", default=[], metavar="NAME=PATH",
+    g.add_argument("--lora-modules", nargs="+", action="extend", default=[], metavar="NAME=PATH",
                    help="LoRA adapters served from the start (PEFT directories), each named as a request's `model` "
                         "names it (needs --enable-lora)")
     g.add_argument("--startup-timeout", type=positive_float, default=300.0,

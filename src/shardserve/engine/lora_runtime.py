@@ -18,7 +18,7 @@ from safetensors.torch import load as load_safetensors
 from shardserve.config import EngineConfig
 from shardserve.distributed.communicator import Communicator
 from shardserve.distributed.pipeline import Stage
-from shardserve.ipc.messages.plan import LoraLoad
+from shardserve.ipc.messages.plan import DROP, LoraOp
 from shardserve.layers.lora import LoraRows, LoraStep
 from shardserve.loader.lora import TARGETS, parse_key, submodule
 
@@ -49,20 +49,20 @@ class LoraRuntime:
         found = {m for _, m in self.targets}
         return [m for m in TARGETS if m in found]
 
-    def apply(self, loads: list[LoraLoad], evict: list[int]) -> None:
-        """A plan's adapter decisions, before it runs: drop parsed adapters, fill slots."""
-        for lora_id in evict:
-            self.cache.pop(lora_id, None)
-        for load in loads:
-            if load.data:
-                self.cache[load.lora_id] = self._parse(load.data, load.scale)
-            parsed = self.cache[load.lora_id]  # KeyError: the leader's record of the cache is wrong
-            self.cache.move_to_end(load.lora_id)
+    def apply(self, ops: list[LoraOp]) -> None:
+        """A plan's adapter decisions, in the leader's order, before it runs."""
+        for op in ops:
+            if op.slot == DROP:
+                self.cache.pop(op.lora_id, None)
+                continue
+            if op.data:
+                self.cache[op.lora_id] = self._parse(op.data, op.scale)
+            parsed = self.cache[op.lora_id]  # KeyError: the leader's record of the cache is wrong
             for linear in self.adapted:
-                linear.lora.clear(load.slot)
+                linear.lora.clear(op.slot)
             for key, (a, bt) in parsed.items():
                 linear, shard = self.targets[key]
-                linear.lora.write(load.slot, shard, a, bt)
+                linear.lora.write(op.slot, shard, a, bt)
 
     def _parse(self, data: bytes, scale: float) -> Parsed:
         pieces: dict[tuple[int, str], dict[str, torch.Tensor]] = {}

@@ -120,8 +120,8 @@ class StageWorker:
         return logits if self.samples else None
 
     def _learn(self, plan: StepPlan) -> None:
-        if plan.lora_loads or plan.lora_evict:
-            self.runner.lora.apply(plan.lora_loads, plan.lora_evict)
+        if plan.lora_ops:
+            self.runner.lora.apply(plan.lora_ops)
         for room in plan.dropped:
             if self.receiver is not None:
                 self.receiver.cancel(room)

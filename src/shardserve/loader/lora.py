@@ -24,7 +24,10 @@ from dataclasses import dataclass
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 _SUB = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn", "o_proj": "self_attn",
         "gate_proj": "mlp", "up_proj": "mlp", "down_proj": "mlp"}
-_KEY = re.compile(r"(?:^|\.)layers\.(\d+)\.(self_attn|mlp)\.(\w+?)\.lora_(A|B)(?:\.\w+)?\.weight$")
+# PEFT's names (base_model.model. before the model's own), or the model's own alone.
+_KEY = re.compile(r"^(?:base_model\.model\.)?(?:model\.)?layers\.(\d+)\.(self_attn|mlp)\.(\w+?)\.lora_(A|B)"
+                  r"(?:\.\w+)?\.weight$")
+MAX_HEADER = 100 * 2**20  # safetensors' own bound on a header
 CONFIG, WEIGHTS = "adapter_config.json", "adapter_model.safetensors"
 # PEFT options that change the arithmetic; an adapter using one is refused, never run without it.
 _UNSUPPORTED = {"use_dora": "DoRA", "fan_in_fan_out": "fan_in_fan_out (Conv1D layers)"}
@@ -74,8 +77,10 @@ class AdapterSpec:
 
 def parse_key(name: str) -> tuple[int, str, str] | None:
     """(layer, module, 'A' or 'B') of an adapter tensor's name, or None for another tensor."""
-    m = _KEY.search(name)
-    return (int(m.group(1)), m.group(3), m.group(4)) if m else None
+    m = _KEY.match(name)
+    if m is None or _SUB.get(m.group(3)) != m.group(2):
+        return None
+    return int(m.group(1)), m.group(3), m.group(4)
 
 
 def safetensors_header(path: str) -> dict[str, dict]:
@@ -83,19 +88,48 @@ def safetensors_header(path: str) -> dict[str, dict]:
     JSON header alone."""
     with open(path, "rb") as f:
         raw = f.read(8)
-        if len(raw) != 8:
-            raise ValueError("it is not a safetensors file (shorter than its 8-byte header length)")
-        (size,) = struct.unpack("<Q", raw)
-        if size > os.path.getsize(path) - 8:
-            raise ValueError("it is not a safetensors file (its header length runs past the end)")
-        try:
-            header = json.loads(f.read(size))
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise ValueError(f"its safetensors header is not JSON ({e})") from None
+        size = _header_size(raw, os.path.getsize(path))
+        return _decode_header(f.read(size), os.path.getsize(path) - 8 - size)
+
+
+def header_of(data: bytes) -> dict[str, dict]:
+    """The same, of a whole file's bytes, each tensor's bytes checked to lie inside them."""
+    size = _header_size(data[:8], len(data))
+    return _decode_header(data[8 : 8 + size], len(data) - 8 - size)
+
+
+def _header_size(raw: bytes, total: int) -> int:
+    if len(raw) != 8:
+        raise ValueError("it is not a safetensors file (shorter than its 8-byte header length)")
+    (size,) = struct.unpack("<Q", raw)
+    if size > min(total - 8, MAX_HEADER):
+        raise ValueError(f"it is not a safetensors file (a header of {size} bytes)")
+    return size
+
+
+def _decode_header(text: bytes, body: int) -> dict[str, dict]:
+    """The header's tensors, each entry's fields checked: {dtype, shape, data_offsets} within the
+    `body` bytes after the header."""
+    try:
+        header = json.loads(text)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"its safetensors header is not JSON ({e})") from None
     if not isinstance(header, dict):
         raise ValueError("its safetensors header is not a JSON object")
     header.pop("__metadata__", None)
+    for key, info in header.items():
+        ok = (isinstance(info, dict) and isinstance(info.get("dtype"), str)
+              and isinstance(info.get("shape"), list) and all(_count(n) for n in info["shape"])
+              and isinstance(info.get("data_offsets"), list) and len(info["data_offsets"]) == 2
+              and all(_count(n) for n in info["data_offsets"])
+              and info["data_offsets"][0] <= info["data_offsets"][1] <= body)
+        if not ok:
+            raise ValueError(f"its safetensors header's entry for {key!r} is malformed or runs past the file")
     return header
+
+
+def _count(n: object) -> bool:
+    return isinstance(n, int) and not isinstance(n, bool) and n >= 0
 
 
 def _config(name: str, path: str) -> dict:
@@ -125,15 +159,17 @@ def _config(name: str, path: str) -> dict:
         if cfg.get(key):
             raise ValueError(f"LoRA adapter {name!r}: a per-module {key} is not supported")
     r, alpha = cfg.get("r"), cfg.get("lora_alpha")
-    if not isinstance(r, int) or r < 1 or not isinstance(alpha, int | float):
+    if (not _count(r) or r < 1 or isinstance(alpha, bool) or not isinstance(alpha, int | float)
+            or not math.isfinite(alpha)):
         raise ValueError(f"LoRA adapter {name!r}: {CONFIG} needs an integer r >= 1 and a number lora_alpha "
                          f"(got r={r!r}, lora_alpha={alpha!r})")
     return cfg
 
 
-def read_adapter(name: str, path: str, base: BaseShapes, max_rank: int) -> AdapterSpec:
+def read_adapter(name: str, path: str, base: BaseShapes, max_rank: int, data: bytes | None = None) -> AdapterSpec:
     """The adapter at `path`, checked against the base model and --max-lora-rank; ValueError (one
-    line naming it) for anything this engine would not run exactly as PEFT does."""
+    line naming it) for anything this engine would not run exactly as PEFT does. With `data` (the
+    weights file's bytes, read once) the check is of those bytes, not of the file read again."""
     cfg = _config(name, path)
     r, alpha = cfg["r"], cfg["lora_alpha"]
     if r > max_rank:
@@ -144,7 +180,7 @@ def read_adapter(name: str, path: str, base: BaseShapes, max_rank: int) -> Adapt
             os.path.join(path, "adapter_model.bin")) else ""
         raise ValueError(f"LoRA adapter {name!r}: {path} has no {WEIGHTS}{raw}")
     try:
-        header = safetensors_header(weights)
+        header = safetensors_header(weights) if data is None else header_of(data)
     except (OSError, ValueError) as e:
         raise ValueError(f"LoRA adapter {name!r}: {weights}: {e}") from None
     modules, pairs = set(), {}
@@ -171,7 +207,10 @@ def read_adapter(name: str, path: str, base: BaseShapes, max_rank: int) -> Adapt
                              "(rank r from its config, the base model's projection size): is it for another base "
                              "model?")
         modules.add(module)
-        pairs.setdefault((layer, module), set()).add(ab)
+        seen = pairs.setdefault((layer, module), set())
+        if ab in seen:
+            raise ValueError(f"LoRA adapter {name!r}: layer {layer} {module} has two lora_{ab} tensors")
+        seen.add(ab)
     if not pairs:
         raise ValueError(f"LoRA adapter {name!r}: {weights} holds no LoRA matrices")
     lone = next(((layer, m) for (layer, m), abs_ in pairs.items() if len(abs_) != 2), None)

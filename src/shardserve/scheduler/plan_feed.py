@@ -4,7 +4,7 @@ ranks must learn before they run it."""
 from __future__ import annotations
 
 from shardserve.core import Batch, Request
-from shardserve.ipc.messages.plan import LoraLoad, PlanEntry, PlanRequest, StepPlan
+from shardserve.ipc.messages.plan import LoraOp, PlanEntry, PlanRequest, StepPlan
 
 # A request the plan's result answers: (request, samples a token, scores prompt tokens).
 Wait = tuple[Request, bool, bool]
@@ -19,14 +19,13 @@ class PlanFeed:
         self.new: list[PlanRequest] = []
         self.done: list[str] = []
         self.dropped: list[str] = []
-        self.lora_loads: list[LoraLoad] = []
-        self.lora_evict: list[int] = []
+        self.lora_ops: list[LoraOp] = []
 
     def plan(self, mb: int, entries: list[PlanEntry], draft: bool = False) -> StepPlan:
         """Plan `mb`, carrying (and clearing) everything collected since the last one."""
         plan = StepPlan(mb=mb, entries=entries, new=self.new, done=self.done, dropped=self.dropped, draft=draft,
-                        lora_loads=self.lora_loads, lora_evict=self.lora_evict)
-        self.new, self.done, self.dropped, self.lora_loads, self.lora_evict = [], [], [], [], []
+                        lora_ops=self.lora_ops)
+        self.new, self.done, self.dropped, self.lora_ops = [], [], [], []
         return plan
 
     def batch_plan(self, mb: int, batch: Batch) -> tuple[StepPlan, list[Wait]]:

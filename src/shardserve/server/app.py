@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from dataclasses import dataclass, field
 
@@ -166,8 +167,8 @@ def build_app(state: ServerState) -> FastAPI:
     @app.post("/v1/load_lora_adapter")
     async def load_lora_adapter(request: Request):
         body = await parse_body(request, LoadLoraRequest, state.max_body)
-        try:
-            state.loras.load(body.lora_name, body.lora_path)
+        try:  # file reads off the event loop: a slow disk must not stall every other request
+            await asyncio.to_thread(state.loras.load, body.lora_name, body.lora_path)
         except ValueError as e:
             raise APIError(400, str(e), param="lora_path") from None
         log.info("LoRA adapter %r loaded from %s", body.lora_name, body.lora_path)
@@ -177,9 +178,11 @@ def build_app(state: ServerState) -> FastAPI:
     async def unload_lora_adapter(request: Request):
         body = await parse_body(request, UnloadLoraRequest, state.max_body)
         try:
-            state.loras.unload(body.lora_name)
+            state.loras.unload(body.lora_name, body.lora_int_id)
         except KeyError:
-            raise APIError(404, f"no LoRA adapter named {body.lora_name!r} is loaded", param="lora_name") from None
+            with_id = f" with lora_int_id {body.lora_int_id}" if body.lora_int_id is not None else ""
+            raise APIError(404, f"no LoRA adapter named {body.lora_name!r}{with_id} is loaded",
+                           param="lora_name") from None
         log.info("LoRA adapter %r unloaded (requests running with it finish first)", body.lora_name)
         return Response(f"Success: LoRA adapter '{body.lora_name}' removed successfully.", media_type="text/plain")
 

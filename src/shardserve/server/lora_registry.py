@@ -9,6 +9,7 @@ as they began (the scheduler holds the adapter while any request needs it).
 
 from __future__ import annotations
 
+import threading
 import time
 
 from shardserve.core import LoRARequest
@@ -25,7 +26,7 @@ class LoadLoraRequest(Refusing):
 
 
 class UnloadLoraRequest(Refusing):
-    """POST /v1/unload_lora_adapter; `lora_int_id` (vLLM's) is accepted and not needed: names are unique."""
+    """POST /v1/unload_lora_adapter; `lora_int_id` (vLLM's), if given, must be the adapter's id."""
 
     lora_name: str
     lora_int_id: int | None = None
@@ -37,6 +38,7 @@ class LoraRegistry:
         self.base_name, self.base, self.max_rank = base_name, base, max_rank
         self.adapters: dict[str, tuple[LoRARequest, int]] = {}  # name -> (request, created)
         self.next_id = 1
+        self._lock = threading.Lock()  # loads run in worker threads (they read files)
 
     @classmethod
     def at_start(cls, name: str, cfg, model_cfg, modules: list[str]) -> LoraRegistry:
@@ -61,17 +63,22 @@ class LoraRegistry:
             raise ValueError("this server runs no LoRA adapters: start it with --enable-lora")
         if not name or name == self.base_name:
             raise ValueError(f"a LoRA adapter cannot be named {name!r} (the base model's name, or empty)")
-        if name in self.adapters:
-            raise ValueError(f"a LoRA adapter named {name!r} is already loaded (unload it first)")
-        spec = read_adapter(name, path, self.base, self.max_rank)
-        lora = LoRARequest(name, self.next_id, spec.path)
-        self.next_id += 1
-        self.adapters[name] = (lora, int(time.time()))
-        return lora
+        with self._lock:
+            if name in self.adapters:
+                raise ValueError(f"a LoRA adapter named {name!r} is already loaded (unload it first)")
+            spec = read_adapter(name, path, self.base, self.max_rank)
+            lora = LoRARequest(name, self.next_id, spec.path)
+            self.next_id += 1
+            self.adapters[name] = (lora, int(time.time()))
+            return lora
 
-    def unload(self, name: str) -> None:
-        if self.adapters.pop(name, None) is None:
-            raise KeyError(name)
+    def unload(self, name: str, lora_int_id: int | None = None) -> None:
+        """KeyError where no adapter of that name (and, if given, that id) is loaded."""
+        with self._lock:
+            found = self.adapters.get(name)
+            if found is None or (lora_int_id is not None and found[0].lora_int_id != lora_int_id):
+                raise KeyError(name)
+            del self.adapters[name]
 
     def resolve(self, model: str | None) -> LoRARequest | None:
         """The adapter a request's `model` names (None: the base model); a 404 for another name."""

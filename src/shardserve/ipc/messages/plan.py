@@ -28,15 +28,19 @@ class PlanRequest(msgspec.Struct, array_like=True):
     rng_state: bytes = b""
 
 
-class LoraLoad(msgspec.Struct, array_like=True):
-    """Put adapter `lora_id` into `slot` before the plan runs (--enable-lora). `data`: the
-    adapter's safetensors file, sent the first time the ranks meet it (or since they dropped it);
-    empty when they keep it parsed already."""
+class LoraOp(msgspec.Struct, array_like=True):
+    """One of the leader's adapter decisions (--enable-lora), applied by every rank in order before
+    the plan runs: put adapter `lora_id` into `slot`, or with slot DROP, drop the ranks' parsed copy
+    of it. `data`: the adapter's safetensors file, sent the first time the ranks meet it (or since
+    they dropped it); empty when they keep it parsed already."""
 
     slot: int
     lora_id: int
-    scale: float  # lora_alpha / r (or / sqrt(r), rsLoRA): B is multiplied by it
+    scale: float = 0.0  # lora_alpha / r (or / sqrt(r), rsLoRA): B is multiplied by it
     data: bytes = b""
+
+
+DROP = -1  # LoraOp.slot: drop the parsed copy
 
 
 class PlanEntry(msgspec.Struct, array_like=True):
@@ -67,9 +71,8 @@ class StepPlan(Msg):
     # Speculative decoding with the draft sharded like the target: this plan is one draft forward
     # (entries extend the draft's caches; each entry's last row gives the leader logits).
     draft: bool = False
-    # LoRA adapters (applied before the plan runs): slots to fill, parsed adapters to drop.
-    lora_loads: list[LoraLoad] = []
-    lora_evict: list[int] = []
+    # LoRA adapters: slots to fill and parsed copies to drop, in the order the leader decided them.
+    lora_ops: list[LoraOp] = []
 
 
 class Tick(Msg):
