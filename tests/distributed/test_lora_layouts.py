@@ -1,4 +1,4 @@
-"""Multi-LoRA under tensor, pipeline and data parallelism: the adapters shard with their layers
+"""Multi-LoRA under tensor, pipeline, data and context parallelism: the adapters shard with their layers
 (both --fully-sharded-loras modes, an uneven TP 3 among them), each data-parallel replica keeps its
 own slots, and every layout gives PEFT's tokens and logprobs for a batch mixing three adapters and
 the base model in two slots, so adapters are evicted and loaded again on every rank while the batch
@@ -23,8 +23,9 @@ def adapters(tiny_model, tmp_path_factory):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("layout", [dict(tp_size=2), dict(tp_size=2, fully_sharded_loras=True),
-                                    dict(tp_size=3, fully_sharded_loras=True), dict(pp_size=2), dict(dp_size=2)],
-                         ids=["tp2", "tp2-fully-sharded", "tp3-fully-sharded", "pp2", "dp2"])
+                                    dict(tp_size=3, fully_sharded_loras=True), dict(pp_size=2), dict(dp_size=2),
+                                    dict(cp_size=2)],
+                         ids=["tp2", "tp2-fully-sharded", "tp3-fully-sharded", "pp2", "dp2", "cp2"])
 def test_layouts_equal_peft(adapters, layout):
     path, reqs, ref = adapters
     names = [n for n in ("base", *reqs) for _ in PROMPTS]

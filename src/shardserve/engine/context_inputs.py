@@ -32,6 +32,7 @@ class ContextStep:
     logit_rows: torch.Tensor  # this rank's rows that need logits, in plan order
     counts: list[int]  # how many such rows each context rank has
     order: torch.Tensor  # the plan's order of the rows gathered rank by rank
+    lora_slots: list[int]  # each of this rank's rows: its LoRA adapter slot (-1: none)
 
 
 @dataclass
@@ -47,6 +48,7 @@ class _Rows:
     chunks: list[ContextChunk]
     sample: list[tuple[int, int]]  # (owning context rank, its row) of each sampled row
     score: list[tuple[int, int]]
+    lora: list[int]  # each row's adapter slot
     num_rows: int = 0
 
 
@@ -77,7 +79,7 @@ class ContextSplit:
     def inputs(self, entries: list[PlanEntry], pages_of: dict[str, list[int]]) -> tuple[list[int], list[int],
                                                                                             ContextStep]:
         """(token ids to embed, positions, the step's context inputs) of this rank's rows."""
-        rows = _Rows([], [], [], [], [], [], [], [], [])
+        rows = _Rows([], [], [], [], [], [], [], [], [], [])
         for e in entries:
             pages = pages_of[e.rid]
             idx, local = self._sync(e.rid, pages, e.page_base)
@@ -100,6 +102,7 @@ class ContextSplit:
         if self.first:
             rows.token_ids.append(e.token_ids[0])
         rows.positions.append(pos)
+        rows.lora.append(e.lora_slot)
         # Every rank has a decode's row: context rank 0 gives its logits.
         if e.sample:
             rows.sample.append((0, r))
@@ -124,6 +127,7 @@ class ContextSplit:
         if self.first:
             rows.token_ids.extend(e.token_ids[i] for i in (q_pos - start).tolist())
         rows.positions.extend(q_pos.tolist())
+        rows.lora.extend([e.lora_slot] * q_len)
         held = [0] * self.parts  # every rank's keys through the chunk: its ring block's length
         for g in pages[: last + 1]:
             held[g // self.per] += p
@@ -164,4 +168,4 @@ class ContextSplit:
             seen[owner] += 1
         mine = [row for owner, row in wanted if owner == self.me]
         return ContextStep(meta, torch.tensor(mine, dtype=torch.long, device=dev), counts,
-                           torch.tensor(order, dtype=torch.long, device=dev))
+                           torch.tensor(order, dtype=torch.long, device=dev), rows.lora)

@@ -163,7 +163,7 @@ class StageWorker:
             pages.extend(e.new_pages)
         if self.split is not None:
             ids, positions, context = self.split.inputs(plan.entries, self.pages)
-            return StepInputs(ids, positions, [], [], [], context)
+            return StepInputs(ids, positions, [], [], [], context, lora_slots=context.lora_slots)
         step = StepInputs([], [], [], [], [])
         sample_rows, score_rows, offset = [], [], 0
         for e in plan.entries:

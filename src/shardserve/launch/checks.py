@@ -71,8 +71,6 @@ def check_lora(cfg: EngineConfig, layout: Layout, mc: ModelConfig) -> None:
     why = None
     if mc.mla is not None:
         why = "on latent attention (DeepSeek MLA) models"
-    elif layout.cp > 1:
-        why = "with --cp-size > 1 (context parallelism)"
     elif layout.dp_attention:
         why = "with --enable-dp-attention"
     elif cfg.disaggregation_mode != "null":
