@@ -71,8 +71,6 @@ def check_lora(cfg: EngineConfig, layout: Layout, mc: ModelConfig) -> None:
     why = None
     if mc.mla is not None:
         why = "on latent attention (DeepSeek MLA) models"
-    elif layout.dp_attention:
-        why = "with --enable-dp-attention"
     elif cfg.disaggregation_mode != "null":
         why = "with --disaggregation-mode"
     if why is not None:
