@@ -296,3 +296,17 @@ def test_a_batch_with_a_bad_adapter_is_refused_whole(adapters, tmp_path):
         llm.engine.loras.unregister(reqs["full"])
         check(llm.generate(PROMPTS[:1], GREEDY, use_tqdm=False, lora_request=reqs["full"]), ["full"], ref,
               PROMPTS[:1])
+
+
+def test_layouts_without_adapters_refused_at_start(tiny_model):
+    from shardserve.config import EngineConfig
+    from shardserve.distributed.layout import Layout, LayoutError
+    from shardserve.launch.checks import check_lora
+    from shardserve.loader.model_path import resolve_checkpoint
+    from shardserve.loader.weights import read_model_config
+
+    with pytest.raises(LayoutError, match="--enable-lora is not supported on latent attention"):
+        LLM(tiny_model("deepseek_v2")[0], enable_lora=True, num_pages=32, show_progress=False)
+    mc = read_model_config(resolve_checkpoint(tiny_model("llama")[0]))
+    with pytest.raises(LayoutError, match="--enable-lora is not supported with --disaggregation-mode"):
+        check_lora(EngineConfig(enable_lora=True, disaggregation_mode="prefill"), Layout.from_sizes(), mc)
