@@ -53,12 +53,16 @@ class LoraRows:
         for s in slots:
             bounds.append(bounds[-1] + len(by_slot[s]))
         groups = [(s, torch.tensor(by_slot[s], dtype=torch.long, device=device)) for s in slots]
-        as_tensor = lambda v: torch.tensor(v, dtype=torch.long)  # noqa: E731 (the C kernel reads these on the CPU)
-        return cls(len(per_row), groups, as_tensor(order), as_tensor(bounds), as_tensor(slots))
+        return cls(len(per_row), groups, _cpu_longs(order), _cpu_longs(bounds), _cpu_longs(slots))
+
+
+def _cpu_longs(values: list[int]) -> torch.Tensor:
+    """The C kernel reads these on the CPU, whatever the model's device."""
+    return torch.tensor(values, dtype=torch.long)
 
 
 class LoraStep:
-    """The current step's rows, shared by one runner's adapted layers (set around each forward)."""
+    """The current step's rows, shared by one runner's adapted layers (set before each forward)."""
 
     rows: LoraRows | None = None
 
@@ -66,8 +70,9 @@ class LoraStep:
 class LoraWeights:
     """One linear layer's adapter slots.
 
-    `pieces`: the layer's output pieces in local order, each (local rows, global rows [start,
-    end)) for column-parallel layers; a row-parallel layer passes its input range in `in_range`.
+    A column-parallel layer passes its output `pieces` in local order, each (shard id, local
+    offset, global rows [start, end)); a row-parallel layer passes its input range `in_range`
+    (global columns) and its output width `out_f`. `rank` is --max-lora-rank: every slot's size.
     """
 
     def __init__(self, step: LoraStep, slots: int, rank: int, in_f: int, pieces: list[tuple[object, int, int, int]],
