@@ -22,7 +22,7 @@ from safetensors.torch import save_file
 
 from shardserve.core import LoRARequest, SamplingParams
 from shardserve.llm import LLM
-from shardserve.loader.lora import TARGETS, base_shapes, submodule
+from shardserve.loader.lora import CONFIG, TARGETS, WEIGHTS, base_shapes, submodule
 from shardserve.loader.model_path import resolve_checkpoint
 from shardserve.loader.weights import read_model_config
 
@@ -41,8 +41,8 @@ def write_adapter(path: str, model_cfg, rank: int, seed: int) -> None:
             tensors[f"{key}.lora_A.weight"] = torch.randn(rank, fan_in, generator=g) * 0.01
             tensors[f"{key}.lora_B.weight"] = torch.randn(fan_out, rank, generator=g) * 0.01
     os.makedirs(path, exist_ok=True)
-    save_file(tensors, os.path.join(path, "adapter_model.safetensors"))
-    with open(os.path.join(path, "adapter_config.json"), "w") as f:
+    save_file(tensors, os.path.join(path, WEIGHTS))
+    with open(os.path.join(path, CONFIG), "w") as f:
         json.dump({"peft_type": "LORA", "r": rank, "lora_alpha": 2 * rank,
                    "target_modules": [m for m in TARGETS if m in shapes.modules], "bias": "none"}, f)
 

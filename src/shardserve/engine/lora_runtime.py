@@ -10,8 +10,6 @@ parses the file once, keeps only its own shard of each matrix, and a slot load i
 
 from __future__ import annotations
 
-from collections import OrderedDict
-
 import torch
 from safetensors.torch import load as load_safetensors
 
@@ -41,13 +39,7 @@ class LoraRuntime:
                                      dtype, device)
                 self.targets[(i, module)] = (linear, shard)
         self.adapted = list({id(lin): lin for lin, _ in self.targets.values()}.values())
-        self.cache: OrderedDict[int, Parsed] = OrderedDict()
-
-    @property
-    def modules(self) -> list[str]:
-        """The target modules this rank's layers take adapters on."""
-        found = {m for _, m in self.targets}
-        return [m for m in TARGETS if m in found]
+        self.cache: dict[int, Parsed] = {}  # which ones, the leader says (LoraOp): no order kept here
 
     def apply(self, ops: list[LoraOp]) -> None:
         """A plan's adapter decisions, in the leader's order, before it runs."""

@@ -12,13 +12,14 @@ import torch
 from shardserve.layers.kernels import load_or_none as _lib
 
 
-def _fits(*ts: torch.Tensor) -> bool:
+def cpu_float32(*ts: torch.Tensor) -> bool:
+    """Whether the C float32 operators take these tensors: on the CPU, float32, unit inner stride."""
     return all(t.device.type == "cpu" and t.dtype == torch.float32 and t.stride(-1) == 1 for t in ts)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor | None:
     """weight * x / sqrt(mean(x^2) + eps) over the last dim, or None (use torch)."""
-    if not _fits(x, weight) or (lib := _lib()) is None:
+    if not cpu_float32(x, weight) or (lib := _lib()) is None:
         return None
     x2 = x.reshape(-1, x.shape[-1])  # a view or a contiguous copy: unit stride either way
     out = torch.empty(x2.shape, dtype=torch.float32)
@@ -30,7 +31,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor 
 def rotary_(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> bool:
     """Rotate q [T, Hq, d] and k [T, Hk, d] in place (heads packed in each row); False where the
     kernel does not apply and nothing was done."""
-    if not _fits(q, k, cos, sin) or (lib := _lib()) is None:
+    if not cpu_float32(q, k, cos, sin) or (lib := _lib()) is None:
         return False
     t, hq, d = q.shape
     if q.stride(1) != d or k.stride(1) != d or not cos.is_contiguous() or not sin.is_contiguous():
@@ -42,7 +43,7 @@ def rotary_(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tens
 
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor | None:
     """silu(gate) * up where gate_up [.., 2I] holds gate then up; or None (use torch)."""
-    if not _fits(gate_up) or (lib := _lib()) is None:
+    if not cpu_float32(gate_up) or (lib := _lib()) is None:
         return None
     g2 = gate_up.reshape(-1, gate_up.shape[-1])
     inter = g2.shape[1] // 2

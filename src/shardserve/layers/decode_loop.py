@@ -71,11 +71,16 @@ def _lora_mat(linear: PackedLinear) -> LoraMat:
     return LoraMat(w.a.data_ptr(), w.bt.data_ptr(), w.k, w.rank, len(w.piece_end), ends)
 
 
+def _linears(layer: torch.nn.Module) -> tuple[PackedLinear, ...]:
+    """A layer's four products, in the order the C loop runs them."""
+    return layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj
+
+
 def _fits(layer: torch.nn.Module) -> bool:
     attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
     if not isinstance(attn, SelfAttention) or type(mlp) is not GatedMLP:
         return False
-    linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
+    linears = _linears(layer)
     # Adapter slots: CPU float32 and whole (one tensor rank: the loop never shards them).
     adapted = [lin.lora for lin in linears if lin.lora is not None]
     return (all(lin.quant is not None and len(lin.quant) <= 3 for lin in linears)
@@ -99,9 +104,7 @@ class DecodeLoop:
         self._table: ctypes.Array | None = None
         self._key = 0
         # The step's adapter rows are shared by every adapted layer of the runner (layers/lora.py).
-        adapted = [lin.lora for layer in layers for lin in (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
-                                                            layer.mlp.gate_up_proj, layer.mlp.down_proj)
-                   if lin.lora is not None]
+        adapted = [lin.lora for layer in layers for lin in _linears(layer) if lin.lora is not None]
         self.lora_step = adapted[0].step if adapted else None
 
     @classmethod
@@ -154,7 +157,7 @@ class DecodeLoop:
         tables, lens, slots = meta.paged.block_tables, meta.paged.context_lens, meta.slot_mapping
         table = self._layer_table(ctx)  # first: it picks attn_fn for the pool's dtype
         rows = self.lora_step.rows if self.lora_step is not None else None
-        lrows = (LoraRowsC(rows.order.data_ptr(), rows.bounds.data_ptr(), rows.gslot.data_ptr(), len(rows.groups))
+        lrows = (LoraRowsC(rows.order.data_ptr(), rows.bounds.data_ptr(), rows.gslot.data_ptr(), rows.ngroups)
                  if rows is not None else None)
         rc = self.lib.decode_layers(
             ctypes.addressof(table), len(self.layers), ctypes.addressof(self.dims), x.data_ptr(),

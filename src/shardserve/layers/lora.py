@@ -18,25 +18,37 @@ How the matrices shard follows the layer they attach to, written here once:
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 
 from shardserve.distributed.communicator import Communicator
+from shardserve.layers.cpu_ops import cpu_float32
 from shardserve.layers.kernels import load_or_none
 from shardserve.layers.sharding import split_range
 
 
 @dataclass
 class LoraRows:
-    """A step's adapter rows grouped by slot: (slot, row indices) per group, and the same flat for
-    the C kernel: `order` (the groups' rows one after another), `bounds` (where each group starts,
-    and the end), `gslot` (each group's slot). Base-model rows are in no group."""
+    """A step's adapter rows grouped by slot, as the C kernel reads them: `order` (the groups' rows
+    one after another), `bounds` (where each group starts, and the end), `gslot` (each group's
+    slot); `groups` gives (slot, row indices) per group for the torch path. Base-model rows are in
+    no group."""
 
-    rows: int
-    groups: list[tuple[int, torch.Tensor]]
+    by_slot: dict[int, list[int]]
+    device: torch.device
     order: torch.Tensor
     bounds: torch.Tensor
     gslot: torch.Tensor
+
+    @property
+    def ngroups(self) -> int:
+        return len(self.by_slot)
+
+    @cached_property
+    def groups(self) -> list[tuple[int, torch.Tensor]]:
+        """Made only where the torch path runs (the C kernel reads the flat tensors)."""
+        return [(s, torch.tensor(rows, dtype=torch.long, device=self.device)) for s, rows in self.by_slot.items()]
 
     @classmethod
     def of(cls, per_row: list[int], device: torch.device) -> LoraRows | None:
@@ -47,13 +59,12 @@ class LoraRows:
                 by_slot.setdefault(s, []).append(row)
         if not by_slot:
             return None
-        slots = sorted(by_slot)
-        order = [row for s in slots for row in by_slot[s]]
+        by_slot = dict(sorted(by_slot.items()))
+        order = [row for rows in by_slot.values() for row in rows]
         bounds = [0]
-        for s in slots:
-            bounds.append(bounds[-1] + len(by_slot[s]))
-        groups = [(s, torch.tensor(by_slot[s], dtype=torch.long, device=device)) for s in slots]
-        return cls(len(per_row), groups, _cpu_longs(order), _cpu_longs(bounds), _cpu_longs(slots))
+        for rows in by_slot.values():
+            bounds.append(bounds[-1] + len(rows))
+        return cls(by_slot, device, _cpu_longs(order), _cpu_longs(bounds), _cpu_longs(list(by_slot)))
 
 
 def _cpu_longs(values: list[int]) -> torch.Tensor:
@@ -83,7 +94,6 @@ class LoraWeights:
         self.fully = fully_sharded and comm.size > 1
         self.in_range, self.out_range = in_range, None
         if self.row_parallel:
-            self.piece_of = {None: (0, 0, out_f)}
             if self.fully:  # B split by output: this rank's columns
                 self.out_range = split_range(out_f, comm.size, comm.rank)
             o0, o1 = self.out_range or (0, out_f)
@@ -157,11 +167,11 @@ class LoraWeights:
 
     def _shrink(self, x: torch.Tensor, rows: LoraRows) -> torch.Tensor:
         x = x.contiguous()
-        lib = load_or_none() if _fits(x, self.a) else None
+        lib = load_or_none() if cpu_float32(x, self.a) else None
         if lib is not None:
             u = torch.zeros(x.shape[0], self.k, dtype=torch.float32)  # base rows: zero (a collective sums them)
             lib.lora_shrink_f32(x.data_ptr(), x.stride(0), x.shape[1], rows.order.data_ptr(), rows.bounds.data_ptr(),
-                                rows.gslot.data_ptr(), len(rows.groups), self.a.data_ptr(), self.k, u.data_ptr(),
+                                rows.gslot.data_ptr(), rows.ngroups, self.a.data_ptr(), self.k, u.data_ptr(),
                                 torch.get_num_threads())
             return u
         u = x.new_zeros(x.shape[0], self.k)
@@ -171,10 +181,10 @@ class LoraWeights:
 
     def _expand(self, u: torch.Tensor, rows: LoraRows, y: torch.Tensor) -> None:
         r, out = self.rank, self.piece_end[-1]
-        lib = load_or_none() if _fits(u, y, self.bt) and y.stride(1) == 1 else None
+        lib = load_or_none() if cpu_float32(u, y, self.bt) else None
         if lib is not None:
             lib.lora_expand_f32(u.data_ptr(), u.shape[1], rows.order.data_ptr(), rows.bounds.data_ptr(),
-                                rows.gslot.data_ptr(), len(rows.groups), self.bt.data_ptr(), out, r,
+                                rows.gslot.data_ptr(), rows.ngroups, self.bt.data_ptr(), out, r,
                                 self._ends.data_ptr(), len(self.piece_end), y.data_ptr(), y.stride(0),
                                 torch.get_num_threads())
             return
@@ -186,6 +196,3 @@ class LoraWeights:
                 start = end
             y.index_add_(0, idx, delta)
 
-
-def _fits(*ts: torch.Tensor) -> bool:
-    return all(t.device.type == "cpu" and t.dtype == torch.float32 for t in ts)

@@ -53,17 +53,17 @@ class LoraSlots:
             raise ValueError(f"LoRA adapter {lora.lora_name!r}: lora_int_id {i} is already in use by adapter "
                              f"{held[0].lora_name!r} at {held[0].lora_path}; each adapter needs an id of its own")
         if held is None:
-            where, data, why = os.path.join(lora.lora_path, WEIGHTS), None, None
+            where = os.path.join(lora.lora_path, WEIGHTS)
             try:
                 with open(where, "rb") as f:
                     data = f.read()
             except OSError as e:
-                why = e
-            # Checked from the very bytes the ranks will get (a file missing: read_adapter says so).
+                read_adapter(lora.lora_name, lora.lora_path, self.base, self.max_rank)  # names a missing piece
+                raise ValueError(f"LoRA adapter {lora.lora_name!r}: cannot read {where}: {e}") from None
+            # Checked from the very bytes the ranks will get, which every rank parses: a broken
+            # file stops here, not on a rank.
             spec = read_adapter(lora.lora_name, lora.lora_path, self.base, self.max_rank, data)
-            try:  # every rank parses exactly these bytes: a broken file stops here, not on a rank
-                if data is None:
-                    raise SafetensorError(str(why))
+            try:
                 load_safetensors(data)
             except SafetensorError as e:
                 raise ValueError(f"LoRA adapter {lora.lora_name!r}: cannot read {where}: {e}") from None

@@ -82,7 +82,7 @@ class Scheduler:
                         passed: list[Request]) -> int:
         while self.waiting and budget > 0 and len(self.running) < self.max_running and len(entries) < max_seqs:
             req = self.waiting[0]
-            if not self._take_slot(req):
+            if not self._acquire_slot(req):
                 passed.append(self.waiting.popleft())
                 continue
             tokens = req.all_token_ids
@@ -95,7 +95,7 @@ class Scheduler:
             if not self.alloc.extend_to(req.pages, req.num_computed_tokens + n):
                 self.alloc.release(req.pages)
                 req.pages, req.num_computed_tokens = [], 0
-                self._drop_slot(req)
+                self._release_slot(req)
                 break
             if req.num_preemptions == 0:
                 req.num_cached_tokens = req.num_computed_tokens
@@ -108,7 +108,8 @@ class Scheduler:
             budget -= n
         return budget
 
-    def _take_slot(self, req: Request) -> bool:
+    def _acquire_slot(self, req: Request) -> bool:
+        """Whether `req` may run: it needs no adapter, or its adapter has a slot it now holds."""
         lora = req.params.lora_request
         if lora is None or self.loras is None:
             return True
@@ -116,13 +117,13 @@ class Scheduler:
         req.lora_slot = -1 if slot is None else slot
         return slot is not None
 
-    def _drop_slot(self, req: Request) -> None:
+    def _release_slot(self, req: Request) -> None:
         if req.lora_slot >= 0:
             self.loras.release(req.params.lora_request)
             req.lora_slot = -1
 
     def _preempt(self, req: Request) -> None:
-        self._drop_slot(req)
+        self._release_slot(req)
         self.running.remove(req)
         self.alloc.release(req.pages)
         req.pages, req.num_computed_tokens, req.pages_synced = [], 0, 0
@@ -139,11 +140,11 @@ class Scheduler:
         for req, n in batch.entries:
             req.num_computed_tokens += n
             self.alloc.register(req.all_token_ids, req.pages, req.num_computed_tokens, req.page_hashes,
-                               req.cache_root)
+                                req.cache_root)
 
     def finish(self, req: Request, reason: str) -> None:
         """End a request (done or aborted) wherever it is, freeing its pages."""
-        self._drop_slot(req)
+        self._release_slot(req)
         if req.status is Status.RUNNING:
             self.running.remove(req)
         elif req.status is Status.WAITING and req in self.waiting:

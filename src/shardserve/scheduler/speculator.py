@@ -127,7 +127,7 @@ class Speculator:
             return
         req.num_computed_tokens += accepted
         self.alloc.register(req.all_token_ids, req.pages, req.num_computed_tokens, req.page_hashes,
-                               req.cache_root)
+                            req.cache_root)
         keep = self.alloc.truncate(req.pages, req.num_computed_tokens)
         req.pages_synced = min(req.pages_synced, keep)
         self.proposer.settle(req, accepted)
