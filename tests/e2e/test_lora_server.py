@@ -79,6 +79,8 @@ def test_load_at_run_time_mix_and_refusals(server, adapters):
     assert r.status_code == 200, r.text
     again = post(server.url, "/v1/load_lora_adapter", body)
     assert again.status_code == 400 and "already loaded" in again.json()["error"]["message"]
+    stacked = post(server.url, "/v1/load_lora_adapter", {**body, "lora_name": "moe", "is_3d_lora_weight": True})
+    assert stacked.status_code == 400 and "is_3d_lora_weight" in stacked.json()["error"]["message"]
     for bad, why in ((reqs["part"].lora_path + "-missing", "is not a directory"),
                      (server.log_path, "is not a directory")):
         r = post(server.url, "/v1/load_lora_adapter", {"lora_name": "bad", "lora_path": bad})
@@ -159,3 +161,19 @@ def test_bad_lora_modules_refused_at_start(adapters, tmp_path):
                            capture_output=True, text=True, timeout=60)
         assert r.returncode == 2 and why in r.stderr, r.stderr
         assert r.stderr.splitlines()[-1].startswith("shardserve: error: ") and "Traceback" not in r.stderr
+
+
+def test_load_inplace_replaces_an_adapter(server, adapters):
+    """vLLM's load_inplace: the name now runs the new adapter's weights; a bad replacement is
+    refused and leaves the old one serving."""
+    _, reqs, ref = adapters
+    body = {"lora_name": "swap", "lora_path": reqs["full"].lora_path}
+    assert post(server.url, "/v1/load_lora_adapter", body).status_code == 200
+    same_as_peft(complete(server.url, "swap", PROMPTS[0])[:2], ref["full"][0])
+    bad = post(server.url, "/v1/load_lora_adapter", {**body, "lora_path": "/nope", "load_inplace": True})
+    assert bad.status_code == 400 and "/nope is not a directory" in bad.json()["error"]["message"]
+    same_as_peft(complete(server.url, "swap", PROMPTS[0])[:2], ref["full"][0])
+    assert post(server.url, "/v1/load_lora_adapter", {**body, "lora_path": reqs["part"].lora_path,
+                                                       "load_inplace": True}).status_code == 200
+    same_as_peft(complete(server.url, "swap", PROMPTS[0])[:2], ref["part"][0])
+    assert post(server.url, "/v1/unload_lora_adapter", {"lora_name": "swap"}).status_code == 200

@@ -168,7 +168,7 @@ def build_app(state: ServerState) -> FastAPI:
     async def load_lora_adapter(request: Request):
         body = await parse_body(request, LoadLoraRequest, state.max_body)
         try:  # file reads off the event loop: a slow disk must not stall every other request
-            await asyncio.to_thread(state.loras.load, body.lora_name, body.lora_path)
+            await asyncio.to_thread(state.loras.load, body.lora_name, body.lora_path, body.load_inplace)
         except ValueError as e:
             raise APIError(400, str(e), param="lora_path") from None
         log.info("LoRA adapter %r loaded from %s", body.lora_name, body.lora_path)

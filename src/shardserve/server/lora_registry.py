@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import threading
 import time
+from typing import ClassVar
 
 from shardserve.core import LoRARequest
 from shardserve.loader.lora import BaseShapes, base_shapes, parse_lora_module, read_adapter
@@ -19,10 +20,14 @@ from shardserve.server.protocol import Refusing
 
 
 class LoadLoraRequest(Refusing):
-    """POST /v1/load_lora_adapter, as vLLM takes it."""
+    """POST /v1/load_lora_adapter, as vLLM takes it: `load_inplace` replaces an adapter already
+    loaded under that name (requests running with the old one finish with it)."""
 
+    not_honoured: ClassVar[dict[str, tuple[tuple, str]]] = {
+        "is_3d_lora_weight": ((False,), "adapters on a MoE block's stacked expert weights are not supported")}
     lora_name: str
     lora_path: str
+    load_inplace: bool = False
 
 
 class UnloadLoraRequest(Refusing):
@@ -57,15 +62,18 @@ class LoraRegistry:
     def enabled(self) -> bool:
         return self.base is not None
 
-    def load(self, name: str, path: str) -> LoRARequest:
-        """Check and add an adapter; ValueError (one line naming it) if it cannot be served."""
+    def load(self, name: str, path: str, inplace: bool = False) -> LoRARequest:
+        """Check and add an adapter; ValueError (one line naming it) if it cannot be served.
+        `inplace`: a new adapter under a name already loaded replaces it (a new id: nothing of the
+        old one is used for it), once it is checked."""
         if not self.enabled:
             raise ValueError("this server runs no LoRA adapters: start it with --enable-lora")
         if not name or name == self.base_name:
             raise ValueError(f"a LoRA adapter cannot be named {name!r} (the base model's name, or empty)")
         with self._lock:
-            if name in self.adapters:
-                raise ValueError(f"a LoRA adapter named {name!r} is already loaded (unload it first)")
+            if name in self.adapters and not inplace:
+                raise ValueError(f"a LoRA adapter named {name!r} is already loaded (unload it first, or load it "
+                                 "with load_inplace)")
             spec = read_adapter(name, path, self.base, self.max_rank)
             lora = LoRARequest(name, self.next_id, spec.path)
             self.next_id += 1
