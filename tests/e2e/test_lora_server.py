@@ -177,3 +177,22 @@ def test_load_inplace_replaces_an_adapter(server, adapters):
                                                        "load_inplace": True}).status_code == 200
     same_as_peft(complete(server.url, "swap", PROMPTS[0])[:2], ref["part"][0])
     assert post(server.url, "/v1/unload_lora_adapter", {"lora_name": "swap"}).status_code == 200
+
+
+def test_openai_sdk_names_an_adapter(server, adapters):
+    """The openai client, unmodified: models.list shows the adapter, a completion and a chat
+    completion run with it (and answer in its name), an unknown one raises NotFoundError."""
+    import openai
+
+    _, _, ref = adapters
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key=KEY)
+    assert "full" in [m.id for m in client.models.list()]
+    out = client.completions.create(model="full", prompt=PROMPTS[0], max_tokens=NEW, temperature=0, logprobs=0,
+                                    extra_body={"return_tokens_as_token_ids": True})
+    assert out.model == "full"
+    assert [int(t.split(":")[1]) for t in out.choices[0].logprobs.tokens] == ref["full"][0][0]
+    chat = client.chat.completions.create(model="full", messages=[{"role": "user", "content": "hi"}],
+                                          max_tokens=4, temperature=0)
+    assert chat.model == "full" and chat.choices[0].finish_reason == "length"
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model="missing", prompt=[1, 2], max_tokens=2)
