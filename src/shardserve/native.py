@@ -65,10 +65,15 @@ def _cpu_signature() -> str:
         return ""
 
 
+def cache_root() -> Path:
+    """Where shardserve keeps what it builds once per machine: $SHARDSERVE_CACHE, else
+    $XDG_CACHE_HOME/shardserve (~/.cache/shardserve)."""
+    return Path(os.environ.get("SHARDSERVE_CACHE") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "shardserve"))
+
+
 def cache_dir() -> Path:
-    root = os.environ.get("SHARDSERVE_CACHE") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "shardserve")
-    return Path(root) / "kernels"
+    return cache_root() / "kernels"
 
 
 def _torch_openmp() -> str | None:

@@ -13,12 +13,12 @@ import torch
 from shardserve.core import SamplingParams
 from shardserve.llm import LLM
 
-GREEDY = SamplingParams(max_tokens=16, temperature=0, logprobs=2)
+GREEDY = SamplingParams(max_tokens=10, temperature=0, logprobs=2)
 
 
 def prompts(n: int) -> list[list[int]]:
     g = torch.Generator().manual_seed(3)
-    lens = torch.randint(5, 120, (n,), generator=g).tolist()
+    lens = torch.randint(5, 64, (n,), generator=g).tolist()
     return [torch.randint(100, 40000, (k,), generator=g).tolist() for k in lens]
 
 

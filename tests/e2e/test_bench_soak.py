@@ -15,8 +15,8 @@ import pytest
 def test_short_soak_with_kills_loses_nothing(tiny_model):
     path, _ = tiny_model("llama")
     spawn = f"--model {path} --dp-size 2 --num-pages 128 --page-size 8"
-    run = subprocess.run([sys.executable, "-m", "shardserve", "bench", "soak", "--spawn", spawn, "--duration", "30",
-                          "--warmup", "6", "--kill-every", "6", "--clients", "3", "--max-rss-growth", "0.5"],
+    run = subprocess.run([sys.executable, "-m", "shardserve", "bench", "soak", "--spawn", spawn, "--duration", "20",
+                          "--warmup", "5", "--kill-every", "5", "--clients", "3", "--max-rss-growth", "0.5"],
                          capture_output=True, text=True, timeout=600)
     out = run.stdout + run.stderr
     print(run.stdout)

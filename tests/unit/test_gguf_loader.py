@@ -1,7 +1,7 @@
 """Tests for shardserve.loader.gguf_loader against transformers' own GGUF loader.
 
-Runtime is dominated by parsing the SmolLM2 GGUF header (~2-3 s per parse) and transformers'
-reference dequantization, so the expensive objects live in module-scoped fixtures.
+Runtime is dominated by transformers' reference dequantization, so the expensive objects live
+in module-scoped fixtures.
 """
 
 from __future__ import annotations
@@ -15,11 +15,8 @@ import torch
 from gguf import GGMLQuantizationType, GGUFWriter
 from gguf.quants import quantize
 
-from shardserve.loader.gguf_loader import (
-    iter_gguf_tensors,
-    load_gguf_tokenizer,
-    read_gguf_config,
-)
+from shardserve.loader.gguf_loader import iter_gguf_tensors, read_gguf_config
+from shardserve.loader.gguf_tokenizer import load_gguf_tokenizer
 
 # ----------------------------------------------------------------------------- fixtures
 

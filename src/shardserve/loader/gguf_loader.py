@@ -6,7 +6,7 @@ GGUF metadata keys become config.json keys, `blk.N.attn_q.weight` becomes
 llama's Q/K rows are un-permuted back to the HF rotary layout.
 
 Tensors are never loaded eagerly: `iter_gguf_tensors` yields a loader per tensor and
-`GGUFReader` memory-maps the file, so peak memory is one dequantized tensor at a time.
+the header reader (gguf_header.py) memory-maps the file, so peak memory is one dequantized tensor at a time.
 """
 
 from __future__ import annotations
@@ -15,15 +15,12 @@ import functools
 import os
 import re
 from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 import torch
-from gguf import GGMLQuantizationType, GGUFReader, ReaderTensor
+from gguf import GGMLQuantizationType, ReaderTensor
 from gguf.quants import dequantize
-
-if TYPE_CHECKING:
-    from transformers import PreTrainedTokenizerFast
 
 from shardserve.loader.gguf_deepseek import (
     CORRECTION_BIAS,
@@ -33,6 +30,7 @@ from shardserve.loader.gguf_deepseek import (
     deepseek2_rope_scaling,
     merged_kv_b,
 )
+from shardserve.loader.gguf_header import GGUFHeader, read_header
 from shardserve.loader.gguf_names import (
     GGUF_ARCH_KEY_TO_HF_CONFIG,
     GGUF_ARCH_TO_HF_MODEL,
@@ -57,19 +55,14 @@ LAYER_TENSORS = GGUF_LAYER_TENSOR_TO_HF | DEEPSEEK2_LAYER_TENSORS
 
 
 @functools.lru_cache(maxsize=2)
-def _cached_reader(real_path: str, mtime_ns: int, size: int) -> GGUFReader:
+def _cached_reader(real_path: str, mtime_ns: int, size: int) -> GGUFHeader:
     del mtime_ns, size  # only part of the cache key, so a rewritten file is re-read
-    return GGUFReader(real_path, "r")
+    return read_header(real_path)
 
 
-def _open_reader(path: str) -> GGUFReader:
-    """Parse a GGUF header once per file version.
-
-    Loading a model calls config, tensors and tokenizer in turn on the same file, and
-    GGUFReader re-parses the whole (vocabulary-sized) metadata each time it is built, which
-    takes seconds. The reader only memory-maps tensor data, so keeping it costs page cache,
-    not resident memory.
-    """
+def open_header(path: str) -> GGUFHeader:
+    """Parse a GGUF header once per file version (config, tensors and tokenizer each read it).
+    Tensor data is only memory-mapped, so keeping it costs page cache, not resident memory."""
     real_path = os.path.realpath(path)
     stat = os.stat(real_path)
     return _cached_reader(real_path, stat.st_mtime_ns, stat.st_size)
@@ -78,27 +71,26 @@ def _open_reader(path: str) -> GGUFReader:
 # ----------------------------------------------------------------------------- metadata
 
 
-def _field_value(reader: GGUFReader, key: str, default: Any = None) -> Any:
+def _field_value(reader: GGUFHeader, key: str, default: Any = None) -> Any:
     """One metadata value decoded to a Python scalar/str/list, or `default` if absent."""
-    field = reader.fields.get(key)
-    return default if field is None else field.contents()
+    return reader.fields.get(key, default)
 
 
-def _architecture(reader: GGUFReader) -> str:
+def _architecture(reader: GGUFHeader) -> str:
     arch = _field_value(reader, "general.architecture")
     if arch not in GGUF_ARCH_TO_HF_MODEL:
         raise ValueError(f"unsupported GGUF architecture {arch!r}; supported: {sorted(GGUF_ARCH_TO_HF_MODEL)}")
     return arch
 
 
-def _copy_mapped_keys(reader: GGUFReader, prefix: str, table: dict[str, str], out: dict) -> None:
+def _copy_mapped_keys(reader: GGUFHeader, prefix: str, table: dict[str, str], out: dict) -> None:
     for gguf_suffix, hf_key in table.items():
         value = _field_value(reader, prefix + gguf_suffix)
         if value is not None:
             out[hf_key] = value
 
 
-def _head_dim(reader: GGUFReader, arch: str, config: dict) -> int:
+def _head_dim(reader: GGUFHeader, arch: str, config: dict) -> int:
     # Qwen3 decouples head_dim from hidden/heads, and llama.cpp records it as key_length;
     # older llama files only carry rope.dimension_count, which equals head_dim for full rope.
     for suffix in ("attention.key_length", "rope.dimension_count"):
@@ -108,7 +100,7 @@ def _head_dim(reader: GGUFReader, arch: str, config: dict) -> int:
     return config["hidden_size"] // config["num_attention_heads"]
 
 
-def _rope_scaling(reader: GGUFReader, arch: str) -> dict | None:
+def _rope_scaling(reader: GGUFHeader, arch: str) -> dict | None:
     kind = _field_value(reader, f"{arch}.rope.scaling.type")
     factor = _field_value(reader, f"{arch}.rope.scaling.factor")
     if kind in (None, "none") or factor is None:
@@ -120,7 +112,7 @@ def _rope_scaling(reader: GGUFReader, arch: str) -> dict | None:
     return scaling
 
 
-def _moe_config(reader: GGUFReader, arch: str) -> dict:
+def _moe_config(reader: GGUFHeader, arch: str) -> dict:
     moe: dict[str, Any] = {}
     _copy_mapped_keys(reader, f"{arch}.", GGUF_MOE_KEY_TO_HF_CONFIG, moe)
     if arch in MOE_ARCHS:
@@ -132,7 +124,7 @@ def _moe_config(reader: GGUFReader, arch: str) -> dict:
     return moe
 
 
-def _config_from_reader(reader: GGUFReader) -> dict:
+def _config_from_reader(reader: GGUFHeader) -> dict:
     arch = _architecture(reader)
     model_type, hf_arch = GGUF_ARCH_TO_HF_MODEL[arch]
     config: dict[str, Any] = {"architectures": [hf_arch], "model_type": model_type, "hidden_act": "silu"}
@@ -143,7 +135,7 @@ def _config_from_reader(reader: GGUFReader) -> dict:
     config["head_dim"] = _head_dim(reader, arch, config)
     if "vocab_size" not in config:
         # Many converters omit {arch}.vocab_size; the token list is authoritative.
-        config["vocab_size"] = len(reader.fields["tokenizer.ggml.tokens"].data)
+        config["vocab_size"] = len(reader.fields["tokenizer.ggml.tokens"])
     tensor_names = {t.name for t in reader.tensors}
     config["tie_word_embeddings"] = "output.weight" not in tensor_names
     # Q/K/V biases are a per-checkpoint choice (qwen2 has them, llama and qwen3 usually not);
@@ -172,7 +164,7 @@ def read_gguf_config(path: str) -> dict:
     Raises ValueError if `general.architecture` is not llama, qwen2, qwen3, qwen2moe or qwen3moe.
     `tie_word_embeddings` is True when the file has no `output.weight` tensor.
     """
-    return _config_from_reader(_open_reader(path))
+    return _config_from_reader(open_header(path))
 
 
 # ----------------------------------------------------------------------------- tensors
@@ -280,7 +272,7 @@ def iter_gguf_tensors(path: str) -> Iterator[tuple[str, Callable[[], torch.Tenso
     rows un-permuted). Stacked MoE expert tensors yield one entry per expert. Tensors with no
     HF equivalent are yielded under their raw GGUF name.
     """
-    reader = _open_reader(path)
+    reader = open_header(path)
     config = _config_from_reader(reader)
     tensors = {t.name: t for t in reader.tensors}
     for tensor in reader.tensors:
@@ -317,7 +309,7 @@ def gguf_sources(path: str, keep_quantized: bool) -> list[LazySource]:
     """The file's tensors as lazy sources (names and loaders only, no data yet). With
     `keep_quantized`, a weight in a format with a kernel is also offered in its blocks (a stacked
     MoE tensor expert by expert)."""
-    reader = _open_reader(path)
+    reader = open_header(path)
     config = _config_from_reader(reader)
     tensors = {t.name: t for t in reader.tensors}
     out = []
@@ -333,39 +325,11 @@ def gguf_sources(path: str, keep_quantized: bool) -> list[LazySource]:
     return out
 
 
-# ----------------------------------------------------------------------------- tokenizer
-
-
-def load_gguf_tokenizer(path: str) -> PreTrainedTokenizerFast:
-    """Build a transformers fast tokenizer from the GGUF's embedded vocabulary.
-
-    bos/eos come from `tokenizer.ggml.{bos,eos}_token_id` and `chat_template` from
-    `tokenizer.chat_template`, re-applied here because converters may not carry them over.
-    """
-    from transformers import AutoTokenizer  # heavy import, only needed on this path
-
-    tokenizer = AutoTokenizer.from_pretrained(os.path.dirname(path) or ".", gguf_file=os.path.basename(path))
-    reader = _open_reader(path)
-    _apply_special_tokens(tokenizer, reader)
-    template = _field_value(reader, "tokenizer.chat_template")
-    if template:
-        tokenizer.chat_template = template
-    return tokenizer
-
-
-def _apply_special_tokens(tokenizer: Any, reader: GGUFReader) -> None:
-    """Make bos/eos tokens agree with the ids the GGUF declares."""
-    for role in ("bos", "eos"):
-        token_id = _field_value(reader, f"tokenizer.ggml.{role}_token_id")
-        if token_id is None:
-            continue
-        token = tokenizer.convert_ids_to_tokens(int(token_id))
-        if getattr(tokenizer, f"{role}_token") != token:
-            setattr(tokenizer, f"{role}_token", token)
+# ----------------------------------------------------------------------------- sampling
 
 
 def read_gguf_sampling(path: str) -> dict[str, Any]:
     """The `general.sampling.*` keys a GGUF may carry (llama.cpp's names), as raw values."""
-    reader = _open_reader(path)
+    reader = open_header(path)
     prefix = "general.sampling."
     return {k.removeprefix(prefix): _field_value(reader, k) for k in reader.fields if k.startswith(prefix)}

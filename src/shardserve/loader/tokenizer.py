@@ -14,7 +14,7 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model",
 def load_tokenizer(ckpt: Checkpoint) -> PreTrainedTokenizerBase | None:
     """The checkpoint's tokenizer, or None when it ships none (token-id prompts only then)."""
     if ckpt.is_gguf:
-        from shardserve.loader.gguf_loader import load_gguf_tokenizer
+        from shardserve.loader.gguf_tokenizer import load_gguf_tokenizer
 
         return load_gguf_tokenizer(ckpt.path)
     if not any(os.path.exists(os.path.join(ckpt.path, f)) for f in TOKENIZER_FILES):
