@@ -10,7 +10,7 @@ import torch
 
 from shardserve.config import EngineConfig
 from shardserve.core import Request, SamplingParams
-from shardserve.engine.sampler import apply_logit_bias, apply_penalties, filter_logits
+from shardserve.engine.sampler import apply_logit_bias, apply_penalties, filter_logits, row_argmax
 from shardserve.llm import LLM
 from shardserve.scheduler.engine_core import EngineCore
 
@@ -402,3 +402,15 @@ def test_valid_edge_params() -> None:
     assert sp.stop == ["x"] and sp.greedy
     assert SamplingParams(top_k=1).greedy
     assert not SamplingParams(temperature=0.5).greedy
+
+
+def test_row_argmax_is_torch_argmax_ties_and_nan_included() -> None:
+    g = torch.Generator().manual_seed(0)
+    x = torch.randint(0, 5, (7, 300), generator=g).float()  # many ties: the first maximum wins
+    x[2, 40] = float("nan")  # a NaN counts as the maximum, as in torch
+    x[3] = float("-inf")
+    x[4, 9] = float("inf")
+    want = x.argmax(-1).tolist()
+    assert row_argmax(x) == want and all(type(t) is int for t in row_argmax(x))
+    assert row_argmax(x[1::2]) == x[1::2].argmax(-1).tolist()  # strided rows
+    assert row_argmax(x.double()) == want  # other dtypes through torch

@@ -33,7 +33,7 @@ from shardserve.distributed.communicator import Communicator
 from shardserve.distributed.groups import ParallelGroups
 from shardserve.engine.model_runner import ModelRunner, StepInputs
 from shardserve.engine.proposers import Proposal
-from shardserve.engine.sampler import filter_logits
+from shardserve.engine.sampler import filter_logits, row_argmax
 from shardserve.ipc.messages.plan import PlanEntry
 from shardserve.kvcache.pages import PageAllocator
 from shardserve.loader.model_path import resolve_checkpoint
@@ -169,7 +169,7 @@ class DraftProposer:
     def _pick(self, row: torch.Tensor, req: Request, st: _DraftKV) -> tuple[int, torch.Tensor | None]:
         p = req.params
         if p.greedy:
-            return int(row.argmax()), None
+            return row_argmax(row[None])[0], None
         q = filter_logits(row.float(), p).softmax(-1)
         return int(torch.multinomial(q, 1, generator=st.generator)), q
 

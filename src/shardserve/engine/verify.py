@@ -24,7 +24,7 @@ import torch
 
 from shardserve.core import Request
 from shardserve.engine.grammar import Guide
-from shardserve.engine.sampler import Sampler, filter_logits, top_logprobs
+from shardserve.engine.sampler import Sampler, filter_logits, row_argmax, top_logprobs
 
 
 def verify(logits: torch.Tensor, req: Request, proposal: list[int], q: torch.Tensor | None, sampler: Sampler,
@@ -57,7 +57,7 @@ def verify(logits: torch.Tensor, req: Request, proposal: list[int], q: torch.Ten
 def _decide(row: torch.Tensor, p, draft: int | None, q: torch.Tensor | None, gen: torch.Generator | None) -> int:
     """The token this row emits: the proposal if accepted, else the target's own draw."""
     if p.greedy:
-        return int(row.argmax())
+        return row_argmax(row[None])[0]
     probs = filter_logits(row, p).softmax(-1)
     if draft is None:  # every proposal accepted: the bonus token
         return int(torch.multinomial(probs, 1, generator=gen))
