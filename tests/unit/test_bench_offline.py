@@ -35,3 +35,27 @@ def test_bench_offline_json_schema(tiny_model, capsys):
     assert len(res["output_tps_off_on"]) == len(res["batch1_decode_tps_off_on"]) == 3
     assert res["ratio_output_tps"] > 0 and res["batch1_ratio"] > 0
     assert re.search(r"with a JSON schema: output tokens/s .* \(on/off\), median ratio", out)
+
+
+def test_bench_batch1_alternates_dtypes_and_takes_each_rounds_ratio(tiny_model, capsys):
+    path, _ = tiny_model("llama")
+    rc = main(["bench", "batch1", "--model", path, "--dtypes", "bfloat16,float32", "--tokens", "6", "--rounds", "2"])
+    assert rc == 0
+    out = capsys.readouterr().out
+    rounds = re.findall(r"round (\d): bfloat16 ([\d.]+) tok/s, float32 ([\d.]+) tok/s; bfloat16 / float32 ([\d.]+)x",
+                        out)
+    assert [r[0] for r in rounds] == ["1", "2"]
+    for _, bf, f32, ratio in rounds:  # each round's ratio is its own two runs'
+        assert abs(float(bf) / float(f32) - float(ratio)) < 0.01
+    res = json.loads(out.strip().splitlines()[-1])
+    assert res["rounds"] == 2 and set(res["decode_tps"]) == {"bfloat16", "float32"}
+    assert res["bfloat16_over"]["float32"] > 0
+
+
+def test_bench_batch1_refuses_bad_dtype_lists(capsys):
+    for bad in ("bfloat16,bfloat16", "auto", "int4", ","):
+        try:
+            main(["bench", "batch1", "--model", "x", "--dtypes", bad])
+        except SystemExit as e:
+            assert e.code == 2
+        assert "--dtypes: expected distinct dtypes" in capsys.readouterr().err

@@ -1,8 +1,13 @@
-"""One stream's decode speed on our engine (bench offline and its llama.cpp comparison)."""
+"""One stream's decode speed on our engine (bench offline, its llama.cpp comparison, bench batch1)."""
 
 from __future__ import annotations
 
+import argparse
+import json
+import statistics
 import time
+
+import torch
 
 from shardserve.core import SamplingParams
 from shardserve.llm import LLM
@@ -17,3 +22,36 @@ def batch1_ours(llm: LLM, prompt: list[int], k: int, spec: StructuredOutputsPara
         if not t1 and out.new_ids:
             t1 = time.perf_counter()
     return (k - 1) / (time.perf_counter() - t1)
+
+
+def run_batch1_bench(args: argparse.Namespace, kwargs: dict) -> int:
+    """`shardserve bench batch1`: one stream's decode tokens/s of one checkpoint in each of
+    `--dtypes`, every engine built once and the runs alternating over `--rounds`, so that a shared
+    machine's drift (its memory bandwidth, which one-stream decode is bound by, moves by tens of
+    percent from minute to minute on a virtual machine) touches each alike. Prints each round and
+    its ratios to the first dtype, then the medians as JSON."""
+    engines = {}
+    for dtype in args.dtypes:
+        engines[dtype] = LLM(**{**kwargs, "dtype": dtype})
+    g = torch.Generator().manual_seed(args.workload_seed)
+    vocab = engines[args.dtypes[0]].limits.vocab_size
+    prompt = torch.randint(min(100, vocab // 2), vocab, (args.prompt_len,), generator=g).tolist()
+    for llm in engines.values():  # warm-up: kernels built, caches touched
+        batch1_ours(llm, prompt, 8)
+    runs: dict[str, list[float]] = {d: [] for d in args.dtypes}
+    ratios: dict[str, list[float]] = {d: [] for d in args.dtypes[1:]}
+    for r in range(args.rounds):
+        for dtype, llm in engines.items():
+            runs[dtype].append(batch1_ours(llm, prompt, args.tokens))
+        base = runs[args.dtypes[0]][-1]
+        for dtype in args.dtypes[1:]:
+            ratios[dtype].append(base / runs[dtype][-1])
+        print(f"round {r + 1}: " + ", ".join(f"{d} {runs[d][-1]:.1f} tok/s" for d in args.dtypes)
+              + "".join(f"; {args.dtypes[0]} / {d} {ratios[d][-1]:.2f}x" for d in args.dtypes[1:]), flush=True)
+    for llm in engines.values():
+        llm.shutdown()
+    result = {"tokens": args.tokens, "prompt_tokens": args.prompt_len, "rounds": args.rounds,
+              "decode_tps": {d: statistics.median(v) for d, v in runs.items()},
+              f"{args.dtypes[0]}_over": {d: statistics.median(v) for d, v in ratios.items()}}
+    print(json.dumps(result))
+    return 0

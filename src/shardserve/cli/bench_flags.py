@@ -1,4 +1,4 @@
-"""`shardserve bench {offline,serve,dist,disagg,soak}`: the flags of each benchmark, and dispatch.
+"""`shardserve bench {offline,batch1,lora,serve,dist,disagg,soak}`: the flags of each benchmark, and dispatch.
 
 Parsing imports no torch (the `serve` command builds these parsers too); each benchmark imports
 its own machinery when it runs.
@@ -19,6 +19,7 @@ from shardserve.cli.flags import (
     positive_ints,
     seed_int,
 )
+from shardserve.config import DTYPES
 from shardserve.logs import LOG_LEVELS
 
 
@@ -61,11 +62,30 @@ def add_bench_args(bench: argparse.ArgumentParser) -> None:
     spec.add_argument("--spec-rounds", type=positive_int, default=2, help="alternating rounds of both engines")
     add_lora_bench_args(sub.add_parser("lora", help="output tokens/s of a batch over 1, 4, 16 LoRA adapters vs the "
                                                     "base model alone"))
+    add_batch1_args(sub.add_parser("batch1", help="one stream's decode tokens/s in several dtypes, in alternating "
+                                                   "rounds"))
     add_serve_bench_args(sub.add_parser("serve", help="load-test an OpenAI-compatible server over HTTP"))
     add_disagg_args(sub.add_parser("disagg", help="1 prefill + 1 decode instance vs one colocated server, mixed "
                                                   "workload"))
     add_soak_args(sub.add_parser("soak", help="mixed traffic for a while, replicas killed at random; then checks "
                                               "that no request was lost and nothing leaked"))
+
+
+def dtype_list(text: str) -> list[str]:
+    dtypes = [d.strip() for d in text.split(",") if d.strip()]
+    if not dtypes or any(d not in DTYPES for d in dtypes) or len(set(dtypes)) != len(dtypes):
+        raise argparse.ArgumentTypeError(f"expected distinct dtypes from {list(DTYPES)}, comma-separated; got {text!r}")
+    return dtypes
+
+
+def add_batch1_args(p: argparse.ArgumentParser) -> None:
+    add_engine_args(p)
+    p.add_argument("--dtypes", type=dtype_list, default=["bfloat16", "float32"],
+                   help="comma-separated; each ratio is the first's tokens/s over another's")
+    p.add_argument("--tokens", type=positive_int, default=128, help="tokens each run decodes (the first excluded)")
+    p.add_argument("--prompt-len", type=positive_int, default=32)
+    p.add_argument("--rounds", type=positive_int, default=5, help="alternating rounds of every dtype")
+    p.add_argument("--workload-seed", type=seed_int, default=0)
 
 
 def add_lora_bench_args(p: argparse.ArgumentParser) -> None:
@@ -220,6 +240,10 @@ def run_bench(args: argparse.Namespace) -> int:
         if args.num_requests < max(args.lora_counts):
             raise ValueError(f"--num-requests {args.num_requests} cannot spread over {max(args.lora_counts)} adapters")
         return run_lora_bench(args, llm_kwargs(args))
+    if args.bench == "batch1":
+        from shardserve.bench.batch1 import run_batch1_bench
+
+        return run_batch1_bench(args, llm_kwargs(args))
     if args.bench == "serve":
         import logging
 
