@@ -245,8 +245,11 @@ static int product_path(int type, int64_t m) {
 /* Rows of W a thread claims at a time in whole blocks of its kernel: 6 (panels) or 16. */
 static int64_t claim_grain(int type, int64_t m) {
     int path = product_path(type, m);
-    /* F32_X16, BF16_DP: 4 groups, 4 chains a row; BF16_AMX: 2 groups a tile pass */
-    return path == PANELS ? NW : path == F32_X16 || path == BF16_DP ? 64 : path == BF16_AMX ? 32 : 16;
+    /* F32_X16, BF16_DP: a tile of 4 groups below 8 rows (4 chains a row), of 2 groups by 8 rows
+     * from 8 (f32x16_rows); BF16_AMX: 2 groups a tile pass. The grain is one tile: a longer one
+     * only lengthens the last claims, which the other threads wait for at the barrier. */
+    if (path == F32_X16 || path == BF16_DP) return m >= 8 ? 32 : 64;
+    return path == PANELS ? NW : path == BF16_AMX ? 32 : 16;
 }
 
 /* Scratch bytes one thread's float GEMM needs for rows of k weights; also >= the 16 rows of an
