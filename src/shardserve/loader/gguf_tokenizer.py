@@ -37,7 +37,7 @@ def load_gguf_tokenizer(path: str) -> PreTrainedTokenizerFast:
     if (where / "tokenizer.json").exists():
         try:
             return _finish(AutoTokenizer.from_pretrained(where), path)
-        except (OSError, ValueError) as e:  # a damaged entry: convert again and replace it
+        except Exception as e:  # a damaged entry (any parser's error): convert again and replace it
             log.warning("cached tokenizer %s unreadable (%s); converting %s again", where, e, path)
             shutil.rmtree(where, ignore_errors=True)
     tokenizer = _finish(AutoTokenizer.from_pretrained(os.path.dirname(path) or ".",
