@@ -5,8 +5,8 @@ GGUF metadata keys become config.json keys, `blk.N.attn_q.weight` becomes
 `model.layers.N.self_attn.q_proj.weight`, stacked MoE expert tensors are split per expert, and
 llama's Q/K rows are un-permuted back to the HF rotary layout.
 
-Tensors are never loaded eagerly: `iter_gguf_tensors` yields a loader per tensor and
-the header reader (gguf_header.py) memory-maps the file, so peak memory is one dequantized tensor at a time.
+Tensors are never loaded eagerly: `iter_gguf_tensors` yields a loader per tensor and the header
+reader (gguf_header.py) memory-maps the file, so peak memory is one dequantized tensor at a time.
 """
 
 from __future__ import annotations
@@ -71,13 +71,8 @@ def open_header(path: str) -> GGUFHeader:
 # ----------------------------------------------------------------------------- metadata
 
 
-def _field_value(reader: GGUFHeader, key: str, default: Any = None) -> Any:
-    """One metadata value decoded to a Python scalar/str/list, or `default` if absent."""
-    return reader.fields.get(key, default)
-
-
 def _architecture(reader: GGUFHeader) -> str:
-    arch = _field_value(reader, "general.architecture")
+    arch = reader.fields.get("general.architecture")
     if arch not in GGUF_ARCH_TO_HF_MODEL:
         raise ValueError(f"unsupported GGUF architecture {arch!r}; supported: {sorted(GGUF_ARCH_TO_HF_MODEL)}")
     return arch
@@ -85,7 +80,7 @@ def _architecture(reader: GGUFHeader) -> str:
 
 def _copy_mapped_keys(reader: GGUFHeader, prefix: str, table: dict[str, str], out: dict) -> None:
     for gguf_suffix, hf_key in table.items():
-        value = _field_value(reader, prefix + gguf_suffix)
+        value = reader.fields.get(prefix + gguf_suffix)
         if value is not None:
             out[hf_key] = value
 
@@ -94,19 +89,19 @@ def _head_dim(reader: GGUFHeader, arch: str, config: dict) -> int:
     # Qwen3 decouples head_dim from hidden/heads, and llama.cpp records it as key_length;
     # older llama files only carry rope.dimension_count, which equals head_dim for full rope.
     for suffix in ("attention.key_length", "rope.dimension_count"):
-        value = _field_value(reader, f"{arch}.{suffix}")
+        value = reader.fields.get(f"{arch}.{suffix}")
         if value is not None:
             return int(value)
     return config["hidden_size"] // config["num_attention_heads"]
 
 
 def _rope_scaling(reader: GGUFHeader, arch: str) -> dict | None:
-    kind = _field_value(reader, f"{arch}.rope.scaling.type")
-    factor = _field_value(reader, f"{arch}.rope.scaling.factor")
+    kind = reader.fields.get(f"{arch}.rope.scaling.type")
+    factor = reader.fields.get(f"{arch}.rope.scaling.factor")
     if kind in (None, "none") or factor is None:
         return None
     scaling: dict[str, Any] = {"rope_type": kind, "factor": float(factor)}
-    original = _field_value(reader, f"{arch}.rope.scaling.original_context_length")
+    original = reader.fields.get(f"{arch}.rope.scaling.original_context_length")
     if original is not None:
         scaling["original_max_position_embeddings"] = int(original)
     return scaling
@@ -150,7 +145,7 @@ def _config_from_reader(reader: GGUFHeader) -> dict:
         config.update(architectures=["MixtralForCausalLM"], model_type="mixtral")
     if arch == "deepseek2":
         def value(suffix: str) -> Any:
-            return _field_value(reader, f"{arch}.{suffix}")
+            return reader.fields.get(f"{arch}.{suffix}")
 
         config.update(deepseek2_config(value))
         if "rope_scaling" in config:
@@ -332,4 +327,4 @@ def read_gguf_sampling(path: str) -> dict[str, Any]:
     """The `general.sampling.*` keys a GGUF may carry (llama.cpp's names), as raw values."""
     reader = open_header(path)
     prefix = "general.sampling."
-    return {k.removeprefix(prefix): _field_value(reader, k) for k in reader.fields if k.startswith(prefix)}
+    return {k.removeprefix(prefix): v for k, v in reader.fields.items() if k.startswith(prefix)}
