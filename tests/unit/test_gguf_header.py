@@ -86,6 +86,14 @@ def test_bad_files_are_refused_naming_the_file(tmp_path):
     other.write_bytes(b"GGML" + good[4:])
     with pytest.raises(ValueError, match="other.gguf: not a GGUF file"):
         read_header(str(other))
+    empty = tmp_path / "empty.gguf"
+    empty.write_bytes(b"")
+    with pytest.raises(ValueError, match=r"empty\.gguf: not a GGUF file \(empty\)"):
+        read_header(str(empty))
+    twice = tmp_path / "twice.gguf"  # the last tensor's name given to the one before it (same length)
+    twice.write_bytes(good.replace(b"blk.0.ffn_down.weight", b"blk.0.ffn_gate.weight"))
+    with pytest.raises(ValueError, match=r"twice\.gguf: tensor blk\.0\.ffn_gate\.weight appears twice"):
+        read_header(str(twice))
 
 
 def test_tokenizer_is_converted_once_then_read_back_the_same(tmp_path, monkeypatch):

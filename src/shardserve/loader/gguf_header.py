@@ -10,6 +10,7 @@ lists), and tensors as gguf's own `ReaderTensor`, so the loader reads either the
 
 from __future__ import annotations
 
+import os
 import struct
 from dataclasses import dataclass
 from typing import Any
@@ -19,7 +20,7 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, ReaderTensor
 
 MAGIC = 0x46554747  # "GGUF", little-endian
 VERSIONS = (2, 3)
-STRING, ARRAY, BOOL = 8, 9, 7
+STRING, ARRAY = 8, 9
 SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
 TYPED = {GGMLQuantizationType.F16: np.float16, GGMLQuantizationType.F32: np.float32,
          GGMLQuantizationType.F64: np.float64, GGMLQuantizationType.I8: np.int8,
@@ -79,6 +80,8 @@ class _Cursor:
 
 def read_header(path: str) -> GGUFHeader:
     """Parse `path`'s header; ValueError naming the file for anything that is not a GGUF we read."""
+    if os.path.getsize(path) == 0:  # np.memmap's own error would not name the file
+        raise ValueError(f"{path}: not a GGUF file (empty)")
     data = np.memmap(path, mode="r")
     cur = _Cursor(memoryview(data), path)
     if cur.unpack("<I") != MAGIC:
@@ -92,9 +95,12 @@ def read_header(path: str) -> GGUFHeader:
     for _ in range(n_kv):
         key = cur.string()
         fields[key] = cur.value(cur.unpack("<I"))
-    infos = []
+    infos, names = [], set()
     for _ in range(n_tensors):
         name, n_dims = cur.string(), cur.unpack("<I")
+        if name in names:  # gguf-py refuses these too: a name would otherwise mean either tensor
+            raise ValueError(f"{path}: tensor {name} appears twice")
+        names.add(name)
         dims = [cur.unpack("<Q") for _ in range(n_dims)]
         infos.append((name, dims, cur.unpack("<I"), cur.unpack("<Q")))
     align = int(fields.get("general.alignment", 32))
