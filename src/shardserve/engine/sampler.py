@@ -15,6 +15,7 @@ from collections.abc import Callable
 import torch
 
 from shardserve.core import Request, SamplingParams
+from shardserve.engine.batch_sampling import sample_rows
 
 
 class _Tally:
@@ -213,20 +214,23 @@ class Sampler:
             ids = row_argmax(logits if len(greedy_rows) == len(reqs) else logits[greedy_rows])
             for i, t in zip(greedy_rows, ids):
                 tokens[i] = t
-        # The other rows one by one (each its own adjustments and generator), their tokens left on
-        # the device and brought to the host together.
-        rest, picked = [], []
-        for i, r in enumerate(reqs):
-            if i in greedy_set:
-                continue
-            row = self.adjust(logits[i], r)
-            rest.append(i)
-            if r.params.greedy:
-                picked.append(row.argmax().view(1))
-            else:
-                picked.append(torch.multinomial(filter_logits(row, r.params).softmax(-1), 1, generator=r.generator))
-        for i, t in zip(rest, torch.cat(picked).tolist() if picked else []):
-            tokens[i] = t
+        # The other rows: each one's bans, bias and penalties on its own copy, then the greedy ones'
+        # argmax and the sampled ones drawn together (batch_sampling), each with its generator.
+        rest = [i for i in range(len(reqs)) if i not in greedy_set]
+        if rest:
+            adjusted = [j for j, i in enumerate(rest) if _adjusted(reqs[i])]
+            rows = logits if len(rest) == len(reqs) and not adjusted else logits[rest]  # a copy where written
+            for j in adjusted:
+                rows[j] = self.adjust(rows[j], reqs[rest[j]])
+            argmax = [j for j, i in enumerate(rest) if reqs[i].params.greedy]
+            drawn = [j for j, i in enumerate(rest) if not reqs[i].params.greedy]
+            for j, t in zip(argmax, row_argmax(rows[argmax]) if argmax else []):
+                tokens[rest[j]] = t
+            if drawn:
+                picked = sample_rows(rows[drawn], [reqs[rest[j]].params for j in drawn],
+                                     [reqs[rest[j]].generator for j in drawn], filter_logits)
+                for j, t in zip(drawn, picked):
+                    tokens[rest[j]] = t
         return tokens, batch_logprobs(raw_lp, tokens, [r.params.logprobs if w else None
                                                         for r, w in zip(reqs, want_lp)])
 
