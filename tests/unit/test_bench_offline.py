@@ -59,3 +59,32 @@ def test_bench_batch1_refuses_bad_dtype_lists(capsys):
         except SystemExit as e:
             assert e.code == 2
         assert "--dtypes: expected distinct dtypes" in capsys.readouterr().err
+
+
+def test_bench_offline_sampled_runs_are_seeded_and_not_greedy(tiny_model, capsys):
+    """--temperature 1: each request seeded by its position, so two runs make the same tokens,
+    and they are not the greedy ones."""
+    from shardserve.bench.offline import make_workload, run_ours
+    from shardserve.llm import LLM
+
+    path, _ = tiny_model("llama")
+    llm = LLM(model=path)
+    args = type("A", (), dict(num_requests=6, min_prompt=8, max_prompt=24, min_output=12, max_output=12,
+                              workload_seed=0))()
+    wl = make_workload(args, llm.limits.vocab_size)
+    sampling = {"temperature": 1.0, "top_p": 0.95}
+    first, again, greedy = (run_ours(llm, wl, sampling=s)[1] for s in (sampling, sampling, None))
+    assert first == again and first != greedy
+    assert [len(t) for t in first] == wl.output_lens
+
+
+def test_bench_offline_and_serve_refuse_bad_sampling_flags(capsys):
+    for argv, why in ((["offline", "--top-p", "0"], "--top-p must be in (0, 1]"),
+                      (["offline", "--temperature", "-1"], "--temperature must be >= 0"),
+                      (["serve", "--url", "http://127.0.0.1:9", "--top-k", "0"], "--top-k must be -1 (off) or >= 1"),
+                      (["offline", "--temperature", "1", "--compare", "transformers"], "runs greedy only")):
+        try:
+            main(["bench", *argv])
+            raise AssertionError(f"{argv} was not refused")
+        except SystemExit as e:
+            assert why in str(e.code), e.code

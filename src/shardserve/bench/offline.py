@@ -77,12 +77,16 @@ def summarize(wall: float, ttfts: list[float], prompt_tokens: int, output_tokens
     }
 
 
-def run_ours(llm: LLM, wl: Workload, spec: StructuredOutputsParams | None = None,
+def run_ours(llm: LLM, wl: Workload, spec: StructuredOutputsParams | None = None, sampling: dict | None = None,
              ) -> tuple[dict[str, float], list[list[int]]]:
-    """Run every request through our engine at once; timestamp each request's first token."""
+    """Run every request through our engine at once; timestamp each request's first token.
+    `sampling`: temperature, top_p, top_k, min_p for every request (default greedy), seeded by
+    its position."""
+    sampling = sampling or {"temperature": 0}
     start = time.perf_counter()
-    rids = [llm.add_request(p, SamplingParams(max_tokens=n, temperature=0, ignore_eos=True, structured_outputs=spec))
-            for p, n in zip(wl.prompts, wl.output_lens, strict=True)]
+    rids = [llm.add_request(p, SamplingParams(max_tokens=n, ignore_eos=True, structured_outputs=spec, seed=i,
+                                              **sampling))
+            for i, (p, n) in enumerate(zip(wl.prompts, wl.output_lens, strict=True))]
     first: dict[str, float] = {}
     tokens: dict[str, list[int]] = {r: [] for r in rids}
     left = set(rids)
@@ -194,6 +198,9 @@ def run_offline(args: argparse.Namespace, engine: dict) -> int:
     LLM(...)'s keyword arguments for the engine flags."""
     if args.batch1_tokens == 1 or args.batch1_tokens < 0:
         raise SystemExit("shardserve bench offline: --batch1-tokens must be 0 (skip) or >= 2")
+    sampled = args.sampling["temperature"] > 0
+    if sampled and args.compare == "transformers":
+        raise SystemExit("shardserve bench offline: --compare transformers runs greedy only; drop --temperature")
     vllm_python = check_vllm_compare(args) if args.compare == "vllm" else None  # before anything loads
     llm = LLM(**engine)
     vocab = llm.limits.vocab_size
@@ -204,24 +211,27 @@ def run_offline(args: argparse.Namespace, engine: dict) -> int:
     result: dict = {"ours": None, "transformers": None, "ratio_output_tps": None, "batch1": None,
                     "torch_threads": torch.get_num_threads(),
                     "attention": llm.worker_info["scheduler-0"]["attention"]}
-    result["ours"], ours_tokens = run_ours(llm, wl)
+    result["ours"], ours_tokens = run_ours(llm, wl, sampling=args.sampling)
     peer = {"transformers": "transformers", "vllm": "vLLM"}.get(args.compare)
     if hf is not None:
         result["transformers"], peer_tokens = run_transformers(hf, wl, args.hf_batch_size)
     if vllm_python is not None:
         result["vllm"], peer_tokens = run_vllm_compare(args, vllm_python, wl.prompts, wl.output_lens,
-                                                       result["torch_threads"])
+                                                       result["torch_threads"], args.sampling)
     theirs = result.get(args.compare) if peer else None
     if theirs:
         result["ratio_output_tps"] = result["ours"]["output_tps"] / theirs["output_tps"]
-        result["greedy_match"] = greedy_match(ours_tokens, peer_tokens)
+        if not sampled:  # sampled tokens differ between engines by design
+            result["greedy_match"] = greedy_match(ours_tokens, peer_tokens)
+    how = "greedy" if not sampled else ", ".join(f"{k} {v}" for k, v in args.sampling.items())
     print(f"workload: {len(wl.prompts)} requests, prompts {args.min_prompt}-{args.max_prompt} tokens, "
-          f"outputs {args.min_output}-{args.max_output} tokens, ignore_eos, greedy, dtype {args.dtype}, "
+          f"outputs {args.min_output}-{args.max_output} tokens, ignore_eos, {how}, dtype {args.dtype}, "
           f"{result['torch_threads']} torch threads, attention {result['attention']}")
     print_table(result["ours"], theirs, peer or "transformers")
     if theirs:
-        m = result["greedy_match"]
         print(f"output tokens/s ratio ours/{peer}: {result['ratio_output_tps']:.2f}x")
+    if theirs and not sampled:
+        m = result["greedy_match"]
         whose = peer + ("'" if peer.endswith("s") else "'s")
         print(f"greedy tokens equal to {whose} (first {NUM_CHECKED} requests): {m['equal']}/{m['compared']}")
     if args.batch1_tokens:

@@ -108,10 +108,16 @@ async def first_model(client: httpx.AsyncClient, url: str) -> str:
     return r.json()["data"][0]["id"]
 
 
-def request_body(req: BenchRequest, model: str, endpoint: str) -> dict:
-    """A streaming, greedy request that asks for exactly `output_len` tokens."""
+def sampling_text(args: argparse.Namespace) -> str:
+    sampling = getattr(args, "sampling", None) or {"temperature": 0.0}
+    return "greedy" if not sampling["temperature"] else ", ".join(f"{k} {v}" for k, v in sampling.items())
+
+
+def request_body(req: BenchRequest, model: str, endpoint: str, sampling: dict | None = None) -> dict:
+    """A streaming request that asks for exactly `output_len` tokens, greedy unless `sampling`
+    (temperature, top_p, top_k, min_p) says otherwise."""
     body = {"model": model, "max_tokens": req.output_len, "temperature": 0.0, "stream": True,
-            "stream_options": {"include_usage": True}, "ignore_eos": True}
+            "stream_options": {"include_usage": True}, "ignore_eos": True, **(sampling or {})}
     if endpoint == "chat":
         body["messages"] = [{"role": "user", "content": req.prompt}]
     else:
@@ -196,7 +202,8 @@ async def run_requests(args: argparse.Namespace, reqs: list[BenchRequest]) -> tu
 
         async def one(req: BenchRequest, offset: float) -> RequestResult:
             await asyncio.sleep(max(0.0, start + offset - time.perf_counter()))
-            return await send(client, url, request_body(req, model, args.endpoint), args.endpoint)
+            return await send(client, url, request_body(req, model, args.endpoint, getattr(args, "sampling", None)),
+                              args.endpoint)
 
         results = await asyncio.gather(*(one(r, o) for r, o in zip(reqs, offsets, strict=True)))
         return list(results), time.perf_counter() - start, model
@@ -240,7 +247,7 @@ def print_table(s: dict, args: argparse.Namespace, model: str, errors: list[str]
     rate = "inf (all at once)" if math.isinf(args.request_rate) else f"{args.request_rate:g}/s Poisson"
     print(f"server {base_url(args.url)}  model {model!r}  endpoint {args.endpoint}  rate {rate}")
     print(f"workload: {args.num_requests} requests, prompts {args.min_prompt}-{args.max_prompt} words, "
-          f"outputs {args.min_output}-{args.max_output} tokens, greedy, ignore_eos, seed {args.seed}")
+          f"outputs {args.min_output}-{args.max_output} tokens, {sampling_text(args)}, ignore_eos, seed {args.seed}")
     rows = [("successful requests", s["requests"]), ("failed requests", s["failed"]),
             ("duration (s)", s["duration_s"]), ("request throughput (req/s)", s["request_throughput"]),
             ("output tokens/s", s["output_tokens_per_s"]), ("output tokens (requested)",

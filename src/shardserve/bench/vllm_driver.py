@@ -5,9 +5,11 @@ nothing from shardserve and only the standard library at module level (vllm itse
 the pure functions below import and test without it). WORKLOAD is a JSON file:
 
     {"model": HF_DIR, "dtype": "float32"|"bfloat16", "prompts": [[token ids], ...],
-     "output_lens": [n, ...], "max_model_len": null|int, "seed": int}
+     "output_lens": [n, ...], "max_model_len": null|int, "seed": int,
+     "sampling": {"temperature": t, ["top_p": p, "top_k": k, "min_p": m]}}
 
-Every request is greedy, ignores EOS and makes exactly its n tokens. After vLLM's start-up and
+Every request ignores EOS and makes exactly its n tokens, greedy unless "sampling" gives a
+temperature (request i then seeded with i). After vLLM's start-up and
 one short warm-up generation, one `LLM.generate` over all requests is timed (wall_s). RESULT gets
 {"wall_s", "startup_s", "prompt_tokens", "output_tokens", "tokens": [[generated ids], ...],
 "vllm_version"}. vLLM spawns its workers, hence the `__main__` guard.
@@ -22,6 +24,7 @@ import time
 
 KEYS = ("model", "dtype", "prompts", "output_lens")
 DTYPES = ("float32", "bfloat16")  # what vLLM's CPU backend runs
+SAMPLING = ("temperature", "top_p", "top_k", "min_p")
 WARMUP_TOKENS = 2
 
 
@@ -46,6 +49,9 @@ def check_workload(spec: dict) -> dict:
         raise ValueError("each prompt must be a non-empty list of token ids")
     if not all(isinstance(n, int) and n > 0 for n in lens):
         raise ValueError("each output length must be a positive integer")
+    unknown = set(spec.get("sampling") or {}) - set(SAMPLING)
+    if unknown:
+        raise ValueError(f"sampling: unknown fields {sorted(unknown)}; known: {', '.join(SAMPLING)}")
     return spec
 
 
@@ -59,9 +65,14 @@ def write_result(path: str, result: dict) -> None:
         json.dump(result, f)
 
 
-def sampling_kwargs(n: int) -> dict:
-    """SamplingParams for exactly n greedy tokens. No text: our engine's step() makes none either."""
-    return {"temperature": 0.0, "max_tokens": n, "min_tokens": n, "ignore_eos": True, "detokenize": False}
+def sampling_kwargs(n: int, sampling: dict | None = None, seed: int | None = None) -> dict:
+    """SamplingParams for exactly n tokens, greedy unless `sampling` says otherwise. No text: our
+    engine's step() makes none either."""
+    kw = {"temperature": 0.0, "max_tokens": n, "min_tokens": n, "ignore_eos": True, "detokenize": False}
+    kw |= sampling or {}
+    if kw["temperature"] > 0 and seed is not None:
+        kw["seed"] = seed
+    return kw
 
 
 def llm_kwargs(spec: dict) -> dict:
@@ -91,7 +102,7 @@ def run(spec: dict) -> dict:
     llm.generate([warm], SamplingParams(**sampling_kwargs(WARMUP_TOKENS)), use_tqdm=False)
     startup = time.perf_counter() - t0
     prompts = [TokensPrompt(prompt_token_ids=p) for p in spec["prompts"]]
-    params = [SamplingParams(**sampling_kwargs(n)) for n in spec["output_lens"]]
+    params = [SamplingParams(**sampling_kwargs(n, spec.get("sampling"), i)) for i, n in enumerate(spec["output_lens"])]
     t0 = time.perf_counter()
     outs = llm.generate(prompts, params, use_tqdm=False)
     wall = time.perf_counter() - t0

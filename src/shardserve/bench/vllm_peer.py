@@ -81,10 +81,10 @@ def vllm_env(threads: int, kv_gib: int, base: dict[str, str] | None = None) -> d
 
 
 def workload_spec(model_dir: str, dtype: str, prompts: list[list[int]], output_lens: list[int],
-                  max_model_len: int | None, seed: int) -> dict:
+                  max_model_len: int | None, seed: int, sampling: dict | None = None) -> dict:
     """The driver's WORKLOAD JSON (see vllm_driver.py)."""
     return {"model": model_dir, "dtype": dtype, "prompts": prompts, "output_lens": output_lens,
-            "max_model_len": max_model_len, "seed": seed}
+            "max_model_len": max_model_len, "seed": seed, "sampling": sampling or {"temperature": 0.0}}
 
 
 def tail(text: str, lines: int = STDERR_LINES) -> str:
@@ -122,10 +122,10 @@ def vllm_stats(res: dict) -> dict:
 
 
 def run_vllm_compare(args, python: str, prompts: list[list[int]], output_lens: list[int],
-                     threads: int) -> tuple[dict, list[list[int]]]:
+                     threads: int, sampling: dict | None = None) -> tuple[dict, list[list[int]]]:
     """vLLM's stats for the workload, and each request's generated token ids."""
     spec = workload_spec(check_model(args.model, args.dtype), args.dtype, prompts, output_lens,
-                         args.max_model_len, args.seed)
+                         args.max_model_len, args.seed, sampling)
     env = vllm_env(threads, args.vllm_kv_cache_space)
     print(f"running vLLM ({python}, VLLM_CPU_OMP_THREADS_BIND={env['VLLM_CPU_OMP_THREADS_BIND']}, "
           f"VLLM_CPU_KVCACHE_SPACE={env['VLLM_CPU_KVCACHE_SPACE']})...", file=sys.stderr, flush=True)

@@ -49,6 +49,7 @@ def add_bench_args(bench: argparse.ArgumentParser) -> None:
                      help="static batch size for the transformers peer")
     off.add_argument("--batch1-tokens", type=non_negative_int, default=64,
                      help="also time batch-1 decode of this many tokens (0 = skip)")
+    add_sampling_args(off)
     off.add_argument("--json-schema", action="store_true",
                      help="run again with every output held to a JSON schema and print the decode slowdown")
     spec = off.add_argument_group("with --speculative-method: the engine with and without it, paired")
@@ -148,7 +149,33 @@ def add_serve_bench_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model-name", default=None, help="`model` field to send (default: first id of GET /v1/models)")
     p.add_argument("--endpoint", choices=["completions", "chat"], default="completions")
     p.add_argument("--log-level", choices=LOG_LEVELS, default="info", help="this process's log level")
+    add_sampling_args(p)
     add_shared_prefix_args(p)
+
+
+def add_sampling_args(p: argparse.ArgumentParser) -> None:
+    """What every request of a run samples with (vLLM's benchmark flags); greedy by default."""
+    s = p.add_argument_group("sampling of every request (default: greedy)")
+    s.add_argument("--temperature", type=float, default=0.0, help="0 (the default): greedy")
+    s.add_argument("--top-p", type=float, default=1.0)
+    s.add_argument("--top-k", type=int, default=-1, help="-1 (the default): off")
+    s.add_argument("--min-p", type=float, default=0.0)
+
+
+def sampling_of(args: argparse.Namespace) -> dict:
+    """The sampling flags as request fields (the temperature, and the others where not off), checked
+    as a request's are: exits naming the flag."""
+    from shardserve.core import SamplingParams
+
+    fields = {"temperature": args.temperature, "top_p": args.top_p, "top_k": args.top_k, "min_p": args.min_p}
+    try:
+        SamplingParams(**fields)
+    except ValueError as e:
+        name = next(f for f in fields if f"SamplingParams.{f} " in str(e))
+        why = str(e).split(" ", 1)[1]
+        raise SystemExit(f"shardserve bench {args.bench}: --{name.replace('_', '-')} {why}") from None
+    defaults = {"top_p": 1.0, "top_k": -1, "min_p": 0.0}  # left out of requests: the greedy body stays as it was
+    return {k: v for k, v in fields.items() if k == "temperature" or v != defaults[k]}
 
 
 def add_shared_prefix_args(p: argparse.ArgumentParser) -> None:
@@ -219,6 +246,8 @@ def add_disagg_args(p: argparse.ArgumentParser) -> None:
 
 
 def run_bench(args: argparse.Namespace) -> int:
+    if args.bench in ("offline", "serve"):
+        args.sampling = sampling_of(args)
     if args.bench == "offline" and args.dtype == "auto":  # the peers must run in the very dtype ours does
         from shardserve.config import EngineConfig
         from shardserve.loader.model_path import resolve_checkpoint
