@@ -199,8 +199,8 @@ def test_compare_through_fake_vllm(tiny_model, fake_vllm_python, capsys):
 
 
 def test_sampled_compare_sends_the_same_sampling_to_vllm(tiny_model, fake_vllm_python, capsys):
-    """--temperature/--top-p/--top-k: every request of both engines samples so, vLLM's seeded by
-    position as ours are; no greedy comparison of tokens is claimed."""
+    """--temperature/--top-p/--top-k: every request of both engines samples so (vLLM's unseeded:
+    its CPU sampler fails on a request's seed); no greedy comparison of tokens is claimed."""
     path, _ = tiny_model("llama")
     exe, log = fake_vllm_python
     rc = main(["bench", "offline", "--model", path, "--num-requests", "3", "--min-prompt", "8", "--max-prompt", "30",
@@ -210,18 +210,15 @@ def test_sampled_compare_sends_the_same_sampling_to_vllm(tiny_model, fake_vllm_p
     out = capsys.readouterr().out
     result = json.loads(out.strip().splitlines()[-1])
     timed = [json.loads(line) for line in log.read_text().splitlines()][2]["generate"]
-    assert [(sp["temperature"], sp["top_p"], sp["top_k"], sp["seed"]) for sp in timed] == [(0.8, 0.9, 20, i)
-                                                                                         for i in range(3)]
-    assert "min_p" not in timed[0]  # flags left off are not sent
+    assert [(sp["temperature"], sp["top_p"], sp["top_k"]) for sp in timed] == [(0.8, 0.9, 20)] * 3
+    assert "min_p" not in timed[0] and "seed" not in timed[0]  # flags left off are not sent
     assert "greedy_match" not in result and "greedy tokens equal" not in out
     assert "temperature 0.8, top_p 0.9, top_k 20" in out
 
 
 def test_sampling_kwargs_take_the_workload_sampling():
     drv = load_driver()
-    assert drv.sampling_kwargs(4, {"temperature": 0.7, "min_p": 0.1}, 3) == {
-        "temperature": 0.7, "min_p": 0.1, "max_tokens": 4, "min_tokens": 4, "ignore_eos": True, "detokenize": False,
-        "seed": 3}
-    assert "seed" not in drv.sampling_kwargs(4, {"temperature": 0.0}, 3)  # greedy: nothing to seed
+    assert drv.sampling_kwargs(4, {"temperature": 0.7, "min_p": 0.1}) == {
+        "temperature": 0.7, "min_p": 0.1, "max_tokens": 4, "min_tokens": 4, "ignore_eos": True, "detokenize": False}
     with pytest.raises(ValueError, match="unknown fields \\['top_a'\\]"):
         drv.check_workload(vllm_peer.workload_spec("/m", "float32", [[1]], [2], None, 0, {"top_a": 1}))
