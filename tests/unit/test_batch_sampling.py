@@ -6,10 +6,11 @@ import pytest
 import torch
 
 from shardserve.core import SamplingParams
+from shardserve.engine import batch_sampling
 from shardserve.engine.batch_sampling import STAGES, inverse_cdf, sample_rows
 from shardserve.engine.sampler import filter_logits
 
-VOCAB = 3000
+VOCAB = 3000  # between the last two stages
 
 PARAMS = {
     "temperature": dict(temperature=0.8),
@@ -17,7 +18,7 @@ PARAMS = {
     "top_k": dict(temperature=0.7, top_k=40),
     "top_p": dict(temperature=0.9, top_p=0.9),
     "all": dict(temperature=0.7, top_k=200, top_p=0.8, min_p=0.02),
-    "top_k_past_the_stages": dict(temperature=1.0, top_k=STAGES[-1] + 300),
+    "top_k_past_the_stages": dict(temperature=1.0, top_k=STAGES[1] + 300),  # past 1024: decided by the sort
     "flat_top_p": dict(temperature=5.0, top_p=0.99),
 }
 
@@ -45,7 +46,7 @@ def test_batched_draws_equal_the_whole_row_filters(name: str, scale: float) -> N
     p = SamplingParams(**PARAMS[name])
     rows = logits_rows(24, scale, seed=int(scale * 10))
     seeds = list(range(100, 124))
-    got = sample_rows(rows, [p] * 24, gens(seeds), filter_logits)
+    got = sample_rows(rows, [p] * 24, gens(seeds))
     assert got == [reference(rows[i], p, seeds[i]) for i in range(24)]
 
 
@@ -54,26 +55,31 @@ def test_a_row_draws_alike_alone_and_in_any_batch() -> None:
     rows[6] = torch.randn(VOCAB, generator=torch.Generator().manual_seed(9)) * 0.1  # flat: no stage decides it
     params = [SamplingParams(**PARAMS[n]) for n in ["temperature", "min_p", "top_k", "top_p", "all",
                                                     "top_k_past_the_stages", "flat_top_p"]]
-    together = sample_rows(rows, params, gens(list(range(7))), filter_logits)
+    together = sample_rows(rows, params, gens(list(range(7))))
     for i in range(7):
-        assert sample_rows(rows[i : i + 1], params[i : i + 1], gens([i]), filter_logits) == [together[i]]
+        assert sample_rows(rows[i : i + 1], params[i : i + 1], gens([i])) == [together[i]]
     order = [6, 2, 0, 5, 1, 4, 3]
-    shuffled = sample_rows(rows[order], [params[i] for i in order], gens(order), filter_logits)
+    shuffled = sample_rows(rows[order], [params[i] for i in order], gens(order))
     assert shuffled == [together[i] for i in order]
 
 
-def test_only_rows_no_stage_decides_take_the_whole_row_filters() -> None:
+def test_each_stage_takes_only_the_rows_the_last_left_open(monkeypatch) -> None:
+    """A peaked row is decided by its first 64 candidates; a flat one under top-p, and top-k past
+    the stages, go on to the whole vocabulary sorted."""
     peaked, flat = logits_rows(1, 10.0, seed=5)[0], torch.zeros(VOCAB)
-    calls = []
+    seen = []
+    real = batch_sampling._candidate_rows
 
-    def counting(row: torch.Tensor, p: SamplingParams) -> torch.Tensor:
-        calls.append(p)
-        return filter_logits(row, p)
+    def recording(x, params, u, k):
+        seen.append((k, len(params)))
+        return real(x, params, u, k)
 
+    monkeypatch.setattr(batch_sampling, "_candidate_rows", recording)
     top_p = SamplingParams(temperature=1.0, top_p=0.9)
     big_k = SamplingParams(**PARAMS["top_k_past_the_stages"])
-    sample_rows(torch.stack([peaked, flat, peaked]), [top_p, top_p, big_k], gens([1, 2, 3]), counting)
-    assert calls == [top_p, big_k]
+    got = sample_rows(torch.stack([peaked, flat, peaked]), [top_p, top_p, big_k], gens([1, 2, 3]))
+    assert seen == [(64, 3), (1024, 2), (VOCAB, 2)]  # VOCAB < the last stage: the sort comes next
+    assert got == [reference(r, p, s) for r, p, s in zip([peaked, flat, peaked], [top_p, top_p, big_k], [1, 2, 3])]
 
 
 def test_draws_follow_the_kept_distribution() -> None:
@@ -83,7 +89,7 @@ def test_draws_follow_the_kept_distribution() -> None:
     row = probs.log()
     p = SamplingParams(temperature=1.0, top_p=0.75)  # keeps 0.4, 0.25 and 0.15 (the one crossing 0.75)
     n = 6000
-    got = sample_rows(row.expand(n, -1).contiguous(), [p] * n, gens(list(range(n))), filter_logits)
+    got = sample_rows(row.expand(n, -1).contiguous(), [p] * n, gens(list(range(n))))
     counts = torch.bincount(torch.tensor(got), minlength=6).double()
     kept = probs[:3].double() / probs[:3].sum()
     assert counts[3:].sum() == 0
@@ -102,3 +108,12 @@ def test_inverse_cdf_refuses_a_row_with_nothing_to_draw(bad: float) -> None:
     w = torch.tensor([[1.0, 2.0], [bad, 0.0 if bad == 0.0 else 1.0]])
     with pytest.raises(ValueError, match="no token of finite positive probability"):
         inverse_cdf(w, torch.tensor([0.5, 0.5], dtype=torch.float64))
+
+
+def test_the_4096_stage_decides_a_nucleus_of_thousands() -> None:
+    g = torch.Generator().manual_seed(11)
+    row = torch.cat([torch.linspace(2.0, 0.0, 2000) + 1e-3 * torch.rand(2000, generator=g), torch.full((4000,), -30.0)])
+    row = row[torch.randperm(6000, generator=g)]
+    p = SamplingParams(temperature=1.0, top_p=0.9)
+    got = sample_rows(row.expand(8, -1).contiguous(), [p] * 8, gens(list(range(8))))
+    assert got == [reference(row, p, s) for s in range(8)]

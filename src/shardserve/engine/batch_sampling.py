@@ -1,29 +1,27 @@
 """Drawing a step's sampled rows together: temperature, top-k, top-p and min-p as batched tensor
 operations, then each row's token by inverting its distribution's CDF at one uniform number drawn
 from the request's own generator (so a seeded request draws the same tokens whatever shares its
-step: every operation below is one row's alone, and the candidate count is fixed, not the batch's).
+step: every operation below is one row's alone, and which candidates decide a row depends on that
+row alone).
 
 Why not a row at a time: over a 49k vocabulary on the CPU one row's softmax, full sort (top-p) and
 multinomial took 1 to 5 ms, so 64 sampled streams spent longer sampling than in the forward pass.
 
-A truncating row (top-k or top-p) starts from its largest logits, sorted (STAGES: 64, then 1024
-for the rows 64 did not decide), instead of a sort of the whole vocabulary. Its kept set is exact
-there when the last candidate is itself dropped: top-k (a value threshold), top-p (the mass before
-a token only grows down the order) and min-p (a fraction of the largest probability) then drop
-everything after it too. A row neither stage decides (a flat distribution under top-p, top-k
-above the last stage) takes the whole-row filters of `filter_logits`, with the same uniform
-number. Which stage decides depends on the row alone.
+A truncating row (top-k or top-p) starts from its largest logits, sorted: STAGES of 64, 1024 and
+4096, each for the rows the one before left open, then the whole vocabulary sorted. Its kept set
+is exact among candidates when the last candidate is itself dropped: top-k (a value threshold),
+top-p (the mass before a token only grows down the order) and min-p (a fraction of the largest
+probability) then drop everything after it too. A peaked row (most rows of a chat) is decided by
+its first 64; a flat one (a high temperature under top-p 0.95) may need the sort.
 """
 
 from __future__ import annotations
-
-from collections.abc import Callable
 
 import torch
 
 from shardserve.core import SamplingParams
 
-STAGES = (64, 1024)  # the sorted candidates a truncating row starts from, then those of a row 64 left open
+STAGES = (64, 1024, 4096)  # the sorted candidates of a truncating row, each stage for rows the last left open
 
 
 def truncates(p: SamplingParams, vocab: int) -> bool:
@@ -31,11 +29,10 @@ def truncates(p: SamplingParams, vocab: int) -> bool:
     return 0 < p.top_k < vocab or p.top_p < 1.0
 
 
-def sample_rows(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None],
-                filter_row: Callable[[torch.Tensor, SamplingParams], torch.Tensor]) -> list[int]:
+def sample_rows(logits: torch.Tensor, params: list[SamplingParams],
+                generators: list[torch.Generator | None]) -> list[int]:
     """One token per row of `logits` [n, vocab] (float32, bans and penalties already applied),
-    each row under its params (temperature > 0) and drawn with its generator. `filter_row(row,
-    params)` is the whole-row reference (`sampler.filter_logits`), for the rows no stage decides."""
+    each row under its params (temperature > 0) and drawn with its generator."""
     n, vocab = logits.shape
     dev = logits.device
     u = torch.cat([torch.rand(1, dtype=torch.float64, generator=g, device=dev) for g in generators])
@@ -47,16 +44,13 @@ def sample_rows(logits: torch.Tensor, params: list[SamplingParams], generators: 
         rows = x if len(whole) == n else x[whole]
         picked[whole] = _whole_rows(rows, [params[i] for i in whole], u[whole])
     todo = [i for i, p in enumerate(params) if truncates(p, vocab)]
-    for k in STAGES:
+    for k in (*STAGES, vocab):  # the whole vocabulary decides every row
         if not todo:
             break
         tokens, exact = _candidate_rows(x[todo], [params[i] for i in todo], u[todo], min(k, vocab))
         decided = exact.tolist()
         picked[[i for i, d in zip(todo, decided) if d]] = tokens[exact]
         todo = [i for i, d in zip(todo, decided) if not d]
-    for i in todo:  # flat rows: the whole-row filters
-        probs = filter_row(logits[i], params[i]).softmax(-1)
-        picked[i] = inverse_cdf(probs[None], u[i : i + 1])[0]
     return picked.tolist()
 
 
@@ -75,7 +69,7 @@ def _candidate_rows(x: torch.Tensor, params: list[SamplingParams], u: torch.Tens
     """Rows with top-k or top-p, from their k largest logits: (a token per row, whether the
     candidates decided it: the tokens of the other rows are not to be used)."""
     vocab, dev = x.shape[1], x.device
-    vals, ids = torch.topk(x, k, dim=-1)  # sorted, largest first
+    vals, ids = torch.topk(x, k, dim=-1) if k < vocab else x.sort(-1, descending=True)  # largest first
     top_k = torch.tensor([p.top_k if 0 < p.top_k < vocab else 0 for p in params], device=dev)
     top_p = torch.tensor([p.top_p for p in params], dtype=x.dtype, device=dev)
     min_p = torch.tensor([p.min_p for p in params], dtype=x.dtype, device=dev)
@@ -94,8 +88,10 @@ def _candidate_rows(x: torch.Tensor, params: list[SamplingParams], u: torch.Tens
     # Decided where the last candidate is dropped, or has probability 0 (and so has every token
     # after it), and top-k's threshold lay among the candidates; or every token is a candidate.
     exact = ((~keep[:, -1] | (probs[:, -1] == 0)) & (top_k <= k)) | (k == vocab)
-    # Drawn in vocabulary order, as the whole rows and the whole-row filters are: the same uniform
-    # number picks the same token whichever path a row takes.
+    # Drawn in vocabulary order, as the whole rows are: the same uniform number picks the same
+    # token whichever stage decides the row. The whole vocabulary is put back in place, not sorted.
+    if k == vocab:
+        return inverse_cdf(torch.zeros_like(probs).scatter_(1, ids, probs * keep), u), exact
     ids, order = ids.sort(-1)
     j = inverse_cdf((probs * keep).gather(1, order), u)
     return ids.gather(1, j[:, None]).squeeze(1), exact

@@ -228,7 +228,7 @@ class Sampler:
                 tokens[rest[j]] = t
             if drawn:
                 picked = sample_rows(rows[drawn], [reqs[rest[j]].params for j in drawn],
-                                     [reqs[rest[j]].generator for j in drawn], filter_logits)
+                                     [reqs[rest[j]].generator for j in drawn])
                 for j, t in zip(drawn, picked):
                     tokens[rest[j]] = t
         return tokens, batch_logprobs(raw_lp, tokens, [r.params.logprobs if w else None
