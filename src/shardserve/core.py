@@ -15,6 +15,7 @@ if TYPE_CHECKING:
     import torch
 
 _MAX_LOGPROBS = 20
+GREEDY_BELOW = 1e-5  # a temperature under this is greedy
 
 
 @dataclass(frozen=True)
@@ -44,7 +45,7 @@ class LoRARequest:
 class SamplingParams:
     """How to pick tokens for one prompt; the fields and meanings follow vLLM's.
 
-    `temperature == 0` means greedy. `logprobs=None` returns none; `logprobs=k` returns the
+    `temperature == 0` (below 1e-5) means greedy. `logprobs=None` returns none; `logprobs=k` returns the
     sampled token's log-probability and the top k (k may be 0). `prompt_logprobs=k` does the same
     for every prompt token after the first (the model's own distribution; such a request skips
     the prefix cache, since cached tokens are never scored). Penalties follow the usual
@@ -185,7 +186,9 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0 or self.top_k == 1
+        """Argmax: temperature 0 (below 1e-5, as vLLM: dividing by less overflows the logits to
+        infinity) or top_k 1."""
+        return self.temperature < GREEDY_BELOW or self.top_k == 1
 
     def sample_seed(self, index: int) -> int | None:
         """The seed of the index-th of n samples: seed + index, wrapped to stay a 64-bit int."""

@@ -117,3 +117,14 @@ def test_the_4096_stage_decides_a_nucleus_of_thousands() -> None:
     p = SamplingParams(temperature=1.0, top_p=0.9)
     got = sample_rows(row.expand(8, -1).contiguous(), [p] * 8, gens(list(range(8))))
     assert got == [reference(row, p, s) for s in range(8)]
+
+
+def test_a_temperature_below_1e_5_is_greedy() -> None:
+    """As vLLM: dividing by a smaller one overflows the logits to infinity."""
+    from shardserve.core import Request
+    from shardserve.engine.sampler import Sampler
+
+    rows = logits_rows(3, 4.0, seed=2)
+    reqs = [Request(str(i), [1, 2], SamplingParams(temperature=t), [0]) for i, t in enumerate((1e-30, 9e-6, 0.0))]
+    tokens, _ = Sampler()(rows, reqs)
+    assert tokens == rows.argmax(-1).tolist()
