@@ -58,8 +58,8 @@ def _whole_rows(x: torch.Tensor, params: list[SamplingParams], u: torch.Tensor) 
     """Rows with no truncation by order: exp(x - max), each a probability over the largest one,
     less min-p's tail (a probability under min_p times the largest), drawn from. Overwrites x."""
     e = x.sub_(x.amax(-1, keepdim=True)).exp_()
-    min_p = torch.tensor([p.min_p for p in params], dtype=e.dtype, device=x.device)
-    if bool((min_p > 0).any()):
+    if any(p.min_p > 0 for p in params):  # asked of the params, not the device
+        min_p = torch.tensor([p.min_p for p in params], dtype=e.dtype, device=x.device)
         e = e * (e >= min_p[:, None])
     return inverse_cdf(e, u)
 
@@ -80,7 +80,7 @@ def _candidate_rows(x: torch.Tensor, params: list[SamplingParams], u: torch.Tens
     masked = vals.masked_fill(~keep, float("-inf"))
     # The probabilities after top-k: normalised over what it keeps, else over the whole row.
     lse = torch.logsumexp(masked, -1, keepdim=True)
-    if not bool(has_k.all()):
+    if not all(0 < p.top_k < vocab for p in params):
         lse = torch.where(has_k, lse, torch.logsumexp(x, -1, keepdim=True))
     probs = torch.exp(masked - lse)
     keep &= probs.cumsum(-1) - probs < top_p[:, None]  # the token that crosses top_p is kept
