@@ -108,3 +108,25 @@ def test_small_operators_on_the_gpu(dtype, tol):
     assert gpu_ops.rotary_(q, k, cos, sin)
     torch.testing.assert_close(q, refs[0], atol=tol, rtol=tol)
     torch.testing.assert_close(k, refs[1], atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("kw", [dict(temperature=0.8), dict(temperature=0.7, top_p=0.9, min_p=0.02),
+                                dict(temperature=1.0, top_k=40), dict(temperature=5.0, top_p=0.99)])
+def test_batched_sampling_on_the_gpu(kw):
+    """The batched draw on CUDA tensors and generators equals the whole-row filters drawn at the
+    same uniform numbers (float64, on the GPU)."""
+    from shardserve.core import SamplingParams
+    from shardserve.engine.batch_sampling import sample_rows
+    from shardserve.engine.sampler import filter_logits
+
+    g = torch.Generator(device=GPU).manual_seed(0)
+    rows = torch.randn(16, 6000, device=GPU, generator=g) * 4
+    p = SamplingParams(**kw)
+    got = sample_rows(rows, [p] * 16, [torch.Generator(device=GPU).manual_seed(s) for s in range(16)])
+    want = []
+    for s in range(16):
+        u = float(torch.rand(1, dtype=torch.float64, device=GPU, generator=torch.Generator(device=GPU).manual_seed(s)))
+        cdf = filter_logits(rows[s], p).double().softmax(-1).cumsum(-1)
+        want.append(int(torch.searchsorted(cdf, torch.tensor([u * float(cdf[-1])], dtype=torch.float64, device=GPU),
+                                           right=True)))
+    assert got == want
