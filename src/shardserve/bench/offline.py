@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from shardserve.bench.batch1 import batch1_ours
+from shardserve.bench.runs import sampling_text
 from shardserve.bench.vllm_peer import check_vllm_compare, run_vllm_compare
 from shardserve.config import torch_dtype
 from shardserve.core import SamplingParams
@@ -223,9 +224,9 @@ def run_offline(args: argparse.Namespace, engine: dict) -> int:
         result["ratio_output_tps"] = result["ours"]["output_tps"] / theirs["output_tps"]
         if not sampled:  # sampled tokens differ between engines by design
             result["greedy_match"] = greedy_match(ours_tokens, peer_tokens)
-    how = "greedy" if not sampled else ", ".join(f"{k} {v}" for k, v in args.sampling.items())
     print(f"workload: {len(wl.prompts)} requests, prompts {args.min_prompt}-{args.max_prompt} tokens, "
-          f"outputs {args.min_output}-{args.max_output} tokens, ignore_eos, {how}, dtype {args.dtype}, "
+          f"outputs {args.min_output}-{args.max_output} tokens, ignore_eos, {sampling_text(args.sampling)}, "
+          f"dtype {args.dtype}, "
           f"{result['torch_threads']} torch threads, attention {result['attention']}")
     print_table(result["ours"], theirs, peer or "transformers")
     if theirs:

@@ -1,4 +1,5 @@
-"""What the `bench dist` modes share: a random model written to disk, and a timed run's counts."""
+"""What benchmarks share: a random model written to disk and a timed run's counts (`bench dist`),
+and how a run's sampling is named in its printout (`bench offline`, `bench serve`)."""
 
 from __future__ import annotations
 
@@ -28,3 +29,9 @@ def minus(after: dict, before: dict) -> dict:
         base = before.get(op, {"calls": 0, "MB": 0.0})
         out[op] = {"calls": rec["calls"] - base["calls"], "MB": round(rec["MB"] - base["MB"], 6)}
     return out
+
+
+def sampling_text(sampling: dict | None) -> str:
+    """"greedy", or the sampling flags' fields as a run applies them ("temperature 0.7, top_p 0.9")."""
+    sampling = sampling or {"temperature": 0.0}
+    return "greedy" if not sampling["temperature"] else ", ".join(f"{k} {v}" for k, v in sampling.items())

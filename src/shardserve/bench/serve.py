@@ -20,6 +20,8 @@ from dataclasses import dataclass, field
 import httpx
 import numpy as np
 
+from shardserve.bench.runs import sampling_text
+
 # Common English words: short, so most tokenizers give each one or two tokens.
 WORDS = (
     "the of and to in is was for on that with as by at from his her it an are were which be this had not but "
@@ -106,11 +108,6 @@ async def first_model(client: httpx.AsyncClient, url: str) -> str:
     r = await client.get(f"{url}/v1/models")
     r.raise_for_status()
     return r.json()["data"][0]["id"]
-
-
-def sampling_text(args: argparse.Namespace) -> str:
-    sampling = getattr(args, "sampling", None) or {"temperature": 0.0}
-    return "greedy" if not sampling["temperature"] else ", ".join(f"{k} {v}" for k, v in sampling.items())
 
 
 def request_body(req: BenchRequest, model: str, endpoint: str, sampling: dict | None = None) -> dict:
@@ -247,7 +244,8 @@ def print_table(s: dict, args: argparse.Namespace, model: str, errors: list[str]
     rate = "inf (all at once)" if math.isinf(args.request_rate) else f"{args.request_rate:g}/s Poisson"
     print(f"server {base_url(args.url)}  model {model!r}  endpoint {args.endpoint}  rate {rate}")
     print(f"workload: {args.num_requests} requests, prompts {args.min_prompt}-{args.max_prompt} words, "
-          f"outputs {args.min_output}-{args.max_output} tokens, {sampling_text(args)}, ignore_eos, seed {args.seed}")
+          f"outputs {args.min_output}-{args.max_output} tokens, {sampling_text(getattr(args, 'sampling', None))}, "
+          f"ignore_eos, seed {args.seed}")
     rows = [("successful requests", s["requests"]), ("failed requests", s["failed"]),
             ("duration (s)", s["duration_s"]), ("request throughput (req/s)", s["request_throughput"]),
             ("output tokens/s", s["output_tokens_per_s"]), ("output tokens (requested)",

@@ -174,8 +174,8 @@ def sampling_of(args: argparse.Namespace) -> dict:
         name = next(f for f in fields if f"SamplingParams.{f} " in str(e))
         why = str(e).split(" ", 1)[1]
         raise SystemExit(f"shardserve bench {args.bench}: --{name.replace('_', '-')} {why}") from None
-    defaults = {"top_p": 1.0, "top_k": -1, "min_p": 0.0}  # left out of requests: the greedy body stays as it was
-    return {k: v for k, v in fields.items() if k == "temperature" or v != defaults[k]}
+    off = SamplingParams()  # fields left at their defaults stay out of requests: a greedy body stays as it was
+    return {k: v for k, v in fields.items() if k == "temperature" or v != getattr(off, k)}
 
 
 def add_shared_prefix_args(p: argparse.ArgumentParser) -> None:
