@@ -70,9 +70,9 @@ def test_each_stage_takes_only_the_rows_the_last_left_open(monkeypatch) -> None:
     seen = []
     real = batch_sampling._candidate_rows
 
-    def recording(x, params, u, k):
+    def recording(x, params, u, k, row_lse):
         seen.append((k, len(params)))
-        return real(x, params, u, k)
+        return real(x, params, u, k, row_lse)
 
     monkeypatch.setattr(batch_sampling, "_candidate_rows", recording)
     top_p = SamplingParams(temperature=1.0, top_p=0.9)

@@ -44,13 +44,16 @@ def sample_rows(logits: torch.Tensor, params: list[SamplingParams],
         rows = x if len(whole) == n else x[whole]
         picked[whole] = _whole_rows(rows, [params[i] for i in whole], u[whole])
     todo = [i for i, p in enumerate(params) if truncates(p, vocab)]
+    # A row without top-k normalises over its whole vocabulary: once, not once a stage.
+    lse = torch.logsumexp(x[todo], -1, keepdim=True) if any(not 0 < params[i].top_k < vocab for i in todo) else None
     for k in (*STAGES, vocab):  # the whole vocabulary decides every row
         if not todo:
             break
-        tokens, exact = _candidate_rows(x[todo], [params[i] for i in todo], u[todo], min(k, vocab))
+        tokens, exact = _candidate_rows(x[todo], [params[i] for i in todo], u[todo], min(k, vocab), lse)
         decided = exact.tolist()
         picked[[i for i, d in zip(todo, decided) if d]] = tokens[exact]
         todo = [i for i, d in zip(todo, decided) if not d]
+        lse = lse[~exact] if lse is not None else None
     return picked.tolist()
 
 
@@ -64,10 +67,11 @@ def _whole_rows(x: torch.Tensor, params: list[SamplingParams], u: torch.Tensor) 
     return inverse_cdf(e, u)
 
 
-def _candidate_rows(x: torch.Tensor, params: list[SamplingParams], u: torch.Tensor,
-                    k: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _candidate_rows(x: torch.Tensor, params: list[SamplingParams], u: torch.Tensor, k: int,
+                    row_lse: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
     """Rows with top-k or top-p, from their k largest logits: (a token per row, whether the
-    candidates decided it: the tokens of the other rows are not to be used)."""
+    candidates decided it: the tokens of the other rows are not to be used). `row_lse`: each
+    row's log-sum-exp over its whole vocabulary (None where every row has top-k)."""
     vocab, dev = x.shape[1], x.device
     vals, ids = torch.topk(x, k, dim=-1) if k < vocab else x.sort(-1, descending=True)  # largest first
     top_k = torch.tensor([p.top_k if 0 < p.top_k < vocab else 0 for p in params], device=dev)
@@ -80,8 +84,8 @@ def _candidate_rows(x: torch.Tensor, params: list[SamplingParams], u: torch.Tens
     masked = vals.masked_fill(~keep, float("-inf"))
     # The probabilities after top-k: normalised over what it keeps, else over the whole row.
     lse = torch.logsumexp(masked, -1, keepdim=True)
-    if not all(0 < p.top_k < vocab for p in params):
-        lse = torch.where(has_k, lse, torch.logsumexp(x, -1, keepdim=True))
+    if row_lse is not None:
+        lse = torch.where(has_k, lse, row_lse)
     probs = torch.exp(masked - lse)
     keep &= probs.cumsum(-1) - probs < top_p[:, None]  # the token that crosses top_p is kept
     keep &= probs >= min_p[:, None] * probs[:, :1]
