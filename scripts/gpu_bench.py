@@ -1,11 +1,13 @@
 """One engine's speed on one device, for scripts/gpu_check.sh: a random Llama-3.2-1B-shaped model
 (or a tiny one, to check this script on a CPU) in the engine's default dtype; offline throughput,
 batch-1 decode against the bandwidth floor (weight bytes / measured copy bandwidth), and GPU
-kernel launches per decode step. Prints one JSON object."""
+kernel launches per decode step; then the same runs under --async-scheduling. Prints one JSON
+object."""
 
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import tempfile
 import time
@@ -48,7 +50,8 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def run(core, prompts: list[list[int]], max_tokens: int) -> tuple[int, float]:
+def run(core, prompts: list[list[int]], max_tokens: int, outputs: list | None = None) -> tuple[int, float]:
+    """(output tokens, seconds); each request's tokens appended to `outputs` if given."""
     from shardserve.core import SamplingParams
 
     params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
@@ -56,7 +59,38 @@ def run(core, prompts: list[list[int]], max_tokens: int) -> tuple[int, float]:
     t = time.perf_counter()
     while core.has_unfinished():
         core.step()
+    if outputs is not None:
+        outputs.extend(r.output_token_ids for r in reqs)
     return sum(len(r.output_token_ids) for r in reqs), time.perf_counter() - t
+
+
+def measure(core, prompts: list[list[int]], tokens: int, outputs: list) -> tuple[float, float]:
+    """Offline output tokens/s over `prompts`, and one stream's decode seconds per token."""
+    run(core, prompts[:2], 4)  # warm-up: Triton compiles its kernels
+    done, seconds = run(core, prompts, tokens, outputs)
+    one, one_s = run(core, prompts[:1], tokens)
+    _, prefill_s = run(core, prompts[:1], 1)
+    return done / seconds, (one_s - prefill_s) / max(1, one - 1)
+
+
+def async_scheduling(cfg, prompts: list[list[int]], tokens: int, sync_outputs: list) -> dict:
+    """The same runs under --async-scheduling (a fresh engine), and how many requests' greedy
+    tokens match the synchronous run's (a GPU's products may round otherwise when the batch
+    differs, as it does for the one extra step of a finished request)."""
+    from dataclasses import replace
+
+    from shardserve.scheduler.engine_core import EngineCore
+
+    core = EngineCore(replace(cfg, async_scheduling=True))
+    try:
+        outputs: list = []
+        rate, decode_s = measure(core, prompts, tokens, outputs)
+    finally:
+        core.close()
+    same = sum(a == b for a, b in zip(outputs, sync_outputs))
+    return {"async_offline_output_tokens_per_s": round(rate, 1),
+            "async_batch1_decode_tokens_per_s": round(1 / decode_s, 1),
+            "async_same_tokens": f"{same}/{len(outputs)}"}
 
 
 def kernel_launches(core, device: torch.device) -> int | None:
@@ -89,27 +123,31 @@ def main() -> None:
     device = torch.device(args.device)
     with tempfile.TemporaryDirectory() as path:
         write_model(args.shape, device, path)
-        core = EngineCore(EngineConfig(model=path, device=args.device, show_progress=False, kv_cache_memory=0.5))
+        cfg = EngineConfig(model=path, device=args.device, show_progress=False, kv_cache_memory=0.5)
+        core = EngineCore(cfg)
         g = torch.Generator().manual_seed(0)
         vocab = SHAPES[args.shape]["vocab_size"]
         prompts = [torch.randint(vocab, (int(n),), generator=g).tolist()
                    for n in torch.randint(32, 512, (args.requests,), generator=g)]
-        run(core, prompts[:2], 4)  # warm-up: Triton compiles its kernels
-        tokens, seconds = run(core, prompts, args.tokens)
-        one, one_s = run(core, prompts[:1], args.tokens)
-        _, prefill_s = run(core, prompts[:1], 1)
-        decode_s = (one_s - prefill_s) / max(1, one - 1)
+        outputs: list = []
+        rate, decode_s = measure(core, prompts, args.tokens, outputs)
         weights = int(core.runner.weight_mb * 1e6)  # each tensor once, packed or not
         floor_s = weights / copy_bandwidth(device)
-        print(json.dumps({
+        result = {
             "device": str(device), "shape": args.shape, "dtype": core.cfg.dtype,
             "attention": core.runner.attention.describe(), "weight_bytes": weights,
-            "offline_output_tokens_per_s": round(tokens / seconds, 1),
+            "offline_output_tokens_per_s": round(rate, 1),
             "batch1_decode_tokens_per_s": round(1 / decode_s, 1),
             "bandwidth_floor_tokens_per_s": round(1 / floor_s, 1),
             "batch1_fraction_of_floor": round(floor_s / decode_s, 3),
             "kernel_launches_per_decode_step": kernel_launches(core, device),
-        }))
+        }
+        del core  # its KV pool, before the next engine sizes its own
+        gc.collect()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+        result.update(async_scheduling(cfg, prompts, args.tokens, outputs))
+        print(json.dumps(result))
 
 
 if __name__ == "__main__":

@@ -246,6 +246,9 @@ class Request:
     seed: int = 0
     announced: bool = False
     pages_synced: int = 0
+    # Leader, --async-scheduling: tokens sampled by plans still in flight, not yet in the token
+    # list (0 or 1 when a plan is made: the next plan's placeholder for it; see scheduler/overlap.py).
+    pending: int = 0
     # On the sampling rank, with structured outputs: the request's grammar matcher (engine/grammar.py).
     matcher: Any = field(default=None, repr=False, compare=False)
     # Disaggregation. Prefill side: where the KV goes (ipc.messages.disagg.KVTarget); the request ends
@@ -292,6 +295,11 @@ class Request:
     @property
     def num_tokens(self) -> int:
         return len(self._tokens)
+
+    @property
+    def num_planned(self) -> int:
+        """Tokens known or on their way (`pending`): how far a plan may compute."""
+        return len(self._tokens) + self.pending
 
     @property
     def finished(self) -> bool:

@@ -59,6 +59,8 @@ class LocalBackend:
         return self.engine.stats()
 
     def shutdown(self) -> None:
+        if self.engine is not None:
+            self.engine.close()
         self.engine = None
 
 

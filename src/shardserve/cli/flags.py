@@ -146,6 +146,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--log-level", choices=LOG_LEVELS, default="info",
                    help="log level of every process: the API process, tokenizers and scheduler ranks")
     g.add_argument("--no-prefix-cache", action="store_true", help="disable prefix (KV page) reuse")
+    g.add_argument("--async-scheduling", action="store_true",
+                   help="plan the next step while this one runs (vLLM's flag; one rank per replica)")
     g.add_argument("--seed", type=seed_int, default=0, help="seed for requests that give none")
     g.add_argument("--tp-size", "--tensor-parallel-size", dest="tp_size", type=positive_int, default=1,
                    help="tensor-parallel ranks (one scheduler process each)")
@@ -286,6 +288,7 @@ def engine_config(args: argparse.Namespace, **overrides) -> EngineConfig:
         speculative_config=speculative_config(args),
         enable_lora=args.enable_lora, max_loras=args.max_loras, max_lora_rank=args.max_lora_rank,
         max_cpu_loras=args.max_cpu_loras, fully_sharded_loras=args.fully_sharded_loras,
+        async_scheduling=args.async_scheduling,
     )
     fields.update(overrides)
     return EngineConfig(**fields)

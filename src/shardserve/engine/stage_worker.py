@@ -32,7 +32,7 @@ from shardserve.engine.sampler import Sampler, score_prompt
 from shardserve.engine.step_rows import embeddings, finite_rows, pooled_rows
 from shardserve.engine.verify import verify
 from shardserve.ipc.messages.disagg import KVTarget
-from shardserve.ipc.messages.plan import PlanRequest, StepPlan, StepResult
+from shardserve.ipc.messages.plan import PENDING, PlanEntry, PlanRequest, StepPlan, StepResult
 from shardserve.kvcache.transfer import KVSender
 from shardserve.loader.model_path import Checkpoint
 from shardserve.platform import anon_rss_mb, peak_rss_mb
@@ -171,7 +171,7 @@ class StageWorker:
             n = len(e.token_ids)
             end = e.start + n
             if self.stage.first:
-                step.token_ids.extend(e.token_ids)
+                step.token_ids.extend(e.token_ids if e.token_ids[-1] != PENDING else self._filled(e))
             step.positions.extend(range(e.start, end))
             step.lora_slots.extend([e.lora_slot] * n)
             if n == 1 or e.num_draft == n - 1:
@@ -189,6 +189,15 @@ class StageWorker:
             offset += n
         step.logit_rows = sample_rows + score_rows
         return step
+
+    def _filled(self, e: PlanEntry) -> list[int]:
+        """--async-scheduling: the entry's placeholder is the token this rank sampled for the
+        request in the plan before (scheduler/overlap.py)."""
+        req = self.sampling.get(e.rid)
+        if req is None or not req.output_token_ids:
+            raise RuntimeError(f"a plan left request {e.rid!r}'s token to the sampling rank, which has sampled "
+                               "none for it (--async-scheduling needs the sampling rank to embed)")
+        return [*e.token_ids[:-1], req.output_token_ids[-1]]
 
     def _sample(self, plan: StepPlan, logits: torch.Tensor) -> StepResult:
         sampled = [e for e in plan.entries if e.sample]

@@ -59,11 +59,31 @@ def check_deployment(plan: Deployment, ckpt: Checkpoint, torchrun: bool = False)
 
         split_layers(mc.num_layers, layout.pp, cfg.pp_layer_partition)
     check_speculative(cfg, layout, ckpt)
+    check_async_scheduling(cfg, layout)
     if cfg.enable_lora:
         check_lora(cfg, layout, mc)
     if (cfg.pp_micro_batches or 1) > 1 and layout.pp == 1:
         raise LayoutError(f"--pp-micro-batches {cfg.pp_micro_batches} needs --pp-size > 1 (one stage runs one "
                           f"micro-batch at a time)")
+
+
+def check_async_scheduling(cfg: EngineConfig, layout: Layout) -> None:
+    """--async-scheduling where its placeholders can be filled: the one rank of a replica both
+    embeds the next step's tokens and samples them (several ranks would need the sampled tokens
+    sent to the others first: not built)."""
+    if not cfg.async_scheduling:
+        return
+    ranks = layout.tp * layout.pp * layout.cp
+    why = None
+    if ranks > 1 or layout.dp_attention:
+        why = (f"needs one rank per replica for now (got --tp-size {layout.tp} --pp-size {layout.pp} --cp-size "
+               f"{layout.cp}{' --enable-dp-attention' if layout.dp_attention else ''})")
+    elif cfg.speculative_config is not None:
+        why = "cannot run with --speculative-method: a step's proposals follow from the step before's tokens"
+    elif cfg.disaggregation_mode != "null":
+        why = "is not supported with --disaggregation-mode yet"
+    if why is not None:
+        raise LayoutError(f"--async-scheduling {why}")
 
 
 def check_lora(cfg: EngineConfig, layout: Layout, mc: ModelConfig) -> None:

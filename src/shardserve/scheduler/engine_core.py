@@ -7,6 +7,7 @@ message I/O. It owns no tokenizer, only a `decode` function used to match stop s
 from __future__ import annotations
 
 import time
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -28,6 +29,7 @@ from shardserve.scheduler.engine_stats import engine_stats, running_status
 from shardserve.scheduler.finish import finish_reason
 from shardserve.scheduler.limits import RequestLimits
 from shardserve.scheduler.lora_slots import LoraSlots
+from shardserve.scheduler.overlap import Executor, plans_again
 from shardserve.scheduler.plan_feed import PlanFeed, Wait
 from shardserve.scheduler.scheduler import Scheduler
 from shardserve.scheduler.speculator import make_speculator
@@ -96,7 +98,7 @@ class EngineCore:
         self._seed_rng = torch.Generator().manual_seed(cfg.seed if replica == 0 else hash((cfg.seed, replica)))
         self.publish, self.results = publish, results
         self.inflight: dict[int, InFlight] = {}  # by micro-batch number, oldest first
-        self.busy: set[str] = set()  # requests waiting for a result
+        self.busy: Counter[str] = Counter()  # requests waiting for results: how many plans answer them
         self.starved = False  # nothing was schedulable while plans were in flight
         self.feed = PlanFeed()  # what the next plan carries besides its entries
         self.stage_traffic: dict[str, dict] = {}
@@ -108,6 +110,12 @@ class EngineCore:
         self.spec = make_speculator(cfg, self.worker, self.allocator, self.max_model_len, self._run_draft)
         if self.spec is not None:  # a preempted request's draft KV is freed with its own
             self.scheduler.on_preempt = self.spec.forget
+        # --async-scheduling: this rank's plans run on an executor thread, one planned ahead.
+        self.executor = None
+        self.depth = self.micro_batches  # plans in flight at most
+        if cfg.async_scheduling:
+            self.executor = Executor(self.worker.execute, f"rank {groups.rank} executor")
+            self.results, self.depth = self.executor.results, 2
 
     @property
     def vocab_size(self) -> int:
@@ -188,23 +196,36 @@ class EngineCore:
         return self.scheduler.has_work() or bool(self.inflight)
 
     def stalled(self) -> bool:
-        """Whether only a result can let the engine move on (the caller may wait for one)."""
-        return bool(self.inflight) and (len(self.inflight) >= self.micro_batches or self.starved)
+        """Whether only a result can let the engine move on (the caller may wait for one; under
+        --async-scheduling `step` waits itself)."""
+        return (self.executor is None and bool(self.inflight)
+                and (len(self.inflight) >= self.micro_batches or self.starved))
 
     def step(self, join: bool = False) -> list[StepOutput]:
         """`join` (data-parallel attention, one stage): when nothing is schedulable, run a plan
         with no tokens, so this replica's ranks still enter every MoE layer's all-to-all that the
         other replicas' forwards enter this step."""
         outputs = self._collect(0)
-        if len(self.inflight) < self.micro_batches:
-            batch = self.scheduler.schedule(self.busy, self._seq_cap())
+        batch = None
+        if len(self.inflight) < self.depth:
+            batch = self.scheduler.schedule(self._blocked(), self._seq_cap())
             if batch is None:
                 self.starved = bool(self.inflight)
                 if join:
                     self._run_empty()
             else:
                 outputs += self._run(batch)
+        if self.executor is not None and self.inflight and (len(self.inflight) >= self.depth or batch is None):
+            outputs += self._collect(int(self.cfg.dist_timeout * 1000))  # the oldest plan's result
         return outputs
+
+    def _blocked(self) -> Counter[str] | set[str]:
+        """Requests the next plan may not take: those waiting for a result, but under
+        --async-scheduling not a decode whose next token one running plan is sampling."""
+        if self.executor is None:
+            return self.busy
+        return {rid for rid, k in self.busy.items()
+                if not plans_again(self.requests.get(rid), k, self.max_model_len)}
 
     def _run_empty(self) -> None:
         plan = self.feed.plan(self.next_mb, [])
@@ -255,8 +276,13 @@ class EngineCore:
         self.inflight[plan.mb] = InFlight(time.monotonic(), waits)
         self.max_in_flight = max(self.max_in_flight, len(self.inflight))
         self.busy.update(w[0].request_id for w in waits)
+        for req, sample, _ in waits:
+            req.pending += sample
         if self.publish is not None:
             self.publish(plan)
+        if self.executor is not None:
+            self.executor.submit(plan)
+            return []
         result = self.worker.execute(plan)
         return self._apply(result) if result is not None else []
 
@@ -271,7 +297,7 @@ class EngineCore:
             else:
                 outputs += self._apply(msg)
         oldest = next(iter(self.inflight.values()), None)
-        if oldest is not None and time.monotonic() - oldest.sent > self.cfg.dist_timeout:
+        if self.executor is None and oldest is not None and time.monotonic() - oldest.sent > self.cfg.dist_timeout:
             mb = next(iter(self.inflight))
             raise CollectiveError(f"rank {self.runner.groups.rank}: no result for micro-batch {mb} from the last "
                                   f"pipeline stage within {self.cfg.dist_timeout:.0f} s")
@@ -291,7 +317,7 @@ class EngineCore:
         ended, k = set(result.ended), -1
         outputs = []
         for req, sample, scores in waits:
-            self.busy.discard(req.request_id)
+            self._settle(req, sample)
             entries = next(scored) if scores else []
             tok, lp = next(tokens) if sample else (None, None)
             toks, lps = next(accepted) if sample and accepted else ([], [])
@@ -310,6 +336,19 @@ class EngineCore:
                 if self.spec is not None:
                     self.spec.settle(req, len(toks), len(outputs[-1].new_token_ids))
         return outputs
+
+    def _settle(self, req: Request, sample: bool) -> None:
+        """One plan that answered `req` is back."""
+        rid = req.request_id
+        self.busy[rid] -= 1
+        if self.busy[rid] <= 0:
+            del self.busy[rid]
+        req.pending -= sample
+
+    def close(self) -> None:
+        """Stop the executor thread (--async-scheduling) after the plans in flight."""
+        if self.executor is not None:
+            self.executor.close()
 
     def _take_tokens(self, req: Request, toks: list[int], lps: list[dict | None], grammar_done: bool) -> StepOutput:
         """Append a step's tokens (several with speculative decoding) one at a time, stopping at

@@ -4,7 +4,7 @@ ranks must learn before they run it."""
 from __future__ import annotations
 
 from shardserve.core import Batch, Request
-from shardserve.ipc.messages.plan import LoraOp, PlanEntry, PlanRequest, StepPlan
+from shardserve.ipc.messages.plan import PENDING, LoraOp, PlanEntry, PlanRequest, StepPlan
 
 # A request the plan's result answers: (request, samples a token, scores prompt tokens).
 Wait = tuple[Request, bool, bool]
@@ -41,12 +41,14 @@ class PlanFeed:
                 self.new.append(PlanRequest(req.request_id, req.prompt_token_ids, req.params, req.seed, eos,
                                             req.transfer, list(req.output_token_ids), req.rng_state))
             start = req.num_computed_tokens
-            sample = start + n == req.num_tokens
+            sample = start + n == req.num_planned
+            ids = req.all_token_ids[start : start + n]
+            ids += [PENDING] * (n - len(ids))  # --async-scheduling: a token still being sampled
             first, count = scoring.get(id(req), (-1, 0))
             base = req.pages_synced
             req.pages_synced = len(req.pages)
             draft = batch.drafts.get(req.request_id, [])
-            entries.append(PlanEntry(req.request_id, start, req.all_token_ids[start : start + n] + draft, base,
+            entries.append(PlanEntry(req.request_id, start, ids + draft, base,
                                      req.pages[base:], sample, first, count, len(draft), req.lora_slot))
             if sample or count:
                 waits.append((req, sample, count > 0))

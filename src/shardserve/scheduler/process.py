@@ -59,7 +59,8 @@ class SchedulerServer:
         self.inbox = Inbox(ctx, ep.leader(self.replica), ep.fanout(self.replica), results, groups.control,
                            cfg.dist_timeout, ep.secret)
         self.engine.publish = self.inbox.publish if groups.control.size > 1 else None
-        self.engine.results = self.inbox.take_results if groups.layout.pp > 1 else None
+        if groups.layout.pp > 1:  # else none, or (--async-scheduling) this rank's own executor's
+            self.engine.results = self.inbox.take_results
         self.to_detok = push(ctx, ep.detokenizer, ep.secret)
         self.to_api = push(ctx, ep.api, ep.secret)
         self.aborted_early: set[str] = set()  # aborts that overtook their request
@@ -87,7 +88,10 @@ class SchedulerServer:
                 **self.engine.worker.info()}
 
     def serve(self) -> None:
-        serve_loop(self._loop if self.lockstep is None else self._lockstep_loop)
+        try:
+            serve_loop(self._loop if self.lockstep is None else self._lockstep_loop)
+        finally:
+            self.engine.close()
 
     def _loop(self) -> None:
         while self.running:

@@ -9,7 +9,9 @@ prefix of their tokens the prefix cache already holds.
 
 With micro-batches in flight (pipeline parallelism), requests whose result is still on its way
 (`busy`) are neither scheduled nor preempted, and each micro-batch takes at most `max_seqs`
-requests so the next one has some left to take.
+requests so the next one has some left to take. Under --async-scheduling a decode whose token is
+on its way is scheduled again (`Request.pending`: its next row is a placeholder). It may also be
+preempted: its token lands before the next schedule, so before it can be admitted again.
 """
 
 from __future__ import annotations
@@ -52,7 +54,7 @@ class Scheduler:
         preempted = False
         while queue and budget > 0 and len(entries) < max_seqs:
             req = queue.pop(0)
-            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            n = min(req.num_planned - req.num_computed_tokens, budget)
             while not self.alloc.extend_to(req.pages, req.num_computed_tokens + n):
                 victim = queue.pop() if queue else req
                 self._preempt(victim)
@@ -139,8 +141,9 @@ class Scheduler:
         """Mark the batch's tokens computed and publish newly full pages to the prefix cache."""
         for req, n in batch.entries:
             req.num_computed_tokens += n
-            self.alloc.register(req.all_token_ids, req.pages, req.num_computed_tokens, req.page_hashes,
-                                req.cache_root)
+            # A placeholder's token (--async-scheduling) is unknown yet: its page waits for a later step.
+            self.alloc.register(req.all_token_ids, req.pages, min(req.num_computed_tokens, req.num_tokens),
+                                req.page_hashes, req.cache_root)
 
     def finish(self, req: Request, reason: str) -> None:
         """End a request (done or aborted) wherever it is, freeing its pages."""

@@ -56,7 +56,17 @@ def startup_summary(engine: EngineCore) -> str:
             f"KV cache {str(r.kv_dtype).removeprefix('torch.')}, {pages} pages x {cfg.page_size} tokens "
             f"({pages * cfg.page_size} tokens{spread}), "
             f"{mib(kv_bytes)} on this rank ({kv_bytes // max(1, r.num_pages)} bytes a page); "
-            f"context length {engine.max_model_len} tokens ({context})")
+            f"context length {engine.max_model_len} tokens ({context}){async_text(engine)}")
+
+
+def async_text(engine: EngineCore) -> str:
+    """--async-scheduling in the summary; on the CPU, its cost (docs/architecture.md)."""
+    if engine.executor is None:
+        return ""
+    if engine.runner.device.type == "cpu":
+        return ("; async scheduling (on the CPU the executor thread and the leader share the kernels' cores: "
+                "measured no faster on 2 cores, and slower for small models)")
+    return "; async scheduling"
 
 
 def use_threads(threads: int | None) -> None:

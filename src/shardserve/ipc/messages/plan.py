@@ -43,6 +43,11 @@ class LoraOp(msgspec.Struct, array_like=True):
 DROP = -1  # LoraOp.slot: drop the parsed copy
 
 
+# PlanEntry.token_ids, --async-scheduling: the token this request's previous plan is sampling,
+# which the sampling rank fills in before it embeds the row (scheduler/overlap.py).
+PENDING = -1
+
+
 class PlanEntry(msgspec.Struct, array_like=True):
     """One request's share of a micro-batch: tokens [start, start + n) of its sequence."""
 

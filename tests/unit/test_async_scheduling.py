@@ -1,0 +1,192 @@
+"""--async-scheduling: the leader plans step n+1 while step n runs, the tokens step n is still
+sampling left as placeholders the sampling rank fills in (scheduler/overlap.py).
+
+What a request gets must not change: on the default model (batch-invariant, so a request's
+logits do not depend on what shares its step) every token and logprob equals synchronous
+scheduling's, for greedy and seeded sampled requests, stop strings and tokens, penalties,
+min_tokens, structured outputs, preemption and the prefix cache; every page comes back; a
+request ended by its length runs no extra row.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from shardserve.core import SamplingParams
+from shardserve.distributed.layout import LayoutError
+from shardserve.llm import LLM
+from shardserve.scheduler.overlap import ExecutorError
+from shardserve.structured_outputs import StructuredOutputsParams
+
+
+def prompts(n: int, seed: int, lo: int = 5, hi: int = 200) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    lens = torch.randint(lo, hi, (n,), generator=g).tolist()
+    return [torch.randint(100, 40000, (k,), generator=g).tolist() for k in lens]
+
+
+def mixed_params(n: int) -> list[SamplingParams]:
+    """Greedy and seeded sampled requests of many lengths, with what the sampling rank keeps
+    state for (penalties, min_tokens) and what the leader ends them on (stop strings, tokens)."""
+    out = []
+    for i in range(n):
+        kw: dict = dict(max_tokens=3 + 5 * i, logprobs=2, seed=i)
+        kw["temperature"] = 0 if i % 3 == 0 else 0.9
+        if i % 4 == 1:
+            kw["repetition_penalty"] = 1.3
+        if i % 5 == 2:
+            kw.update(stop=["e"], min_tokens=2)
+        if i % 7 == 3:
+            kw["top_p"] = 0.8
+        out.append(SamplingParams(**kw))
+    return out
+
+
+def run(path: str, batch: list[list[int]], params, **kw):
+    """(token ids, logprobs, finish reasons) per request, and the engine's counters."""
+    llm = LLM(model=path, show_progress=False, **kw)
+    core = llm.engine
+    filled = []
+    fill = core.worker._filled
+    core.worker._filled = lambda e: filled.append(e.rid) or fill(e)
+    try:
+        outs = llm.generate(batch, params, use_tqdm=False)
+        alloc = core.allocator
+        seen = dict(in_flight=core.max_in_flight, filled=len(filled), preempted=core.scheduler.num_preemptions,
+                    held=alloc.num_pages - alloc.num_free, busy=dict(core.busy),
+                    pending=sum(r.pending for r in core.requests.values()))
+        return [(o.outputs[0].token_ids, o.outputs[0].logprobs, o.outputs[0].finish_reason) for o in outs], seen
+    finally:
+        llm.shutdown()
+
+
+def test_tokens_and_logprobs_equal_synchronous(smollm2_path: str) -> None:
+    batch, params = prompts(14, seed=1), mixed_params(14)
+    want, sync = run(smollm2_path, batch, params)
+    got, overlap = run(smollm2_path, batch, params, async_scheduling=True)
+    assert got == want  # every token and logprob exactly
+    assert sync["in_flight"] == 1 and sync["filled"] == 0
+    assert overlap["in_flight"] == 2 and overlap["filled"] > 50  # it did plan ahead, many times
+    assert {r for _, _, r in want} >= {"stop", "length"}
+    assert overlap["busy"] == {} and overlap["pending"] == 0
+    assert overlap["held"] == sync["held"] == 0  # every page back (cached ones are free to take)
+
+
+def test_equal_under_preemption(smollm2_path: str) -> None:
+    batch = prompts(8, seed=2, lo=40, hi=90)
+    params = [SamplingParams(max_tokens=48, temperature=0 if i % 2 else 1.0, seed=i, logprobs=1) for i in range(8)]
+    small = dict(num_pages=30, page_size=16)  # 480 tokens for 8 requests reaching ~110 each
+    want, sync = run(smollm2_path, batch, params, **small)
+    got, overlap = run(smollm2_path, batch, params, async_scheduling=True, **small)
+    assert sync["preempted"] > 0 and overlap["preempted"] > 0
+    assert got == want
+    assert overlap["held"] == sync["held"] == 0
+
+
+def test_equal_with_cached_prefixes(smollm2_path: str) -> None:
+    shared = prompts(1, seed=3, lo=70, hi=71)[0]
+    batch = [shared + tail for tail in prompts(6, seed=4, lo=3, hi=20)] + [shared]
+    params = SamplingParams(max_tokens=20, temperature=0, logprobs=1)
+    llm = LLM(model=smollm2_path, show_progress=False, async_scheduling=True)
+    try:
+        first = llm.generate(batch, params, use_tqdm=False)
+        again = llm.generate(batch, params, use_tqdm=False)  # prefixes from the cache now
+    finally:
+        llm.shutdown()
+    assert all(o.num_cached_tokens >= 64 for o in again)
+    want, _ = run(smollm2_path, batch, params)
+    assert [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in first] == [w[:2] for w in want]
+    assert [o.outputs[0].token_ids for o in again] == [w[0] for w in want]
+
+
+def test_structured_outputs_equal(smollm2_path: str) -> None:
+    schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 8},
+                                               "n": {"type": "integer"}}, "required": ["name", "n"]}
+    params = [SamplingParams(max_tokens=40, temperature=0.7, seed=i,
+                             structured_outputs=StructuredOutputsParams(json=schema)) for i in range(4)]
+    batch = prompts(4, seed=5)
+    want, _ = run(smollm2_path, batch, params)
+    got, overlap = run(smollm2_path, batch, params, async_scheduling=True)
+    assert got == want
+    assert overlap["filled"] > 0
+
+
+def test_length_ends_run_no_extra_row(smollm2_path: str) -> None:
+    """A request that ends on its last max_tokens token is not planned past it."""
+    llm = LLM(model=smollm2_path, show_progress=False, async_scheduling=True)
+    rows: dict[str, int] = {}
+    sample = llm.engine.worker._sample_rows
+
+    def counting(logits, reqs):
+        for r in reqs:
+            rows[r.request_id] = rows.get(r.request_id, 0) + 1
+        return sample(logits, reqs)
+
+    llm.engine.worker._sample_rows = counting
+    try:
+        outs = llm.generate(prompts(3, seed=6), [SamplingParams(max_tokens=k, temperature=0, ignore_eos=True)
+                                                 for k in (1, 7, 19)], use_tqdm=False)
+    finally:
+        llm.shutdown()
+    assert [len(o.outputs[0].token_ids) for o in outs] == [1, 7, 19]
+    assert sorted(rows.values()) == [1, 7, 19]
+
+
+def test_abort_in_flight_frees_everything(smollm2_path: str) -> None:
+    llm = LLM(model=smollm2_path, show_progress=False, async_scheduling=True)
+    core = llm.engine
+    try:
+        for i, p in enumerate(prompts(4, seed=7)):
+            core.add_request(str(i), p, SamplingParams(max_tokens=30, temperature=0))
+        while not any(r.pending for r in core.requests.values()):
+            core.step()
+        victim = next(r for r in core.requests.values() if r.pending)
+        assert core.abort(victim.request_id)
+        finished = set()
+        while core.has_unfinished():
+            finished |= {o.request.request_id for o in core.step() if o.finished}
+        assert finished == {"0", "1", "2", "3"} - {victim.request_id}
+        assert not core.busy and not core.inflight
+        assert core.allocator.num_free == core.allocator.num_pages
+    finally:
+        llm.shutdown()
+
+
+def test_a_failed_step_is_raised_and_the_thread_ends(smollm2_path: str) -> None:
+    llm = LLM(model=smollm2_path, show_progress=False, async_scheduling=True)
+    core = llm.engine
+
+    def broken(plan):
+        raise RuntimeError("kernel exploded")
+
+    core.executor._execute = broken
+    try:
+        core.add_request("a", prompts(1, seed=8)[0], SamplingParams(max_tokens=4))
+        with pytest.raises(ExecutorError, match="rank 0 executor: a step failed: kernel exploded"):
+            for _ in range(10):
+                core.step()
+        assert not core.executor._thread.is_alive()
+    finally:
+        llm.shutdown()
+
+
+@pytest.mark.parametrize("kw, why", [
+    (dict(tp_size=2), "needs one rank per replica for now"),
+    (dict(speculative_config={"method": "ngram", "num_speculative_tokens": 2}), "--speculative-method"),
+])
+def test_refused_where_it_cannot_run(smollm2_path: str, kw: dict, why: str) -> None:
+    with pytest.raises(LayoutError, match=f"--async-scheduling .*{why}"):
+        LLM(model=smollm2_path, show_progress=False, async_scheduling=True, **kw)
+
+
+def test_equal_in_a_scheduler_process(smollm2_path: str) -> None:
+    """As the server runs it: the leader's loop in its own process, waiting inside `step`."""
+    batch, params = prompts(6, seed=9), mixed_params(6)
+    want, _ = run(smollm2_path, batch, params)
+    llm = LLM(model=smollm2_path, show_progress=False, async_scheduling=True, isolated=True)
+    try:
+        outs = llm.generate(batch, params, use_tqdm=False)
+    finally:
+        llm.shutdown()
+    assert [(o.outputs[0].token_ids, o.outputs[0].logprobs, o.outputs[0].finish_reason) for o in outs] == want
