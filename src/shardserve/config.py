@@ -181,7 +181,7 @@ class EngineConfig:
     fully_sharded_loras: bool = False
     # vLLM's --async-scheduling (SGLang's overlap schedule): the leader plans step n+1 while step n
     # runs on an executor thread, the tokens step n is still sampling left as placeholders that
-    # the sampling rank fills in (scheduler/overlap.py). One rank per replica only, for now.
+    # the sampling rank fills in (scheduler/overlap.py). One pipeline stage, no context ranks, for now.
     async_scheduling: bool = False
 
     def __post_init__(self) -> None:

@@ -48,10 +48,13 @@ def run(path: str, batch: list[list[int]], params, **kw):
     llm = LLM(model=path, show_progress=False, **kw)
     core = llm.engine
     filled = []
-    fill = core.worker._filled
-    core.worker._filled = lambda e: filled.append(e.rid) or fill(e)
+    fill = core.worker._last_sampled
+    core.worker._last_sampled = lambda rid: filled.append(rid) or fill(rid)
     try:
         outs = llm.generate(batch, params, use_tqdm=False)
+        # generate returns once its requests are done; a plan made before the last of them ended
+        # may still be running (its rows are dropped): wait for it before reading the counters.
+        core.drain()
         alloc = core.allocator
         seen = dict(in_flight=core.max_in_flight, filled=len(filled), preempted=core.scheduler.num_preemptions,
                     held=alloc.num_pages - alloc.num_free, busy=dict(core.busy),
@@ -67,7 +70,7 @@ def test_tokens_and_logprobs_equal_synchronous(smollm2_path: str) -> None:
     got, overlap = run(smollm2_path, batch, params, async_scheduling=True)
     assert got == want  # every token and logprob exactly
     assert sync["in_flight"] == 1 and sync["filled"] == 0
-    assert overlap["in_flight"] == 2 and overlap["filled"] > 50  # it did plan ahead, many times
+    assert overlap["in_flight"] == 2 and overlap["filled"] >= 10  # it did plan ahead, many times
     assert {r for _, _, r in want} >= {"stop", "length"}
     assert overlap["busy"] == {} and overlap["pending"] == 0
     assert overlap["held"] == sync["held"] == 0  # every page back (cached ones are free to take)
@@ -172,7 +175,7 @@ def test_a_failed_step_is_raised_and_the_thread_ends(smollm2_path: str) -> None:
 
 
 @pytest.mark.parametrize("kw, why", [
-    (dict(tp_size=2), "needs one rank per replica for now"),
+    (dict(pp_size=2), "needs --pp-size 1 and --cp-size 1 for now"),
     (dict(speculative_config={"method": "ngram", "num_speculative_tokens": 2}), "--speculative-method"),
 ])
 def test_refused_where_it_cannot_run(smollm2_path: str, kw: dict, why: str) -> None:

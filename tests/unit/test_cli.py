@@ -213,11 +213,10 @@ def test_a_worker_refusing_a_setting_is_one_line_a_fault_keeps_its_traceback():
     assert fault.exit_code == 1
 
 
-def test_async_scheduling_beside_tensor_parallelism_is_one_line(capsys, tiny_model):
+def test_async_scheduling_beside_a_pipeline_is_one_line(capsys, tiny_model):
     path, _ = tiny_model("llama")
-    assert _refused(capsys, ["--model", path, "--async-scheduling", "--tp-size", "2"]) == (
-        "shardserve: error: --async-scheduling needs one rank per replica for now (got --tp-size 2 --pp-size 1 "
-        "--cp-size 1)")
+    assert _refused(capsys, ["--model", path, "--async-scheduling", "--pp-size", "2"]) == (
+        "shardserve: error: --async-scheduling needs --pp-size 1 and --cp-size 1 for now (got 2 and 1)")
     from shardserve.cli.flags import engine_config
 
     assert engine_config(build_parser().parse_args(["serve", "--async-scheduling"])).async_scheduling

@@ -147,7 +147,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="log level of every process: the API process, tokenizers and scheduler ranks")
     g.add_argument("--no-prefix-cache", action="store_true", help="disable prefix (KV page) reuse")
     g.add_argument("--async-scheduling", action="store_true",
-                   help="plan the next step while this one runs (vLLM's flag; one rank per replica)")
+                   help="plan the next step while this one runs (vLLM's flag; one pipeline stage, no --cp-size)")
     g.add_argument("--seed", type=seed_int, default=0, help="seed for requests that give none")
     g.add_argument("--tp-size", "--tensor-parallel-size", dest="tp_size", type=positive_int, default=1,
                    help="tensor-parallel ranks (one scheduler process each)")

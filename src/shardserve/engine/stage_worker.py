@@ -32,7 +32,7 @@ from shardserve.engine.sampler import Sampler, score_prompt
 from shardserve.engine.step_rows import embeddings, finite_rows, pooled_rows
 from shardserve.engine.verify import verify
 from shardserve.ipc.messages.disagg import KVTarget
-from shardserve.ipc.messages.plan import PENDING, PlanEntry, PlanRequest, StepPlan, StepResult
+from shardserve.ipc.messages.plan import PENDING, PlanRequest, StepPlan, StepResult
 from shardserve.kvcache.transfer import KVSender
 from shardserve.loader.model_path import Checkpoint
 from shardserve.platform import anon_rss_mb, peak_rss_mb
@@ -166,12 +166,15 @@ class StageWorker:
             return StepInputs(ids, positions, [], [], [], context, lora_slots=context.lora_slots)
         step = StepInputs([], [], [], [], [])
         sample_rows, score_rows, offset = [], [], 0
+        pending: list[tuple[int, str]] = []  # --async-scheduling: (row, request) of each placeholder
         for e in plan.entries:
             pages = self.pages[e.rid]
             n = len(e.token_ids)
             end = e.start + n
             if self.stage.first:
-                step.token_ids.extend(e.token_ids if e.token_ids[-1] != PENDING else self._filled(e))
+                if e.token_ids[-1] == PENDING:
+                    pending.append((len(step.token_ids) + n - 1, e.rid))
+                step.token_ids.extend(e.token_ids)
             step.positions.extend(range(e.start, end))
             step.lora_slots.extend([e.lora_slot] * n)
             if n == 1 or e.num_draft == n - 1:
@@ -188,16 +191,27 @@ class StageWorker:
                 score_rows.extend(range(first, first + e.score_count))
             offset += n
         step.logit_rows = sample_rows + score_rows
+        if pending:
+            self._fill_pending(step.token_ids, pending)
         return step
 
-    def _filled(self, e: PlanEntry) -> list[int]:
-        """--async-scheduling: the entry's placeholder is the token this rank sampled for the
-        request in the plan before (scheduler/overlap.py)."""
-        req = self.sampling.get(e.rid)
+    def _fill_pending(self, ids: list[int], pending: list[tuple[int, str]]) -> None:
+        """--async-scheduling: each placeholder is the token the sampling rank sampled for its
+        request in the plan before, which every rank ran first (scheduler/overlap.py); the
+        sampling rank sends them to the tensor group's other ranks, which embed them too."""
+        tokens = [self._last_sampled(rid) for _, rid in pending] if self.samples else [0] * len(pending)
+        tensor = self.runner.groups.tensor
+        if tensor.size > 1:
+            tokens = tensor.broadcast(torch.tensor(tokens, dtype=torch.int64, device=self.runner.device)).tolist()
+        for (row, _), tok in zip(pending, tokens):
+            ids[row] = tok
+
+    def _last_sampled(self, rid: str) -> int:
+        req = self.sampling.get(rid)
         if req is None or not req.output_token_ids:
-            raise RuntimeError(f"a plan left request {e.rid!r}'s token to the sampling rank, which has sampled "
-                               "none for it (--async-scheduling needs the sampling rank to embed)")
-        return [*e.token_ids[:-1], req.output_token_ids[-1]]
+            raise RuntimeError(f"a plan left request {rid!r}'s token to the sampling rank, which has sampled none "
+                               "for it")
+        return req.output_token_ids[-1]
 
     def _sample(self, plan: StepPlan, logits: torch.Tensor) -> StepResult:
         sampled = [e for e in plan.entries if e.sample]

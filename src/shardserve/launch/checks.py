@@ -68,16 +68,16 @@ def check_deployment(plan: Deployment, ckpt: Checkpoint, torchrun: bool = False)
 
 
 def check_async_scheduling(cfg: EngineConfig, layout: Layout) -> None:
-    """--async-scheduling where its placeholders can be filled: the one rank of a replica both
-    embeds the next step's tokens and samples them (several ranks would need the sampled tokens
-    sent to the others first: not built)."""
+    """--async-scheduling where its placeholders can be filled: the first stage's tensor rank 0
+    samples, and sends the tokens to its tensor peers (a pipeline's last stage would have to send
+    them back to the first, and context ranks split the inputs otherwise: not built)."""
     if not cfg.async_scheduling:
         return
-    ranks = layout.tp * layout.pp * layout.cp
     why = None
-    if ranks > 1 or layout.dp_attention:
-        why = (f"needs one rank per replica for now (got --tp-size {layout.tp} --pp-size {layout.pp} --cp-size "
-               f"{layout.cp}{' --enable-dp-attention' if layout.dp_attention else ''})")
+    if layout.pp > 1 or layout.cp > 1:
+        why = f"needs --pp-size 1 and --cp-size 1 for now (got {layout.pp} and {layout.cp})"
+    elif layout.dp_attention:
+        why = "is not supported with --enable-dp-attention yet (its replicas step in lockstep)"
     elif cfg.speculative_config is not None:
         why = "cannot run with --speculative-method: a step's proposals follow from the step before's tokens"
     elif cfg.disaggregation_mode != "null":

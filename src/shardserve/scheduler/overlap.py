@@ -3,10 +3,10 @@
 The leader's own rank runs its plans on an executor thread, in order, so the leader can make the
 next plan while a forward runs. A request in the running plan whose token is still being sampled
 is planned again at once: its next row's token is the placeholder `PENDING`, and the sampling rank
-(this same rank: one rank per replica, launch/checks.py) fills in the token it sampled for the
-request in the plan before, which it always ran first. The leader learns the token one step later,
-as it would anyway; what the step computes is the same, so the tokens equal synchronous
-scheduling's (tests/unit/test_async_scheduling.py).
+(this same rank: one stage, launch/checks.py) fills in the token it sampled for the request in the
+plan before, which it always ran first, and sends it to its tensor-parallel peers. The leader
+learns the token one step later, as it would anyway; what the step computes is the same, so the
+tokens equal synchronous scheduling's (tests/unit/test_async_scheduling.py).
 
 The price is one step of work after a request's end: a request that stops on the token the
 running plan samples has been planned once more, and that row's result is dropped. A request that
