@@ -57,7 +57,7 @@ def run(path: str, batch: list[list[int]], params, **kw):
         core.drain()
         alloc = core.allocator
         seen = dict(in_flight=core.max_in_flight, filled=len(filled), preempted=core.scheduler.num_preemptions,
-                    held=alloc.num_pages - alloc.num_free, busy=dict(core.busy),
+                    held=alloc.num_pages - alloc.num_free, busy=dict(core.inflight.busy),
                     pending=sum(r.pending for r in core.requests.values()))
         return [(o.outputs[0].token_ids, o.outputs[0].logprobs, o.outputs[0].finish_reason) for o in outs], seen
     finally:
@@ -150,7 +150,7 @@ def test_abort_in_flight_frees_everything(smollm2_path: str) -> None:
         while core.has_unfinished():
             finished |= {o.request.request_id for o in core.step() if o.finished}
         assert finished == {"0", "1", "2", "3"} - {victim.request_id}
-        assert not core.busy and not core.inflight
+        assert not core.inflight.busy and not core.inflight
         assert core.allocator.num_free == core.allocator.num_pages
     finally:
         llm.shutdown()

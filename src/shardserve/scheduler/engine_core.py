@@ -6,8 +6,6 @@ message I/O. It owns no tokenizer, only a `decode` function used to match stop s
 
 from __future__ import annotations
 
-import time
-from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -27,10 +25,11 @@ from shardserve.loader.model_path import Checkpoint, resolve_checkpoint
 from shardserve.loader.weights import read_model_config, resolve_dtype
 from shardserve.scheduler.engine_stats import engine_stats, running_status
 from shardserve.scheduler.finish import finish_reason
+from shardserve.scheduler.in_flight import InFlightPlans
 from shardserve.scheduler.limits import RequestLimits
 from shardserve.scheduler.lora_slots import LoraSlots
-from shardserve.scheduler.overlap import Executor, plans_again
-from shardserve.scheduler.plan_feed import PlanFeed, Wait
+from shardserve.scheduler.overlap import Executor
+from shardserve.scheduler.plan_feed import PlanFeed
 from shardserve.scheduler.scheduler import Scheduler
 from shardserve.scheduler.speculator import make_speculator
 
@@ -43,15 +42,6 @@ class StepOutput:
     new_token_ids: list[int]
     finished: bool
     grammar_done: bool = False  # structured outputs: the grammar is complete after this token
-
-
-@dataclass
-class InFlight:
-    """A planned micro-batch: when it left, and the requests waiting for its result (request,
-    samples a token, scores prompt tokens), in plan order."""
-
-    sent: float
-    waits: list[Wait]
 
 
 class EngineCore:
@@ -97,12 +87,10 @@ class EngineCore:
         replica = groups.coords.dp
         self._seed_rng = torch.Generator().manual_seed(cfg.seed if replica == 0 else hash((cfg.seed, replica)))
         self.publish, self.results = publish, results
-        self.inflight: dict[int, InFlight] = {}  # by micro-batch number, oldest first
-        self.busy: Counter[str] = Counter()  # requests waiting for results: how many plans answer them
+        self.inflight = InFlightPlans(groups.rank)
         self.starved = False  # nothing was schedulable while plans were in flight
         self.feed = PlanFeed()  # what the next plan carries besides its entries
         self.stage_traffic: dict[str, dict] = {}
-        self.max_in_flight = 0  # the most micro-batches ever in flight at once
         self.stage_reports = 0  # StageTraffic messages received (a change worth a Stats message)
         self.loras = (LoraSlots(cfg.max_loras, cfg.cpu_loras, cfg.max_lora_rank, base_shapes(self.model_cfg), self.feed)
                       if cfg.enable_lora else None)
@@ -208,7 +196,8 @@ class EngineCore:
         outputs = self._collect(0)
         batch = None
         if len(self.inflight) < self.depth:
-            batch = self.scheduler.schedule(self._blocked(), self._seq_cap())
+            blocked = self.inflight.blocked(self.executor is not None, self.requests, self.max_model_len)
+            batch = self.scheduler.schedule(blocked, self._seq_cap())
             if batch is None:
                 self.starved = bool(self.inflight)
                 if join:
@@ -219,13 +208,9 @@ class EngineCore:
             outputs += self._collect(int(self.cfg.dist_timeout * 1000))  # the oldest plan's result
         return outputs
 
-    def _blocked(self) -> Counter[str] | set[str]:
-        """Requests the next plan may not take: those waiting for a result, but under
-        --async-scheduling not a decode whose next token one running plan is sampling."""
-        if self.executor is None:
-            return self.busy
-        return {rid for rid, k in self.busy.items()
-                if not plans_again(self.requests.get(rid), k, self.max_model_len)}
+    @property
+    def max_in_flight(self) -> int:
+        return self.inflight.most
 
     def _run_empty(self) -> None:
         plan = self.feed.plan(self.next_mb, [])
@@ -273,11 +258,7 @@ class EngineCore:
         self.scheduler.advance(batch)
         self.num_steps += 1
         self.next_mb += 1
-        self.inflight[plan.mb] = InFlight(time.monotonic(), waits)
-        self.max_in_flight = max(self.max_in_flight, len(self.inflight))
-        self.busy.update(w[0].request_id for w in waits)
-        for req, sample, _ in waits:
-            req.pending += sample
+        self.inflight.add(plan.mb, waits)
         if self.publish is not None:
             self.publish(plan)
         if self.executor is not None:
@@ -296,20 +277,14 @@ class EngineCore:
                 self.stage_reports += 1
             else:
                 outputs += self._apply(msg)
-        oldest = next(iter(self.inflight.values()), None)
-        if self.executor is None and oldest is not None and time.monotonic() - oldest.sent > self.cfg.dist_timeout:
-            mb = next(iter(self.inflight))
+        mb = self.inflight.overdue(self.cfg.dist_timeout) if self.executor is None else None
+        if mb is not None:  # an executor's plan may run long: it is this process, not a lost stage
             raise CollectiveError(f"rank {self.runner.groups.rank}: no result for micro-batch {mb} from the last "
                                   f"pipeline stage within {self.cfg.dist_timeout:.0f} s")
         return outputs
 
     def _apply(self, result: StepResult) -> list[StepOutput]:
-        mb = next(iter(self.inflight), None)
-        if result.mb != mb:
-            oldest = f"micro-batch {mb} was the oldest in flight" if mb is not None else "none was in flight"
-            raise CollectiveError(f"rank {self.runner.groups.rank}: a result for micro-batch {result.mb} arrived "
-                                  f"while {oldest}")
-        waits = self.inflight.pop(mb).waits
+        waits = self.inflight.take(result.mb)
         self.starved = False
         tokens = iter(zip(result.tokens, result.logprobs))
         accepted = iter(zip(result.accepted, result.accepted_logprobs)) if result.accepted else None
@@ -317,7 +292,6 @@ class EngineCore:
         ended, k = set(result.ended), -1
         outputs = []
         for req, sample, scores in waits:
-            self._settle(req, sample)
             entries = next(scored) if scores else []
             tok, lp = next(tokens) if sample else (None, None)
             toks, lps = next(accepted) if sample and accepted else ([], [])
@@ -336,14 +310,6 @@ class EngineCore:
                 if self.spec is not None:
                     self.spec.settle(req, len(toks), len(outputs[-1].new_token_ids))
         return outputs
-
-    def _settle(self, req: Request, sample: bool) -> None:
-        """One plan that answered `req` is back."""
-        rid = req.request_id
-        self.busy[rid] -= 1
-        if self.busy[rid] <= 0:
-            del self.busy[rid]
-        req.pending -= sample
 
     def close(self) -> None:
         """Stop the executor thread (--async-scheduling) after the plans in flight."""
