@@ -73,17 +73,16 @@ def check_async_scheduling(cfg: EngineConfig, layout: Layout) -> None:
     them back to the first, and context ranks split the inputs otherwise: not built)."""
     if not cfg.async_scheduling:
         return
-    why = None
-    if layout.pp > 1 or layout.cp > 1:
-        why = f"needs --pp-size 1 and --cp-size 1 for now (got {layout.pp} and {layout.cp})"
-    elif layout.dp_attention:
-        why = "is not supported with --enable-dp-attention yet (its replicas step in lockstep)"
-    elif cfg.speculative_config is not None:
-        why = "cannot run with --speculative-method: a step's proposals follow from the step before's tokens"
-    elif cfg.disaggregation_mode != "null":
-        why = "is not supported with --disaggregation-mode yet"
-    if why is not None:
-        raise LayoutError(f"--async-scheduling {why}")
+    refusals = ((layout.pp > 1 or layout.cp > 1,
+                 f"needs --pp-size 1 and --cp-size 1 for now (got {layout.pp} and {layout.cp})"),
+                (layout.dp_attention,
+                 "is not supported with --enable-dp-attention yet (its replicas step in lockstep)"),
+                (cfg.speculative_config is not None,
+                 "cannot run with --speculative-method: a step's proposals follow from the step before's tokens"),
+                (cfg.disaggregation_mode != "null", "is not supported with --disaggregation-mode yet"))
+    for refused, why in refusals:
+        if refused:
+            raise LayoutError(f"--async-scheduling {why}")
 
 
 def check_lora(cfg: EngineConfig, layout: Layout, mc: ModelConfig) -> None:
