@@ -193,3 +193,19 @@ def test_equal_in_a_scheduler_process(smollm2_path: str) -> None:
     finally:
         llm.shutdown()
     assert [(o.outputs[0].token_ids, o.outputs[0].logprobs, o.outputs[0].finish_reason) for o in outs] == want
+
+
+def test_prompt_logprobs_and_several_samples_equal(smollm2_path: str) -> None:
+    """Prompt scoring over chunks (a chunk that scores waits for its result) and n samples."""
+    batch = prompts(3, seed=12, lo=40, hi=120)
+    params = SamplingParams(max_tokens=12, temperature=0.8, seed=5, n=2, prompt_logprobs=1, logprobs=1)
+    out = {}
+    for mode in (False, True):
+        llm = LLM(model=smollm2_path, show_progress=False, async_scheduling=mode, max_num_batched_tokens=64)
+        try:
+            res = llm.generate(batch, params, use_tqdm=False)
+        finally:
+            llm.shutdown()
+        out[mode] = [(o.prompt_logprobs, [(c.token_ids, c.logprobs) for c in o.outputs]) for o in res]
+    assert out[True] == out[False]
+    assert all(len(o[0]) == len(p) and len(o[1]) == 2 for o, p in zip(out[True], batch))
