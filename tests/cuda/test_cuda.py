@@ -63,9 +63,10 @@ def test_kernels_on_the_gpu(dtype, tol, heads, hkv, dim, ps, lens):
         torch.testing.assert_close(lse[rows].double(), ref_lse, atol=tol, rtol=tol)
 
 
+@pytest.mark.parametrize("async_scheduling", [False, True])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("arch", ["llama", "qwen3", "qwen3_moe"])
-def test_tiny_models_match_transformers_on_the_gpu(tiny_model, arch, dtype):
+def test_tiny_models_match_transformers_on_the_gpu(tiny_model, arch, dtype, async_scheduling):
     from shardserve.config import EngineConfig
     from shardserve.core import SamplingParams
     from shardserve.scheduler.engine_core import EngineCore
@@ -74,11 +75,14 @@ def test_tiny_models_match_transformers_on_the_gpu(tiny_model, arch, dtype):
     ref_model = model.to(device=GPU, dtype=getattr(torch, dtype))
     g = torch.Generator().manual_seed(7)
     batch = [torch.randint(model.config.vocab_size, (n,), generator=g).tolist() for n in (1, 7, 40)]
-    core = EngineCore(EngineConfig(model=path, show_progress=False, num_pages=64, dtype=dtype, device="cuda"))
+    core = EngineCore(EngineConfig(model=path, show_progress=False, num_pages=64, dtype=dtype, device="cuda",
+                                   async_scheduling=async_scheduling))
     assert core.runner.attention.name == "triton"
     reqs = [core.add_request(str(i), p, SamplingParams(max_tokens=16, temperature=0)) for i, p in enumerate(batch)]
     while core.has_unfinished():
         core.step()
+    core.close()
+    assert core.max_in_flight == (2 if async_scheduling else 1)
     with torch.no_grad():
         for p, r in zip(batch, reqs):
             ref = ref_model.generate(torch.tensor([p], device=GPU), max_new_tokens=16, min_new_tokens=16,
