@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from shardserve.core import SamplingParams
+from shardserve.distributed.communicator import CollectiveError
 from shardserve.distributed.layout import LayoutError
 from shardserve.llm import LLM
 from shardserve.scheduler.overlap import ExecutorError
@@ -170,6 +171,24 @@ def test_a_failed_step_is_raised_and_the_thread_ends(smollm2_path: str) -> None:
             for _ in range(10):
                 core.step()
         assert not core.executor._thread.is_alive()
+    finally:
+        llm.shutdown()
+
+
+def test_a_lost_peer_stays_a_collective_error(smollm2_path: str) -> None:
+    """As in a synchronous step, so the rank's loop ends in its one line (scheduler/follower.serve_loop)."""
+    llm = LLM(model=smollm2_path, show_progress=False, async_scheduling=True)
+    core = llm.engine
+
+    def lost(plan):
+        raise CollectiveError("rank 0: all_reduce on the tensor group failed: peer gone")
+
+    core.executor._execute = lost
+    try:
+        core.add_request("a", prompts(1, seed=8)[0], SamplingParams(max_tokens=4))
+        with pytest.raises(CollectiveError, match="peer gone"):
+            for _ in range(10):
+                core.step()
     finally:
         llm.shutdown()
 

@@ -21,6 +21,7 @@ import time
 from collections.abc import Callable
 
 from shardserve.core import Request
+from shardserve.distributed.communicator import CollectiveError
 from shardserve.ipc.messages.plan import StepPlan, StepResult
 
 POLL_S = 1.0  # how often a wait for a result checks that the executor thread is alive
@@ -78,6 +79,8 @@ class Executor:
             out.append(item)
 
     def _check(self) -> None:
+        if isinstance(self._error, CollectiveError):  # a lost peer: the rank's loop ends in one line
+            raise self._error
         if self._error is not None:
             raise ExecutorError(f"{self._thread.name}: a step failed: {self._error}") from self._error
         if not self._thread.is_alive():
