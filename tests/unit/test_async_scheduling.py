@@ -44,6 +44,19 @@ def mixed_params(n: int) -> list[SamplingParams]:
     return out
 
 
+def first_difference(want: list, got: list) -> str:
+    """Where two runs' (tokens, logprobs, ...) per request first differ, named for a failure."""
+    for i, (a, b) in enumerate(zip(want, got)):
+        if a == b:
+            continue
+        for j, (x, y) in enumerate(zip(a[0], b[0])):
+            if x != y or (len(a) > 1 and a[1] and b[1] and a[1][j] != b[1][j]):
+                return (f"request {i}, token {j}: synchronous {x} {a[1][j] if a[1] else ''}, "
+                        f"async {y} {b[1][j] if b[1] else ''}")
+        return f"request {i}: synchronous {a[0]} {a[2:]}, async {b[0]} {b[2:]}"
+    return f"{len(want)} requests against {len(got)}"
+
+
 def run(path: str, batch: list[list[int]], params, **kw):
     """(token ids, logprobs, finish reasons) per request, and the engine's counters."""
     llm = LLM(model=path, show_progress=False, **kw)
@@ -69,7 +82,7 @@ def test_tokens_and_logprobs_equal_synchronous(smollm2_path: str) -> None:
     batch, params = prompts(14, seed=1), mixed_params(14)
     want, sync = run(smollm2_path, batch, params)
     got, overlap = run(smollm2_path, batch, params, async_scheduling=True)
-    assert got == want  # every token and logprob exactly
+    assert got == want, first_difference(want, got)  # every token and logprob exactly
     assert sync["in_flight"] == 1 and sync["filled"] == 0
     assert overlap["in_flight"] == 2 and overlap["filled"] >= 10  # it did plan ahead, many times
     assert {r for _, _, r in want} >= {"stop", "length"}
@@ -84,7 +97,7 @@ def test_equal_under_preemption(smollm2_path: str) -> None:
     want, sync = run(smollm2_path, batch, params, **small)
     got, overlap = run(smollm2_path, batch, params, async_scheduling=True, **small)
     assert sync["preempted"] > 0 and overlap["preempted"] > 0
-    assert got == want
+    assert got == want, first_difference(want, got)
     assert overlap["held"] == sync["held"] == 0
 
 
@@ -112,7 +125,7 @@ def test_structured_outputs_equal(smollm2_path: str) -> None:
     batch = prompts(4, seed=5)
     want, _ = run(smollm2_path, batch, params)
     got, overlap = run(smollm2_path, batch, params, async_scheduling=True)
-    assert got == want
+    assert got == want, first_difference(want, got)
     assert overlap["filled"] > 0
 
 
@@ -211,7 +224,8 @@ def test_equal_in_a_scheduler_process(smollm2_path: str) -> None:
         outs = llm.generate(batch, params, use_tqdm=False)
     finally:
         llm.shutdown()
-    assert [(o.outputs[0].token_ids, o.outputs[0].logprobs, o.outputs[0].finish_reason) for o in outs] == want
+    got = [(o.outputs[0].token_ids, o.outputs[0].logprobs, o.outputs[0].finish_reason) for o in outs]
+    assert got == want, first_difference(want, got)
 
 
 def test_prompt_logprobs_and_several_samples_equal(smollm2_path: str) -> None:
