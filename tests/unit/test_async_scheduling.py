@@ -170,38 +170,25 @@ def test_abort_in_flight_frees_everything(smollm2_path: str) -> None:
         llm.shutdown()
 
 
-def test_a_failed_step_is_raised_and_the_thread_ends(smollm2_path: str) -> None:
+@pytest.mark.parametrize("error, raised, says", [
+    (RuntimeError("kernel exploded"), ExecutorError, "rank 0 executor: a step failed: kernel exploded"),
+    # a lost peer stays what it is, so the rank's loop ends in its one line (follower.serve_loop)
+    (CollectiveError("rank 0: all_reduce on the tensor group failed: peer gone"), CollectiveError, "peer gone"),
+])
+def test_a_failed_step_is_raised_and_the_thread_ends(smollm2_path: str, error, raised, says) -> None:
     llm = LLM(model=smollm2_path, show_progress=False, async_scheduling=True)
     core = llm.engine
 
     def broken(plan):
-        raise RuntimeError("kernel exploded")
+        raise error
 
     core.executor._execute = broken
     try:
         core.add_request("a", prompts(1, seed=8)[0], SamplingParams(max_tokens=4))
-        with pytest.raises(ExecutorError, match="rank 0 executor: a step failed: kernel exploded"):
+        with pytest.raises(raised, match=says):
             for _ in range(10):
                 core.step()
         assert not core.executor._thread.is_alive()
-    finally:
-        llm.shutdown()
-
-
-def test_a_lost_peer_stays_a_collective_error(smollm2_path: str) -> None:
-    """As in a synchronous step, so the rank's loop ends in its one line (scheduler/follower.serve_loop)."""
-    llm = LLM(model=smollm2_path, show_progress=False, async_scheduling=True)
-    core = llm.engine
-
-    def lost(plan):
-        raise CollectiveError("rank 0: all_reduce on the tensor group failed: peer gone")
-
-    core.executor._execute = lost
-    try:
-        core.add_request("a", prompts(1, seed=8)[0], SamplingParams(max_tokens=4))
-        with pytest.raises(CollectiveError, match="peer gone"):
-            for _ in range(10):
-                core.step()
     finally:
         llm.shutdown()
 
