@@ -62,6 +62,17 @@ def test_every_row_alone_equals_it_in_the_batch(qtype: int, rows: int) -> None:
 
 
 @pytest.mark.parametrize("qtype", FORMATS)
+def test_a_prefill_chunk_in_row_blocks_equals_its_rows_alone(qtype: int) -> None:
+    """The kernels take many activation rows in blocks (ROW_BLOCK, quant_matmul.c): a row's bits
+    do not depend on which block it falls in, nor on the rows before it."""
+    q = quant_kernel.kernel_layout(weight(qtype, 37, 128, seed=3))
+    xs = torch.randn(600, 128, generator=torch.Generator().manual_seed(4))
+    batch = quant_kernel.linear(xs, ((0, q),), 37)
+    for i, m in ((0, 1), (250, 20), (255, 2), (123, 300), (511, 89), (599, 1)):
+        assert torch.equal(quant_kernel.linear(xs[i: i + m], ((0, q),), 37), batch[i: i + m]), (i, m)
+
+
+@pytest.mark.parametrize("qtype", FORMATS)
 def test_embedding_rows_are_the_native_rows(qtype: int) -> None:
     q = weight(qtype, 37, 64)
     ids = torch.tensor([0, 15, 16, 31, 32, 36, 5])

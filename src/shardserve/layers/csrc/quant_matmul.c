@@ -263,12 +263,10 @@ static void acts_rows(const float *x, int64_t ldx, int64_t r0, int64_t r1, const
     if (a->p) pack_rows(x, ldx, r0, r1, a);
 }
 
-/* y[i * ldy + r] = x_i . W[r] for i < m and r0 <= r < r1, by product_path: the 16-bit path on
- * `a` (x quantized), F32 rows against x, or a float GEMM with `wp` (gemm_scratch(k) bytes) on a's
- * panels or on x itself (strips). No threads of its own. */
-static void qmatmul_rows(int type, const uint8_t *w, int64_t row_bytes, int64_t n, int64_t r0, int64_t r1,
-                         const Acts *a, const float *x, int64_t ldx, int64_t m, float *y, int64_t ldy, float *wp) {
-    switch (product_path(type, m)) {
+/* qmatmul_rows on one path for all m rows. */
+static void path_rows(int path, int type, const uint8_t *w, int64_t row_bytes, int64_t n, int64_t r0, int64_t r1,
+                      const Acts *a, const float *x, int64_t ldx, int64_t m, float *y, int64_t ldy, float *wp) {
+    switch (path) {
     case X16_GROUPS: x16_rows(type, w, row_bytes, n, r0, r1, a, y, ldy, (uint8_t *)wp); return;
     case F32_X16:
         if (type == (X16 | BF16)) f32x16_rows(BF16F, w, n, r0, r1, x, ldx, m, a->k, y, ldy, wp);
@@ -311,6 +309,38 @@ static void qmatmul_rows(int type, const uint8_t *w, int64_t row_bytes, int64_t 
         }
     }
 #endif
+}
+
+/* Activation rows the x16 paths take at a time. Their kernels pass each tile of weight groups over
+ * every activation row given; a prefill chunk's rows (thousands, at 2 bytes a column) outgrow L2
+ * and would come from L3 again for every tile. A block of ROW_BLOCK rows stays in L2 while all
+ * of a claimed run's groups pass over it. An output's operations are the same either way. */
+#define ROW_BLOCK 256
+
+/* Rows [i0, i0 + m) of `a` (the x16 paths' buffers: 16-bit or bfloat16 rows). */
+static Acts acts_part(const Acts *a, int64_t i0, int64_t m) {
+    Acts part = *a;
+    part.m = m;
+    if (a->q) part.q = a->q + i0 * a->k, part.d = a->d + i0 * (a->k / QK), part.s = a->s + i0 * (a->k / QK);
+    if (a->b) part.b = a->b + i0 * amx_row(a->k);
+    return part;
+}
+
+/* y[i * ldy + r] = x_i . W[r] for i < m and r0 <= r < r1, by product_path: the 16-bit path on
+ * `a` (x quantized), F32 rows against x, or a float GEMM with `wp` (gemm_scratch(k) bytes) on a's
+ * panels or on x itself (strips); the x16 paths in blocks of ROW_BLOCK rows. No threads of its own. */
+static void qmatmul_rows(int type, const uint8_t *w, int64_t row_bytes, int64_t n, int64_t r0, int64_t r1,
+                         const Acts *a, const float *x, int64_t ldx, int64_t m, float *y, int64_t ldy, float *wp) {
+    int path = product_path(type, m);
+    if (path != X16_GROUPS && path != F32_X16 && path != BF16_DP) {
+        path_rows(path, type, w, row_bytes, n, r0, r1, a, x, ldx, m, y, ldy, wp);
+        return;
+    }
+    for (int64_t i0 = 0; i0 < m; i0 += ROW_BLOCK) {
+        int64_t mb = m - i0 < ROW_BLOCK ? m - i0 : ROW_BLOCK;
+        Acts part = acts_part(a, i0, mb);
+        path_rows(path, type, w, row_bytes, n, r0, r1, &part, x + i0 * ldx, ldx, mb, y + i0 * ldy, ldy, wp);
+    }
 }
 
 /* Buffers for m rows of up to k, for the paths in `paths` (bits 1 << ACTS16 or X16_GROUPS, 1 << PANELS,
