@@ -133,3 +133,29 @@ def test_the_draft_pool_is_counted_in_its_own_dtype(tiny_model, monkeypatch) -> 
         else:
             with pytest.raises(LayoutError, match="KV pool"):
                 spec_checks.check_draft_fits(cfg, target, draft, tcfg, dcfg)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_c_cache_write_stores_what_index_copy_stores(dtype: torch.dtype) -> None:
+    """attention/backend.write_cache takes the C write on the CPU: the same bits as torch's
+    `index_copy_` of the rounded rows (nearest even; NaN, infinities, ties), from strided rows of
+    a fused q/k/v output, on a prefill's many rows; a slot outside the cache writes nothing."""
+    g = torch.Generator().manual_seed(0)
+    qkv = torch.randn(300, 5, 64, generator=g) * 3
+    qkv[0, 3, :4] = torch.tensor([float("nan"), float("inf"), -float("inf"), -0.0])
+    qkv[1, 3, :3] = torch.tensor([1 + 2 ** -8, 1 + 3 * 2 ** -8, -(1 + 2 ** -8)])  # ties to even, both ways
+    k = qkv[:, 3:]  # [300, 2, 64], rows 320 floats apart
+    slots = torch.randperm(1000, generator=g)[:300]
+    want = torch.full((1000, 2, 64), 7.0, dtype=dtype)
+    want.index_copy_(0, slots, k.to(dtype))
+    got = torch.full((1000, 2, 64), 7.0, dtype=dtype)
+    assert cpu_kernel.write_rows(k, got, slots)
+    bits = torch.int16 if dtype == torch.bfloat16 else torch.int32
+    nan = want.isnan()
+    assert torch.equal(got.isnan(), nan) and int(nan.sum()) == 1  # a NaN's payload bits are not compared
+    assert torch.equal(got.view(bits)[~nan], want.view(bits)[~nan])
+    before = got.clone()
+    with pytest.raises(IndexError, match="outside the cache's 1000 rows"):
+        cpu_kernel.write_rows(k[:2], got, torch.tensor([5, 1000]))
+    assert torch.equal(got.view(bits), before.view(bits))
+    assert not cpu_kernel.write_rows(k.to(torch.float64), got, slots)  # not its case: the caller's torch path

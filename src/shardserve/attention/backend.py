@@ -19,6 +19,7 @@ from abc import ABC, abstractmethod
 
 import torch
 
+from shardserve.attention import cpu_kernel
 from shardserve.attention.metadata import AttentionMetadata
 
 
@@ -79,8 +80,9 @@ def write_cache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache
                 slots: torch.Tensor) -> None:
     """The new K/V into the pool, rounded (nearest even) where the cache is narrower (a bfloat16
     cache under float32 activations: see engine/model_runner.kv_cache_dtype)."""
-    k_cache.index_copy_(0, slots, k.to(k_cache.dtype))
-    if v_cache is not k_cache:
+    if not cpu_kernel.write_rows(k, k_cache, slots):
+        k_cache.index_copy_(0, slots, k.to(k_cache.dtype))
+    if v_cache is not k_cache and not cpu_kernel.write_rows(v, v_cache, slots):
         v_cache.index_copy_(0, slots, v.to(v_cache.dtype))
 
 

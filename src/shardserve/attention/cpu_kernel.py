@@ -16,7 +16,7 @@ import torch
 from shardserve import native
 from shardserve.native import KernelUnavailable
 
-__all__ = ["KernelUnavailable", "bf16_cache", "load", "paged_decode", "supports"]
+__all__ = ["KernelUnavailable", "bf16_cache", "load", "paged_decode", "supports", "write_rows"]
 
 SOURCE = next(lib.source for lib in native.LIBRARIES if lib.name == "attention")
 
@@ -33,6 +33,8 @@ def load() -> ctypes.CDLL:
             fn.argtypes = [ptr, i64, ptr, ptr, ptr, i64, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, ctypes.c_float,
                            ctypes.c_int]
             fn.restype = ctypes.c_int
+    lib.kv_write.argtypes = [ptr, i64, i64, i64, ptr, i64, ctypes.c_int, ptr, ctypes.c_int]
+    lib.kv_write.restype = ctypes.c_int
     if hasattr(lib, "paged_bf16_width"):
         lib.paged_bf16_width.argtypes, lib.paged_bf16_width.restype = [i64], ctypes.c_int
     return lib
@@ -90,3 +92,23 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     if rc != 0:
         raise MemoryError("paged_decode: out of memory for attention scores")
     return out
+
+
+def write_rows(x: torch.Tensor, cache: torch.Tensor, slots: torch.Tensor) -> bool:
+    """cache[slots] = x rounded to the cache's dtype, as `index_copy_` would, on every thread:
+    x [T, Hkv, D] float32 with packed heads (rows may be strided), the cache [slots, Hkv, D]
+    float32 or bfloat16 on the CPU, slots int64. False where these do not apply (nothing done)."""
+    if (x.device.type != "cpu" or x.dtype != torch.float32 or cache.dtype not in (torch.float32, torch.bfloat16)
+            or x.dim() != 3 or x.stride(2) != 1 or x.stride(1) != x.shape[2] or not cache.is_contiguous()
+            or slots.dtype != torch.int64 or not slots.is_contiguous() or cache.shape[1:] != x.shape[1:]):
+        return False
+    try:
+        lib = load()
+    except KernelUnavailable:
+        return False
+    rc = lib.kv_write(x.data_ptr(), x.stride(0), x.shape[0], x.shape[1] * x.shape[2], cache.data_ptr(),
+                      cache.shape[0], int(cache.dtype == torch.bfloat16), slots.data_ptr(), torch.get_num_threads())
+    if rc != 0:
+        raise IndexError(f"KV cache write: a slot outside the cache's {cache.shape[0]} rows")
+    return True
+

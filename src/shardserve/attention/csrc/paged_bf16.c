@@ -16,14 +16,6 @@
 #include <immintrin.h>
 #define GROUP_MAX 8 /* query heads whose values one pass sums (group_max: fewer for wider heads) */
 
-/* Round-to-nearest-even float -> bfloat16, a NaN kept a NaN (the cache writes do the same). */
-static inline uint16_t bf16_of(float f) {
-    uint32_t u;
-    memcpy(&u, &f, 4);
-    if ((u & 0x7FFFFFFFu) > 0x7F800000u) return (uint16_t)((u >> 16) | 0x40u);
-    return (uint16_t)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
-}
-
 /* scores[t] = scale * qb . k_t for the n rows of one page (qb, k bfloat16, D a multiple of 32). */
 static void page_scores_bf16(const uint16_t *qb, const uint16_t *k, int64_t n, int64_t row_stride, int64_t D,
                              float scale, float *scores) {

@@ -36,6 +36,14 @@ static float softmax(float *s, int64_t n) {
     return mx + logf(sum);
 }
 
+/* Round-to-nearest-even float -> bfloat16, a NaN kept a NaN (the cache writes, kv_write). */
+static inline uint16_t bf16_of(float f) {
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    if ((u & 0x7FFFFFFFu) > 0x7F800000u) return (uint16_t)((u >> 16) | 0x40u);
+    return (uint16_t)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+}
+
 #include "paged_bf16.c"
 
 /* Prefetch rows [r0, r1) of page `page`'s block, the part of each row this item reads (bytes). */
@@ -210,6 +218,28 @@ ENTRY(paged_decode_f32, 0)
 #if PAGED_BF16
 ENTRY(paged_decode_bf16, 1)
 #endif
+
+/* Rows i < n of src (float32, `width` values each, rows ldx apart) into cache rows slots[i]:
+ * float32 as they are, or bfloat16 (bf: bf16_of, nearest even, as torch's `.to(torch.bfloat16)`
+ * rounds; a NaN stays a NaN) as `index_copy_(0, slots, src.to(cache dtype))` would, in one pass
+ * and on every thread: a prefill chunk writes thousands of rows a layer. Returns -1, writing nothing, where a
+ * slot is outside the cache's nslots rows. */
+int kv_write(const float *src, int64_t ldx, int64_t n, int64_t width, void *cache, int64_t nslots, int bf,
+             const int64_t *slots, int num_threads) {
+    for (int64_t i = 0; i < n; ++i)
+        if (slots[i] < 0 || slots[i] >= nslots) return -1; /* nothing written */
+#pragma omp parallel for num_threads(num_threads) schedule(static) if (n >= 64)
+    for (int64_t i = 0; i < n; ++i) {
+        const float *x = src + i * ldx;
+        if (!bf) {
+            memcpy((float *)cache + slots[i] * width, x, sizeof(float) * (size_t)width);
+            continue;
+        }
+        uint16_t *o = (uint16_t *)cache + slots[i] * width;
+        for (int64_t e = 0; e < width; ++e) o[e] = bf16_of(x[e]);
+    }
+    return 0;
+}
 
 const char *kernel_paths(void) {
     if (PAGED_BF16) return "16 float lanes (avx512); bfloat16 KV cache on avx512-bf16 vdpbf16ps";
