@@ -215,3 +215,43 @@ def test_bfloat16_alone_equals_in_a_batch(smollm2_path: str) -> None:
         warm = llm.generate([shared + [601, 602]], GREEDY, use_tqdm=False)[0]
     assert warm.num_cached_tokens >= 96
     assert (warm.token_ids, warm.logprobs) == (whole.token_ids, whole.logprobs)
+
+
+def test_silu_hands_the_down_product_the_bits_it_would_round() -> None:
+    """cpu_ops.silu_mul(bf16=True) rounds its rows as a BF16 product rounds its activations, and
+    such a product (quant_kernel.takes_bf16, the vdpbf16ps path) given them gives the bits it
+    gives from the float32 rows: the gated MLP skips a pass, its numbers unchanged."""
+    from shardserve.layers import cpu_ops
+    from shardserve.layers.mlp import GatedMLP
+    from shardserve.loader.quantized import bf16_rows, float_rows
+
+    g = torch.Generator().manual_seed(5)
+    gate_up = torch.randn(300, 2 * 96, generator=g) * 4
+    gate_up[0, :3] = torch.tensor([float("inf"), -float("inf"), 90.0])
+    h32 = cpu_ops.silu_mul(gate_up)
+    h16 = cpu_ops.silu_mul(gate_up, bf16=True)
+    assert h16.dtype == torch.bfloat16 and h16.shape == h32.shape
+    finite = h32.isfinite()
+    assert torch.equal(h16.isfinite(), finite)
+    assert torch.equal(h16.view(torch.int16)[finite], h32.to(torch.bfloat16).view(torch.int16)[finite])
+    w = quant_kernel.kernel_layout(bf16_rows(torch.randn(40, 96, generator=g)))
+    if not quant_kernel.takes_bf16(((0, w),)):
+        pytest.skip(f"BF16 products run on {quant_kernel.bf16_path()} here, which rounds its own activations")
+    h = h32.clone()
+    h[0] = 1.0  # finite rows: the products' bits are compared
+    assert torch.equal(quant_kernel.linear(h.bfloat16(), ((0, w),), 40), quant_kernel.linear(h, ((0, w),), 40))
+    with pytest.raises(TypeError, match="take float32 activations"):
+        quant_kernel.linear(h.bfloat16(), ((0, quant_kernel.kernel_layout(float_rows(torch.ones(40, 96)))),), 40)
+
+    from shardserve.distributed.communicator import Communicator
+
+    mlp = GatedMLP(96, 64, Communicator(), torch.float32, torch.device("cpu"))
+    for layer in (mlp.gate_up_proj, mlp.down_proj):
+        layer.quant = ((0, quant_kernel.kernel_layout(bf16_rows(torch.randn(layer.out_features, layer.weight.shape[1],
+                                                                            generator=g)))),)
+        layer.weight, layer._bf16_input = None, quant_kernel.takes_bf16(layer.quant)
+    assert mlp.down_proj.takes_bf16_input
+    x = torch.randn(300, 96, generator=g)
+    handed = mlp(x)
+    mlp.down_proj._bf16_input = False  # the float32 rows, rounded by the product itself
+    assert torch.equal(handed, mlp(x))

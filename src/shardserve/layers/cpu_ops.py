@@ -41,12 +41,18 @@ def rotary_(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tens
     return True
 
 
-def silu_mul(gate_up: torch.Tensor) -> torch.Tensor | None:
-    """silu(gate) * up where gate_up [.., 2I] holds gate then up; or None (use torch)."""
+def silu_mul(gate_up: torch.Tensor, bf16: bool = False) -> torch.Tensor | None:
+    """silu(gate) * up where gate_up [.., 2I] holds gate then up; or None (use torch). `bf16`:
+    rounded to bfloat16 as a product on bfloat16 weights rounds its activations, for one that
+    takes them so (quant_kernel.takes_bf16): the same bits it would have used."""
     if not cpu_float32(gate_up) or (lib := _lib()) is None:
         return None
     g2 = gate_up.reshape(-1, gate_up.shape[-1])
     inter = g2.shape[1] // 2
-    out = torch.empty(g2.shape[0], inter, dtype=torch.float32)
-    lib.silu_mul_f32(g2.data_ptr(), g2.shape[0], g2.stride(0), inter, out.data_ptr(), torch.get_num_threads())
+    out = torch.empty(g2.shape[0], inter, dtype=torch.bfloat16 if bf16 else torch.float32)
+    if bf16:
+        if lib.silu_mul_bf16(g2.data_ptr(), g2.shape[0], g2.stride(0), inter, out.data_ptr(), torch.get_num_threads()):
+            raise MemoryError("silu_mul: out of memory for a row buffer")
+    else:
+        lib.silu_mul_f32(g2.data_ptr(), g2.shape[0], g2.stride(0), inter, out.data_ptr(), torch.get_num_threads())
     return out.view(*gate_up.shape[:-1], inter)

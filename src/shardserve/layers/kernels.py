@@ -26,6 +26,8 @@ SIGNATURES: dict[str, tuple[list[type], type | None]] = {
     "rms_norm_f32": ([ptr, i64, i64, i64, ptr, c_float, ptr, i64, c_int], None),
     "rotary_f32": ([ptr, i64, i64, ptr, i64, i64, i64, i64, ptr, ptr, c_int], None),
     "silu_mul_f32": ([ptr, i64, i64, i64, ptr, c_int], None),
+    "silu_mul_bf16": ([ptr, i64, i64, i64, ptr, c_int], c_int),
+    "qmatmul_bf16": ([ptr, i64, i64, i64, ptr, i64, i64, ptr, i64, c_int], c_int),
     "bf16_path": ([], c_int),
     "lora_shrink_f32": ([ptr, i64, i64, ptr, ptr, ptr, i64, ptr, i64, ptr, c_int], None),
     "lora_expand_f32": ([ptr, i64, ptr, ptr, ptr, i64, ptr, i64, i64, ptr, i64, ptr, i64, c_int], None),

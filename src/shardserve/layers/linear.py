@@ -103,6 +103,7 @@ class PackedLinear(nn.Module):
     # under --dtype bfloat16 are then not taken, and the weight loads as floats.
     takes_bf16_rows = True
     lora: LoraWeights | None = None  # adapter slots (--enable-lora), attached after building
+    _bf16_input = False  # decided once, after loading (takes_bf16_input)
 
     def __init__(self) -> None:
         super().__init__()
@@ -118,10 +119,18 @@ class PackedLinear(nn.Module):
         self._qpieces[row] = q
         return True
 
+    @property
+    def takes_bf16_input(self) -> bool:
+        """Whether this layer takes its input already rounded to bfloat16 (quant_kernel.takes_bf16),
+        which the op before it can hand on in place of float32; not with an adapter, whose
+        product reads the float32 input."""
+        return self._bf16_input and self.lora is None
+
     def process_after_loading(self) -> None:
         pieces, self._qpieces = self._qpieces, {}
         if pieces and len(pieces) == len(self.weight.expected_shards):
             self.quant, self.weight = merge_segments(pieces), None
+            self._bf16_input = quant_kernel.takes_bf16(self.quant)
             return
         for row, q in pieces.items():  # some pieces came quantized, some not: all floats then
             self.weight.data[row: row + q.rows].copy_(quant_kernel.dequantize(q))

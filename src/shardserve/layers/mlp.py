@@ -19,7 +19,8 @@ class GatedMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
-        if (h := cpu_ops.silu_mul(gate_up)) is None and (h := gpu_ops.silu_mul(gate_up)) is None:
+        h = cpu_ops.silu_mul(gate_up, bf16=self.down_proj.takes_bf16_input)
+        if h is None and (h := gpu_ops.silu_mul(gate_up)) is None:
             gate, up = gate_up.chunk(2, dim=-1)
             h = F.silu(gate) * up
         return self.down_proj(h)

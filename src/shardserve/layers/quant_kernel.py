@@ -13,9 +13,10 @@ from __future__ import annotations
 import torch
 
 from shardserve.layers.kernels import KernelUnavailable, available, load
-from shardserve.loader.quantized import X16_FORMATS, QuantWeight, float_rows, interleave16
+from shardserve.loader.quantized import BF16, X16, X16_FORMATS, QuantWeight, float_rows, interleave16
 
-__all__ = ["KernelUnavailable", "available", "dequantize", "float_weight", "kernel_layout", "linear", "load"]
+__all__ = ["KernelUnavailable", "available", "dequantize", "float_weight", "kernel_layout", "linear", "load",
+           "takes_bf16"]
 
 
 def kernel_layout(w: QuantWeight) -> QuantWeight:
@@ -52,6 +53,14 @@ def bf16_path() -> str:
 def bf16_activations() -> bool:
     """Whether BF16 products round their activations to bfloat16 here (see bf16_path)."""
     return bf16_path() != BF16_PATHS[0]
+
+
+def takes_bf16(segments: tuple[tuple[int, QuantWeight], ...]) -> bool:
+    """Whether `linear` takes these segments' activations already bfloat16 (rounded by the op
+    before, as the kernel would round them: cpu_ops.silu_mul(bf16=True)), skipping the product's
+    own pass over them: every segment BF16 rows, on the vdpbf16ps path (csrc qmatmul_bf16; AMX
+    tiles read whole 16-row tiles, so they round their own)."""
+    return bf16_path() == BF16_PATHS[2] and all(w.qtype == X16 | BF16 for _, w in segments)
 
 
 def float_weight(weight: torch.Tensor | None) -> QuantWeight | None:
@@ -96,19 +105,29 @@ def _kernel(x: torch.Tensor, w: QuantWeight, out: torch.Tensor) -> None:
     _check(rc, "qmatmul", w)
 
 
+def _bf16_kernel(x: torch.Tensor, w: QuantWeight, out: torch.Tensor) -> None:
+    """_kernel for bfloat16 activations (takes_bf16)."""
+    rc = load().qmatmul_bf16(w.data.data_ptr(), w.data.stride(0), w.rows, w.cols, x.data_ptr(), x.shape[0],
+                             x.stride(0), out.data_ptr(), out.stride(0), torch.get_num_threads())
+    if rc == 3:
+        raise RuntimeError("qmatmul_bf16: not the vdpbf16ps path here (takes_bf16 said it was)")
+    _check(rc, "qmatmul_bf16", w)
+
+
 def linear(x: torch.Tensor, segments: tuple[tuple[int, QuantWeight], ...], out_features: int,
            bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x [.., K] float32 . W^T (+ bias), W given as row segments (offset, QuantWeight) that
-    together cover `out_features` rows (a fused q/k/v may mix formats)."""
+    """x [.., K] float32 (or bfloat16 where takes_bf16) . W^T (+ bias), W given as row segments
+    (offset, QuantWeight) that together cover `out_features` rows (a fused q/k/v may mix formats)."""
     lead = x.shape[:-1]
     x2 = x.reshape(-1, x.shape[-1])
-    if x2.dtype != torch.float32:
-        raise TypeError(f"quantized linear layers take float32 activations, got {x2.dtype}")
+    bf16 = x2.dtype == torch.bfloat16
+    if x2.dtype != torch.float32 and not (bf16 and takes_bf16(segments)):
+        raise TypeError(f"these linear layers take float32 activations, got {x2.dtype}")
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
     y = torch.empty(x2.shape[0], out_features, dtype=torch.float32)
     for offset, w in segments:
-        _kernel(x2, w, y[:, offset: offset + w.rows])
+        (_bf16_kernel if bf16 else _kernel)(x2, w, y[:, offset: offset + w.rows])
     if bias is not None:
         y += bias
     return y.reshape(*lead, out_features)

@@ -10,6 +10,7 @@
  */
 #include <math.h>
 #include <stdint.h>
+#include <stdlib.h>
 
 #define PAR_ROWS 64
 
@@ -50,11 +51,33 @@ void rotary_f32(float *q, int64_t ldq, int64_t hq, float *k, int64_t ldk, int64_
     }
 }
 
+/* One row: the one sequence of operations both entries below use, so their values agree. */
+static inline void silu_row(const float *g, int64_t inter, float *o) {
+    const float *u = g + inter;
+    for (int64_t i = 0; i < inter; i++) o[i] = g[i] / (1.0f + expf(-g[i])) * u[i];
+}
+
 void silu_mul_f32(const float *gu, int64_t rows, int64_t ldg, int64_t inter, float *out, int nthreads) {
 #pragma omp parallel for num_threads(nthreads) schedule(static) if (rows >= PAR_ROWS)
-    for (int64_t r = 0; r < rows; r++) {
-        const float *g = gu + r * ldg, *u = g + inter;
-        float *o = out + r * inter;
-        for (int64_t i = 0; i < inter; i++) o[i] = g[i] / (1.0f + expf(-g[i])) * u[i];
+    for (int64_t r = 0; r < rows; r++) silu_row(gu + r * ldg, inter, out + r * inter);
+}
+
+/* silu_mul_f32's rows rounded to bfloat16 as a product on bfloat16 weights rounds its activations
+ * (bf16_rows_of), for qmatmul_bf16: the float32 rows are never stored, and the product does not
+ * pass over them again. Returns 2 when a row buffer cannot be allocated. */
+int silu_mul_bf16(const float *gu, int64_t rows, int64_t ldg, int64_t inter, uint16_t *out, int nthreads) {
+    int failed = 0;
+#pragma omp parallel num_threads(nthreads) if (rows >= PAR_ROWS) reduction(| : failed)
+    {
+        float *row = malloc(sizeof(float) * (size_t)inter);
+        failed = !row;
+#pragma omp for schedule(static)
+        for (int64_t r = 0; r < rows; r++) {
+            if (!row) continue;
+            silu_row(gu + r * ldg, inter, row);
+            bf16_rows_of(row, 0, 0, 1, inter, inter, out + r * inter);
+        }
+        free(row);
     }
+    return failed ? 2 : 0;
 }

@@ -111,9 +111,12 @@ typedef struct {
     float *p;
     int64_t k, m; /* row length, rows; rows are k apart in q, k / 32 apart in d and s */
     uint16_t *b;  /* bfloat16 for AMX tiles and vdpbf16ps: rows of k rounded up to 32, 16 rows at least */
+    int64_t ldb;  /* 0: b's rows are amx_row(k) apart (the decode loop reuses a buffer for every k); else a
+                   * caller's bfloat16 rows this far apart (qmatmul_bf16, vdpbf16ps only) */
 } Acts;
 
 static inline int64_t amx_row(int64_t k) { return (k + 31) / 32 * 32; }
+static inline int64_t acts_ldb(const Acts *a) { return a->ldb ? a->ldb : amx_row(a->k); }
 
 static void quantize_rows(const float *x, int64_t ldx, int64_t r0, int64_t r1, const Acts *a) {
     int64_t k = a->k;
@@ -273,7 +276,7 @@ static void path_rows(int path, int type, const uint8_t *w, int64_t row_bytes, i
         else f32x16_rows(F32K, w, n, r0, r1, x, ldx, m, a->k, y, ldy, wp);
         return;
 #if DPBF_BUILT
-    case BF16_DP: f32x16_rows(BF16D, w, n, r0, r1, a->b, amx_row(a->k), m, a->k, y, ldy, wp); return;
+    case BF16_DP: f32x16_rows(BF16D, w, n, r0, r1, a->b, acts_ldb(a), m, a->k, y, ldy, wp); return;
 #endif
 #if AMX_BUILT
     case BF16_AMX: amx_rows(w, n, r0, r1, a->b, m, a->k, y, ldy, wp); return;
@@ -322,7 +325,7 @@ static Acts acts_part(const Acts *a, int64_t i0, int64_t m) {
     Acts part = *a;
     part.m = m;
     if (a->q) part.q = a->q + i0 * a->k, part.d = a->d + i0 * (a->k / QK), part.s = a->s + i0 * (a->k / QK);
-    if (a->b) part.b = a->b + i0 * amx_row(a->k);
+    if (a->b) part.b = a->b + i0 * acts_ldb(a);
     return part;
 }
 
@@ -346,7 +349,7 @@ static void qmatmul_rows(int type, const uint8_t *w, int64_t row_bytes, int64_t 
 /* Buffers for m rows of up to k, for the paths in `paths` (bits 1 << ACTS16 or X16_GROUPS, 1 << PANELS,
  * 1 << BF16_AMX or BF16_DP; the others read x itself). Returns 0 when out of memory. */
 static int acts_alloc(Acts *a, int64_t m, int64_t k, int paths) {
-    *a = (Acts){NULL, NULL, NULL, NULL, k, m, NULL};
+    *a = (Acts){NULL, NULL, NULL, NULL, k, m, NULL, 0};
     if (paths & (1 << PANELS)) {
         a->p = malloc(sizeof(float) * (size_t)((m + PW - 1) / PW * PW * k));
         if (!a->p) return 0;
@@ -426,6 +429,34 @@ int qmatmul(int type, const uint8_t *w, int64_t row_bytes, int64_t n, int64_t k,
         free(wp);
     }
     acts_free(&a);
+    return err;
+}
+
+/* qmatmul for BF16 | X16 weights with activations already bfloat16: xb, m rows ldxb apart, rounded
+ * as acts_rows rounds (bf16_rows_of; silu_mul_bf16 hands them on so), which skips a pass over the
+ * activations. The vdpbf16ps path only: returns 3, doing nothing, where the product takes another
+ * (AMX tiles read whole 16-row tiles; float32 activations), and the caller passes floats. */
+int qmatmul_bf16(const uint8_t *w, int64_t row_bytes, int64_t n, int64_t k, const uint16_t *xb, int64_t m,
+                 int64_t ldxb, float *y, int64_t ldy, int nthreads) {
+    const int type = X16 | BF16;
+    if (!fits(type, k)) return 1;
+    if (product_path(type, m) != BF16_DP) return 3;
+    Acts a = {NULL, NULL, NULL, NULL, k, m, (uint16_t *)xb, ldxb};
+    int err = 0;
+    int64_t next = 0;
+#pragma omp parallel num_threads(nthreads)
+    {
+        int nth = omp_get_num_threads();
+        float *wp = malloc(gemm_scratch(k));
+        if (!wp) {
+#pragma omp atomic write
+            err = 2;
+        } else {
+            for (int64_t r0, r1; (r0 = claim_rows(&next, n, claim_grain(type, m), nth, &r1)) >= 0;)
+                qmatmul_rows(type, w, row_bytes, n, r0, r1, &a, NULL, 0, m, y, ldy, wp);
+        }
+        free(wp);
+    }
     return err;
 }
 
