@@ -111,4 +111,3 @@ def write_rows(x: torch.Tensor, cache: torch.Tensor, slots: torch.Tensor) -> boo
     if rc != 0:
         raise IndexError(f"KV cache write: a slot outside the cache's {cache.shape[0]} rows")
     return True
-

@@ -222,8 +222,8 @@ ENTRY(paged_decode_bf16, 1)
 /* Rows i < n of src (float32, `width` values each, rows ldx apart) into cache rows slots[i]:
  * float32 as they are, or bfloat16 (bf: bf16_of, nearest even, as torch's `.to(torch.bfloat16)`
  * rounds; a NaN stays a NaN) as `index_copy_(0, slots, src.to(cache dtype))` would, in one pass
- * and on every thread: a prefill chunk writes thousands of rows a layer. Returns -1, writing nothing, where a
- * slot is outside the cache's nslots rows. */
+ * and on every thread: a prefill chunk writes thousands of rows a layer. Returns -1, writing
+ * nothing, where a slot is outside the cache's nslots rows. */
 int kv_write(const float *src, int64_t ldx, int64_t n, int64_t width, void *cache, int64_t nslots, int bf,
              const int64_t *slots, int num_threads) {
     for (int64_t i = 0; i < n; ++i)
