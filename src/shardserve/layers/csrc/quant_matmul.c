@@ -342,7 +342,8 @@ static void qmatmul_rows(int type, const uint8_t *w, int64_t row_bytes, int64_t 
     for (int64_t i0 = 0; i0 < m; i0 += ROW_BLOCK) {
         int64_t mb = m - i0 < ROW_BLOCK ? m - i0 : ROW_BLOCK;
         Acts part = acts_part(a, i0, mb);
-        path_rows(path, type, w, row_bytes, n, r0, r1, &part, x + i0 * ldx, ldx, mb, y + i0 * ldy, ldy, wp);
+        path_rows(path, type, w, row_bytes, n, r0, r1, &part, x ? x + i0 * ldx : NULL, ldx, mb, y + i0 * ldy, ldy,
+                  wp);
     }
 }
 
@@ -403,31 +404,43 @@ static inline int64_t claim(int64_t *next, int64_t total) {
     return c < total ? c : -1;
 }
 
+/* The threads' part of qmatmul and qmatmul_bf16. With x, each thread first readies its share of
+ * a's rows from it (acts_rows); without, `a` holds them already. Then the threads claim runs of
+ * W's rows, each with its own scratch. Returns 0, or 2 when scratch cannot be allocated. */
+static int claimed_products(int type, const uint8_t *w, int64_t row_bytes, int64_t n, const Acts *a, const float *x,
+                            int64_t ldx, float *y, int64_t ldy, int nthreads) {
+    const int64_t m = a->m, k = a->k;
+    const int scratch = needs_scratch(1 << product_path(type, m));
+    int err = 0;
+    int64_t next = 0;
+#pragma omp parallel num_threads(nthreads)
+    {
+        int nth = omp_get_num_threads(), tid = omp_get_thread_num();
+        if (x) { /* the same for every thread: all or none reach the barrier */
+            acts_rows(x, ldx, m * tid / nth, m * (tid + 1) / nth, a); /* the threads' shares of the rows */
+#pragma omp barrier
+        }
+        float *wp = scratch ? malloc(gemm_scratch(k)) : NULL;
+        if (scratch && !wp) {
+#pragma omp atomic write
+            err = 2;
+        } else {
+            for (int64_t r0, r1; (r0 = claim_rows(&next, n, claim_grain(type, m), nth, &r1)) >= 0;)
+                qmatmul_rows(type, w, row_bytes, n, r0, r1, a, x, ldx, m, y, ldy, wp);
+        }
+        free(wp);
+    }
+    return err;
+}
+
 /* y[i * ldy + r] = x[i] . W[r] for i < m, r < n. Returns 0, 1 for an unknown format or a K
  * that is not whole blocks, 2 when scratch memory cannot be allocated. */
 int qmatmul(int type, const uint8_t *w, int64_t row_bytes, int64_t n, int64_t k, const float *x,
             int64_t m, int64_t ldx, float *y, int64_t ldy, int nthreads) {
     if (!fits(type, k)) return 1;
     Acts a;
-    int paths = 1 << product_path(type, m);
-    if (!acts_alloc(&a, m, k, paths)) { acts_free(&a); return 2; }
-    int err = 0;
-    int64_t next = 0;
-#pragma omp parallel num_threads(nthreads)
-    {
-        int nth = omp_get_num_threads(), tid = omp_get_thread_num();
-        acts_rows(x, ldx, m * tid / nth, m * (tid + 1) / nth, &a); /* the threads' shares of the rows */
-#pragma omp barrier
-        float *wp = needs_scratch(paths) ? malloc(gemm_scratch(k)) : NULL;
-        if (needs_scratch(paths) && !wp) {
-#pragma omp atomic write
-            err = 2;
-        } else {
-            for (int64_t r0, r1; (r0 = claim_rows(&next, n, claim_grain(type, m), nth, &r1)) >= 0;)
-                qmatmul_rows(type, w, row_bytes, n, r0, r1, &a, x, ldx, m, y, ldy, wp);
-        }
-        free(wp);
-    }
+    if (!acts_alloc(&a, m, k, 1 << product_path(type, m))) { acts_free(&a); return 2; }
+    int err = claimed_products(type, w, row_bytes, n, &a, x, ldx, y, ldy, nthreads);
     acts_free(&a);
     return err;
 }
@@ -442,22 +455,7 @@ int qmatmul_bf16(const uint8_t *w, int64_t row_bytes, int64_t n, int64_t k, cons
     if (!fits(type, k)) return 1;
     if (product_path(type, m) != BF16_DP) return 3;
     Acts a = {NULL, NULL, NULL, NULL, k, m, (uint16_t *)xb, ldxb};
-    int err = 0;
-    int64_t next = 0;
-#pragma omp parallel num_threads(nthreads)
-    {
-        int nth = omp_get_num_threads();
-        float *wp = malloc(gemm_scratch(k));
-        if (!wp) {
-#pragma omp atomic write
-            err = 2;
-        } else {
-            for (int64_t r0, r1; (r0 = claim_rows(&next, n, claim_grain(type, m), nth, &r1)) >= 0;)
-                qmatmul_rows(type, w, row_bytes, n, r0, r1, &a, NULL, 0, m, y, ldy, wp);
-        }
-        free(wp);
-    }
-    return err;
+    return claimed_products(type, w, row_bytes, n, &a, NULL, 0, y, ldy, nthreads);
 }
 
 /* out[j] (k floats) = row rows[j] of W (or row j when rows is NULL) for j < count; W has n rows. */
