@@ -17,6 +17,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from shardserve.openai_errors import ANTHROPIC_PATHS, error_body, key_ok, unauthorized_body
 
@@ -101,14 +102,28 @@ def error_response(status: int, message: str, param: str | None = None) -> JSONR
 def require_api_key(app: FastAPI, api_key: str, metrics_require_key: bool = False) -> None:
     """Answer 401 to requests without `Authorization: Bearer <api_key>` ("" = open to all);
     OPEN_PATHS stay open unless `metrics_require_key`."""
+    if api_key:
+        app.add_middleware(_KeyGate, api_key=api_key, metrics_require_key=metrics_require_key)
 
-    @app.middleware("http")
-    async def _auth(request: Request, call_next):
-        guarded = metrics_require_key or request.url.path not in OPEN_PATHS
-        if api_key and guarded and not key_ok(request.headers, api_key):
-            anthropic = request.url.path.startswith(ANTHROPIC_PATHS)
-            return JSONResponse(unauthorized_body(anthropic), 401, headers={"WWW-Authenticate": "Bearer"})
-        return await call_next(request)
+
+class _KeyGate:
+    """Plain ASGI middleware: Starlette's `@app.middleware("http")` (BaseHTTPMiddleware) would
+    pass every streamed chunk through a task and a memory stream of its own, which costs the API
+    process as much CPU as the rest of a token's way through it."""
+
+    def __init__(self, app: ASGIApp, api_key: str, metrics_require_key: bool):
+        self.app, self.api_key, self.metrics_require_key = app, api_key, metrics_require_key
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http":
+            request = Request(scope)
+            guarded = self.metrics_require_key or request.url.path not in OPEN_PATHS
+            if guarded and not key_ok(request.headers, self.api_key):
+                anthropic = request.url.path.startswith(ANTHROPIC_PATHS)
+                refused = JSONResponse(unauthorized_body(anthropic), 401, headers={"WWW-Authenticate": "Bearer"})
+                await refused(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
 
 
 def answer_errors(app: FastAPI) -> None:

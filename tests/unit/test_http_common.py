@@ -9,8 +9,12 @@ from types import SimpleNamespace
 import httpx
 import pytest
 from fastapi import FastAPI
+from fastapi.responses import StreamingResponse
+from prometheus_client import CollectorRegistry, Counter
+from starlette.middleware.base import BaseHTTPMiddleware
 
 from shardserve.http_common import CLIENT_CLOSED, answer_errors, cancel_on_disconnect, require_api_key
+from shardserve.server.metrics import CountResponses
 
 
 def _app(api_key: str = "", metrics_require_key: bool = False) -> FastAPI:
@@ -33,6 +37,23 @@ def _app(api_key: str = "", metrics_require_key: bool = False) -> FastAPI:
     return app
 
 
+def _counted_app(api_key: str) -> tuple[FastAPI, Counter]:
+    app = _app(api_key)
+    counter = Counter("answers", "test", ["endpoint", "status"], registry=CollectorRegistry())
+    app.add_middleware(CountResponses, counter=counter)
+
+    @app.get("/v1/stream/{n}")
+    async def stream(n: int):
+        return StreamingResponse((f"data: {i}\n\n" async for i in _count_to(n)), media_type="text/event-stream")
+
+    return app, counter
+
+
+async def _count_to(n: int):
+    for i in range(n):
+        yield i
+
+
 def _get(app: FastAPI, path: str, key: str | None = None) -> httpx.Response:
     headers = {"authorization": f"Bearer {key}"} if key is not None else {}
 
@@ -53,6 +74,22 @@ def test_api_key(metrics_require_key):
     assert _get(app, "/v1/models", "sk").status_code == 200
     assert _get(app, "/health").status_code == (401 if metrics_require_key else 200)
     assert _get(_app(), "/v1/models").status_code == 200  # no key set: open
+
+
+def test_middleware_is_plain_asgi_streams_whole_and_counts_every_answer():
+    """Neither the key check nor the counting is a BaseHTTPMiddleware, which would pass each
+    streamed chunk through a task and a memory stream of its own."""
+    app, counter = _counted_app("sk")
+    assert app.user_middleware and not any(issubclass(m.cls, BaseHTTPMiddleware) for m in app.user_middleware)
+    streamed = _get(app, "/v1/stream/300", "sk")
+    assert streamed.status_code == 200 and streamed.text == "".join(f"data: {i}\n\n" for i in range(300))
+    assert _get(app, "/v1/stream/3").status_code == 401
+    assert _get(app, "/boom", "sk").status_code == 500
+    assert _get(app, "/nothing", "sk").status_code == 404
+    counts = {(s.labels["endpoint"], s.labels["status"]): s.value for s in counter.collect()[0].samples
+              if s.name == "answers_total"}
+    assert counts == {("/v1/stream/{n}", "200"): 1, ("unmatched", "401"): 1, ("/boom", "500"): 1,
+                      ("unmatched", "404"): 1}
 
 
 def test_unhandled_errors_get_openai_bodies():

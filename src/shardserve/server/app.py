@@ -22,7 +22,7 @@ from shardserve.server.embeddings import EmbeddingRequest, embeddings
 from shardserve.server.errors import APIError, parse_body
 from shardserve.server.generation import Timeouts
 from shardserve.server.lora_registry import LoadLoraRequest, LoraRegistry, UnloadLoraRequest
-from shardserve.server.metrics import Metrics
+from shardserve.server.metrics import CountResponses, Metrics
 from shardserve.server.openai_api import OpenAIHandlers
 from shardserve.server.openapi import document_bodies
 from shardserve.server.protocol import (
@@ -88,12 +88,7 @@ def build_app(state: ServerState) -> FastAPI:
 
     require_api_key(app, state.api_key, state.metrics_require_key)
 
-    @app.middleware("http")
-    async def _count(request: Request, call_next):
-        response = await call_next(request)
-        route = request.scope.get("route")
-        state.metrics.http.labels(getattr(route, "path", "unmatched"), str(response.status_code)).inc()
-        return response
+    app.add_middleware(CountResponses, counter=state.metrics.http)  # outermost: 401s count too
 
     @app.exception_handler(APIError)
     async def _api_error(request: Request, e: APIError):

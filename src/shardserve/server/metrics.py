@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from shardserve.ipc.messages.reports import RouterStats, Stats, merge_stats
 from shardserve.server.replica_board import ReplicaBoard
@@ -166,3 +167,36 @@ class Metrics:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class CountResponses:
+    """Counts each HTTP answer by route and status as it starts (`Metrics.http`); an exception
+    that escapes every handler counts as the 500 it becomes. Plain ASGI, for the reason given at
+    http_common._KeyGate."""
+
+    def __init__(self, app: ASGIApp, counter: Counter):
+        self.app, self.counter = app, counter
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        started = False
+
+        async def counted(message: Message) -> None:
+            nonlocal started
+            if message["type"] == "http.response.start":
+                started = True
+                self._count(scope, message["status"])
+            await send(message)
+
+        try:
+            await self.app(scope, receive, counted)
+        except Exception:
+            if not started:
+                self._count(scope, 500)
+            raise
+
+    def _count(self, scope: Scope, status: int) -> None:
+        # The router records the matched route in the scope it was handed, which is this one.
+        self.counter.labels(getattr(scope.get("route"), "path", "unmatched"), str(status)).inc()
