@@ -24,8 +24,9 @@
  * Plain float32 rows (type F32) take the same entry points (the float GEMMs); the layers hold
  * them in the x16 layout (quant_x16.c), so float checkpoints share the decode loop.
  *
- * `qmatmul` threads over the rows of W (torch's OpenMP pool). `qmatmul_rows` is the same work
- * for a range of rows, for callers inside a parallel region of their own (decode_loop.c).
+ * `qmatmul` threads over the rows of W (torch's OpenMP pool; quant_threads.c, included last).
+ * `qmatmul_rows` is the same work for a range of rows, for callers inside a parallel region of
+ * their own (decode_loop.c).
  * `qdequant` expands chosen rows to floats (embedding look-ups).
  *
  * Without AVX2 a row is expanded by the plain loops of quant_formats.c (the readable statement
@@ -43,88 +44,7 @@
 #endif
 
 #include "quant_formats.c"
-
-/* ------------------------------------------------------------------ activations to 16 bits */
-
-/* xq = round(x / d) with d = max|x| / 32767 per block of 32; xd = d; xs = the block's float sum,
- * added in one fixed order on every machine (the 16 sums x[i] + x[i + 16], then halves: 8, 4, 2,
- * 1), so AVX-512, AVX2 and plain C builds give the same bits (the attribute keeps -ffast-math
- * from regrouping those additions). Rounding is to nearest even. */
-__attribute__((optimize("no-associative-math"))) static void quantize16(const float *x, int64_t k, int16_t *xq, float *xd, float *xs) {
-    for (int64_t b = 0; b < k / QK; b++, x += QK, xq += QK) {
-#if defined(__AVX512F__)
-        __m512 lo = _mm512_loadu_ps(x), hi = _mm512_loadu_ps(x + 16);
-        float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(lo), _mm512_abs_ps(hi)));
-        __m512 p = _mm512_add_ps(lo, hi);
-        __m256 p8 = _mm256_add_ps(_mm512_castps512_ps256(p),  /* the upper half, with AVX512F alone */
-                                  _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(p), 1)));
-#elif defined(__AVX2__)
-        __m256 a0 = _mm256_loadu_ps(x), a1 = _mm256_loadu_ps(x + 8), a2 = _mm256_loadu_ps(x + 16),
-               a3 = _mm256_loadu_ps(x + 24);
-        const __m256 sign = _mm256_set1_ps(-0.0f);
-        __m256 mx = _mm256_max_ps(_mm256_max_ps(_mm256_andnot_ps(sign, a0), _mm256_andnot_ps(sign, a1)),
-                                  _mm256_max_ps(_mm256_andnot_ps(sign, a2), _mm256_andnot_ps(sign, a3)));
-        __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1));
-        m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
-        float amax = _mm_cvtss_f32(_mm_max_ss(m4, _mm_movehdup_ps(m4)));
-        __m256 p8 = _mm256_add_ps(_mm256_add_ps(a0, a2), _mm256_add_ps(a1, a3));
-#endif
-#if defined(__AVX2__)
-        __m128 p4 = _mm_add_ps(_mm256_castps256_ps128(p8), _mm256_extractf128_ps(p8, 1));
-        __m128 p2 = _mm_add_ps(p4, _mm_movehl_ps(p4, p4));
-        float sum = _mm_cvtss_f32(_mm_add_ss(p2, _mm_movehdup_ps(p2)));
-#else
-        float amax = 0.0f, p[16];
-        for (int i = 0; i < QK; i++) amax = fmaxf(amax, fabsf(x[i]));
-        for (int i = 0; i < 16; i++) p[i] = x[i] + x[i + 16];
-        for (int w = 8; w >= 1; w /= 2)
-            for (int i = 0; i < w; i++) p[i] = p[i] + p[i + w];
-        float sum = p[0];
-#endif
-        /* A subnormal step would make 1/d infinite: such a block (all below ~1e-34) is zero. */
-        float d = amax / 32767.0f, inv = d >= FLT_MIN ? 1.0f / d : 0.0f;
-#if defined(__AVX512F__)
-        __m512 vi = _mm512_set1_ps(inv);
-        _mm256_storeu_si256((__m256i *)xq, _mm512_cvtsepi32_epi16(_mm512_cvtps_epi32(_mm512_mul_ps(lo, vi))));
-        _mm256_storeu_si256((__m256i *)(xq + 16), _mm512_cvtsepi32_epi16(_mm512_cvtps_epi32(_mm512_mul_ps(hi, vi))));
-#elif defined(__AVX2__)
-        __m256 vi = _mm256_set1_ps(inv);
-        __m256i q0 = _mm256_cvtps_epi32(_mm256_mul_ps(a0, vi)), q1 = _mm256_cvtps_epi32(_mm256_mul_ps(a1, vi));
-        __m256i q2 = _mm256_cvtps_epi32(_mm256_mul_ps(a2, vi)), q3 = _mm256_cvtps_epi32(_mm256_mul_ps(a3, vi));
-        /* packs works within 128-bit lanes: the permute puts the 16 values back in order */
-        _mm256_storeu_si256((__m256i *)xq, _mm256_permute4x64_epi64(_mm256_packs_epi32(q0, q1), 0xD8));
-        _mm256_storeu_si256((__m256i *)(xq + 16), _mm256_permute4x64_epi64(_mm256_packs_epi32(q2, q3), 0xD8));
-#else
-        for (int i = 0; i < QK; i++) xq[i] = (int16_t)lrintf(x[i] * inv);
-#endif
-        xd[b] = d;
-        xs[b] = sum;
-    }
-}
-
-/* A product's activations as its kernels read them: quantized to 16 bits (q, d, s) for the
- * 16-bit path, packed into the float GEMM's panels (p; see quant_gemm.c) for PANELS; a step
- * whose weights take both paths holds both. */
-typedef struct {
-    int16_t *q;
-    float *d, *s;
-    float *p;
-    int64_t k, m; /* row length, rows; rows are k apart in q, k / 32 apart in d and s */
-    uint16_t *b;  /* bfloat16 for AMX tiles and vdpbf16ps: rows of k rounded up to 32, 16 rows at least */
-    int64_t ldb;  /* 0: b's rows are amx_row(k) apart (the decode loop reuses a buffer for every k); else a
-                   * caller's bfloat16 rows this far apart (qmatmul_bf16, vdpbf16ps only) */
-} Acts;
-
-static inline int64_t amx_row(int64_t k) { return (k + 31) / 32 * 32; }
-static inline int64_t acts_ldb(const Acts *a) { return a->ldb ? a->ldb : amx_row(a->k); }
-
-static void quantize_rows(const float *x, int64_t ldx, int64_t r0, int64_t r1, const Acts *a) {
-    int64_t k = a->k;
-    for (int64_t i = r0; i < r1; i++) {
-        quantize16(x + i * ldx, k, a->q + i * k, a->d + i * (k / QK), a->s + i * (k / QK));
-    }
-}
-
+#include "quant_acts.c" /* the activations' 16-bit rounding and buffers */
 #include "quant_x16.c"
 #include "quant_x16_float.c"
 #include "quant_amx.c"
@@ -374,111 +294,4 @@ static int needs_scratch(int paths) {
 
 static void acts_free(Acts *a) { free(a->q); free(a->d); free(a->s); free(a->p); free(a->b); }
 
-/* ------------------------------------------------------------------ entry points */
-
-/* Threads claim runs of weight rows from a shared counter rather than taking fixed halves:
- * where other processes share the cores, a thread the OS preempts mid-product leaves its
- * remaining rows to the others instead of holding them all at the next barrier. Runs are guided:
- * each takes 1 / (2 nth) of the rows still unclaimed, so the first are long (for the memory
- * prefetchers of a one-row product) and the last short (the threads reach the barrier together),
- * at least 32 rows, in whole grains (claim_grain: the kernel's block of weight rows). Against
- * fixed quarters of a share, the threads of a many-stream decode step wait far less at its
- * barriers.
- * Returns the run's first row (its end in *end), or -1 when all `total` rows are claimed; *next
- * is zeroed before the threads start. */
-static inline int64_t claim_rows(int64_t *next, int64_t total, int64_t g, int nth, int64_t *end) {
-    int64_t s = __atomic_load_n(next, __ATOMIC_RELAXED), e;
-    do {
-        if (s >= total) return -1;
-        int64_t c = (total - s) / (2 * nth);
-        c = ((c < 32 ? 32 : c) + g - 1) / g * g;
-        e = s + c < total ? s + c : total;
-    } while (!__atomic_compare_exchange_n(next, &s, e, 0, __ATOMIC_RELAXED, __ATOMIC_RELAXED));
-    *end = e;
-    return s;
-}
-
-/* Claims the next of `total` chunks from *next (zeroed before the threads start), or -1. */
-static inline int64_t claim(int64_t *next, int64_t total) {
-    int64_t c = __atomic_fetch_add(next, 1, __ATOMIC_RELAXED);
-    return c < total ? c : -1;
-}
-
-/* The threads' part of qmatmul and qmatmul_bf16. With x, each thread first readies its share of
- * a's rows from it (acts_rows); without, `a` holds them already. Then the threads claim runs of
- * W's rows, each with its own scratch. Returns 0, or 2 when scratch cannot be allocated. */
-static int claimed_products(int type, const uint8_t *w, int64_t row_bytes, int64_t n, const Acts *a, const float *x,
-                            int64_t ldx, float *y, int64_t ldy, int nthreads) {
-    const int64_t m = a->m, k = a->k;
-    const int scratch = needs_scratch(1 << product_path(type, m));
-    int err = 0;
-    int64_t next = 0;
-#pragma omp parallel num_threads(nthreads)
-    {
-        int nth = omp_get_num_threads(), tid = omp_get_thread_num();
-        if (x) { /* the same for every thread: all or none reach the barrier */
-            acts_rows(x, ldx, m * tid / nth, m * (tid + 1) / nth, a); /* the threads' shares of the rows */
-#pragma omp barrier
-        }
-        float *wp = scratch ? malloc(gemm_scratch(k)) : NULL;
-        if (scratch && !wp) {
-#pragma omp atomic write
-            err = 2;
-        } else {
-            for (int64_t r0, r1; (r0 = claim_rows(&next, n, claim_grain(type, m), nth, &r1)) >= 0;)
-                qmatmul_rows(type, w, row_bytes, n, r0, r1, a, x, ldx, m, y, ldy, wp);
-        }
-        free(wp);
-    }
-    return err;
-}
-
-/* y[i * ldy + r] = x[i] . W[r] for i < m, r < n. Returns 0, 1 for an unknown format or a K
- * that is not whole blocks, 2 when scratch memory cannot be allocated. */
-int qmatmul(int type, const uint8_t *w, int64_t row_bytes, int64_t n, int64_t k, const float *x,
-            int64_t m, int64_t ldx, float *y, int64_t ldy, int nthreads) {
-    if (!fits(type, k)) return 1;
-    Acts a;
-    if (!acts_alloc(&a, m, k, 1 << product_path(type, m))) { acts_free(&a); return 2; }
-    int err = claimed_products(type, w, row_bytes, n, &a, x, ldx, y, ldy, nthreads);
-    acts_free(&a);
-    return err;
-}
-
-/* qmatmul for BF16 | X16 weights with activations already bfloat16: xb, m rows ldxb apart, rounded
- * as acts_rows rounds (bf16_rows_of; silu_mul_bf16 hands them on so), which skips a pass over the
- * activations. The vdpbf16ps path only: returns 3, doing nothing, where the product takes another
- * (AMX tiles read whole 16-row tiles; float32 activations), and the caller passes floats. */
-int qmatmul_bf16(const uint8_t *w, int64_t row_bytes, int64_t n, int64_t k, const uint16_t *xb, int64_t m,
-                 int64_t ldxb, float *y, int64_t ldy, int nthreads) {
-    const int type = X16 | BF16;
-    if (!fits(type, k)) return 1;
-    if (product_path(type, m) != BF16_DP) return 3;
-    Acts a = {NULL, NULL, NULL, NULL, k, m, (uint16_t *)xb, ldxb};
-    return claimed_products(type, w, row_bytes, n, &a, NULL, 0, y, ldy, nthreads);
-}
-
-/* out[j] (k floats) = row rows[j] of W (or row j when rows is NULL) for j < count; W has n rows. */
-int qdequant(int type, const uint8_t *w, int64_t row_bytes, int64_t n, int64_t k, const int64_t *rows,
-             int64_t count, float *out, int nthreads) {
-    if (!fits(type, k)) return 1;
-    if (!is_x16(type)) {
-#pragma omp parallel for num_threads(nthreads) schedule(static) if (count > 64)
-        for (int64_t j = 0; j < count; j++) expand_row(type, w + (rows ? rows[j] : j) * row_bytes, k, out + j * k);
-        return 0;
-    }
-    int failed = 0;
-#pragma omp parallel num_threads(nthreads) if (count > 64) reduction(| : failed)
-    {
-        uint8_t *row = malloc((size_t)row_bytes); /* the row back in its base format */
-        failed = !row;
-#pragma omp for schedule(static)
-        for (int64_t j = 0; j < count; j++) {
-            if (!row) continue;
-            x16_row(type, w, row_bytes, n, rows ? rows[j] : j, row);
-            expand_row(x16_base(type), row, k, out + j * k);
-        }
-        free(row);
-    }
-    return failed ? 2 : 0;
-}
+#include "quant_threads.c" /* the entry points */
