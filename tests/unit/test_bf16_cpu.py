@@ -255,3 +255,43 @@ def test_silu_hands_the_down_product_the_bits_it_would_round() -> None:
     handed = mlp(x)
     mlp.down_proj._bf16_input = False  # the float32 rows, rounded by the product itself
     assert torch.equal(handed, mlp(x))
+
+
+@pytest.mark.parametrize("rows", [1, 5, 8, 13, 256, 257, 600])
+def test_silu_in_the_gate_up_product_gives_the_bits_of_the_two_apart(rows: int) -> None:
+    """quant_kernel.gate_up_silu (the product's epilogue applies SiLU and rounds to bfloat16)
+    equals the gate/up product then cpu_ops.silu_mul(bf16=True), bit for bit, at any number of
+    rows (across the row blocks of 256 too); a gated MLP takes it where both products are BF16
+    on vdpbf16ps."""
+    from shardserve.layers import cpu_ops
+    from shardserve.loader.quantized import bf16_rows
+
+    g = torch.Generator().manual_seed(rows)
+    inter, k = 80, 96  # five groups of 16 gate rows: claims end inside the gate half
+    w = quant_kernel.kernel_layout(bf16_rows(torch.randn(2 * inter, k, generator=g) * 0.3))
+    if not quant_kernel.takes_bf16(((0, w),)):
+        pytest.skip(f"BF16 products run on {quant_kernel.bf16_path()} here; the fused path is vdpbf16ps's")
+    x = torch.randn(rows, k, generator=g) * 3
+    fused = quant_kernel.gate_up_silu(x, ((0, w),))
+    apart = cpu_ops.silu_mul(quant_kernel.linear(x, ((0, w),), 2 * inter), bf16=True)
+    assert fused is not None and fused.dtype == torch.bfloat16 and fused.shape == (rows, inter)
+    assert torch.equal(fused.view(torch.int16), apart.view(torch.int16))
+    # A strided input (a view into wider rows) reads the same rows.
+    wide = torch.cat([x, torch.ones(rows, 8)], dim=1)[:, :k]
+    assert torch.equal(quant_kernel.gate_up_silu(wide, ((0, w),)).view(torch.int16), fused.view(torch.int16))
+
+
+def test_the_fused_gate_up_declines_what_it_does_not_take() -> None:
+    """Not whole groups of gate rows, two segments, or float32 rows: None, and the MLP runs the
+    product and SiLU apart."""
+    from shardserve.loader.quantized import bf16_rows, float_rows
+
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(4, 64, generator=g)
+    odd = quant_kernel.kernel_layout(bf16_rows(torch.randn(2 * 24, 64, generator=g)))
+    if not quant_kernel.takes_bf16(((0, odd),)):
+        pytest.skip(f"BF16 products run on {quant_kernel.bf16_path()} here; the fused path is vdpbf16ps's")
+    assert quant_kernel.gate_up_silu(x, ((0, odd),)) is None  # 24 gate rows: not whole groups of 16
+    half = quant_kernel.kernel_layout(bf16_rows(torch.randn(32, 64, generator=g)))
+    assert quant_kernel.gate_up_silu(x, ((0, half), (32, half))) is None
+    assert quant_kernel.gate_up_silu(x, ((0, quant_kernel.kernel_layout(float_rows(torch.randn(64, 64)))),)) is None

@@ -1,4 +1,5 @@
-"""The layers' C library (csrc/decode_loop.c, which includes quant_matmul.c, cpu_ops.c and lora.c): the
+"""The layers' C library (csrc/decode_loop.c, which includes quant_matmul.c, cpu_ops.c, gate_up_silu.c
+and lora.c): the
 one place that loads it and declares its functions' ctypes signatures.
 
 quant_kernel (the block-quantized products), cpu_ops (the fused small operators) and
@@ -28,6 +29,7 @@ SIGNATURES: dict[str, tuple[list[type], type | None]] = {
     "silu_mul_f32": ([ptr, i64, i64, i64, ptr, c_int], None),
     "silu_mul_bf16": ([ptr, i64, i64, i64, ptr, c_int], c_int),
     "qmatmul_bf16": ([ptr, i64, i64, i64, ptr, i64, i64, ptr, i64, c_int], c_int),
+    "qmatmul_bf16_silu": ([ptr, i64, i64, ptr, i64, i64, ptr, i64, c_int], c_int),
     "bf16_path": ([], c_int),
     "lora_shrink_f32": ([ptr, i64, i64, ptr, ptr, ptr, i64, ptr, i64, ptr, c_int], None),
     "lora_expand_f32": ([ptr, i64, ptr, ptr, ptr, i64, ptr, i64, i64, ptr, i64, ptr, i64, c_int], None),

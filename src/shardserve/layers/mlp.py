@@ -7,7 +7,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from shardserve.distributed.communicator import Communicator
-from shardserve.layers import cpu_ops, gpu_ops
+from shardserve.layers import cpu_ops, gpu_ops, quant_kernel
 from shardserve.layers.linear import RowParallelLinear, merged_column_linear
 
 
@@ -18,6 +18,11 @@ class GatedMLP(nn.Module):
         self.down_proj = RowParallelLinear(intermediate, hidden, False, comm, dtype, device, reduce=reduce)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.gate_up_proj.takes_bf16_input and self.down_proj.takes_bf16_input:
+            # bfloat16 weights on vdpbf16ps, no adapter: SiLU in the gate/up product's epilogue.
+            h = quant_kernel.gate_up_silu(x, self.gate_up_proj.quant)
+            if h is not None:
+                return self.down_proj(h)
         gate_up = self.gate_up_proj(x)
         h = cpu_ops.silu_mul(gate_up, bf16=self.down_proj.takes_bf16_input)
         if h is None and (h := gpu_ops.silu_mul(gate_up)) is None:

@@ -15,8 +15,8 @@ import torch
 from shardserve.layers.kernels import KernelUnavailable, available, load
 from shardserve.loader.quantized import BF16, X16, X16_FORMATS, QuantWeight, float_rows, interleave16
 
-__all__ = ["KernelUnavailable", "available", "dequantize", "float_weight", "kernel_layout", "linear", "load",
-           "takes_bf16"]
+__all__ = ["KernelUnavailable", "available", "dequantize", "float_weight", "gate_up_silu", "kernel_layout", "linear",
+           "load", "takes_bf16"]
 
 
 def kernel_layout(w: QuantWeight) -> QuantWeight:
@@ -131,3 +131,24 @@ def linear(x: torch.Tensor, segments: tuple[tuple[int, QuantWeight], ...], out_f
     if bias is not None:
         y += bias
     return y.reshape(*lead, out_features)
+
+
+def gate_up_silu(x: torch.Tensor, segments: tuple[tuple[int, QuantWeight], ...]) -> torch.Tensor | None:
+    """silu(x . gate^T) * (x . up^T) rounded to bfloat16 [.., I], for a down product that takes
+    bfloat16 rows (takes_bf16): a gated MLP's gate/up product (one BF16 segment, the gate rows then
+    the up rows) with its SiLU in the product's own epilogue (csrc/gate_up_silu.c), the same bits
+    as `linear` then cpu_ops.silu_mul(bf16=True). None, having done nothing, where the kernel's
+    path is another (not vdpbf16ps, several segments, I not a multiple of 16, not float32 x)."""
+    if len(segments) != 1 or x.dtype != torch.float32 or not takes_bf16(segments):
+        return None
+    w = segments[0][1]
+    x2 = x.reshape(-1, x.shape[-1])
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    out = torch.empty(x2.shape[0], w.rows // 2, dtype=torch.bfloat16)
+    rc = load().qmatmul_bf16_silu(w.data.data_ptr(), w.rows, w.cols, x2.data_ptr(), x2.shape[0], x2.stride(0),
+                                  out.data_ptr(), out.stride(0), torch.get_num_threads())
+    if rc == 3:
+        return None
+    _check(rc, "qmatmul_bf16_silu", w)
+    return out.view(*x.shape[:-1], w.rows // 2)

@@ -51,11 +51,18 @@ void rotary_f32(float *q, int64_t ldq, int64_t hq, float *k, int64_t ldk, int64_
     }
 }
 
-/* One row: the one sequence of operations both entries below use, so their values agree. */
-static inline void silu_row(const float *g, int64_t inter, float *o) {
-    const float *u = g + inter;
-    for (int64_t i = 0; i < inter; i++) o[i] = g[i] / (1.0f + expf(-g[i])) * u[i];
+/* o[r, i] = silu(g[r, i]) * u[r, i] for i < n over `rows` rows (g and u ld apart, o ldo apart):
+ * the one compiled sequence of operations every SiLU of a gated MLP on the CPU runs (both
+ * entries below, the decode loop, and the gate/up product's own epilogue, qmatmul_bf16_silu), so
+ * their values agree bit for bit. Not inlined, so that no caller gets a copy compiled otherwise. */
+__attribute__((noinline)) static void silu_rows(const float *restrict g, const float *restrict u, int64_t ld,
+                                                float *restrict o, int64_t ldo, int64_t rows, int64_t n) {
+    for (int64_t r = 0; r < rows; r++, g += ld, u += ld, o += ldo)
+        for (int64_t i = 0; i < n; i++) o[i] = g[i] / (1.0f + expf(-g[i])) * u[i];
 }
+
+/* One row of gate then up halves. */
+static inline void silu_row(const float *g, int64_t inter, float *o) { silu_rows(g, g + inter, 0, o, 0, 1, inter); }
 
 void silu_mul_f32(const float *gu, int64_t rows, int64_t ldg, int64_t inter, float *out, int nthreads) {
 #pragma omp parallel for num_threads(nthreads) schedule(static) if (rows >= PAR_ROWS)

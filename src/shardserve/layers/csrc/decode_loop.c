@@ -2,9 +2,9 @@
 /* A decode step's decoder layers in one call, for the CPU: the library the layers load.
  *
  * This file is the one compiled unit: it includes the block-quantized products
- * (quant_matmul.c) and the fused small operators (cpu_ops.c), and adds `decode_layers`, which
- * runs every layer of a dense llama-family stack for a few decode rows without returning to
- * Python. In a one-row step the layers' arithmetic is small; from Python the same step is
+ * (quant_matmul.c), the fused small operators (cpu_ops.c) and the gate/up product with its SiLU
+ * (gate_up_silu.c), and adds `decode_layers`, which runs every layer of a dense llama-family
+ * stack for a few decode rows without returning to Python. In a one-row step the layers' arithmetic is small; from Python the same step is
  * a dozen or more operator calls per layer, each costing more than its arithmetic. The decode
  * attention kernel lives in another library (attention/csrc/paged_decode.c) and is passed in as
  * a function pointer.
@@ -18,6 +18,7 @@
  */
 #include "quant_matmul.c"
 #include "cpu_ops.c"
+#include "gate_up_silu.c"
 #include "lora.c"
 
 #ifdef __AVX2__

@@ -17,16 +17,18 @@
  * loads its configuration and releases the tiles when done.
  */
 
+/* A float's bits rounded to bfloat16, to nearest even; NaN stays NaN. */
+static inline uint16_t bf16_round(uint32_t u) {
+    if ((u & 0x7FFFFFFFu) > 0x7F800000u) return (uint16_t)((u >> 16) | 0x40u);
+    return (uint16_t)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+}
+
 /* Rows [r0, r1) of x as bfloat16 (nearest even), zero from column k to the row's end `kb`. */
 static void bf16_rows_of(const float *x, int64_t ldx, int64_t r0, int64_t r1, int64_t k, int64_t kb, uint16_t *out) {
     for (int64_t i = r0; i < r1; i++) {
         const uint32_t *src = (const uint32_t *)(x + i * ldx);
         uint16_t *o = out + i * kb;
-        for (int64_t e = 0; e < k; e++) {
-            uint32_t u = src[e];
-            if ((u & 0x7FFFFFFFu) > 0x7F800000u) o[e] = (uint16_t)((u >> 16) | 0x40u); /* NaN stays NaN */
-            else o[e] = (uint16_t)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
-        }
+        for (int64_t e = 0; e < k; e++) o[e] = bf16_round(src[e]);
         for (int64_t e = k; e < kb; e++) o[e] = 0;
     }
 }
