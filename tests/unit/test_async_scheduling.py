@@ -229,3 +229,28 @@ def test_prompt_logprobs_and_several_samples_equal(smollm2_path: str) -> None:
         out[mode] = [(o.prompt_logprobs, [(c.token_ids, c.logprobs) for c in o.outputs]) for o in res]
     assert out[True] == out[False]
     assert all(len(o[0]) == len(p) and len(o[1]) == 2 for o, p in zip(out[True], batch))
+
+
+def test_two_results_of_a_request_in_one_step_each_report_their_own_logprobs() -> None:
+    """Under load one engine step can apply two results of a request (the plan planned ahead came
+    back too) before either is sent: each output reports its own token's logprobs, the prompt's
+    logprobs go with the first only, and only the last carries the finish reason. (Read from the
+    request when sent, the first output reported the second token's logprobs: the e2e test of
+    concurrent streams saw such a token id now and then.)"""
+    from shardserve.core import Request
+    from shardserve.scheduler.engine_core import StepOutput
+    from shardserve.scheduler.outputs import token_out
+
+    req = Request("r", [1, 2, 3], SamplingParams(max_tokens=2, logprobs=0, prompt_logprobs=0), (0,))
+    req.prompt_logprobs = [{"token_id": 2}, {"token_id": 3}]
+    outs = []
+    for tok in (7, 9):
+        req.append_token(tok)
+        req.logprobs.append({"token_id": tok, "logprob": -0.5, "top_logprobs": []})
+        outs.append(StepOutput(req, [tok], tok == 9))
+    req.finish_reason = "length"
+    first, second = (token_out(o) for o in outs)  # sent together, after both were applied
+    assert [lp["token_id"] for lp in first.logprobs] == [7] and [lp["token_id"] for lp in second.logprobs] == [9]
+    assert first.prompt_logprobs == req.prompt_logprobs and second.prompt_logprobs is None
+    assert (first.finish_reason, second.finish_reason) == (None, "length")
+    assert token_out(StepOutput(req, [], True)).logprobs == []  # an end with no token repeats none

@@ -7,7 +7,7 @@ message I/O. It owns no tokenizer, only a `decode` function used to match stop s
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -36,12 +36,21 @@ from shardserve.scheduler.speculator import make_speculator
 
 @dataclass
 class StepOutput:
-    """What one request gained this step (for streaming) and whether it is done."""
+    """What one request gained this step (for streaming) and whether it is done. Made as its
+    tokens are appended: what it reports of them is taken from the request then, since one
+    step can apply two results of a request (--async-scheduling) before anything is sent."""
 
     request: Request
     new_token_ids: list[int]
     finished: bool
     grammar_done: bool = False  # structured outputs: the grammar is complete after this token
+    logprobs: list[dict] | None = field(init=False)  # the new tokens' entries, where asked for
+    first: bool = field(init=False)  # holds the request's first sampled tokens (prompt logprobs go with them)
+
+    def __post_init__(self) -> None:
+        r, n = self.request, len(self.new_token_ids)
+        self.logprobs = (r.logprobs[len(r.logprobs) - n:] if n else []) if r.params.logprobs is not None else None
+        self.first = n > 0 and len(r.output_token_ids) == n
 
 
 class EngineCore:

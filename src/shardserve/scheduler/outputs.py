@@ -45,13 +45,12 @@ def token_out(o: StepOutput) -> TokenOut:
     r = o.request
     p = r.params
     return TokenOut(
-        rid=r.request_id, new_ids=o.new_token_ids, finished=o.finished, finish_reason=r.finish_reason,
-        stop_reason=r.stop_reason, text_cut=r.text_cut, hold=max((len(s) for s in p.stop), default=1) - 1,
+        rid=r.request_id, new_ids=o.new_token_ids, finished=o.finished,
+        finish_reason=r.finish_reason if o.finished else None, stop_reason=r.stop_reason if o.finished else None,
+        text_cut=r.text_cut, hold=max((len(s) for s in p.stop), default=1) - 1,
         skip_special_tokens=p.skip_special_tokens,
-        logprobs=r.logprobs[-len(o.new_token_ids) :] if p.logprobs is not None else None,
-        prompt_tokens=len(r.prompt_token_ids), cached_tokens=r.num_cached_tokens,
+        logprobs=o.logprobs, prompt_tokens=len(r.prompt_token_ids), cached_tokens=r.num_cached_tokens,
         # Complete by the first sampled token, and sent with it only.
-        prompt_logprobs=(r.prompt_logprobs if p.prompt_logprobs is not None
-                         and len(r.output_token_ids) == len(o.new_token_ids) else None),
+        prompt_logprobs=r.prompt_logprobs if p.prompt_logprobs is not None and o.first else None,
         embedding=r.embedding if o.finished else None, error=r.error if o.finished else None,
     )
