@@ -1,6 +1,6 @@
-"""The layers' C library (csrc/decode_loop.c, which includes quant_matmul.c, cpu_ops.c, gate_up_silu.c
-and lora.c): the
-one place that loads it and declares its functions' ctypes signatures.
+"""The layers' C library (csrc/decode_loop.c, which includes quant_matmul.c, cpu_ops.c,
+gate_up_silu.c and lora.c): the one place that loads it and declares its functions' ctypes
+signatures.
 
 quant_kernel (the block-quantized products), cpu_ops (the fused small operators) and
 decode_loop (the layer loop) all call into this one library; declaring the signatures here keeps

@@ -139,9 +139,10 @@ def gate_up_silu(x: torch.Tensor, segments: tuple[tuple[int, QuantWeight], ...])
     the up rows) with its SiLU in the product's own epilogue (csrc/gate_up_silu.c), the same bits
     as `linear` then cpu_ops.silu_mul(bf16=True). None, having done nothing, where the kernel's
     path is another (not vdpbf16ps, several segments, I not a multiple of 16, not float32 x)."""
-    if len(segments) != 1 or x.dtype != torch.float32 or not takes_bf16(segments):
-        return None
     w = segments[0][1]
+    # The path (vdpbf16ps or not) the C entry checks itself, answering 3.
+    if len(segments) != 1 or w.qtype != X16 | BF16 or x.dtype != torch.float32:
+        return None
     x2 = x.reshape(-1, x.shape[-1])
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()

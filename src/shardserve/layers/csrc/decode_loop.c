@@ -4,10 +4,10 @@
  * This file is the one compiled unit: it includes the block-quantized products
  * (quant_matmul.c), the fused small operators (cpu_ops.c) and the gate/up product with its SiLU
  * (gate_up_silu.c), and adds `decode_layers`, which runs every layer of a dense llama-family
- * stack for a few decode rows without returning to Python. In a one-row step the layers' arithmetic is small; from Python the same step is
- * a dozen or more operator calls per layer, each costing more than its arithmetic. The decode
- * attention kernel lives in another library (attention/csrc/paged_decode.c) and is passed in as
- * a function pointer.
+ * stack for a few decode rows without returning to Python. In a one-row step the layers'
+ * arithmetic is small; from Python the same step is a dozen or more operator calls per layer,
+ * each costing more than its arithmetic. The decode attention kernel lives in another library
+ * (attention/csrc/paged_decode.c) and is passed in as a function pointer.
  *
  * Per layer, x being the residual stream [m, hidden]:
  *   h = rms_norm(x); qkv = h W_qkv^T (+ bias); [q_norm, k_norm per head]; rotary on q and k;
