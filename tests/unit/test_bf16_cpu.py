@@ -262,7 +262,7 @@ def test_silu_in_the_gate_up_product_gives_the_bits_of_the_two_apart(rows: int) 
     """quant_kernel.gate_up_silu (the product's epilogue applies SiLU and rounds to bfloat16)
     equals the gate/up product then cpu_ops.silu_mul(bf16=True), bit for bit, at any number of
     rows (across the row blocks of 256 too); a gated MLP takes it where both products are BF16
-    on vdpbf16ps."""
+    on vdpbf16ps or AMX tiles."""
     from shardserve.layers import cpu_ops
     from shardserve.loader.quantized import bf16_rows
 
@@ -270,7 +270,7 @@ def test_silu_in_the_gate_up_product_gives_the_bits_of_the_two_apart(rows: int) 
     inter, k = 80, 96  # five groups of 16 gate rows: claims end inside the gate half
     w = quant_kernel.kernel_layout(bf16_rows(torch.randn(2 * inter, k, generator=g) * 0.3))
     if not quant_kernel.takes_bf16(((0, w),)):
-        pytest.skip(f"BF16 products run on {quant_kernel.bf16_path()} here; the fused path is vdpbf16ps's")
+        pytest.skip(f"BF16 products run on {quant_kernel.bf16_path()} here; the fused path is vdpbf16ps's and AMX's")
     x = torch.randn(rows, k, generator=g) * 3
     fused = quant_kernel.gate_up_silu(x, ((0, w),))
     apart = cpu_ops.silu_mul(quant_kernel.linear(x, ((0, w),), 2 * inter), bf16=True)
@@ -282,16 +282,20 @@ def test_silu_in_the_gate_up_product_gives_the_bits_of_the_two_apart(rows: int) 
 
 
 def test_the_fused_gate_up_declines_what_it_does_not_take() -> None:
-    """Not whole groups of gate rows, two segments, or float32 rows: None, and the MLP runs the
-    product and SiLU apart."""
+    """Not whole groups of gate rows, two segments, float32 rows, or on AMX columns not whole
+    chunks of 32: None, and the MLP runs the product and SiLU apart."""
     from shardserve.loader.quantized import bf16_rows, float_rows
 
     g = torch.Generator().manual_seed(3)
     x = torch.randn(4, 64, generator=g)
     odd = quant_kernel.kernel_layout(bf16_rows(torch.randn(2 * 24, 64, generator=g)))
     if not quant_kernel.takes_bf16(((0, odd),)):
-        pytest.skip(f"BF16 products run on {quant_kernel.bf16_path()} here; the fused path is vdpbf16ps's")
+        pytest.skip(f"BF16 products run on {quant_kernel.bf16_path()} here; the fused path is vdpbf16ps's and AMX's")
     assert quant_kernel.gate_up_silu(x, ((0, odd),)) is None  # 24 gate rows: not whole groups of 16
     half = quant_kernel.kernel_layout(bf16_rows(torch.randn(32, 64, generator=g)))
     assert quant_kernel.gate_up_silu(x, ((0, half), (32, half))) is None
     assert quant_kernel.gate_up_silu(x, ((0, quant_kernel.kernel_layout(float_rows(torch.randn(64, 64)))),)) is None
+    if quant_kernel.bf16_path() == "amx":  # a tile reads 32 columns a row: 48 would read into the next row
+        w48 = quant_kernel.kernel_layout(bf16_rows(torch.randn(64, 48, generator=g)))
+        assert not quant_kernel.takes_bf16(((0, w48),))
+        assert quant_kernel.gate_up_silu(torch.randn(4, 48, generator=g), ((0, w48),)) is None

@@ -58,9 +58,11 @@ def bf16_activations() -> bool:
 def takes_bf16(segments: tuple[tuple[int, QuantWeight], ...]) -> bool:
     """Whether `linear` takes these segments' activations already bfloat16 (rounded by the op
     before, as the kernel would round them: cpu_ops.silu_mul(bf16=True)), skipping the product's
-    own pass over them: every segment BF16 rows, on the vdpbf16ps path (csrc qmatmul_bf16; AMX
-    tiles read whole 16-row tiles, so they round their own)."""
-    return bf16_path() == BF16_PATHS[2] and all(w.qtype == X16 | BF16 for _, w in segments)
+    own pass over them: every segment BF16 rows, on vdpbf16ps, or on AMX tiles where the columns
+    are whole chunks of 32 (a tile reads 32 a row; csrc qmatmul_bf16)."""
+    path = bf16_path()
+    return path != BF16_PATHS[0] and all(w.qtype == X16 | BF16 and (path != BF16_PATHS[1] or w.cols % 32 == 0)
+                                         for _, w in segments)
 
 
 def float_weight(weight: torch.Tensor | None) -> QuantWeight | None:
@@ -110,7 +112,7 @@ def _bf16_kernel(x: torch.Tensor, w: QuantWeight, out: torch.Tensor) -> None:
     rc = load().qmatmul_bf16(w.data.data_ptr(), w.data.stride(0), w.rows, w.cols, x.data_ptr(), x.shape[0],
                              x.stride(0), out.data_ptr(), out.stride(0), torch.get_num_threads())
     if rc == 3:
-        raise RuntimeError("qmatmul_bf16: not the vdpbf16ps path here (takes_bf16 said it was)")
+        raise RuntimeError("qmatmul_bf16: not a bfloat16-activation path here (takes_bf16 said it was)")
     _check(rc, "qmatmul_bf16", w)
 
 

@@ -1,4 +1,4 @@
-/* A gated MLP's gate/up product with its SiLU, for bfloat16 weights on vdpbf16ps: decode_loop.c
+/* A gated MLP's gate/up product with its SiLU, for bfloat16 weights on vdpbf16ps or AMX tiles: decode_loop.c
  * includes this file after quant_matmul.c and cpu_ops.c, whose parts it joins.
  *
  * act[i, c] = bf16(silu(x_i . W[c]) * (x_i . W[I + c])) for c < I, where W [2I, k] holds the gate
@@ -9,8 +9,20 @@
  * rounds them to bfloat16 for the down product (qmatmul_bf16) as soon as they are summed.
  *
  * The same bits as the product then silu_mul_bf16: each output is the same chain of vdpbf16ps
- * whatever its tile (quant_x16_float.c), SiLU is the one compiled `silu_rows`, and the rounding
- * is bf16_round, as bf16_rows_of rounds. */
+ * (quant_x16_float.c) or tile products (amx_block) whatever its tile, SiLU is the one compiled
+ * `silu_rows`, and the rounding is bf16_round, as bf16_rows_of rounds. */
+
+/* Rows [0, mb) of `o` (16 floats apart) rounded to bfloat16 into columns [g, g + 16) of act. */
+static void act_round(const float *o, int64_t mb, uint16_t *act, int64_t ldact, int64_t g) {
+    for (int64_t r = 0; r < mb; r++) {
+        uint16_t *out = act + r * ldact + g;
+        for (int l = 0; l < GL; l++) {
+            uint32_t bits;
+            memcpy(&bits, o + r * GL + l, 4);
+            out[l] = bf16_round(bits);
+        }
+    }
+}
 
 #if DPBF_BUILT
 /* One claimed run [r0, r1) of gate rows (whole groups) over rows i0.. of `a` (mb of them). */
@@ -23,31 +35,53 @@ static void silu_run(const uint16_t *w, int64_t inter, int64_t k, int64_t r0, in
             f32_tiles(BF16D, 2, mb - i < 8 ? (int)(mb - i) : 8, w + g * k, inter * k, part.b + i * ldb, ldb, k,
                       tile + i * 2 * GL, 2 * GL);
         silu_rows(tile, tile + GL, 2 * GL, o, GL, mb, GL);
-        for (int64_t r = 0; r < mb; r++) {
-            uint16_t *out = act + (i0 + r) * ldact + g;
-            for (int l = 0; l < GL; l++) {
-                uint32_t bits;
-                memcpy(&bits, o + r * GL + l, 4);
-                out[l] = bf16_round(bits);
+        act_round(o, mb, act + i0 * ldact, ldact, g);
+    }
+}
+#endif
+
+#if AMX_BUILT
+/* silu_run on AMX tiles: rows [0, m) of xb (k, whole chunks of 32, apart; readable up to m
+ * rounded up to 16, as acts_alloc allocates them), each 32 rows by gate group j and up group j. */
+static void amx_silu_run(const uint8_t *w, int64_t inter, int64_t k, int64_t r0, int64_t r1, const uint16_t *xb,
+                         int64_t m, uint16_t *act, int64_t ldact) {
+    const int64_t nc = k / 32;
+    float out[4][16 * 16], o[16 * 16];
+    amx_configure();
+    for (int64_t g = r0; g < r1; g += GL) {
+        const uint8_t *grp[2] = {w + g * k * 2, w + (inter + g) * k * 2};
+        for (int64_t i0 = 0; i0 < m; i0 += 32) {
+            const int na = m - i0 > 16 ? 2 : 1;
+            amx_block(xb + i0 * k, k, xb + (i0 + 16) * k, k, na, grp, NULL, 2, nc, nc);
+            _tile_stored(0, out[0], 64);
+            _tile_stored(1, out[1], 64);
+            if (na > 1) {
+                _tile_stored(2, out[2], 64);
+                _tile_stored(3, out[3], 64);
+            }
+            for (int at = 0; at < na; at++) {
+                const int64_t rows = m - i0 - 16 * at < 16 ? m - i0 - 16 * at : 16;
+                silu_rows(out[2 * at], out[2 * at + 1], GL, o, GL, rows, GL);
+                act_round(o, rows, act + (i0 + 16 * at) * ldact, ldact, g);
             }
         }
     }
+    _tile_release();
 }
 #endif
 
 /* act (m rows ldact apart, bfloat16) as above, from x (m float32 rows ldx apart) and W (BF16 | X16,
  * n = 2I rows of k). Returns 0; 1 for a k the format does not take; 2 out of memory; 3, doing
- * nothing, where this is not the product's path (not vdpbf16ps, or I not whole groups): the
- * caller then runs the product and silu_mul_bf16. */
+ * nothing, where this is not the product's path (neither vdpbf16ps nor AMX with k whole chunks
+ * of 32; or I not whole groups): the caller then runs the product and silu_mul_bf16. */
 int qmatmul_bf16_silu(const uint8_t *w, int64_t n, int64_t k, const float *x, int64_t m, int64_t ldx, uint16_t *act,
                       int64_t ldact, int nthreads) {
-    const int type = X16 | BF16;
+    const int type = X16 | BF16, path = product_path(type, m);
     if (!fits(type, k)) return 1;
-#if DPBF_BUILT
+    if (n % (2 * GL) || !((DPBF_BUILT && path == BF16_DP) || (AMX_BUILT && path == BF16_AMX && k % 32 == 0))) return 3;
     const int64_t inter = n / 2;
-    if (product_path(type, m) != BF16_DP || n % (2 * GL)) return 3;
-    Acts a;
-    if (!acts_alloc(&a, m, k, 1 << BF16_DP)) { acts_free(&a); return 2; }
+    Acts a; /* AMX: rows up to m rounded up to 16, so every tile is read in place */
+    if (!acts_alloc(&a, m, k, 1 << path)) { acts_free(&a); return 2; }
     int err = 0;
     int64_t next = 0;
 #pragma omp parallel num_threads(nthreads)
@@ -55,22 +89,27 @@ int qmatmul_bf16_silu(const uint8_t *w, int64_t n, int64_t k, const float *x, in
         int nth = omp_get_num_threads(), tid = omp_get_thread_num();
         acts_rows(x, ldx, m * tid / nth, m * (tid + 1) / nth, &a);
 #pragma omp barrier
-        float *tile = malloc(sizeof(float) * 3 * GL * ROW_BLOCK); /* [rows][32] sums, then [rows][16] SiLU */
-        if (!tile) {
+        float *tile = path == BF16_DP ? malloc(sizeof(float) * 3 * GL * ROW_BLOCK) : NULL; /* [rows][32] sums, then [rows][16] SiLU */
+        if (path == BF16_DP && !tile) {
 #pragma omp atomic write
             err = 2;
         } else {
             for (int64_t r0, r1; (r0 = claim_rows(&next, inter, GL, nth, &r1)) >= 0;)
-                for (int64_t i0 = 0; i0 < m; i0 += ROW_BLOCK)
-                    silu_run((const uint16_t *)w, inter, k, r0, r1, &a, i0, m - i0 < ROW_BLOCK ? m - i0 : ROW_BLOCK,
-                             act, ldact, tile, tile + 2 * GL * ROW_BLOCK);
+                for (int64_t i0 = 0; i0 < m; i0 += ROW_BLOCK) {
+                    const int64_t mb = m - i0 < ROW_BLOCK ? m - i0 : ROW_BLOCK;
+#if AMX_BUILT
+                    if (path == BF16_AMX)
+                        amx_silu_run(w, inter, k, r0, r1, a.b + i0 * k, mb, act + i0 * ldact, ldact);
+#endif
+#if DPBF_BUILT
+                    if (path == BF16_DP)
+                        silu_run((const uint16_t *)w, inter, k, r0, r1, &a, i0, mb, act, ldact, tile,
+                                 tile + 2 * GL * ROW_BLOCK);
+#endif
+                }
         }
         free(tile);
     }
     acts_free(&a);
     return err;
-#else
-    (void)w, (void)n, (void)x, (void)m, (void)ldx, (void)act, (void)ldact, (void)nthreads;
-    return 3;
-#endif
 }

@@ -153,46 +153,99 @@ static const uint8_t *amx_group(const uint8_t *w, int64_t n, int64_t base, int64
     return grp;
 }
 
+/* Accumulator tiles 0-3 = activation tiles a0, and a1 where na = 2 (16 rows lda0, lda1
+ * bfloat16 apart) times groups grp[0], and grp[1] where ng = 2, over nc chunks of 32 columns in
+ * column order; from chunk `full` on, a group is read from tail[g] (see amx_group). Tile g + 2 at
+ * holds activation tile `at` times group g. Each sum is the same chain of tile products whatever
+ * shares its tile. */
+static inline __attribute__((always_inline)) void amx_block(const uint16_t *a0, int64_t lda0, const uint16_t *a1,
+                                                            int64_t lda1, int na, const uint8_t *const *grp,
+                                                            uint16_t (*tail)[16 * 32], int ng, int64_t nc,
+                                                            int64_t full) {
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(2);
+    _tile_zero(3);
+    for (int64_t c = 0; c < nc; c++) {
+        _tile_loadd(4, a0 + c * 32, lda0 * 2);
+        _tile_loadd(6, c < full ? (const void *)(grp[0] + c * 16 * 64) : (const void *)tail[0], 64);
+        _tile_dpbf16ps(0, 4, 6);
+        if (ng > 1) {
+            _tile_loadd(7, c < full ? (const void *)(grp[1] + c * 16 * 64) : (const void *)tail[1], 64);
+            _tile_dpbf16ps(1, 4, 7);
+        }
+        if (na > 1) {
+            _tile_loadd(5, a1 + c * 32, lda1 * 2);
+            _tile_dpbf16ps(2, 5, 6);
+            if (ng > 1) _tile_dpbf16ps(3, 5, 7);
+        }
+    }
+}
+
+/* The activation tile of rows [i, i + 16) of xb (rows lda apart): in place, or for the last,
+ * part-filled tile of m rows, `last` (16 rows of kb, the rows past m zero), filled by the caller. */
+static inline const uint16_t *amx_acts(const uint16_t *xb, int64_t lda, int64_t i, int64_t m, const uint16_t *last,
+                                       int64_t *ld, int64_t kb) {
+    if (i + 16 <= m) {
+        *ld = lda;
+        return xb + i * lda;
+    }
+    *ld = kb;
+    return last;
+}
+
+/* Fills `last` as amx_acts reads it: rows m16 = m rounded down to 16 .. m of xb, then zeros. */
+static void amx_last_tile(const uint16_t *xb, int64_t lda, int64_t m, int64_t kb, uint16_t *last) {
+    const int64_t m16 = m / 16 * 16;
+    memset(last, 0, sizeof(uint16_t) * 16 * (size_t)kb);
+    for (int64_t i = m16; i < m; i++) memcpy(last + (i - m16) * kb, xb + i * lda, sizeof(uint16_t) * (size_t)kb);
+}
+
 /* y[i * ldy + r] = x_i . W[r] for i < m, r0 <= r < r1: W bfloat16 in x16 groups (n rows of k),
- * x as `xb`, m rows of kb = k rounded up to 32 (rows up to m rounded up to 16 may hold anything:
- * their sums are not kept). `pad` holds at least 16 * k bfloat16. */
-static void amx_rows(const uint8_t *w, int64_t n, int64_t r0, int64_t r1, const uint16_t *xb, int64_t m, int64_t k,
-                     float *y, int64_t ldy, float *pad) {
+ * x as `xb`, m rows of kb = k rounded up to 32, lda apart, zero past column k. `pad` holds at
+ * least 16 * k + 16 * kb bfloat16 (gemm_scratch): a part-filled group, then the last, part-filled
+ * activation tile, so that no row past m is read. */
+static void amx_rows(const uint8_t *w, int64_t n, int64_t r0, int64_t r1, const uint16_t *xb, int64_t lda, int64_t m,
+                     int64_t k, float *y, int64_t ldy, float *pad) {
     const int64_t kb = (k + 31) / 32 * 32, nc = kb / 32, full = k / 32; /* chunks of 32 columns; full: whole */
     uint16_t tail[2][16 * 32]; /* a group's last, part-filled chunk, zero beyond column k */
+    uint16_t *last = (uint16_t *)pad + 16 * k;
     float out[4][16 * 16];
+    if (m % 16) amx_last_tile(xb, lda, m, kb, last);
     amx_configure();
     for (int64_t g0 = r0 / GL * GL; g0 < r1;) {
         /* one group, or two where both are whole and claimed whole */
         int ng = (g0 + 2 * GL <= r1 && g0 + 2 * GL <= n && g0 >= r0) ? 2 : 1;
         const uint8_t *grp[2];
         for (int g = 0; g < ng; g++) grp[g] = amx_group(w, n, g0 + g * GL, k, (uint8_t *)pad, tail[g]);
+        /* A tile whose 16 rows and 16 lanes are all kept goes straight to y; the others through
+         * `out`, their kept part copied. */
+        const int whole = ng == 2;
         for (int64_t i0 = 0; i0 < m; i0 += 32) {
-            int na = m - i0 > 16 ? 2 : 1; /* activation tiles */
-            const uint16_t *a0 = xb + i0 * kb, *a1 = a0 + 16 * kb;
-            _tile_zero(0);
-            _tile_zero(1);
-            _tile_zero(2);
-            _tile_zero(3);
-            for (int64_t c = 0; c < nc; c++) {
-                _tile_loadd(4, a0 + c * 32, kb * 2);
-                if (na > 1) _tile_loadd(5, a1 + c * 32, kb * 2);
-                _tile_loadd(6, c < full ? (const void *)(grp[0] + c * 16 * 64) : (const void *)tail[0], 64);
-                _tile_dpbf16ps(0, 4, 6);
-                if (na > 1) _tile_dpbf16ps(2, 5, 6);
-                if (ng > 1) {
-                    _tile_loadd(7, c < full ? (const void *)(grp[1] + c * 16 * 64) : (const void *)tail[1], 64);
-                    _tile_dpbf16ps(1, 4, 7);
-                    if (na > 1) _tile_dpbf16ps(3, 5, 7);
-                }
+            const int na = m - i0 > 16 ? 2 : 1; /* activation tiles */
+            const int full0 = whole && m - i0 >= 16, full1 = whole && m - i0 >= 32;
+            float *y0 = y + i0 * ldy + g0, *y1 = y0 + 16 * ldy;
+            int64_t ld0, ld1;
+            const uint16_t *a0 = amx_acts(xb, lda, i0, m, last, &ld0, kb),
+                           *a1 = amx_acts(xb, lda, i0 + 16, m, last, &ld1, kb);
+            amx_block(a0, ld0, a1, ld1, na, grp, tail, ng, nc, full);
+            if (full0) {
+                _tile_stored(0, y0, ldy * 4);
+                _tile_stored(1, y0 + GL, ldy * 4);
+            } else {
+                _tile_stored(0, out[0], 64);
+                if (ng > 1) _tile_stored(1, out[1], 64);
             }
-            _tile_stored(0, out[0], 64);
-            if (ng > 1) _tile_stored(1, out[1], 64);
-            if (na > 1) _tile_stored(2, out[2], 64);
-            if (na > 1 && ng > 1) _tile_stored(3, out[3], 64);
+            if (full1) {
+                _tile_stored(2, y1, ldy * 4);
+                _tile_stored(3, y1 + GL, ldy * 4);
+            } else if (na > 1) {
+                _tile_stored(2, out[2], 64);
+                if (ng > 1) _tile_stored(3, out[3], 64);
+            }
             for (int t = 0; t < 2 * na; t++) {
                 int g = t % 2, at = t / 2;
-                if (g >= ng) continue;
+                if (g >= ng || (at ? full1 : full0)) continue;
                 int64_t base = g0 + g * GL, lanes = n - base < GL ? n - base : GL;
                 int64_t lo = r0 > base ? r0 - base : 0, hi = r1 - base < lanes ? r1 - base : lanes;
                 for (int64_t j = 0; j < 16 && i0 + at * 16 + j < m; j++)

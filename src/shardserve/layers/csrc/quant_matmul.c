@@ -177,7 +177,8 @@ static int64_t claim_grain(int type, int64_t m) {
 
 /* Scratch bytes one thread's float GEMM needs for rows of k weights; also >= the 16 rows of an
  * x16 weight's padded last group (at most 4 bytes a weight). */
-static size_t gemm_scratch(int64_t k) { return sizeof(float) * (size_t)((NR + 8) * k); } /* >= NW * k */
+static size_t gemm_scratch(int64_t k) { return sizeof(float) * (size_t)((NR + 8) * k + 16 * 32); }
+/* (>= NW * k floats; AMX: >= 16 * k + 16 * (k rounded up to 32) bfloat16, amx_rows) */
 
 /* Rows [r0, r1) of x into the same rows of `a`: quantized or packed, whichever `a` holds. */
 static void acts_rows(const float *x, int64_t ldx, int64_t r0, int64_t r1, const Acts *a) {
@@ -199,7 +200,7 @@ static void path_rows(int path, int type, const uint8_t *w, int64_t row_bytes, i
     case BF16_DP: f32x16_rows(BF16D, w, n, r0, r1, a->b, acts_ldb(a), m, a->k, y, ldy, wp); return;
 #endif
 #if AMX_BUILT
-    case BF16_AMX: amx_rows(w, n, r0, r1, a->b, m, a->k, y, ldy, wp); return;
+    case BF16_AMX: amx_rows(w, n, r0, r1, a->b, acts_ldb(a), m, a->k, y, ldy, wp); return;
 #endif
     case PANELS: panel_gemm(type, w, row_bytes, r0, r1, a, y, ldy, wp); return;
     case STRIPS: strip_gemm(type, w, row_bytes, r0, r1, x, ldx, m, a->k, y, ldy, wp, wp + NR * a->k); return;
@@ -237,7 +238,7 @@ static void path_rows(int path, int type, const uint8_t *w, int64_t row_bytes, i
 /* Activation rows the x16 paths take at a time. Their kernels pass each tile of weight groups over
  * every activation row given; a prefill chunk's rows (thousands, at 2 bytes a column) outgrow L2
  * and would come from L3 again for every tile. A block of ROW_BLOCK rows stays in L2 while all
- * of a claimed run's groups pass over it. An output's operations are the same either way. */
+ * of a claimed run's groups pass over it (AMX tiles too). An output's operations are the same either way. */
 #define ROW_BLOCK 256
 
 /* Rows [i0, i0 + m) of `a` (the x16 paths' buffers: 16-bit or bfloat16 rows). */
@@ -255,7 +256,7 @@ static Acts acts_part(const Acts *a, int64_t i0, int64_t m) {
 static void qmatmul_rows(int type, const uint8_t *w, int64_t row_bytes, int64_t n, int64_t r0, int64_t r1,
                          const Acts *a, const float *x, int64_t ldx, int64_t m, float *y, int64_t ldy, float *wp) {
     int path = product_path(type, m);
-    if (path != X16_GROUPS && path != F32_X16 && path != BF16_DP) {
+    if (path != X16_GROUPS && path != F32_X16 && path != BF16_DP && path != BF16_AMX) {
         path_rows(path, type, w, row_bytes, n, r0, r1, a, x, ldx, m, y, ldy, wp);
         return;
     }

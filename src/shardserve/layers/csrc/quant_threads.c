@@ -71,14 +71,15 @@ int qmatmul(int type, const uint8_t *w, int64_t row_bytes, int64_t n, int64_t k,
 }
 
 /* qmatmul for BF16 | X16 weights with activations already bfloat16: xb, m rows ldxb apart, rounded
- * as acts_rows rounds (bf16_rows_of; silu_mul_bf16 hands them on so), which skips a pass over the
- * activations. The vdpbf16ps path only: returns 3, doing nothing, where the product takes another
- * (AMX tiles read whole 16-row tiles; float32 activations), and the caller passes floats. */
+ * as acts_rows rounds (bf16_rows_of; silu_mul_bf16 and qmatmul_bf16_silu hand them on so), which
+ * skips a pass over the activations. On vdpbf16ps, and on AMX tiles where k is whole chunks of 32
+ * columns (a tile reads 32 a row: past k it would read the next row's values). Returns 3, doing
+ * nothing, elsewhere (float32 activations; AMX with another k), and the caller passes floats. */
 int qmatmul_bf16(const uint8_t *w, int64_t row_bytes, int64_t n, int64_t k, const uint16_t *xb, int64_t m,
                  int64_t ldxb, float *y, int64_t ldy, int nthreads) {
-    const int type = X16 | BF16;
+    const int type = X16 | BF16, path = product_path(type, m);
     if (!fits(type, k)) return 1;
-    if (product_path(type, m) != BF16_DP) return 3;
+    if (path != BF16_DP && !(path == BF16_AMX && k % 32 == 0)) return 3;
     Acts a = {NULL, NULL, NULL, NULL, k, m, (uint16_t *)xb, ldxb};
     return claimed_products(type, w, row_bytes, n, &a, NULL, 0, y, ldy, nthreads);
 }
