@@ -47,6 +47,7 @@ class Library:
 
 
 _PACKAGE = Path(__file__).parent
+SHARED = _PACKAGE / "csrc"  # headers several libraries include (amx.h: whether this process runs AMX)
 LIBRARIES = (
     Library("layers", _PACKAGE / "layers" / "csrc" / "decode_loop.c",
             "quantized GGUF products, the decode loop, fused CPU ops",
@@ -88,7 +89,8 @@ def _torch_openmp() -> str | None:
 def _commands(cc: list[str], source: Path, obj: str, out: str) -> list[list[str]]:
     omp = _torch_openmp()
     link = [omp, f"-Wl,-rpath,{os.path.dirname(omp)}"] if omp else ["-fopenmp"]
-    return [[*cc, *FLAGS, "-c", str(source), "-o", obj], [*cc, "-shared", obj, *link, "-lm", "-o", out]]
+    return [[*cc, *FLAGS, f"-I{SHARED}", "-c", str(source), "-o", obj],
+            [*cc, "-shared", obj, *link, "-lm", "-o", out]]
 
 
 def compile_library(cc: list[str], source: Path, out: Path) -> None:
@@ -167,8 +169,8 @@ def library_path(source: Path) -> Path:
         raise KernelUnavailable("no C compiler (cc/gcc) on PATH")
     try:
         version = subprocess.run([*cc, "--version"], capture_output=True, text=True, timeout=30).stdout
-        # A source may #include its neighbours: every C file beside it is part of the key.
-        texts = [f.read_text() for f in sorted(source.parent.glob("*.[ch]"))]
+        # A source may #include its neighbours and the shared headers: all of them are part of the key.
+        texts = [f.read_text() for d in (source.parent, SHARED) for f in sorted(d.glob("*.[ch]"))]
         parts = [source.name, *texts, repr(_commands(cc, source, "", "")), version, _cpu_signature()]
     except (OSError, subprocess.SubprocessError) as e:
         raise KernelUnavailable(f"cannot run the C compiler {cc[0]!r}: {e}") from e

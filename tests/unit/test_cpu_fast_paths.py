@@ -145,6 +145,30 @@ def test_bf16_cache_kernel(heads, kv_of_q, dim, page_size):
         assert torch.equal(alone[0], got[i]), i
 
 
+@pytest.mark.parametrize("heads,kv_of_q,dim", [
+    (9, (0, 0, 0, 1, 1, 1, 2, 2, 2), 64),  # SmolLM2: 8 rows x 3 heads, 24 columns a KV head
+    (16, (0,) * 16, 32),                   # 128 columns of one KV head: 8 column tiles
+    (3, (0, 1, 2), 96),                    # three chunks of 32 dims
+])
+def test_bf16_cache_prefill_rows_equal_their_decodes(heads, kv_of_q, dim):
+    """A prefill chunk's rows share a block table and go through the kernel together (up to 8
+    a block; on AMX the scores of all their heads that read a KV head in shared tiles): each row
+    equals itself decoded alone, bit for bit, and the float64 attention to float32 rounding."""
+    page_size, n, ctx = 16, 21, 203  # the chunk's last row sees 203 keys; the first 183
+    q, kc, vc, pages = random_case(heads, kv_of_q, dim, page_size, [ctx], seed=9)
+    q = torch.randn(n, heads, dim, generator=torch.Generator().manual_seed(10))
+    kc, vc = kc.bfloat16(), vc.bfloat16()
+    table = tables_of(pages)
+    tables, lens, kv = table.expand(n, -1).contiguous(), torch.arange(ctx - n + 1, ctx + 1), torch.tensor(kv_of_q)
+    scale = dim**-0.5
+    got = cpu_kernel.paged_decode(q, kc, vc, tables, lens, kv, page_size, scale)
+    want, _ = reference_lse(q.bfloat16().float(), kc.float(), vc.float(), tables, lens, kv, page_size, scale)
+    torch.testing.assert_close(got, want.float(), atol=2e-6, rtol=1e-5)
+    for i in range(n):
+        alone = cpu_kernel.paged_decode(q[i: i + 1], kc, vc, tables[i: i + 1], lens[i: i + 1], kv, page_size, scale)
+        assert torch.equal(alone[0], got[i]), i
+
+
 def test_a_cache_the_kernel_cannot_read_is_refused():
     q, kc, vc, pages = random_case(2, (0, 0), 16, 4, [5])
     tables, lens, kv = tables_of(pages), torch.tensor([5]), torch.tensor([0, 0])

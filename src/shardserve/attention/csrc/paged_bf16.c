@@ -127,6 +127,47 @@ static void page_values_bf16(int ng, const float *const *p, const uint16_t *v, i
 #undef VB
 }
 
+#if AMX_BUILT
+static int amx_on; /* set once, when the library loads (amx.h) */
+static const char *amx_why = "";
+__attribute__((constructor)) static void amx_init(void) { amx_on = !(amx_why = amx_decide()); }
+
+/* Scores on AMX tiles for an item's query rows, where this process runs AMX (amx.h: decided alike
+ * for the products) and pages are whole tiles of 16 keys: for one KV head, a tile of 16 cached
+ * keys (the page's rows as stored, 32 dims a tile row) times a tile of 16 query columns (the
+ * item's rows and heads that read this KV head, their rounded queries laid out as pairs), one
+ * tile product a chunk of 32 dims, summed in dim order in float32. A score is one fixed chain
+ * whatever else shares its tiles, and every row on this path (prefill and decode alike) takes
+ * it. The columns' pairs for chunk c of column tile j: qt + (j * nch + c) * 512. */
+static void amx_query_tiles(const uint16_t *qb, int64_t D, const int64_t *cols, int64_t ncols, uint16_t *qt) {
+    const int64_t nch = D / 32;
+    memset(qt, 0, sizeof(uint16_t) * 512 * (size_t)(((ncols + 15) / 16) * nch));
+    for (int64_t n = 0; n < ncols; ++n) {
+        const uint16_t *q = qb + cols[n] * D;
+        for (int64_t c = 0; c < nch; ++c)
+            for (int p = 0; p < 16; ++p) {
+                uint16_t *t = qt + ((n / 16) * nch + c) * 512 + p * 32 + (n % 16) * 2;
+                t[0] = q[32 * c + 2 * p];
+                t[1] = q[32 * c + 2 * p + 1];
+            }
+    }
+}
+
+/* The 16 x 16 scores of keys [t, t + 16) of `page` (rows `stride` bfloat16 apart, this KV head's
+ * D at the start) against column tile `qt` (nch chunks), into `c` (16 keys x 16 columns). */
+static inline void amx_key_tile(const uint16_t *keys, int64_t stride, const uint16_t *qt, int64_t nch, float *c) {
+    _tile_zero(0);
+    for (int64_t ch = 0; ch < nch; ++ch) {
+        _tile_loadd(4, keys + 32 * ch, stride * 2);
+        _tile_loadd(6, qt + ch * 512, 64);
+        _tile_dpbf16ps(0, 4, 6);
+    }
+    _tile_stored(0, c, 64);
+}
+#else
+static const int amx_on = 0;
+#endif
+
 /* Whether paged_decode_bf16 reads heads of width D: the one answer (attention/cpu_kernel.py asks). */
 int paged_bf16_width(int64_t D) { return D % 32 == 0 && D >= 32 && D <= MAX_D; }
 #else

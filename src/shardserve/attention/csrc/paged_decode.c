@@ -14,6 +14,7 @@
  * attentions over disjoint key sets (context parallelism) can be merged. A sequence with no
  * context is legal: its out rows are 0 and its lse rows -inf.
  */
+#define _DEFAULT_SOURCE /* syscall() (amx.h) under -std=c11: before any header */
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -44,6 +45,7 @@ static inline uint16_t bf16_of(float f) {
     return (uint16_t)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
 }
 
+#include "amx.h" /* whether this process runs AMX tiles: decided as for the products */
 #include "paged_bf16.c"
 
 /* Prefetch rows [r0, r1) of page `page`'s block, the part of each row this item reads (bytes). */
@@ -52,6 +54,69 @@ static inline void prefetch_rows(const char *page, int64_t r0, int64_t r1, int64
     for (int64_t r = r0; r < r1; ++r)
         for (int64_t i = 0; i < span; i += 64) __builtin_prefetch(page + r * stride + offset + i);
 }
+
+/* The item's scores (rows [b0, b1), its heads) normalized in place; its out rows zeroed for the
+ * values to add into; lse as paged_decode says. */
+static void item_softmax(const unsigned char *take, const int64_t *lens, int64_t b0, int64_t b1, float *out, float *lse,
+                         int64_t H, int64_t D, float *scores, int64_t max_len) {
+    for (int64_t b = b0; b < b1; ++b) {
+        int64_t len = lens[b];
+        for (int64_t h = 0; h < H; ++h) {
+            if (!take[h]) continue;
+            memset(out + b * H * D + h * D, 0, sizeof(float) * D);
+            /* No keys: the sum of exps is 0. Stored on its own branch, as a constant, since
+             * under -ffast-math computing it (log of 0, 1/0) is not guaranteed to give -inf. */
+            float l = len > 0 ? softmax(scores + (b - b0) * H * max_len + h * len, len) : -INFINITY;
+            if (lse) lse[b * H + h] = l;
+        }
+    }
+}
+
+#if PAGED_BF16 && AMX_BUILT
+/* block_item's scores on AMX tiles (paged_bf16.c), one KV head at a time: its columns (the
+ * item's rows and heads that read it) laid out once, then the pages in table order, 16 keys a
+ * tile. Keys past a row's length in a tile are computed and not kept (a page holds whole tiles:
+ * page_size is a multiple of 16 on this path). qt: the column tiles' scratch. */
+static void amx_item_scores(const uint16_t *qb, const uint16_t *k_cache, const int64_t *table, const int64_t *lens,
+                            int64_t b0, int64_t b1, const unsigned char *take, const int64_t *kv_of_q, int64_t kv0,
+                            int64_t kv1, int64_t H, int64_t Hkv, int64_t D, int64_t page_size, float scale,
+                            float *scores, int64_t max_len, uint16_t *qt) {
+    const int64_t stride = Hkv * D, nch = D / 32;
+    int64_t longest = 0, cols[(b1 - b0) * H]; /* a column: (b - b0) * H + h, its query's index in qb */
+    float c[16 * 16];
+    const __m512i key_rows = _mm512_set_epi32(240, 224, 208, 192, 176, 160, 144, 128, 112, 96, 80, 64, 48, 32, 16, 0);
+    for (int64_t b = b0; b < b1; ++b) longest = lens[b] > longest ? lens[b] : longest;
+    const int64_t npages = (longest + page_size - 1) / page_size;
+    amx_configure();
+    for (int64_t kv = kv0; kv < kv1; ++kv) {
+        int64_t ncols = 0;
+        for (int64_t b = b0; b < b1; ++b)
+            for (int64_t h = 0; h < H; ++h)
+                if (take[h] && kv_of_q[h] == kv && lens[b] > 0) cols[ncols++] = (b - b0) * H + h;
+        if (!ncols) continue;
+        amx_query_tiles(qb, D, cols, ncols, qt);
+        for (int64_t pg = 0, t0 = 0; pg < npages; ++pg, t0 += page_size) {
+            const uint16_t *page = k_cache + (table[pg] * page_size * stride + kv * D);
+            if (pg + 1 < npages) /* the next page's rows of this head, while this one is multiplied */
+                prefetch_rows((const char *)(k_cache + table[pg + 1] * page_size * stride), 0, page_size, stride * 2,
+                              kv * D * 2, D * 2);
+            for (int64_t t = t0; t < t0 + page_size && t < longest; t += 16)
+                for (int64_t j = 0; j * 16 < ncols; ++j) {
+                    amx_key_tile(page + (t - t0) * stride, stride, qt + j * nch * 512, nch, c);
+                    for (int64_t n = j * 16; n < ncols && n < j * 16 + 16; ++n) { /* column n's 16 keys */
+                        const int64_t b = b0 + cols[n] / H, h = cols[n] % H, len = lens[b];
+                        if (t >= len) continue;
+                        const __mmask16 keep = len - t >= 16 ? 0xFFFF : (__mmask16)((1u << (len - t)) - 1);
+                        const __m512 col = _mm512_i32gather_ps(key_rows, c + n % 16, 4);
+                        _mm512_mask_storeu_ps(scores + (b - b0) * H * max_len + h * len + t, keep,
+                                              _mm512_mul_ps(col, _mm512_set1_ps(scale)));
+                    }
+                }
+        }
+    }
+    _tile_release();
+}
+#endif
 
 /* Rows [b0, b1) (at most ROW_BLOCK, one block table: a prefill chunk's tokens, or one decode)
  * for the query heads whose kv head is in [kv0, kv1): scores, softmax, weighted values. Each row
@@ -64,7 +129,7 @@ static void block_item(const float *q, int64_t q_stride, const void *k_cache, co
                        const int64_t *table, const int64_t *lens, int64_t b0, int64_t b1, const int64_t *kv_of_q,
                        float *out, float *lse, int64_t kv0, int64_t kv1, int64_t hpart, int64_t hparts, int64_t H,
                        int64_t Hkv, int64_t D, int64_t page_size, float scale, float *scores, int64_t max_len,
-                       uint16_t *qb) {
+                       uint16_t *qb, int amx, uint16_t *qt) {
     /* This item's query heads: those reading kv heads [kv0, kv1), and of them the hpart-th of
      * hparts even slices (hparts > 1 only with one kv head per item). */
     unsigned char take[H];
@@ -83,11 +148,22 @@ static void block_item(const float *q, int64_t q_stride, const void *k_cache, co
 #else
     (void)qb;
 #endif
+    int first = 0; /* the first pass: scores, or (scores done on AMX tiles) values */
+#if PAGED_BF16 && AMX_BUILT
+    if (amx) {
+        amx_item_scores(qb, k_cache, table, lens, b0, b1, take, kv_of_q, kv0, kv1, H, Hkv, D, page_size, scale, scores,
+                        max_len, qt);
+        item_softmax(take, lens, b0, b1, out, lse, H, D, scores, max_len);
+        first = 1;
+    }
+#else
+    (void)amx, (void)qt;
+#endif
     const int64_t es = bf ? 2 : 4; /* bytes a cached value */
     int64_t longest = 0, lb = b0; /* the longest row prefetches: it reads every page */
     for (int64_t b = b0; b < b1; ++b)
         if (lens[b] > longest) { longest = lens[b]; lb = b; }
-    for (int values = 0; values < 2; ++values) {
+    for (int values = first; values < 2; ++values) {
         const char *cache = values ? v_cache : k_cache;
         int64_t stride = Hkv * D, block = page_size * stride * es, npages = (longest + page_size - 1) / page_size;
         int64_t heads = 0;
@@ -132,17 +208,7 @@ static void block_item(const float *q, int64_t q_stride, const void *k_cache, co
             }
         }
         if (values) break;
-        for (int64_t b = b0; b < b1; ++b) {
-            int64_t len = lens[b];
-            for (int64_t h = 0; h < H; ++h) {
-                if (!take[h]) continue;
-                memset(out + b * H * D + h * D, 0, sizeof(float) * D);
-                /* No keys: the sum of exps is 0. Stored on its own branch, as a constant, since
-                 * under -ffast-math computing it (log of 0, 1/0) is not guaranteed to give -inf. */
-                float l = len > 0 ? softmax(scores + (b - b0) * H * max_len + h * len, len) : -INFINITY;
-                if (lse) lse[b * H + h] = l;
-            }
-        }
+        item_softmax(take, lens, b0, b1, out, lse, H, D, scores, max_len);
     }
 }
 
@@ -183,11 +249,15 @@ static int paged_decode(const float *q, int64_t q_stride, const void *k_cache, c
         hparts = (2 * num_threads + nblocks * Hkv - 1) / (nblocks * Hkv);
         if (hparts > H / Hkv) hparts = H / Hkv > 0 ? H / Hkv : 1;
     }
+    /* Scores on AMX tiles for a bfloat16 cache where this process runs them and pages are whole
+     * tiles of 16 keys; `qt`, behind the rounded queries, holds the item's column tiles. */
+    const int amx = bf && amx_on && page_size % 16 == 0;
     int failed = 0;
 #pragma omp parallel num_threads(num_threads) reduction(| : failed)
     {
         size_t nscores = (size_t)(rows * max_len * H + 1), nq = bf ? (size_t)(rows * H * D) : 0;
-        float *scores = malloc(sizeof(float) * nscores + sizeof(uint16_t) * nq);
+        size_t nqt = amx ? (size_t)((rows * H + 15) / 16 * (D / 32) * 512) : 0;
+        float *scores = malloc(sizeof(float) * nscores + sizeof(uint16_t) * (nq + nqt));
         if (!scores) failed = 1;
 #pragma omp for schedule(dynamic, 1)
         for (int64_t item = 0; item < nblocks * per_seq * hparts; ++item) {
@@ -196,7 +266,7 @@ static int paged_decode(const float *q, int64_t q_stride, const void *k_cache, c
             int64_t kv0 = per_seq == 1 ? 0 : part, kv1 = per_seq == 1 ? Hkv : part + 1;
             block_item(q, q_stride, k_cache, v_cache, bf, block_tables + b0 * max_pages, context_lens, b0,
                        starts[blk + 1], kv_of_q, out, lse, kv0, kv1, item % hparts, hparts, H, Hkv, D, page_size, scale,
-                       scores, max_len, (uint16_t *)(scores + nscores));
+                       scores, max_len, (uint16_t *)(scores + nscores), amx, (uint16_t *)(scores + nscores) + nq);
         }
         free(scores);
     }
@@ -242,6 +312,8 @@ int kv_write(const float *src, int64_t ldx, int64_t n, int64_t width, void *cach
 }
 
 const char *kernel_paths(void) {
+    if (PAGED_BF16 && amx_on) return "16 float lanes (avx512); bfloat16 KV cache: scores on amx tiles (pages of whole 16s of tokens), "
+                                     "else avx512-bf16 vdpbf16ps";
     if (PAGED_BF16) return "16 float lanes (avx512); bfloat16 KV cache on avx512-bf16 vdpbf16ps";
     return VW == 16 ? "16 float lanes (avx512); float32 KV cache only (no AVX512-BF16)"
                     : "8 float lanes; float32 KV cache only (no AVX512-BF16)";

@@ -33,106 +33,12 @@ static void bf16_rows_of(const float *x, int64_t ldx, int64_t r0, int64_t r1, in
     }
 }
 
-/* Whether the user asked for float32 activations against bfloat16 weights
- * (SHARDSERVE_FLOAT32_ACTIVATIONS=1): neither AMX tiles nor vdpbf16ps then, the float32 path
- * (and, as the model runner decides from bf16_path, a float32 KV cache). */
-static int float32_activations_asked(void) {
-    const char *v = getenv("SHARDSERVE_FLOAT32_ACTIVATIONS");
-    return v && *v && strcmp(v, "0") != 0;
-}
+#include "amx.h" /* AMX_BUILT, amx_decide, the tile configuration and its probe */
 
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512F__) && defined(__linux__)
-#include <setjmp.h>
-#include <signal.h>
-#include <sys/syscall.h>
-#include <unistd.h>
-#define AMX_BUILT 1
-
-#define ARCH_REQ_XCOMP_PERM 0x1023
-#define XFEATURE_XTILEDATA 18
-
-typedef struct {
-    uint8_t palette, start_row, reserved[14];
-    uint16_t colsb[16];
-    uint8_t rows[16];
-} TileConfig;
-
-/* Tiles 0-3: accumulators (2 activation tiles x 2 groups); 4, 5: activations; 6, 7: weights.
- * Every tile 16 rows of 64 bytes: 16 activation rows of 32 bfloat16, 16 pairs-rows of 16 lanes,
- * 16 x 16 floats. A constant in memory, not a local: GCC's _tile_loadconfig tells the compiler
- * it reads 8 bytes, so at -O1 the stores filling a local's other 56 could be dropped. */
-static const TileConfig amx_config = {
-    .palette = 1,
-    .colsb = {64, 64, 64, 64, 64, 64, 64, 64},
-    .rows = {16, 16, 16, 16, 16, 16, 16, 16},
-};
-
-static inline void amx_configure(void) { _tile_loadconfig(&amx_config); }
-
-static sigjmp_buf amx_probe_jump;
-static void amx_probe_fault(int sig) { siglongjmp(amx_probe_jump, sig); }
-
-/* One tile product of known numbers, under a handler: a virtual machine may list the flags and
- * still fault on the instructions. Returns NULL when it ran and gave the right sums. It runs
- * once, from the library's constructor while dlopen loads it; the handlers are the process's
- * for that moment, so a fault in another thread then would land here (none of ours runs). */
-static const char *amx_probe(void) {
-    struct sigaction fault, old_ill, old_segv;
-    memset(&fault, 0, sizeof fault);
-    fault.sa_handler = amx_probe_fault;
-    sigemptyset(&fault.sa_mask);
-    sigaction(SIGILL, &fault, &old_ill);
-    sigaction(SIGSEGV, &fault, &old_segv);
-    static const char *why;
-    why = NULL;
-    if (sigsetjmp(amx_probe_jump, 1) == 0) {
-        uint16_t a[16 * 32], b[16 * 32];
-        float c[16 * 16];
-        for (int i = 0; i < 16 * 32; i++) {
-            a[i] = 0x3F80; /* 1.0 */
-            b[i] = 0x4000; /* 2.0 */
-        }
-        amx_configure();
-        _tile_zero(0);
-        _tile_loadd(4, a, 64);
-        _tile_loadd(6, b, 64);
-        _tile_dpbf16ps(0, 4, 6);
-        _tile_stored(0, c, 64);
-        _tile_release();
-        for (int i = 0; i < 16 * 16; i++)
-            if (c[i] != 64.0f) why = "the AMX probe's tile product came out wrong";
-    } else {
-        why = "the AMX instructions fault here (listed by the CPU, refused by the machine)";
-    }
-    sigaction(SIGILL, &old_ill, NULL);
-    sigaction(SIGSEGV, &old_segv, NULL);
-    return why;
-}
-
-static int amx_on;                 /* set once, when the library loads */
-static const char *amx_why = "";   /* why not, for kernel_paths() */
-
-__attribute__((constructor)) static void amx_init(void) {
-    const char *off = getenv("SHARDSERVE_NO_AMX");
-    if (off && *off && strcmp(off, "0") != 0) {
-        amx_why = "AMX off (SHARDSERVE_NO_AMX)";
-        return;
-    }
-    if (float32_activations_asked()) {
-        amx_why = "AMX off (SHARDSERVE_FLOAT32_ACTIVATIONS)";
-        return;
-    }
-    if (syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) != 0) {
-        amx_why = "Linux refused the AMX tile state (arch_prctl)";
-        return;
-    }
-    const char *why = amx_probe();
-    if (why) {
-        amx_why = why;
-        return;
-    }
-    amx_on = 1;
-}
+#if AMX_BUILT
+static int amx_on; /* set once, when the library loads */
+static const char *amx_why = ""; /* why not, for kernel_paths() */
+__attribute__((constructor)) static void amx_init(void) { amx_on = !(amx_why = amx_decide()); }
 
 static inline int amx_ready(void) { return amx_on; }
 
@@ -259,8 +165,7 @@ static void amx_rows(const uint8_t *w, int64_t n, int64_t r0, int64_t r1, const 
 }
 
 #define AMX_PATH_ON "amx tiles (bfloat16 activations)"
-#else
-#define AMX_BUILT 0 /* the product paths' AMX calls are compiled out (quant_matmul.c) */
+#else /* the product paths' AMX calls are compiled out (quant_matmul.c) */
 static inline int amx_ready(void) { return 0; }
 static const char *amx_why = "this build has no AMX-BF16 (the compiler or the CPU lacks it)";
 #define AMX_PATH_ON ""
