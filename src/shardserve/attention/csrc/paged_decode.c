@@ -45,15 +45,15 @@ static inline uint16_t bf16_of(float f) {
     return (uint16_t)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
 }
 
-#include "amx.h" /* whether this process runs AMX tiles: decided as for the products */
-#include "paged_bf16.c"
-
 /* Prefetch rows [r0, r1) of page `page`'s block, the part of each row this item reads (bytes). */
 static inline void prefetch_rows(const char *page, int64_t r0, int64_t r1, int64_t stride, int64_t offset,
                                  int64_t span) {
     for (int64_t r = r0; r < r1; ++r)
         for (int64_t i = 0; i < span; i += 64) __builtin_prefetch(page + r * stride + offset + i);
 }
+
+#include "amx.h" /* whether this process runs AMX tiles: decided as for the products */
+#include "paged_bf16.c"
 
 /* The item's scores (rows [b0, b1), its heads) normalized in place; its out rows zeroed for the
  * values to add into; lse as paged_decode says. */
@@ -72,51 +72,6 @@ static void item_softmax(const unsigned char *take, const int64_t *lens, int64_t
     }
 }
 
-#if PAGED_BF16 && AMX_BUILT
-/* block_item's scores on AMX tiles (paged_bf16.c), one KV head at a time: its columns (the
- * item's rows and heads that read it) laid out once, then the pages in table order, 16 keys a
- * tile. Keys past a row's length in a tile are computed and not kept (a page holds whole tiles:
- * page_size is a multiple of 16 on this path). qt: the column tiles' scratch. */
-static void amx_item_scores(const uint16_t *qb, const uint16_t *k_cache, const int64_t *table, const int64_t *lens,
-                            int64_t b0, int64_t b1, const unsigned char *take, const int64_t *kv_of_q, int64_t kv0,
-                            int64_t kv1, int64_t H, int64_t Hkv, int64_t D, int64_t page_size, float scale,
-                            float *scores, int64_t max_len, uint16_t *qt) {
-    const int64_t stride = Hkv * D, nch = D / 32;
-    int64_t longest = 0, cols[(b1 - b0) * H]; /* a column: (b - b0) * H + h, its query's index in qb */
-    float c[16 * 16];
-    const __m512i key_rows = _mm512_set_epi32(240, 224, 208, 192, 176, 160, 144, 128, 112, 96, 80, 64, 48, 32, 16, 0);
-    for (int64_t b = b0; b < b1; ++b) longest = lens[b] > longest ? lens[b] : longest;
-    const int64_t npages = (longest + page_size - 1) / page_size;
-    amx_configure();
-    for (int64_t kv = kv0; kv < kv1; ++kv) {
-        int64_t ncols = 0;
-        for (int64_t b = b0; b < b1; ++b)
-            for (int64_t h = 0; h < H; ++h)
-                if (take[h] && kv_of_q[h] == kv && lens[b] > 0) cols[ncols++] = (b - b0) * H + h;
-        if (!ncols) continue;
-        amx_query_tiles(qb, D, cols, ncols, qt);
-        for (int64_t pg = 0, t0 = 0; pg < npages; ++pg, t0 += page_size) {
-            const uint16_t *page = k_cache + (table[pg] * page_size * stride + kv * D);
-            if (pg + 1 < npages) /* the next page's rows of this head, while this one is multiplied */
-                prefetch_rows((const char *)(k_cache + table[pg + 1] * page_size * stride), 0, page_size, stride * 2,
-                              kv * D * 2, D * 2);
-            for (int64_t t = t0; t < t0 + page_size && t < longest; t += 16)
-                for (int64_t j = 0; j * 16 < ncols; ++j) {
-                    amx_key_tile(page + (t - t0) * stride, stride, qt + j * nch * 512, nch, c);
-                    for (int64_t n = j * 16; n < ncols && n < j * 16 + 16; ++n) { /* column n's 16 keys */
-                        const int64_t b = b0 + cols[n] / H, h = cols[n] % H, len = lens[b];
-                        if (t >= len) continue;
-                        const __mmask16 keep = len - t >= 16 ? 0xFFFF : (__mmask16)((1u << (len - t)) - 1);
-                        const __m512 col = _mm512_i32gather_ps(key_rows, c + n % 16, 4);
-                        _mm512_mask_storeu_ps(scores + (b - b0) * H * max_len + h * len + t, keep,
-                                              _mm512_mul_ps(col, _mm512_set1_ps(scale)));
-                    }
-                }
-        }
-    }
-    _tile_release();
-}
-#endif
 
 /* Rows [b0, b1) (at most ROW_BLOCK, one block table: a prefill chunk's tokens, or one decode)
  * for the query heads whose kv head is in [kv0, kv1): scores, softmax, weighted values. Each row
