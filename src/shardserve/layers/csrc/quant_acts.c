@@ -67,8 +67,8 @@ typedef struct {
     float *p;
     int64_t k, m; /* row length, rows; rows are k apart in q, k / 32 apart in d and s */
     uint16_t *b;  /* bfloat16 for AMX tiles and vdpbf16ps: rows of k rounded up to 32, 16 rows at least */
-    int64_t ldb;  /* 0: b's rows are amx_row(k) apart (the decode loop reuses a buffer for every k); else a
-                   * caller's bfloat16 rows this far apart (qmatmul_bf16, vdpbf16ps only) */
+    int64_t ldb;  /* 0: b's rows are amx_row(k) apart, 16 rows at least (acts_alloc; the decode loop reuses a
+                   * buffer for every k); else a caller's bfloat16 rows this far apart (qmatmul_bf16) */
 } Acts;
 
 static inline int64_t amx_row(int64_t k) { return (k + 31) / 32 * 32; }

@@ -89,10 +89,11 @@ static inline __attribute__((always_inline)) void amx_block(const uint16_t *a0, 
 }
 
 /* The activation tile of rows [i, i + 16) of xb (rows lda apart): in place, or for the last,
- * part-filled tile of m rows, `last` (16 rows of kb, the rows past m zero), filled by the caller. */
+ * part-filled tile of m rows, `last` (16 rows of kb, the rows past m zero) where the caller filled
+ * one (NULL: xb's rows are readable up to m rounded up to 16). */
 static inline const uint16_t *amx_acts(const uint16_t *xb, int64_t lda, int64_t i, int64_t m, const uint16_t *last,
                                        int64_t *ld, int64_t kb) {
-    if (i + 16 <= m) {
+    if (i + 16 <= m || !last) {
         *ld = lda;
         return xb + i * lda;
     }
@@ -103,21 +104,22 @@ static inline const uint16_t *amx_acts(const uint16_t *xb, int64_t lda, int64_t 
 /* Fills `last` as amx_acts reads it: rows m16 = m rounded down to 16 .. m of xb, then zeros. */
 static void amx_last_tile(const uint16_t *xb, int64_t lda, int64_t m, int64_t kb, uint16_t *last) {
     const int64_t m16 = m / 16 * 16;
-    memset(last, 0, sizeof(uint16_t) * 16 * (size_t)kb);
     for (int64_t i = m16; i < m; i++) memcpy(last + (i - m16) * kb, xb + i * lda, sizeof(uint16_t) * (size_t)kb);
+    memset(last + (m - m16) * kb, 0, sizeof(uint16_t) * (size_t)((16 - (m - m16)) * kb));
 }
 
 /* y[i * ldy + r] = x_i . W[r] for i < m, r0 <= r < r1: W bfloat16 in x16 groups (n rows of k),
- * x as `xb`, m rows of kb = k rounded up to 32, lda apart, zero past column k. `pad` holds at
- * least 16 * k + 16 * kb bfloat16 (gemm_scratch): a part-filled group, then the last, part-filled
- * activation tile, so that no row past m is read. */
-static void amx_rows(const uint8_t *w, int64_t n, int64_t r0, int64_t r1, const uint16_t *xb, int64_t lda, int64_t m,
-                     int64_t k, float *y, int64_t ldy, float *pad) {
+ * x as `xb`, m rows of kb = k rounded up to 32, lda apart, zero past column k; where `padded`,
+ * rows up to m rounded up to 16 are readable (acts_alloc's own buffers: their sums are not kept),
+ * else the last, part-filled tile is read from a copy, so that no row past m is read. `pad` holds
+ * at least 16 * k + 16 * kb bfloat16 (gemm_scratch): a part-filled group, then that copy. */
+static void amx_rows(const uint8_t *w, int64_t n, int64_t r0, int64_t r1, const uint16_t *xb, int64_t lda, int padded,
+                     int64_t m, int64_t k, float *y, int64_t ldy, float *pad) {
     const int64_t kb = (k + 31) / 32 * 32, nc = kb / 32, full = k / 32; /* chunks of 32 columns; full: whole */
     uint16_t tail[2][16 * 32]; /* a group's last, part-filled chunk, zero beyond column k */
-    uint16_t *last = (uint16_t *)pad + 16 * k;
+    uint16_t *last = padded || m % 16 == 0 ? NULL : (uint16_t *)pad + 16 * k;
     float out[4][16 * 16];
-    if (m % 16) amx_last_tile(xb, lda, m, kb, last);
+    if (last) amx_last_tile(xb, lda, m, kb, last);
     amx_configure();
     for (int64_t g0 = r0 / GL * GL; g0 < r1;) {
         /* one group, or two where both are whole and claimed whole */

@@ -200,7 +200,7 @@ static void path_rows(int path, int type, const uint8_t *w, int64_t row_bytes, i
     case BF16_DP: f32x16_rows(BF16D, w, n, r0, r1, a->b, acts_ldb(a), m, a->k, y, ldy, wp); return;
 #endif
 #if AMX_BUILT
-    case BF16_AMX: amx_rows(w, n, r0, r1, a->b, acts_ldb(a), m, a->k, y, ldy, wp); return;
+    case BF16_AMX: amx_rows(w, n, r0, r1, a->b, acts_ldb(a), a->ldb == 0, m, a->k, y, ldy, wp); return;
 #endif
     case PANELS: panel_gemm(type, w, row_bytes, r0, r1, a, y, ldy, wp); return;
     case STRIPS: strip_gemm(type, w, row_bytes, r0, r1, x, ldx, m, a->k, y, ldy, wp, wp + NR * a->k); return;
