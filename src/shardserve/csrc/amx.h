@@ -1,7 +1,7 @@
 /* Whether this process runs AMX-BF16 tile products, decided alike by each library that uses them
  * (layers/csrc/quant_amx.c: the bfloat16 products; attention/csrc/paged_bf16.c: attention scores
- * over a bfloat16 cache), both built with -I on this folder. Included once per library, after
- * <string.h> and <stdlib.h>, with _DEFAULT_SOURCE defined first (syscall under -std=c11).
+ * over a bfloat16 cache), both built with -I on this folder. Included once per library, whose
+ * first line defines _DEFAULT_SOURCE (syscall under -std=c11) before any header.
  *
  * amx_decide() runs once, from a library's constructor while dlopen loads it: off where asked
  * (SHARDSERVE_NO_AMX=1, or SHARDSERVE_FLOAT32_ACTIVATIONS=1, which keeps bfloat16 weights'
@@ -43,8 +43,9 @@ typedef struct {
 
 /* Every tile 16 rows of 64 bytes: 16 rows of 32 bfloat16 (A), 16 pair-rows of 16 lanes (B), or
  * 16 x 16 floats (accumulators). The products use tiles 0-3 as accumulators (2 activation tiles
- * x 2 groups), 4, 5 for activations and 6, 7 for weights; attention scores 0, 4 and 6. A constant in memory, not a local: GCC's _tile_loadconfig tells the compiler
- * it reads 8 bytes, so at -O1 the stores filling a local's other 56 could be dropped. */
+ * x 2 groups), 4, 5 for activations and 6, 7 for weights; attention scores 0, 4 and 6. A
+ * constant in memory, not a local: GCC's _tile_loadconfig tells the compiler it reads 8 bytes,
+ * so at -O1 the stores filling a local's other 56 could be dropped. */
 static const TileConfig amx_config = {
     .palette = 1,
     .colsb = {64, 64, 64, 64, 64, 64, 64, 64},

@@ -140,9 +140,10 @@ def gate_up_silu(x: torch.Tensor, segments: tuple[tuple[int, QuantWeight], ...])
     bfloat16 rows (takes_bf16): a gated MLP's gate/up product (one BF16 segment, the gate rows then
     the up rows) with its SiLU in the product's own epilogue (csrc/gate_up_silu.c), the same bits
     as `linear` then cpu_ops.silu_mul(bf16=True). None, having done nothing, where the kernel's
-    path is another (not vdpbf16ps, several segments, I not a multiple of 16, not float32 x)."""
+    path is another (neither vdpbf16ps nor AMX with columns in whole chunks of 32, several
+    segments, I not a multiple of 16, not float32 x)."""
     w = segments[0][1]
-    # The path (vdpbf16ps or not) the C entry checks itself, answering 3.
+    # The path (vdpbf16ps, AMX, or neither) the C entry checks itself, answering 3.
     if len(segments) != 1 or w.qtype != X16 | BF16 or x.dtype != torch.float32:
         return None
     x2 = x.reshape(-1, x.shape[-1])

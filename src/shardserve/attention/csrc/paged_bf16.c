@@ -129,8 +129,7 @@ static void page_values_bf16(int ng, const float *const *p, const uint16_t *v, i
 
 #if AMX_BUILT
 static int amx_on; /* set once, when the library loads (amx.h) */
-static const char *amx_why = "";
-__attribute__((constructor)) static void amx_init(void) { amx_on = !(amx_why = amx_decide()); }
+__attribute__((constructor)) static void amx_init(void) { amx_on = amx_decide() == NULL; }
 
 /* Scores on AMX tiles for an item's query rows, where this process runs AMX (amx.h: decided alike
  * for the products) and pages are whole tiles of 16 keys: for one KV head, a tile of 16 cached

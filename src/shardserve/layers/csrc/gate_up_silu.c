@@ -1,5 +1,5 @@
-/* A gated MLP's gate/up product with its SiLU, for bfloat16 weights on vdpbf16ps or AMX tiles: decode_loop.c
- * includes this file after quant_matmul.c and cpu_ops.c, whose parts it joins.
+/* A gated MLP's gate/up product with its SiLU, for bfloat16 weights on vdpbf16ps or AMX tiles:
+ * decode_loop.c includes this file after quant_matmul.c and cpu_ops.c, whose parts it joins.
  *
  * act[i, c] = bf16(silu(x_i . W[c]) * (x_i . W[I + c])) for c < I, where W [2I, k] holds the gate
  * rows then the up rows. Apart, the product writes its 2I floats a row and SiLU reads them back
