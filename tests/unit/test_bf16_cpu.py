@@ -257,17 +257,18 @@ def test_silu_hands_the_down_product_the_bits_it_would_round() -> None:
     assert torch.equal(handed, mlp(x))
 
 
-@pytest.mark.parametrize("rows", [1, 5, 8, 13, 256, 257, 600])
-def test_silu_in_the_gate_up_product_gives_the_bits_of_the_two_apart(rows: int) -> None:
+@pytest.mark.parametrize("rows, k", [(1, 96), (5, 96), (8, 96), (13, 96), (256, 96), (257, 96), (600, 96),
+                                     (300, 4096)])  # 4096 columns: AMX panels of 32 gate rows, two a share
+def test_silu_in_the_gate_up_product_gives_the_bits_of_the_two_apart(rows: int, k: int) -> None:
     """quant_kernel.gate_up_silu (the product's epilogue applies SiLU and rounds to bfloat16)
     equals the gate/up product then cpu_ops.silu_mul(bf16=True), bit for bit, at any number of
-    rows (across the row blocks of 256 too); a gated MLP takes it where both products are BF16
-    on vdpbf16ps or AMX tiles."""
+    rows (across the row blocks of 256 and AMX's panels too); a gated MLP takes it where both
+    products are BF16 on vdpbf16ps or AMX tiles."""
     from shardserve.layers import cpu_ops
     from shardserve.loader.quantized import bf16_rows
 
     g = torch.Generator().manual_seed(rows)
-    inter, k = 80, 96  # five groups of 16 gate rows: claims end inside the gate half
+    inter = 80  # five groups of 16 gate rows: claims end inside the gate half
     w = quant_kernel.kernel_layout(bf16_rows(torch.randn(2 * inter, k, generator=g) * 0.3))
     if not quant_kernel.takes_bf16(((0, w),)):
         pytest.skip(f"BF16 products run on {quant_kernel.bf16_path()} here; the fused path is vdpbf16ps's and AMX's")

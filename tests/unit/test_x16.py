@@ -206,3 +206,26 @@ def test_bf16_activation_paths_rows_alone_equal_the_batch(tmp_path: Path, path: 
     bad[3, 7] = float("nan")  # rounding to bfloat16 keeps a NaN a NaN: its row says so, no other row changes
     got = product(lib, w, bad)
     assert bool(got[3].isnan().all()) and torch.equal(got[torch.arange(40) != 3], batch[torch.arange(40) != 3])
+
+
+@pytest.mark.skipif(quant_kernel.bf16_path() != "amx", reason="bfloat16 runs on AMX only where the CPU has it")
+@pytest.mark.parametrize("cols", [4096, 4112])  # panels of 96 weight rows; a part-filled last chunk of 32
+def test_amx_over_many_rows_takes_panels_and_even_shares(cols: int) -> None:
+    """From 256 activation rows each thread takes an even share of the weight rows and passes all
+    the activation rows over it panel by panel (amx_rows; at this many columns a panel is 96
+    weight rows, so a share of 115 spans two). Each output is still its own row's: bit for bit the
+    row alone (one activation tile, guided claims), on one thread or two, and the float64 product
+    of the bfloat16-rounded operands to float32 rounding."""
+    lib = kernels.load()
+    w = interleave16(weight(BF16, 230, cols, seed=8))  # 14 whole groups and a part-filled one
+    xs = torch.randn(300, cols, generator=torch.Generator().manual_seed(8))  # a part-filled last tile of rows
+    want = xs.bfloat16().double() @ w.dequantize().double().T
+    for threads in (1, 2):
+        y = torch.empty(300, 230)
+        assert lib.qmatmul(w.qtype, w.data.data_ptr(), w.data.stride(0), w.rows, w.cols, xs.data_ptr(), 300,
+                           xs.stride(0), y.data_ptr(), y.stride(0), threads) == 0
+        assert float((y.double() - want).abs().max()) <= 1e-5 * float(want.abs().max()), threads
+        for i in (0, 17, 150, 299):
+            assert torch.equal(product(lib, w, xs[i: i + 1]), y[i: i + 1]), (threads, i)
+        if cols % 32 == 0:  # bfloat16 rows handed in (qmatmul_bf16): the same bits, read in place
+            assert torch.equal(quant_kernel.linear(xs.bfloat16(), ((0, w),), 230), y), threads

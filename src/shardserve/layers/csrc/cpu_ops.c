@@ -12,6 +12,17 @@
 #include <stdint.h>
 #include <stdlib.h>
 
+/* GCC under -march=native prefers 256-bit vectors even where the CPU has AVX-512, so a loop's
+ * expf calls go to libmvec's 8-lane version; this asks for 512-bit vectors in one function (and
+ * libmvec's 16-lane expf where the CPU has AVX-512; elsewhere it changes nothing). */
+#if defined(__GNUC__) && !defined(__clang__)
+#define WIDE_VECTORS __attribute__((target("prefer-vector-width=512")))
+#define ONE_COPY __attribute__((noipa)) /* neither inlined nor cloned for a caller's constants */
+#else
+#define WIDE_VECTORS
+#define ONE_COPY __attribute__((noinline))
+#endif
+
 #define PAR_ROWS 64
 
 void rms_norm_f32(const float *x, int64_t rows, int64_t ldx, int64_t dim, const float *w, float eps, float *out,
@@ -54,8 +65,10 @@ void rotary_f32(float *q, int64_t ldq, int64_t hq, float *k, int64_t ldk, int64_
 /* o[r, i] = silu(g[r, i]) * u[r, i] for i < n over `rows` rows (g and u ld apart, o ldo apart):
  * the one compiled sequence of operations every SiLU of a gated MLP on the CPU runs (both
  * entries below, the decode loop, and the gate/up product's own epilogue, qmatmul_bf16_silu), so
- * their values agree bit for bit. Not inlined, so that no caller gets a copy compiled otherwise. */
-__attribute__((noinline)) static void silu_rows(const float *restrict g, const float *restrict u, int64_t ld,
+ * their values agree bit for bit. Neither inlined nor cloned (GCC's constant propagation would
+ * compile a copy for a caller's constant widths, vectorized otherwise), so no caller gets another;
+ * 16 lanes where the CPU has AVX-512 (WIDE_VECTORS). */
+WIDE_VECTORS ONE_COPY static void silu_rows(const float *restrict g, const float *restrict u, int64_t ld,
                                                 float *restrict o, int64_t ldo, int64_t rows, int64_t n) {
     for (int64_t r = 0; r < rows; r++, g += ld, u += ld, o += ldo)
         for (int64_t i = 0; i < n; i++) o[i] = g[i] / (1.0f + expf(-g[i])) * u[i];

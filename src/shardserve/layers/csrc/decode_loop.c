@@ -75,8 +75,9 @@ typedef int (*attn_fn)(const float *q, int64_t q_stride, const void *k_cache, co
  * run that spans segments taken segment by segment; x both as floats and as `a` prepares it. */
 static void mat_rows(const Mat *w, const Acts *a, const float *x, int64_t m, float *y, int64_t ldy, float *wp,
                      int64_t *next, int nth) {
-    int64_t total = 0, grain = claim_grain((int)w->seg[0].type, m);
+    int64_t total = 0;
     for (int64_t s = 0; s < w->nseg; s++) total += w->seg[s].rows;
+    const int64_t grain = claim_grain((int)w->seg[0].type, m, total, nth);
     for (int64_t r0, r1; (r0 = claim_rows(next, total, grain, nth, &r1)) >= 0;) {
         for (int64_t s = 0, off = 0; s < w->nseg && off < r1; off += w->seg[s++].rows) { /* its segments */
             const Seg *g = &w->seg[s];

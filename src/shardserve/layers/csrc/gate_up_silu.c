@@ -42,27 +42,32 @@ static void silu_run(const uint16_t *w, int64_t inter, int64_t k, int64_t r0, in
 
 #if AMX_BUILT
 /* silu_run on AMX tiles: rows [0, m) of xb (k, whole chunks of 32, apart; readable up to m
- * rounded up to 16, as acts_alloc allocates them), each 32 rows by gate group j and up group j. */
+ * rounded up to 16, as acts_alloc allocates them), each 32 rows by gate group j and up group j,
+ * panel by panel of gate groups as amx_rows takes a plain product's (its panel holds the up
+ * groups too: half the gate rows). */
 static void amx_silu_run(const uint8_t *w, int64_t inter, int64_t k, int64_t r0, int64_t r1, const uint16_t *xb,
                          int64_t m, uint16_t *act, int64_t ldact) {
-    const int64_t nc = k / 32;
+    const int64_t nc = k / 32, panel = amx_panel_rows(2 * k);
     float out[4][16 * 16], o[16 * 16];
     amx_configure();
-    for (int64_t g = r0; g < r1; g += GL) {
-        const uint8_t *grp[2] = {w + g * k * 2, w + (inter + g) * k * 2};
+    for (int64_t p0 = r0; p0 < r1; p0 += panel) {
+        const int64_t p1 = p0 + panel < r1 ? p0 + panel : r1;
         for (int64_t i0 = 0; i0 < m; i0 += 32) {
             const int na = m - i0 > 16 ? 2 : 1;
-            amx_block(xb + i0 * k, k, xb + (i0 + 16) * k, k, na, grp, NULL, 2, nc, nc);
-            _tile_stored(0, out[0], 64);
-            _tile_stored(1, out[1], 64);
-            if (na > 1) {
-                _tile_stored(2, out[2], 64);
-                _tile_stored(3, out[3], 64);
-            }
-            for (int at = 0; at < na; at++) {
-                const int64_t rows = m - i0 - 16 * at < 16 ? m - i0 - 16 * at : 16;
-                silu_rows(out[2 * at], out[2 * at + 1], GL, o, GL, rows, GL);
-                act_round(o, rows, act + (i0 + 16 * at) * ldact, ldact, g);
+            for (int64_t g = p0; g < p1; g += GL) {
+                const uint8_t *grp[2] = {w + g * k * 2, w + (inter + g) * k * 2};
+                amx_block(xb + i0 * k, k, xb + (i0 + 16) * k, k, na, grp, NULL, 2, nc, nc);
+                _tile_stored(0, out[0], 64);
+                _tile_stored(1, out[1], 64);
+                if (na > 1) {
+                    _tile_stored(2, out[2], 64);
+                    _tile_stored(3, out[3], 64);
+                }
+                for (int at = 0; at < na; at++) {
+                    const int64_t rows = m - i0 - 16 * at < 16 ? m - i0 - 16 * at : 16;
+                    silu_rows(out[2 * at], out[2 * at + 1], GL, o, GL, rows, GL);
+                    act_round(o, rows, act + (i0 + 16 * at) * ldact, ldact, g);
+                }
             }
         }
     }
@@ -94,19 +99,23 @@ int qmatmul_bf16_silu(const uint8_t *w, int64_t n, int64_t k, const float *x, in
 #pragma omp atomic write
             err = 2;
         } else {
-            for (int64_t r0, r1; (r0 = claim_rows(&next, inter, GL, nth, &r1)) >= 0;)
-                for (int64_t i0 = 0; i0 < m; i0 += ROW_BLOCK) {
-                    const int64_t mb = m - i0 < ROW_BLOCK ? m - i0 : ROW_BLOCK;
+            /* AMX over many rows: one claim a thread, all m rows (see claim_grain) */
+            const int64_t grain = path == BF16_AMX && m >= AMX_SHARE_ROWS ? ((inter + nth - 1) / nth + GL - 1) / GL * GL : GL;
+            for (int64_t r0, r1; (r0 = claim_rows(&next, inter, grain, nth, &r1)) >= 0;) {
 #if AMX_BUILT
-                    if (path == BF16_AMX)
-                        amx_silu_run(w, inter, k, r0, r1, a.b + i0 * k, mb, act + i0 * ldact, ldact);
+                if (path == BF16_AMX) {
+                    amx_silu_run(w, inter, k, r0, r1, a.b, m, act, ldact);
+                    continue;
+                }
 #endif
 #if DPBF_BUILT
-                    if (path == BF16_DP)
-                        silu_run((const uint16_t *)w, inter, k, r0, r1, &a, i0, mb, act, ldact, tile,
-                                 tile + 2 * GL * ROW_BLOCK);
-#endif
+                for (int64_t i0 = 0; i0 < m; i0 += ROW_BLOCK) {
+                    const int64_t mb = m - i0 < ROW_BLOCK ? m - i0 : ROW_BLOCK;
+                    silu_run((const uint16_t *)w, inter, k, r0, r1, &a, i0, mb, act, ldact, tile,
+                             tile + 2 * GL * ROW_BLOCK);
                 }
+#endif
+            }
         }
         free(tile);
     }

@@ -108,60 +108,82 @@ static void amx_last_tile(const uint16_t *xb, int64_t lda, int64_t m, int64_t kb
     memset(last + (m - m16) * kb, 0, sizeof(uint16_t) * (size_t)((16 - (m - m16)) * kb));
 }
 
+/* Weight bytes a thread passes over all its activation rows at a time (a panel): with two 16-row
+ * activation tiles in L1, each tile pair meets every group of the panel while the panel stays in
+ * L2 (2 MB a core on the AMX Xeons), and the groups stream from it in order, which the prefetchers
+ * follow; the activations' 16-row tiles, at their row stride, they follow less well. */
+#define AMX_PANEL_BYTES (768 * 1024)
+
+/* Rows of a panel of W (x16 groups of k bfloat16 columns): whole pairs of groups, at least one. */
+static inline int64_t amx_panel_rows(int64_t k) {
+    const int64_t rows = AMX_PANEL_BYTES / (2 * k) / (2 * GL) * (2 * GL);
+    return rows > 2 * GL ? rows : 2 * GL;
+}
+
+/* Tiles 0-3 (amx_block's) into rows [i0, i0 + 32) of y, columns [g0, g0 + 32): a tile whose 16
+ * rows and 16 lanes are all kept straight to y, the others through `out`, their kept part copied
+ * (rows below m; columns in [r0, r1) and below n). */
+static inline void amx_store(float *y, int64_t ldy, int64_t i0, int64_t m, int64_t g0, int ng, int na, int64_t n,
+                             int64_t r0, int64_t r1, float (*out)[16 * 16]) {
+    const int whole = ng == 2, full0 = whole && m - i0 >= 16, full1 = whole && m - i0 >= 32;
+    float *y0 = y + i0 * ldy + g0, *y1 = y0 + 16 * ldy;
+    if (full0) {
+        _tile_stored(0, y0, ldy * 4);
+        _tile_stored(1, y0 + GL, ldy * 4);
+    } else {
+        _tile_stored(0, out[0], 64);
+        if (ng > 1) _tile_stored(1, out[1], 64);
+    }
+    if (full1) {
+        _tile_stored(2, y1, ldy * 4);
+        _tile_stored(3, y1 + GL, ldy * 4);
+    } else if (na > 1) {
+        _tile_stored(2, out[2], 64);
+        if (ng > 1) _tile_stored(3, out[3], 64);
+    }
+    for (int t = 0; t < 2 * na; t++) {
+        int g = t % 2, at = t / 2;
+        if (g >= ng || (at ? full1 : full0)) continue;
+        int64_t base = g0 + g * GL, lanes = n - base < GL ? n - base : GL;
+        int64_t lo = r0 > base ? r0 - base : 0, hi = r1 - base < lanes ? r1 - base : lanes;
+        for (int64_t j = 0; j < 16 && i0 + at * 16 + j < m; j++)
+            memcpy(y + (i0 + at * 16 + j) * ldy + base + lo, out[t] + j * 16 + lo, sizeof(float) * (size_t)(hi - lo));
+    }
+}
+
 /* y[i * ldy + r] = x_i . W[r] for i < m, r0 <= r < r1: W bfloat16 in x16 groups (n rows of k),
  * x as `xb`, m rows of kb = k rounded up to 32, lda apart, zero past column k; where `padded`,
  * rows up to m rounded up to 16 are readable (acts_alloc's own buffers: their sums are not kept),
  * else the last, part-filled tile is read from a copy, so that no row past m is read. `pad` holds
- * at least 16 * k + 16 * kb bfloat16 (gemm_scratch): a part-filled group, then that copy. */
+ * at least 16 * k + 16 * kb bfloat16 (gemm_scratch): a part-filled group, then that copy.
+ * All m rows are taken here (qmatmul_rows does not cut them into row blocks): panel by panel
+ * (amx_panel_rows), each pair of activation tiles against every group of the panel. */
 static void amx_rows(const uint8_t *w, int64_t n, int64_t r0, int64_t r1, const uint16_t *xb, int64_t lda, int padded,
                      int64_t m, int64_t k, float *y, int64_t ldy, float *pad) {
     const int64_t kb = (k + 31) / 32 * 32, nc = kb / 32, full = k / 32; /* chunks of 32 columns; full: whole */
+    const int64_t panel = amx_panel_rows(k);
     uint16_t tail[2][16 * 32]; /* a group's last, part-filled chunk, zero beyond column k */
     uint16_t *last = padded || m % 16 == 0 ? NULL : (uint16_t *)pad + 16 * k;
     float out[4][16 * 16];
     if (last) amx_last_tile(xb, lda, m, kb, last);
     amx_configure();
-    for (int64_t g0 = r0 / GL * GL; g0 < r1;) {
-        /* one group, or two where both are whole and claimed whole */
-        int ng = (g0 + 2 * GL <= r1 && g0 + 2 * GL <= n && g0 >= r0) ? 2 : 1;
-        const uint8_t *grp[2];
-        for (int g = 0; g < ng; g++) grp[g] = amx_group(w, n, g0 + g * GL, k, (uint8_t *)pad, tail[g]);
-        /* A tile whose 16 rows and 16 lanes are all kept goes straight to y; the others through
-         * `out`, their kept part copied. */
-        const int whole = ng == 2;
+    for (int64_t p0 = r0; p0 < r1; p0 += panel) {
+        const int64_t p1 = p0 + panel < r1 ? p0 + panel : r1;
         for (int64_t i0 = 0; i0 < m; i0 += 32) {
             const int na = m - i0 > 16 ? 2 : 1; /* activation tiles */
-            const int full0 = whole && m - i0 >= 16, full1 = whole && m - i0 >= 32;
-            float *y0 = y + i0 * ldy + g0, *y1 = y0 + 16 * ldy;
             int64_t ld0, ld1;
             const uint16_t *a0 = amx_acts(xb, lda, i0, m, last, &ld0, kb),
                            *a1 = amx_acts(xb, lda, i0 + 16, m, last, &ld1, kb);
-            amx_block(a0, ld0, a1, ld1, na, grp, tail, ng, nc, full);
-            if (full0) {
-                _tile_stored(0, y0, ldy * 4);
-                _tile_stored(1, y0 + GL, ldy * 4);
-            } else {
-                _tile_stored(0, out[0], 64);
-                if (ng > 1) _tile_stored(1, out[1], 64);
-            }
-            if (full1) {
-                _tile_stored(2, y1, ldy * 4);
-                _tile_stored(3, y1 + GL, ldy * 4);
-            } else if (na > 1) {
-                _tile_stored(2, out[2], 64);
-                if (ng > 1) _tile_stored(3, out[3], 64);
-            }
-            for (int t = 0; t < 2 * na; t++) {
-                int g = t % 2, at = t / 2;
-                if (g >= ng || (at ? full1 : full0)) continue;
-                int64_t base = g0 + g * GL, lanes = n - base < GL ? n - base : GL;
-                int64_t lo = r0 > base ? r0 - base : 0, hi = r1 - base < lanes ? r1 - base : lanes;
-                for (int64_t j = 0; j < 16 && i0 + at * 16 + j < m; j++)
-                    memcpy(y + (i0 + at * 16 + j) * ldy + base + lo, out[t] + j * 16 + lo,
-                           sizeof(float) * (size_t)(hi - lo));
+            for (int64_t g0 = p0 / GL * GL; g0 < p1;) {
+                /* one group, or two where both are whole and in the panel whole */
+                const int ng = (g0 + 2 * GL <= p1 && g0 + 2 * GL <= n && g0 >= p0) ? 2 : 1;
+                const uint8_t *grp[2];
+                for (int g = 0; g < ng; g++) grp[g] = amx_group(w, n, g0 + g * GL, k, (uint8_t *)pad, tail[g]);
+                amx_block(a0, ld0, a1, ld1, na, grp, tail, ng, nc, full);
+                amx_store(y, ldy, i0, m, g0, ng, na, n, p0, p1, out);
+                g0 += ng * GL;
             }
         }
-        g0 += ng * GL;
     }
     _tile_release();
 }

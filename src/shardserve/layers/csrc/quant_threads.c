@@ -50,7 +50,7 @@ static int claimed_products(int type, const uint8_t *w, int64_t row_bytes, int64
 #pragma omp atomic write
             err = 2;
         } else {
-            for (int64_t r0, r1; (r0 = claim_rows(&next, n, claim_grain(type, m), nth, &r1)) >= 0;)
+            for (int64_t r0, r1; (r0 = claim_rows(&next, n, claim_grain(type, m, n, nth), nth, &r1)) >= 0;)
                 qmatmul_rows(type, w, row_bytes, n, r0, r1, a, x, ldx, m, y, ldy, wp);
         }
         free(wp);
