@@ -6,7 +6,8 @@
  * remaining rows to the others instead of holding them all at the next barrier. Runs are guided:
  * each takes 1 / (2 nth) of the rows still unclaimed, so the first are long (for the memory
  * prefetchers of a one-row product) and the last short (the threads reach the barrier together),
- * at least 32 rows, in whole grains (claim_grain: the kernel's block of weight rows). Against
+ * at least 32 rows, in whole grains (claim_grain: the kernel's block of weight rows; AMX over
+ * many rows makes a grain a thread's even share). Against
  * fixed quarters of a share, the threads of a many-stream decode step wait far less at its
  * barriers.
  * Returns the run's first row (its end in *end), or -1 when all `total` rows are claimed; *next
