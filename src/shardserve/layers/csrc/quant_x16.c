@@ -99,6 +99,8 @@ static inline void vf_load_bf16x2(const uint16_t *p, VF *w0, VF *w1) {
     *w1 = _mm512_castsi512_ps(_mm512_and_si512(v, _mm512_set1_epi32((int)0xFFFF0000u)));
 }
 static inline VF vf_fma_b(VF w, const float *x, VF t) { return _mm512_fmadd_ps(w, _mm512_set1_ps(*x), t); }
+static inline VF vf_bcast(const float *x) { return _mm512_set1_ps(*x); }
+static inline VF vf_fma(VF a, VF b, VF t) { return _mm512_fmadd_ps(a, b, t); }
 static inline VI vi_zero(void) { return _mm512_setzero_si512(); }
 static inline VI vi_add(VI a, VI b) { return _mm512_add_epi32(a, b); }
 static inline void w4(const uint8_t *chunk, VI *lo, VI *hi) {
@@ -149,6 +151,8 @@ static inline VF vf_fma_b(VF w, const float *x, VF t) {
     __m256 b = _mm256_set1_ps(*x);
     return (VF){_mm256_fmadd_ps(w.a, b, t.a), _mm256_fmadd_ps(w.b, b, t.b)};
 }
+static inline VF vf_bcast(const float *x) { const __m256 b = _mm256_set1_ps(*x); return (VF){b, b}; }
+static inline VF vf_fma(VF a, VF b, VF t) { return (VF){_mm256_fmadd_ps(a.a, b.a, t.a), _mm256_fmadd_ps(a.b, b.b, t.b)}; }
 static inline VI vi_zero(void) { return (VI){_mm256_setzero_si256(), _mm256_setzero_si256()}; }
 static inline VI vi_add(VI x, VI y) { return (VI){_mm256_add_epi32(x.a, y.a), _mm256_add_epi32(x.b, y.b)}; }
 static inline void w4(const uint8_t *chunk, VI *lo, VI *hi) {

@@ -73,26 +73,29 @@ static inline __attribute__((always_inline)) void f32_tile(const int kind, const
     const int64_t es = bf ? 2 : 4; /* bytes a weight */
     const uint8_t *g0 = grp, *g1 = g0 + gstride * es, *g2 = g1 + gstride * es, *g3 = g2 + gstride * es;
     for (int64_t e = 0; e < k; e += 2) { /* columns e and e + 1, in that order (k is even) */
-#define W_PAIR(g, w0, w1)                                                          \
-    if (bf) vf_load_bf16x2((const uint16_t *)(g) + e * GL, &w0, &w1);              \
-    else { w0 = vf_load((const float *)(g) + e * GL); w1 = vf_load((const float *)(g) + (e + 1) * GL); }
-#define F32_FMA(w, o, gi, j) \
-    if (nx > j) c##gi##j = vf_fma_b(w, x + j * ldx + e + o, c##gi##j);
-#define F32_ROW4(gi, w, o) F32_FMA(w, o, gi, 0) F32_FMA(w, o, gi, 1) F32_FMA(w, o, gi, 2) F32_FMA(w, o, gi, 3)
-#define F32_ROW8(gi, w, o) F32_ROW4(gi, w, o) F32_FMA(w, o, gi, 4) F32_FMA(w, o, gi, 5) F32_FMA(w, o, gi, 6) F32_FMA(w, o, gi, 7)
-#define F32_GROUP(gi, ROW)                                                         \
+        /* The groups' weights of both columns, then each activation broadcast once into a
+         * register for every group (folded into each multiply-add instead, the broadcasts alone
+         * would keep the load ports busy). */
+        VF w00 = z, w01 = z, w10 = z, w11 = z, w20 = z, w21 = z, w30 = z, w31 = z;
+#define W_PAIR(gi)                                                                 \
     if (ng > gi) {                                                                 \
-        VF w0, w1;                                                                 \
-        W_PAIR(g##gi, w0, w1)                                                      \
-        ROW(gi, w0, 0) ROW(gi, w1, 1)                                              \
+        if (bf) vf_load_bf16x2((const uint16_t *)(g##gi) + e * GL, &w##gi##0, &w##gi##1); \
+        else { w##gi##0 = vf_load((const float *)(g##gi) + e * GL); w##gi##1 = vf_load((const float *)(g##gi) + (e + 1) * GL); } \
     }
-        if (nx > 4) { F32_GROUP(0, F32_ROW8) F32_GROUP(1, F32_ROW8) }
-        else { F32_GROUP(0, F32_ROW4) F32_GROUP(1, F32_ROW4) F32_GROUP(2, F32_ROW4) F32_GROUP(3, F32_ROW4) }
-#undef F32_GROUP
-#undef F32_ROW8
-#undef F32_ROW4
-#undef F32_FMA
+        W_PAIR(0) W_PAIR(1) W_PAIR(2) W_PAIR(3)
 #undef W_PAIR
+#define F32_FMA(gi, j, o) if (ng > gi) c##gi##j = vf_fma(w##gi##o, b, c##gi##j);
+#define F32_ROW8(j, o) if (nx > j) { const VF b = vf_bcast(x + j * ldx + e + o); F32_FMA(0, j, o) F32_FMA(1, j, o) }
+#define F32_ROW4(j, o) if (nx > j) { const VF b = vf_bcast(x + j * ldx + e + o); F32_FMA(0, j, o) F32_FMA(1, j, o) F32_FMA(2, j, o) F32_FMA(3, j, o) }
+#define F32_COLUMN8(o) F32_ROW8(0, o) F32_ROW8(1, o) F32_ROW8(2, o) F32_ROW8(3, o) F32_ROW8(4, o) F32_ROW8(5, o) F32_ROW8(6, o) F32_ROW8(7, o)
+#define F32_COLUMN4(o) F32_ROW4(0, o) F32_ROW4(1, o) F32_ROW4(2, o) F32_ROW4(3, o)
+        if (nx > 4) { F32_COLUMN8(0) F32_COLUMN8(1) }
+        else { F32_COLUMN4(0) F32_COLUMN4(1) }
+#undef F32_COLUMN4
+#undef F32_COLUMN8
+#undef F32_ROW4
+#undef F32_ROW8
+#undef F32_FMA
     }
 #define F32_OUT(gi, j) \
     if (ng > gi && nx > j) vf_store(y + j * ldy + gi * GL, c##gi##j, GL);
