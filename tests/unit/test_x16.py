@@ -208,18 +208,22 @@ def test_bf16_activation_paths_rows_alone_equal_the_batch(tmp_path: Path, path: 
     assert bool(got[3].isnan().all()) and torch.equal(got[torch.arange(40) != 3], batch[torch.arange(40) != 3])
 
 
-@pytest.mark.skipif(quant_kernel.bf16_path() != "amx", reason="bfloat16 runs on AMX only where the CPU has it")
-@pytest.mark.parametrize("cols", [4096, 4112])  # panels of 96 weight rows; a part-filled last chunk of 32
-def test_amx_over_many_rows_takes_panels_and_even_shares(cols: int) -> None:
+@pytest.mark.parametrize("qtype", [BF16, F32])
+@pytest.mark.parametrize("cols", [4096, 4112])  # panels of 96 (AMX) or 64 (float32) weight rows
+def test_many_rows_take_panels_and_even_shares(qtype: int, cols: int) -> None:
     """From 256 activation rows each thread takes an even share of the weight rows and passes all
-    the activation rows over it panel by panel (amx_rows; at this many columns a panel is 96
-    weight rows, so a share of 115 spans two). Each output is still its own row's: bit for bit the
-    row alone (one activation tile, guided claims), on one thread or two, and the float64 product
-    of the bfloat16-rounded operands to float32 rounding."""
+    the activation rows over it panel by panel (amx_rows, f32x16_rows; at this many columns a
+    panel is 96 or 64 weight rows, so a share spans two). Each output is still its own row's: bit
+    for bit the row alone (guided claims), on one thread or two, and the float64 product (of the
+    bfloat16-rounded activations on AMX) to float32 rounding."""
+    if qtype == BF16 and quant_kernel.bf16_path() != "amx":
+        pytest.skip("bfloat16 runs on AMX only where the CPU has it")
+    if qtype == F32 and cols % 32:
+        pytest.skip("one column count is enough for float32")
     lib = kernels.load()
-    w = interleave16(weight(BF16, 230, cols, seed=8))  # 14 whole groups and a part-filled one
+    w = interleave16(weight(qtype, 230, cols, seed=8))  # 14 whole groups and a part-filled one
     xs = torch.randn(300, cols, generator=torch.Generator().manual_seed(8))  # a part-filled last tile of rows
-    want = xs.bfloat16().double() @ w.dequantize().double().T
+    want = (xs.bfloat16().double() if qtype == BF16 else xs.double()) @ w.dequantize().double().T
     for threads in (1, 2):
         y = torch.empty(300, 230)
         assert lib.qmatmul(w.qtype, w.data.data_ptr(), w.data.stride(0), w.rows, w.cols, xs.data_ptr(), 300,
@@ -227,5 +231,5 @@ def test_amx_over_many_rows_takes_panels_and_even_shares(cols: int) -> None:
         assert float((y.double() - want).abs().max()) <= 1e-5 * float(want.abs().max()), threads
         for i in (0, 17, 150, 299):
             assert torch.equal(product(lib, w, xs[i: i + 1]), y[i: i + 1]), (threads, i)
-        if cols % 32 == 0:  # bfloat16 rows handed in (qmatmul_bf16): the same bits, read in place
+        if qtype == BF16 and cols % 32 == 0:  # bfloat16 rows handed in (qmatmul_bf16): the same bits
             assert torch.equal(quant_kernel.linear(xs.bfloat16(), ((0, w),), 230), y), threads

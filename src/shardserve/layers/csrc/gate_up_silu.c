@@ -100,7 +100,7 @@ int qmatmul_bf16_silu(const uint8_t *w, int64_t n, int64_t k, const float *x, in
             err = 2;
         } else {
             /* AMX over many rows: one claim a thread, all m rows (see claim_grain) */
-            const int64_t grain = path == BF16_AMX && m >= AMX_SHARE_ROWS ? ((inter + nth - 1) / nth + GL - 1) / GL * GL : GL;
+            const int64_t grain = path == BF16_AMX && m >= SHARE_ROWS ? ((inter + nth - 1) / nth + GL - 1) / GL * GL : GL;
             for (int64_t r0, r1; (r0 = claim_rows(&next, inter, grain, nth, &r1)) >= 0;) {
 #if AMX_BUILT
                 if (path == BF16_AMX) {

@@ -166,17 +166,19 @@ static int product_path(int type, int64_t m) {
 }
 
 /* Rows of W a thread claims at a time in whole blocks of its kernel: 6 (panels) or 16. */
-#define AMX_SHARE_ROWS 256 /* activation rows from which AMX threads take even shares (claim_grain) */
+#define SHARE_ROWS 256 /* activation rows from which threads take even shares (claim_grain) */
 
 static int64_t claim_grain(int type, int64_t m, int64_t total, int nth) {
     int path = product_path(type, m);
     /* F32_X16, BF16_DP: a tile of 4 groups below 8 rows (4 chains a row), of 2 groups by 8 rows
      * from 8 (f32x16_rows); BF16_AMX: 2 groups a tile pass. The grain is one tile: a longer one
-     * only lengthens the last claims, which the other threads wait for at the barrier. AMX over
-     * AMX_SHARE_ROWS activation rows or more: a thread's even share of the weight rows, one claim
-     * each, since every claim passes over all the activation rows (amx_rows), which outgrow L2. */
+     * only lengthens the last claims, which the other threads wait for at the barrier. Over
+     * SHARE_ROWS activation rows or more, the paths that take all the rows at once (AMX, F32_X16,
+     * BF16_DP): a thread's even share of the weight rows, one claim each, since every claim passes
+     * over all the activation rows (amx_rows, f32x16_rows), which outgrow L2. */
+    if ((path == F32_X16 || path == BF16_DP || path == BF16_AMX) && m >= SHARE_ROWS)
+        return ((total + nth - 1) / nth + 63) / 64 * 64;
     if (path == F32_X16 || path == BF16_DP) return m >= 8 ? 32 : 64;
-    if (path == BF16_AMX && m >= AMX_SHARE_ROWS) return ((total + nth - 1) / nth + 31) / 32 * 32;
     return path == PANELS ? NW : path == BF16_AMX ? 32 : 16;
 }
 
@@ -240,11 +242,12 @@ static void path_rows(int path, int type, const uint8_t *w, int64_t row_bytes, i
 #endif
 }
 
-/* Activation rows the x16 paths take at a time. Their kernels pass each tile of weight groups over
- * every activation row given; a prefill chunk's rows (thousands, at 2 bytes a column) outgrow L2
- * and would come from L3 again for every tile. A block of ROW_BLOCK rows stays in L2 while all
- * of a claimed run's groups pass over it. AMX tiles instead take all the rows, panel by panel of
- * weight groups (amx_rows). An output's operations are the same either way. */
+/* Activation rows the block formats' x16 path takes at a time. Its kernel passes each tile of
+ * weight groups over every activation row given; a prefill chunk's rows (thousands, at 2 bytes a
+ * column) outgrow L2 and would come from L3 again for every tile. A block of ROW_BLOCK rows stays
+ * in L2 while all of a claimed run's groups pass over it. The float and bfloat16 paths instead
+ * take all the rows, panel by panel of weight groups (amx_rows, f32x16_rows). An output's
+ * operations are the same either way. */
 #define ROW_BLOCK 256
 
 /* Rows [i0, i0 + m) of `a` (the x16 paths' buffers: 16-bit or bfloat16 rows). */
@@ -258,11 +261,11 @@ static Acts acts_part(const Acts *a, int64_t i0, int64_t m) {
 
 /* y[i * ldy + r] = x_i . W[r] for i < m and r0 <= r < r1, by product_path: the 16-bit path on
  * `a` (x quantized), F32 rows against x, or a float GEMM with `wp` (gemm_scratch(k) bytes) on a's
- * panels or on x itself (strips); the x16 paths but AMX in blocks of ROW_BLOCK rows. No threads of its own. */
+ * panels or on x itself (strips); the block formats' x16 path in blocks of ROW_BLOCK rows. No threads of its own. */
 static void qmatmul_rows(int type, const uint8_t *w, int64_t row_bytes, int64_t n, int64_t r0, int64_t r1,
                          const Acts *a, const float *x, int64_t ldx, int64_t m, float *y, int64_t ldy, float *wp) {
     int path = product_path(type, m);
-    if (path != X16_GROUPS && path != F32_X16 && path != BF16_DP) {
+    if (path != X16_GROUPS) {
         path_rows(path, type, w, row_bytes, n, r0, r1, a, x, ldx, m, y, ldy, wp);
         return;
     }

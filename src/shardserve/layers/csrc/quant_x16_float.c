@@ -156,58 +156,85 @@ static inline float wval(int bf, const uint8_t *grp, int64_t e, int64_t l) {
     return f;
 }
 
+/* Rows [lo, hi) of the group at g0 (part-claimed, or the last, part-filled one: lanes < 16)
+ * times all m activation rows, through `out`; `pad` holds 16 * k floats. */
+static inline __attribute__((always_inline)) void f32x16_edge(const int kind, const uint8_t *w, int64_t n, int64_t g0,
+                                                              int64_t lo, int64_t hi, const void *xv, int64_t ldx,
+                                                              int64_t m, int64_t k, float *y, int64_t ldy, float *pad) {
+    const int bf = kind != F32K;
+    const int64_t es = bf ? 2 : 4, xs = kind == BF16D ? 2 : 4, lanes = n - g0 < GL ? n - g0 : GL;
+    const float *x = xv;
+    (void)x, (void)xs;
+    const uint8_t *grp = w + g0 * k * es;
+    if (lanes < GL) { /* the last group, [k][lanes] (bf16: [k / 2][lanes][2]), padded to 16 lanes */
+        x16_pad_float(grp, lanes, bf ? k / 2 : k, (uint8_t *)pad);
+        grp = (const uint8_t *)pad;
+    }
+    float out[4 * GL];
+    for (int64_t i = 0; i < m; i += 4) {
+        int nx = m - i < 4 ? (int)(m - i) : 4;
+#ifdef X16_VEC
+        f32_tiles(kind, 1, nx, grp, GL * k, (const uint8_t *)xv + i * ldx * xs, ldx, k, out, GL);
+#else
+        for (int j = 0; j < nx; j++)
+            for (int l = 0; l < GL; l++) {
+                float t = 0.0f;
+                for (int64_t e = 0; e < k; e++) t = fmaf(wval(bf, grp, e, l), x[(i + j) * ldx + e], t);
+                out[j * GL + l] = t;
+            }
+#endif
+        for (int j = 0; j < nx; j++) memcpy(y + (i + j) * ldy + g0 + lo, out + j * GL + lo, sizeof(float) * (size_t)(hi - lo));
+    }
+}
+
+/* Weight bytes of whole groups a thread passes over all its activation rows at a time (a panel),
+ * as amx_rows does: each tile of activation rows, in L1, meets every group of the panel, which
+ * stays in L2 and streams from it in order. */
+#define F32_PANEL_BYTES (768 * 1024)
+
 /* y[i * ldy + r] = x_i . W[r] for i < m, r0 <= r < r1, W float32 (kind F32K) or bfloat16 in
  * x16 groups (n rows of k), x float32 rows ldx apart (bfloat16 for BF16D, whose path exists only
- * where DPBF_BUILT); `pad` holds 16 * k floats. Whole groups in runs of up to 4; a part-filled
- * or part-claimed group alone, through `out`. */
+ * where DPBF_BUILT); `pad` holds 16 * k floats. All m rows (qmatmul_rows does not cut them into
+ * row blocks): the whole groups panel by panel (F32_PANEL_BYTES), each tile of rows against the
+ * panel's groups in runs of up to 4 (2 for 8 rows); a part-filled or part-claimed group at
+ * either end alone (f32x16_edge). */
 static inline __attribute__((always_inline)) void f32x16_rows(const int kind, const uint8_t *w, int64_t n, int64_t r0,
                                                               int64_t r1, const void *xv, int64_t ldx, int64_t m,
                                                               int64_t k, float *y, int64_t ldy, float *pad) {
     const int bf = kind != F32K;
     const int64_t es = bf ? 2 : 4, xs = kind == BF16D ? 2 : 4; /* bytes a weight, an activation */
     const float *x = xv; /* the float paths' activations */
-    (void)x;
-    for (int64_t g0 = r0 / GL * GL; g0 < r1;) {
-        int64_t lanes = n - g0 < GL ? n - g0 : GL, lo = r0 > g0 ? r0 - g0 : 0, hi = r1 - g0 < lanes ? r1 - g0 : lanes;
-        const uint8_t *grp = w + g0 * k * es;
-        if (lo == 0 && hi == GL) { /* whole groups, as many as are whole and claimed, up to 4 (2 for 8 rows) */
-            int rows = m >= 8 ? 8 : 4, ng = 1;
-            while (ng < 16 / rows && g0 + (ng + 1) * GL <= r1 && g0 + (ng + 1) * GL <= n) ng++;
-#ifdef X16_VEC
-            for (int64_t i = 0; i < m; i += rows)
-                f32_tiles(kind, ng, m - i < rows ? (int)(m - i) : rows, grp, GL * k,
-                          (const uint8_t *)xv + i * ldx * xs, ldx, k, y + i * ldy + g0, ldy);
-#else
-            for (int64_t i = 0; i < m; i++)
-                for (int64_t j = 0; j < ng * GL; j++) {
-                    float t = 0.0f;
-                    const uint8_t *g = grp + (j / GL) * GL * k * es;
-                    for (int64_t e = 0; e < k; e++) t = fmaf(wval(bf, g, e, j % GL), x[i * ldx + e], t);
-                    y[i * ldy + g0 + j] = t;
-                }
-#endif
-            g0 += ng * GL;
-            continue;
-        }
-        if (lanes < GL) { /* the last group, [k][lanes] (bf16: [k / 2][lanes][2]), padded to 16 lanes */
-            x16_pad_float(grp, lanes, bf ? k / 2 : k, (uint8_t *)pad);
-            grp = (const uint8_t *)pad;
-        }
-        float out[4 * GL];
-        for (int64_t i = 0; i < m; i += 4) {
-            int nx = m - i < 4 ? (int)(m - i) : 4;
-#ifdef X16_VEC
-            f32_tiles(kind, 1, nx, grp, GL * k, (const uint8_t *)xv + i * ldx * xs, ldx, k, out, GL);
-#else
-            for (int j = 0; j < nx; j++)
-                for (int l = 0; l < GL; l++) {
-                    float t = 0.0f;
-                    for (int64_t e = 0; e < k; e++) t = fmaf(wval(bf, grp, e, l), x[(i + j) * ldx + e], t);
-                    out[j * GL + l] = t;
-                }
-#endif
-            for (int j = 0; j < nx; j++) memcpy(y + (i + j) * ldy + g0 + lo, out + j * GL + lo, sizeof(float) * (size_t)(hi - lo));
-        }
-        g0 += GL;
+    (void)x, (void)xs;
+    int64_t a = (r0 + GL - 1) / GL * GL, b = r1 / GL * GL; /* the whole groups: [a, b) */
+    if (b > n / GL * GL) b = n / GL * GL;
+    if (a >= b) { /* within one group, or two part-claimed ones */
+        for (int64_t g0 = r0 / GL * GL; g0 < r1; g0 += GL)
+            f32x16_edge(kind, w, n, g0, r0 > g0 ? r0 - g0 : 0, r1 - g0 < GL ? r1 - g0 : GL, xv, ldx, m, k, y, ldy, pad);
+        return;
     }
+    if (r0 < a) f32x16_edge(kind, w, n, a - GL, r0 - (a - GL), GL, xv, ldx, m, k, y, ldy, pad);
+    const int rows = m >= 8 ? 8 : 4, most = 16 / rows;
+    int64_t panel = F32_PANEL_BYTES / (k * es) / (4 * GL) * (4 * GL);
+    if (panel < 4 * GL) panel = 4 * GL;
+    for (int64_t p0 = a; p0 < b; p0 += panel) {
+        const int64_t p1 = p0 + panel < b ? p0 + panel : b;
+#ifdef X16_VEC
+        for (int64_t i = 0; i < m; i += rows)
+            for (int64_t g0 = p0; g0 < p1;) {
+                const int ng = (p1 - g0) / GL < most ? (int)((p1 - g0) / GL) : most;
+                f32_tiles(kind, ng, m - i < rows ? (int)(m - i) : rows, w + g0 * k * es, GL * k,
+                          (const uint8_t *)xv + i * ldx * xs, ldx, k, y + i * ldy + g0, ldy);
+                g0 += ng * GL;
+            }
+#else
+        for (int64_t i = 0; i < m; i++)
+            for (int64_t j = p0; j < p1; j++) {
+                float t = 0.0f;
+                const uint8_t *g = w + (j / GL) * GL * k * es;
+                for (int64_t e = 0; e < k; e++) t = fmaf(wval(bf, g, e, j % GL), x[i * ldx + e], t);
+                y[i * ldy + j] = t;
+            }
+#endif
+    }
+    if (b < r1) f32x16_edge(kind, w, n, b, 0, r1 - b, xv, ldx, m, k, y, ldy, pad);
 }
