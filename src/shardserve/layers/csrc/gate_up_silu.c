@@ -43,11 +43,11 @@ static void silu_run(const uint16_t *w, int64_t inter, int64_t k, int64_t r0, in
 #if AMX_BUILT
 /* silu_run on AMX tiles: rows [0, m) of xb (k, whole chunks of 32, apart; readable up to m
  * rounded up to 16, as acts_alloc allocates them), each 32 rows by gate group j and up group j,
- * panel by panel of gate groups as amx_rows takes a plain product's (its panel holds the up
- * groups too: half the gate rows). */
+ * panel by panel of gate groups as amx_rows takes a plain product's (a panel row is a gate row
+ * and its up row). */
 static void amx_silu_run(const uint8_t *w, int64_t inter, int64_t k, int64_t r0, int64_t r1, const uint16_t *xb,
                          int64_t m, uint16_t *act, int64_t ldact) {
-    const int64_t nc = k / 32, panel = amx_panel_rows(2 * k);
+    const int64_t nc = k / 32, panel = panel_rows(2 * 2 * k, 2 * GL);
     float out[4][16 * 16], o[16 * 16];
     amx_configure();
     for (int64_t p0 = r0; p0 < r1; p0 += panel) {
@@ -99,8 +99,7 @@ int qmatmul_bf16_silu(const uint8_t *w, int64_t n, int64_t k, const float *x, in
 #pragma omp atomic write
             err = 2;
         } else {
-            /* AMX over many rows: one claim a thread, all m rows (see claim_grain) */
-            const int64_t grain = path == BF16_AMX && m >= SHARE_ROWS ? ((inter + nth - 1) / nth + GL - 1) / GL * GL : GL;
+            const int64_t grain = claim_grain(type, m, inter, nth); /* whole groups; AMX's even shares */
             for (int64_t r0, r1; (r0 = claim_rows(&next, inter, grain, nth, &r1)) >= 0;) {
 #if AMX_BUILT
                 if (path == BF16_AMX) {

@@ -108,18 +108,6 @@ static void amx_last_tile(const uint16_t *xb, int64_t lda, int64_t m, int64_t kb
     memset(last + (m - m16) * kb, 0, sizeof(uint16_t) * (size_t)((16 - (m - m16)) * kb));
 }
 
-/* Weight bytes a thread passes over all its activation rows at a time (a panel): with two 16-row
- * activation tiles in L1, each tile pair meets every group of the panel while the panel stays in
- * L2 (2 MB a core on the AMX Xeons), and the groups stream from it in order, which the prefetchers
- * follow; the activations' 16-row tiles, at their row stride, they follow less well. */
-#define AMX_PANEL_BYTES (768 * 1024)
-
-/* Rows of a panel of W (x16 groups of k bfloat16 columns): whole pairs of groups, at least one. */
-static inline int64_t amx_panel_rows(int64_t k) {
-    const int64_t rows = AMX_PANEL_BYTES / (2 * k) / (2 * GL) * (2 * GL);
-    return rows > 2 * GL ? rows : 2 * GL;
-}
-
 /* Tiles 0-3 (amx_block's) into rows [i0, i0 + 32) of y, columns [g0, g0 + 32): a tile whose 16
  * rows and 16 lanes are all kept straight to y, the others through `out`, their kept part copied
  * (rows below m; columns in [r0, r1) and below n). */
@@ -157,11 +145,11 @@ static inline void amx_store(float *y, int64_t ldy, int64_t i0, int64_t m, int64
  * else the last, part-filled tile is read from a copy, so that no row past m is read. `pad` holds
  * at least 16 * k + 16 * kb bfloat16 (gemm_scratch): a part-filled group, then that copy.
  * All m rows are taken here (qmatmul_rows does not cut them into row blocks): panel by panel
- * (amx_panel_rows), each pair of activation tiles against every group of the panel. */
+ * (panel_rows: whole pairs of groups), each pair of activation tiles against every group of it. */
 static void amx_rows(const uint8_t *w, int64_t n, int64_t r0, int64_t r1, const uint16_t *xb, int64_t lda, int padded,
                      int64_t m, int64_t k, float *y, int64_t ldy, float *pad) {
     const int64_t kb = (k + 31) / 32 * 32, nc = kb / 32, full = k / 32; /* chunks of 32 columns; full: whole */
-    const int64_t panel = amx_panel_rows(k);
+    const int64_t panel = panel_rows(2 * k, 2 * GL);
     uint16_t tail[2][16 * 32]; /* a group's last, part-filled chunk, zero beyond column k */
     uint16_t *last = padded || m % 16 == 0 ? NULL : (uint16_t *)pad + 16 * k;
     float out[4][16 * 16];

@@ -165,9 +165,9 @@ static int product_path(int type, int64_t m) {
     return PANELS;
 }
 
-/* Rows of W a thread claims at a time in whole blocks of its kernel: 6 (panels) or 16. */
 #define SHARE_ROWS 256 /* activation rows from which threads take even shares (claim_grain) */
 
+/* Rows of W a thread claims at a time in whole blocks of its kernel: 6 (panels) or 16. */
 static int64_t claim_grain(int type, int64_t m, int64_t total, int nth) {
     int path = product_path(type, m);
     /* F32_X16, BF16_DP: a tile of 4 groups below 8 rows (4 chains a row), of 2 groups by 8 rows

@@ -187,15 +187,23 @@ static inline __attribute__((always_inline)) void f32x16_edge(const int kind, co
     }
 }
 
-/* Weight bytes of whole groups a thread passes over all its activation rows at a time (a panel),
- * as amx_rows does: each tile of activation rows, in L1, meets every group of the panel, which
- * stays in L2 and streams from it in order. */
-#define F32_PANEL_BYTES (768 * 1024)
+/* Weight bytes a thread passes over all its activation rows at a time (a panel: f32x16_rows,
+ * amx_rows, amx_silu_run): each tile of activation rows, in L1, meets every group of the panel
+ * while the panel stays in L2 (2 MB a core on the AMX Xeons), and the groups stream from it in
+ * order, which the prefetchers follow; the activations' tiles, at their row stride, they follow
+ * less well. */
+#define PANEL_BYTES (768 * 1024)
+
+/* Weight rows of a panel, `row_bytes` each: whole grains of rows, at least one. */
+static inline int64_t panel_rows(int64_t row_bytes, int64_t grain) {
+    const int64_t rows = PANEL_BYTES / row_bytes / grain * grain;
+    return rows > grain ? rows : grain;
+}
 
 /* y[i * ldy + r] = x_i . W[r] for i < m, r0 <= r < r1, W float32 (kind F32K) or bfloat16 in
  * x16 groups (n rows of k), x float32 rows ldx apart (bfloat16 for BF16D, whose path exists only
  * where DPBF_BUILT); `pad` holds 16 * k floats. All m rows (qmatmul_rows does not cut them into
- * row blocks): the whole groups panel by panel (F32_PANEL_BYTES), each tile of rows against the
+ * row blocks): the whole groups panel by panel (panel_rows), each tile of rows against the
  * panel's groups in runs of up to 4 (2 for 8 rows); a part-filled or part-claimed group at
  * either end alone (f32x16_edge). */
 static inline __attribute__((always_inline)) void f32x16_rows(const int kind, const uint8_t *w, int64_t n, int64_t r0,
@@ -205,8 +213,7 @@ static inline __attribute__((always_inline)) void f32x16_rows(const int kind, co
     const int64_t es = bf ? 2 : 4, xs = kind == BF16D ? 2 : 4; /* bytes a weight, an activation */
     const float *x = xv; /* the float paths' activations */
     (void)x, (void)xs;
-    int64_t a = (r0 + GL - 1) / GL * GL, b = r1 / GL * GL; /* the whole groups: [a, b) */
-    if (b > n / GL * GL) b = n / GL * GL;
+    const int64_t a = (r0 + GL - 1) / GL * GL, b = r1 / GL * GL; /* whole groups [a, b): r1 <= n */
     if (a >= b) { /* within one group, or two part-claimed ones */
         for (int64_t g0 = r0 / GL * GL; g0 < r1; g0 += GL)
             f32x16_edge(kind, w, n, g0, r0 > g0 ? r0 - g0 : 0, r1 - g0 < GL ? r1 - g0 : GL, xv, ldx, m, k, y, ldy, pad);
@@ -214,8 +221,7 @@ static inline __attribute__((always_inline)) void f32x16_rows(const int kind, co
     }
     if (r0 < a) f32x16_edge(kind, w, n, a - GL, r0 - (a - GL), GL, xv, ldx, m, k, y, ldy, pad);
     const int rows = m >= 8 ? 8 : 4, most = 16 / rows;
-    int64_t panel = F32_PANEL_BYTES / (k * es) / (4 * GL) * (4 * GL);
-    if (panel < 4 * GL) panel = 4 * GL;
+    const int64_t panel = panel_rows(k * es, 4 * GL);
     for (int64_t p0 = a; p0 < b; p0 += panel) {
         const int64_t p1 = p0 + panel < b ? p0 + panel : b;
 #ifdef X16_VEC
