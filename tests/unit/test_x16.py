@@ -128,6 +128,32 @@ def test_other_cpus_builds_give_the_same_bits(tmp_path: Path, flags: list[str], 
 
 
 NO_AMX = ["-mno-amx-tile", "-mno-amx-bf16"]
+AMX_INT8 = "amx-int8 tiles"  # where kernel_paths says the block formats' products take them
+
+
+@pytest.mark.skipif("amx_int8" not in Path("/proc/cpuinfo").read_text().split(), reason="the CPU lacks AMX-INT8")
+def test_amx_int8_products_are_the_x16_bits(tmp_path: Path) -> None:
+    """From 16 activation rows the block formats' products run on AMX-INT8 tiles (quant_amx_i8.c),
+    with the numbers of the vector path that every row count takes in a build without them: bit
+    for bit, at a part-filled tile of rows (17, 40), at many rows (300: even shares, and at 4096
+    columns a panel is 144 weight rows, so a share spans two), on one thread or two, at a part-
+    filled last group of weight rows (230) and a weight of fewer rows than a tile (5)."""
+    here, other = kernels.load(), build_for(tmp_path, ["-mno-amx-int8"])
+    if AMX_INT8 not in native.kernel_paths(here):
+        pytest.skip(f"AMX-INT8 is not used here: {native.kernel_paths(here)}")
+    assert AMX_INT8 not in native.kernel_paths(other)
+    for qtype in (2, 3, 8):
+        for rows, cols in ((230, 4096), (5, 96)):
+            w = interleave16(weight(qtype, rows, cols, seed=qtype))
+            xs = torch.randn(300, cols, generator=torch.Generator().manual_seed(qtype))
+            xs[4, :32] = 0.0  # a block of zeros: step 0
+            for m in (17, 40, 300):
+                for threads in (1, 2):
+                    got, want = torch.empty(m, rows), torch.empty(m, rows)
+                    for lib, y in ((here, got), (other, want)):
+                        assert lib.qmatmul(w.qtype, w.data.data_ptr(), w.data.stride(0), w.rows, w.cols,
+                                           xs.data_ptr(), m, xs.stride(0), y.data_ptr(), y.stride(0), threads) == 0
+                    assert torch.equal(got, want), (qtype, rows, m, threads)
 
 
 @pytest.mark.parametrize("cols", [200, 60])  # a last part-filled chunk of 32 columns; not whole vectors of 8
@@ -170,6 +196,12 @@ def test_amx_at_other_optimization_levels(tmp_path: Path, opt: str) -> None:
     w = interleave16(weight(BF16, 45, 200, seed=6))
     xs = torch.randn(17, 200, generator=torch.Generator().manual_seed(6))
     assert torch.equal(product(other, w, xs), product(kernels.load(), w, xs))
+    if AMX_INT8 in native.kernel_paths(kernels.load()):  # the block formats' tiles too
+        assert AMX_INT8 in native.kernel_paths(other)
+        xs = xs[:, :192]
+        for qtype in (2, 3, 8):
+            w = interleave16(weight(qtype, 45, 192, seed=qtype))
+            assert torch.equal(product(other, w, xs), product(kernels.load(), w, xs)), qtype
 
 
 def bf16_library(path: str, tmp_path: Path) -> ctypes.CDLL:

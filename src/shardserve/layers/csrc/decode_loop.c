@@ -30,13 +30,15 @@
 /* The instructions this build's products run on (it is compiled for the host CPU, so what the
  * CPU offers decides them once): logged when the library loads, shown by `shardserve env`. */
 const char *kernel_paths(void) {
-    static char text[320];
+    static char text[400];
     int bf = bf16_path();
-    snprintf(text, sizeof text, "Q4_0/Q4_1/Q8_0/float32 products: x16 groups on %s; bfloat16: %s; Q4_K/Q6_K: %s",
-             X16_PATH, bf == 1 ? AMX_PATH_ON : bf == 2 ? DPBF_PATH_ON : "x16 groups, float32 activations",
+    snprintf(text, sizeof text, "Q4_0/Q4_1/Q8_0/float32 products: x16 groups on %s%s; bfloat16: %s; Q4_K/Q6_K: %s",
+             X16_PATH, i8_ready() ? I8_PATH_ON : "", bf == 1 ? AMX_PATH_ON : bf == 2 ? DPBF_PATH_ON : "x16 groups, float32 activations",
              GEMM_PATH);
     if (!amx_ready() && AMX_BUILT) /* said where the CPU lists AMX and it is not used */
         snprintf(text + strlen(text), sizeof text - strlen(text), " (%s)", amx_why);
+    else if (!i8_ready() && AMX_I8_BUILT)
+        snprintf(text + strlen(text), sizeof text - strlen(text), " (AMX-INT8: %s)", i8_why);
     else if (bf == 0 && DPBF_BUILT)
         snprintf(text + strlen(text), sizeof text - strlen(text), " (vdpbf16ps off: SHARDSERVE_FLOAT32_ACTIVATIONS)");
     return text;
@@ -180,7 +182,7 @@ int decode_layers(const Layer *layers, int64_t nlayers, const Dims *dm, float *x
     {
         int tid = omp_get_thread_num(), nth = omp_get_num_threads();
         int64_t r0 = m * tid / nth, r1 = m * (tid + 1) / nth; /* this thread's rows of the small steps */
-        float *wp = needs_scratch(paths) ? malloc(gemm_scratch(kmax)) : NULL;
+        float *wp = needs_scratch(paths) ? malloc(gemm_scratch(kmax, paths)) : NULL;
         if (needs_scratch(paths) && !wp) {
 #pragma omp atomic write
             rc = 2;

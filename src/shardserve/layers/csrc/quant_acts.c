@@ -69,6 +69,8 @@ typedef struct {
     uint16_t *b;  /* bfloat16 for AMX tiles and vdpbf16ps: rows of k rounded up to 32, 16 rows at least */
     int64_t ldb;  /* 0: b's rows are amx_row(k) apart, 16 rows at least (acts_alloc; the decode loop reuses a
                    * buffer for every k); else a caller's bfloat16 rows this far apart (qmatmul_bf16) */
+    int8_t *h;    /* AMX-INT8: q split as 256 h + l, in tiles (i8_split, quant_amx_i8.c); with d and s, */
+    uint8_t *l;   /* readable up to m rounded up to 16 */
 } Acts;
 
 static inline int64_t amx_row(int64_t k) { return (k + 31) / 32 * 32; }

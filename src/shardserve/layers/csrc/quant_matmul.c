@@ -48,6 +48,7 @@
 #include "quant_x16.c"
 #include "quant_x16_float.c"
 #include "quant_amx.c"
+#include "quant_amx_i8.c"
 
 /* ------------------------------------------------------------------ one weight row . up to 8 rows */
 
@@ -144,19 +145,19 @@ static inline __attribute__((always_inline)) void rows_of(const int type, int nr
 #include "quant_gemm.c"
 
 /* How a product of m activation rows runs, by the weight's type: x16 layouts always on their
- * groups (X16_GROUPS); otherwise (crossovers measured on
+ * groups (X16_GROUPS, or from I8_ROWS rows X16_AMX where the CPU has AMX-INT8); otherwise (crossovers measured on
  * SmolLM2's decode steps): the 16-bit path (ACTS16) while decoding a block costs less than
  * expanding the weight to floats (below 10 rows for 4-bit blocks, below 13 for Q8_0, whose
  * bytes widen directly); then the float GEMM on activation panels (plain F32 rows from the
  * first row), and from STRIP_ROWS on weight strips. Without AVX2 every block format takes the
  * float GEMMs. */
-enum { ACTS16, PANELS, STRIPS, X16_GROUPS, F32_X16, BF16_AMX, BF16_DP };
+enum { ACTS16, PANELS, STRIPS, X16_GROUPS, F32_X16, BF16_AMX, BF16_DP, X16_AMX };
 
 static int product_path(int type, int64_t m) {
     if (type == (X16 | BF16)) /* every m: quant_amx.c says which and why */
         return amx_ready() ? BF16_AMX : dpbf_ready() ? BF16_DP : F32_X16;
     if (type == (X16 | F32)) return F32_X16; /* every m: see quant_x16_float.c */
-    if (is_x16(type)) return X16_GROUPS;
+    if (is_x16(type)) return i8_ready() && m >= I8_ROWS ? X16_AMX : X16_GROUPS; /* the same numbers */
     if (m >= STRIP_ROWS) return STRIPS;
     if (type == F32 || type == BF16) return PANELS;
 #ifdef __AVX2__
@@ -174,22 +175,28 @@ static int64_t claim_grain(int type, int64_t m, int64_t total, int nth) {
      * from 8 (f32x16_rows); BF16_AMX: 2 groups a tile pass. The grain is one tile: a longer one
      * only lengthens the last claims, which the other threads wait for at the barrier. Over
      * SHARE_ROWS activation rows or more, the paths that take all the rows at once (AMX, F32_X16,
-     * BF16_DP): a thread's even share of the weight rows, one claim each, since every claim passes
+     * BF16_DP, X16_AMX): a thread's even share of the weight rows, one claim each, since every claim passes
      * over all the activation rows (amx_rows, f32x16_rows), which outgrow L2. */
-    if ((path == F32_X16 || path == BF16_DP || path == BF16_AMX) && m >= SHARE_ROWS)
+    if ((path == F32_X16 || path == BF16_DP || path == BF16_AMX || path == X16_AMX) && m >= SHARE_ROWS)
         return ((total + nth - 1) / nth + 63) / 64 * 64;
     if (path == F32_X16 || path == BF16_DP) return m >= 8 ? 32 : 64;
     return path == PANELS ? NW : path == BF16_AMX ? 32 : 16;
 }
 
-/* Scratch bytes one thread's float GEMM needs for rows of k weights; also >= the 16 rows of an
- * x16 weight's padded last group (at most 4 bytes a weight). */
-static size_t gemm_scratch(int64_t k) { return sizeof(float) * (size_t)((NR + 8) * k + 16 * 32); }
+/* Scratch bytes one thread's products on `paths` need for rows of k weights: a float GEMM's,
+ * also >= the 16 rows of an x16 weight's padded last group (at most 4 bytes a weight); then
+ * X16_AMX's unpacked panel. */
+static size_t gemm_scratch(int64_t k, int paths) {
+    return sizeof(float) * (size_t)((NR + 8) * k + 16 * 32) + (paths & (1 << X16_AMX) ? i8_scratch(k) : 0);
+}
 /* (>= NW * k floats; AMX: >= 16 * k + 16 * (k rounded up to 32) bfloat16, amx_rows) */
 
 /* Rows [r0, r1) of x into the same rows of `a`: quantized or packed, whichever `a` holds. */
 static void acts_rows(const float *x, int64_t ldx, int64_t r0, int64_t r1, const Acts *a) {
     if (a->q) quantize_rows(x, ldx, r0, r1, a);
+#if AMX_I8_BUILT
+    if (a->h) i8_split(a, r0, r1);
+#endif
     if (a->b) bf16_rows_of(x, ldx, r0, r1, a->k, amx_row(a->k), a->b);
     if (a->p) pack_rows(x, ldx, r0, r1, a);
 }
@@ -199,6 +206,9 @@ static void path_rows(int path, int type, const uint8_t *w, int64_t row_bytes, i
                       const Acts *a, const float *x, int64_t ldx, int64_t m, float *y, int64_t ldy, float *wp) {
     switch (path) {
     case X16_GROUPS: x16_rows(type, w, row_bytes, n, r0, r1, a, y, ldy, (uint8_t *)wp); return;
+#if AMX_I8_BUILT
+    case X16_AMX: i8_rows(type, w, row_bytes, n, r0, r1, a, y, ldy, (uint8_t *)wp); return;
+#endif
     case F32_X16:
         if (type == (X16 | BF16)) f32x16_rows(BF16F, w, n, r0, r1, x, ldx, m, a->k, y, ldy, wp);
         else f32x16_rows(F32K, w, n, r0, r1, x, ldx, m, a->k, y, ldy, wp);
@@ -277,10 +287,10 @@ static void qmatmul_rows(int type, const uint8_t *w, int64_t row_bytes, int64_t 
     }
 }
 
-/* Buffers for m rows of up to k, for the paths in `paths` (bits 1 << ACTS16 or X16_GROUPS, 1 << PANELS,
- * 1 << BF16_AMX or BF16_DP; the others read x itself). Returns 0 when out of memory. */
+/* Buffers for m rows of up to k, for the paths in `paths` (bits 1 << ACTS16, X16_GROUPS or X16_AMX,
+ * 1 << PANELS, 1 << BF16_AMX or BF16_DP; the others read x itself). Returns 0 when out of memory. */
 static int acts_alloc(Acts *a, int64_t m, int64_t k, int paths) {
-    *a = (Acts){NULL, NULL, NULL, NULL, k, m, NULL, 0};
+    *a = (Acts){NULL, NULL, NULL, NULL, k, m, NULL, 0, NULL, NULL};
     if (paths & (1 << PANELS)) {
         a->p = malloc(sizeof(float) * (size_t)((m + PW - 1) / PW * PW * k));
         if (!a->p) return 0;
@@ -289,19 +299,25 @@ static int acts_alloc(Acts *a, int64_t m, int64_t k, int paths) {
         a->b = malloc(sizeof(uint16_t) * (size_t)((m + 15) / 16 * 16 * amx_row(k)));
         if (!a->b) return 0;
     }
-    if (!(paths & ((1 << ACTS16) | (1 << X16_GROUPS)))) return 1;
+    if (!(paths & ((1 << ACTS16) | (1 << X16_GROUPS) | (1 << X16_AMX)))) return 1;
+    const int64_t mt = paths & (1 << X16_AMX) ? (m + 15) / 16 * 16 : m; /* tiles read whole: zeros past m */
     a->q = malloc(sizeof(int16_t) * (size_t)(m * k));
-    a->d = malloc(sizeof(float) * (size_t)(m * (k / QK)));
-    a->s = malloc(sizeof(float) * (size_t)(m * (k / QK)));
+    a->d = calloc((size_t)(mt * (k / QK)), sizeof(float));
+    a->s = calloc((size_t)(mt * (k / QK)), sizeof(float));
+    if (paths & (1 << X16_AMX)) {
+        a->h = calloc((size_t)(mt * k), 1);
+        a->l = calloc((size_t)(mt * k), 1);
+        if (!a->h || !a->l) return 0;
+    }
     return a->q && a->d && a->s;
 }
 
 /* Whether products on these paths need gemm_scratch (a float GEMM's, or x16's padded group). */
 static int needs_scratch(int paths) {
     return (paths & ((1 << PANELS) | (1 << STRIPS) | (1 << X16_GROUPS) | (1 << F32_X16) | (1 << BF16_AMX) |
-                     (1 << BF16_DP))) != 0;
+                     (1 << BF16_DP) | (1 << X16_AMX))) != 0;
 }
 
-static void acts_free(Acts *a) { free(a->q); free(a->d); free(a->s); free(a->p); free(a->b); }
+static void acts_free(Acts *a) { free(a->q); free(a->d); free(a->s); free(a->p); free(a->b); free(a->h); free(a->l); }
 
 #include "quant_threads.c" /* the entry points */

@@ -36,7 +36,7 @@ static inline int64_t claim(int64_t *next, int64_t total) {
 static int claimed_products(int type, const uint8_t *w, int64_t row_bytes, int64_t n, const Acts *a, const float *x,
                             int64_t ldx, float *y, int64_t ldy, int nthreads) {
     const int64_t m = a->m, k = a->k;
-    const int scratch = needs_scratch(1 << product_path(type, m));
+    const int paths = 1 << product_path(type, m), scratch = needs_scratch(paths);
     int err = 0;
     int64_t next = 0;
 #pragma omp parallel num_threads(nthreads)
@@ -46,7 +46,7 @@ static int claimed_products(int type, const uint8_t *w, int64_t row_bytes, int64
             acts_rows(x, ldx, m * tid / nth, m * (tid + 1) / nth, a); /* the threads' shares of the rows */
 #pragma omp barrier
         }
-        float *wp = scratch ? malloc(gemm_scratch(k)) : NULL;
+        float *wp = scratch ? malloc(gemm_scratch(k, paths)) : NULL;
         if (scratch && !wp) {
 #pragma omp atomic write
             err = 2;
@@ -81,7 +81,7 @@ int qmatmul_bf16(const uint8_t *w, int64_t row_bytes, int64_t n, int64_t k, cons
     const int type = X16 | BF16, path = product_path(type, m);
     if (!fits(type, k)) return 1;
     if (path != BF16_DP && !(path == BF16_AMX && k % 32 == 0)) return 3;
-    Acts a = {NULL, NULL, NULL, NULL, k, m, (uint16_t *)xb, ldxb};
+    Acts a = {NULL, NULL, NULL, NULL, k, m, (uint16_t *)xb, ldxb, NULL, NULL};
     return claimed_products(type, w, row_bytes, n, &a, NULL, 0, y, ldy, nthreads);
 }
 
