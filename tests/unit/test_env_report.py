@@ -75,7 +75,8 @@ def test_kernel_paths_follow_this_cpus_flags(capsys):
     assert ("bfloat16: x16 groups on avx512-bf16 vdpbf16ps" in layers or "bfloat16: amx tiles" in layers) == bf16
     attention = kernels["attention"]["paths"]
     assert attention.startswith("16 float lanes (avx512);" if "avx512f" in flags else "8 float lanes;")
-    amx = "bfloat16: amx tiles" in layers  # attention scores take AMX where the products do (csrc/amx.h)
-    assert attention.endswith("bfloat16 KV cache: scores on amx tiles (pages of whole 16s of tokens), else "
-                              "avx512-bf16 vdpbf16ps" if amx else "bfloat16 KV cache on avx512-bf16 vdpbf16ps" if bf16
-                              else "float32 KV cache only (no AVX512-BF16)")
+    amx = "bfloat16: amx tiles" in layers  # attention takes AMX where the products do (csrc/amx.h)
+    want = ("bfloat16 KV cache: scores and values on amx tiles (probabilities rounded to bfloat16; pages of "
+            "whole 16s of tokens), else avx512-bf16 vdpbf16ps" if amx
+            else "bfloat16 KV cache on avx512-bf16 vdpbf16ps" if bf16 else "float32 KV cache only (no AVX512-BF16)")
+    assert attention.endswith(want)

@@ -7,8 +7,9 @@
  * bfloat16 (nearest even) once per row and head, as the cache's keys were when written, and
  * both summed in float32. Values stay float32 arithmetic: each 32-bit lane of a loaded row holds
  * dims 2i and 2i + 1, widened exactly by a shift and a mask into "even" and "odd" accumulators
- * that are interleaved back once per page. The probabilities are never rounded. Each output is
- * one fixed sequence of operations over its own row's keys, whatever shares the step.
+ * that are interleaved back once per page. The probabilities are not rounded here (on AMX tiles,
+ * paged_amx.c, they are rounded to bfloat16). Each output is one fixed sequence of operations
+ * over its own row's keys, whatever shares the step.
  */
 
 #if defined(__AVX512BF16__) && defined(__AVX512F__)
@@ -127,89 +128,7 @@ static void page_values_bf16(int ng, const float *const *p, const uint16_t *v, i
 #undef VB
 }
 
-#if AMX_BUILT
-static int amx_on; /* set once, when the library loads (amx.h) */
-__attribute__((constructor)) static void amx_init(void) { amx_on = amx_decide() == NULL; }
-
-/* Scores on AMX tiles for an item's query rows, where this process runs AMX (amx.h: decided alike
- * for the products) and pages are whole tiles of 16 keys: for one KV head, a tile of 16 cached
- * keys (the page's rows as stored, 32 dims a tile row) times a tile of 16 query columns (the
- * item's rows and heads that read this KV head, their rounded queries laid out as pairs), one
- * tile product a chunk of 32 dims, summed in dim order in float32. A score is one fixed chain
- * whatever else shares its tiles, and every row on this path (prefill and decode alike) takes
- * it. The columns' pairs for chunk c of column tile j: qt + (j * nch + c) * 512. */
-static void amx_query_tiles(const uint16_t *qb, int64_t D, const int64_t *cols, int64_t ncols, uint16_t *qt) {
-    const int64_t nch = D / 32;
-    memset(qt, 0, sizeof(uint16_t) * 512 * (size_t)(((ncols + 15) / 16) * nch));
-    for (int64_t n = 0; n < ncols; ++n) {
-        const uint16_t *q = qb + cols[n] * D;
-        for (int64_t c = 0; c < nch; ++c)
-            for (int p = 0; p < 16; ++p) {
-                uint16_t *t = qt + ((n / 16) * nch + c) * 512 + p * 32 + (n % 16) * 2;
-                t[0] = q[32 * c + 2 * p];
-                t[1] = q[32 * c + 2 * p + 1];
-            }
-    }
-}
-
-/* The 16 x 16 scores of keys [t, t + 16) of `page` (rows `stride` bfloat16 apart, this KV head's
- * D at the start) against column tile `qt` (nch chunks), into `c` (16 keys x 16 columns). */
-static inline void amx_key_tile(const uint16_t *keys, int64_t stride, const uint16_t *qt, int64_t nch, float *c) {
-    _tile_zero(0);
-    for (int64_t ch = 0; ch < nch; ++ch) {
-        _tile_loadd(4, keys + 32 * ch, stride * 2);
-        _tile_loadd(6, qt + ch * 512, 64);
-        _tile_dpbf16ps(0, 4, 6);
-    }
-    _tile_stored(0, c, 64);
-}
-
-/* block_item's scores (paged_decode.c) on AMX tiles, one KV head at a time: its columns (the
- * item's rows and heads that read it) laid out once, then the pages in table order, 16 keys a
- * tile. Keys past a row's length in a tile are computed and not kept (a page holds whole tiles:
- * page_size is a multiple of 16 on this path). qt: the column tiles' scratch. */
-static void amx_item_scores(const uint16_t *qb, const uint16_t *k_cache, const int64_t *table, const int64_t *lens,
-                            int64_t b0, int64_t b1, const unsigned char *take, const int64_t *kv_of_q, int64_t kv0,
-                            int64_t kv1, int64_t H, int64_t Hkv, int64_t D, int64_t page_size, float scale,
-                            float *scores, int64_t max_len, uint16_t *qt) {
-    const int64_t stride = Hkv * D, nch = D / 32;
-    int64_t longest = 0, cols[(b1 - b0) * H]; /* a column: (b - b0) * H + h, its query's index in qb */
-    float c[16 * 16];
-    const __m512i key_rows = _mm512_set_epi32(240, 224, 208, 192, 176, 160, 144, 128, 112, 96, 80, 64, 48, 32, 16, 0);
-    for (int64_t b = b0; b < b1; ++b) longest = lens[b] > longest ? lens[b] : longest;
-    const int64_t npages = (longest + page_size - 1) / page_size;
-    amx_configure();
-    for (int64_t kv = kv0; kv < kv1; ++kv) {
-        int64_t ncols = 0;
-        for (int64_t b = b0; b < b1; ++b)
-            for (int64_t h = 0; h < H; ++h)
-                if (take[h] && kv_of_q[h] == kv && lens[b] > 0) cols[ncols++] = (b - b0) * H + h;
-        if (!ncols) continue;
-        amx_query_tiles(qb, D, cols, ncols, qt);
-        for (int64_t pg = 0, t0 = 0; pg < npages; ++pg, t0 += page_size) {
-            const uint16_t *page = k_cache + (table[pg] * page_size * stride + kv * D);
-            if (pg + 1 < npages) /* the next page's rows of this head, while this one is multiplied */
-                prefetch_rows((const char *)(k_cache + table[pg + 1] * page_size * stride), 0, page_size, stride * 2,
-                              kv * D * 2, D * 2);
-            for (int64_t t = t0; t < t0 + page_size && t < longest; t += 16)
-                for (int64_t j = 0; j * 16 < ncols; ++j) {
-                    amx_key_tile(page + (t - t0) * stride, stride, qt + j * nch * 512, nch, c);
-                    for (int64_t n = j * 16; n < ncols && n < j * 16 + 16; ++n) { /* column n's 16 keys */
-                        const int64_t b = b0 + cols[n] / H, h = cols[n] % H, len = lens[b];
-                        if (t >= len) continue;
-                        const __mmask16 keep = len - t >= 16 ? 0xFFFF : (__mmask16)((1u << (len - t)) - 1);
-                        const __m512 col = _mm512_i32gather_ps(key_rows, c + n % 16, 4);
-                        _mm512_mask_storeu_ps(scores + (b - b0) * H * max_len + h * len + t, keep,
-                                              _mm512_mul_ps(col, _mm512_set1_ps(scale)));
-                    }
-                }
-        }
-    }
-    _tile_release();
-}
-#else
-static const int amx_on = 0;
-#endif
+#include "paged_amx.c" /* scores and values on AMX tiles, where this process runs them */
 
 /* Whether paged_decode_bf16 reads heads of width D: the one answer (attention/cpu_kernel.py asks). */
 int paged_bf16_width(int64_t D) { return D % 32 == 0 && D >= 32 && D <= MAX_D; }

@@ -84,7 +84,7 @@ static void block_item(const float *q, int64_t q_stride, const void *k_cache, co
                        const int64_t *table, const int64_t *lens, int64_t b0, int64_t b1, const int64_t *kv_of_q,
                        float *out, float *lse, int64_t kv0, int64_t kv1, int64_t hpart, int64_t hparts, int64_t H,
                        int64_t Hkv, int64_t D, int64_t page_size, float scale, float *scores, int64_t max_len,
-                       uint16_t *qb, int amx, uint16_t *qt) {
+                       uint16_t *qb, int amx, uint16_t *qt, uint16_t *vp) {
     /* This item's query heads: those reading kv heads [kv0, kv1), and of them the hpart-th of
      * hparts even slices (hparts > 1 only with one kv head per item). */
     unsigned char take[H];
@@ -103,22 +103,23 @@ static void block_item(const float *q, int64_t q_stride, const void *k_cache, co
 #else
     (void)qb;
 #endif
-    int first = 0; /* the first pass: scores, or (scores done on AMX tiles) values */
 #if PAGED_BF16 && AMX_BUILT
-    if (amx) {
+    if (amx) { /* paged_amx.c: every pass on tiles */
         amx_item_scores(qb, k_cache, table, lens, b0, b1, take, kv_of_q, kv0, kv1, H, Hkv, D, page_size, scale, scores,
                         max_len, qt);
         item_softmax(take, lens, b0, b1, out, lse, H, D, scores, max_len);
-        first = 1;
+        amx_item_values(scores, v_cache, table, lens, b0, b1, take, kv_of_q, kv0, kv1, H, Hkv, D, page_size, out,
+                        max_len, vp, qt);
+        return;
     }
 #else
-    (void)amx, (void)qt;
+    (void)amx, (void)qt, (void)vp;
 #endif
     const int64_t es = bf ? 2 : 4; /* bytes a cached value */
     int64_t longest = 0, lb = b0; /* the longest row prefetches: it reads every page */
     for (int64_t b = b0; b < b1; ++b)
         if (lens[b] > longest) { longest = lens[b]; lb = b; }
-    for (int values = first; values < 2; ++values) {
+    for (int values = 0; values < 2; ++values) {
         const char *cache = values ? v_cache : k_cache;
         int64_t stride = Hkv * D, block = page_size * stride * es, npages = (longest + page_size - 1) / page_size;
         int64_t heads = 0;
@@ -204,15 +205,17 @@ static int paged_decode(const float *q, int64_t q_stride, const void *k_cache, c
         hparts = (2 * num_threads + nblocks * Hkv - 1) / (nblocks * Hkv);
         if (hparts > H / Hkv) hparts = H / Hkv > 0 ? H / Hkv : 1;
     }
-    /* Scores on AMX tiles for a bfloat16 cache where this process runs them and pages are whole
-     * tiles of 16 keys; `qt`, behind the rounded queries, holds the item's column tiles. */
+    /* Scores and values on AMX tiles for a bfloat16 cache where this process runs them and pages
+     * are whole tiles of 16 keys; behind the rounded queries `qt` holds the item's column tiles
+     * (then a tile of probabilities), and then one KV head's values as tiles. */
     const int amx = bf && amx_on && page_size % 16 == 0;
     int failed = 0;
 #pragma omp parallel num_threads(num_threads) reduction(| : failed)
     {
         size_t nscores = (size_t)(rows * max_len * H + 1), nq = bf ? (size_t)(rows * H * D) : 0;
         size_t nqt = amx ? (size_t)((rows * H + 15) / 16 * (D / 32) * 512) : 0;
-        float *scores = malloc(sizeof(float) * nscores + sizeof(uint16_t) * (nq + nqt));
+        size_t nvp = amx ? (size_t)((max_len + 31) / 32 * 32 * D) : 0; /* one KV head's values as tiles */
+        float *scores = malloc(sizeof(float) * nscores + sizeof(uint16_t) * (nq + nqt + nvp));
         if (!scores) failed = 1;
 #pragma omp for schedule(dynamic, 1)
         for (int64_t item = 0; item < nblocks * per_seq * hparts; ++item) {
@@ -221,7 +224,8 @@ static int paged_decode(const float *q, int64_t q_stride, const void *k_cache, c
             int64_t kv0 = per_seq == 1 ? 0 : part, kv1 = per_seq == 1 ? Hkv : part + 1;
             block_item(q, q_stride, k_cache, v_cache, bf, block_tables + b0 * max_pages, context_lens, b0,
                        starts[blk + 1], kv_of_q, out, lse, kv0, kv1, item % hparts, hparts, H, Hkv, D, page_size, scale,
-                       scores, max_len, (uint16_t *)(scores + nscores), amx, (uint16_t *)(scores + nscores) + nq);
+                       scores, max_len, (uint16_t *)(scores + nscores), amx, (uint16_t *)(scores + nscores) + nq,
+                       (uint16_t *)(scores + nscores) + nq + nqt);
         }
         free(scores);
     }
@@ -267,8 +271,9 @@ int kv_write(const float *src, int64_t ldx, int64_t n, int64_t width, void *cach
 }
 
 const char *kernel_paths(void) {
-    if (PAGED_BF16 && amx_on) return "16 float lanes (avx512); bfloat16 KV cache: scores on amx tiles (pages of whole 16s of tokens), "
-                                     "else avx512-bf16 vdpbf16ps";
+    if (PAGED_BF16 && amx_on)
+        return "16 float lanes (avx512); bfloat16 KV cache: scores and values on amx tiles (probabilities rounded to "
+               "bfloat16; pages of whole 16s of tokens), else avx512-bf16 vdpbf16ps";
     if (PAGED_BF16) return "16 float lanes (avx512); bfloat16 KV cache on avx512-bf16 vdpbf16ps";
     return VW == 16 ? "16 float lanes (avx512); float32 KV cache only (no AVX512-BF16)"
                     : "8 float lanes; float32 KV cache only (no AVX512-BF16)";
