@@ -56,7 +56,10 @@ static void amx_silu_run(const uint8_t *w, int64_t inter, int64_t k, int64_t r0,
             const int na = m - i0 > 16 ? 2 : 1;
             for (int64_t g = p0; g < p1; g += GL) {
                 const uint8_t *grp[2] = {w + g * k * 2, w + (inter + g) * k * 2};
-                amx_block(xb + i0 * k, k, xb + (i0 + 16) * k, k, na, grp, NULL, 2, nc, nc);
+                /* a gate and an up group a step: AHEAD / 2 steps ahead, on the panel's first pass */
+                const uint8_t *next[2] = {grp[0] + AHEAD / 2 * GL * k * 2, grp[1] + AHEAD / 2 * GL * k * 2};
+                amx_block(xb + i0 * k, k, xb + (i0 + 16) * k, k, na, grp, NULL, 2, nc, nc,
+                          i0 == 0 && g + (AHEAD / 2 + 1) * GL <= p1 ? next : NULL);
                 _tile_stored(0, out[0], 64);
                 _tile_stored(1, out[1], 64);
                 if (na > 1) {

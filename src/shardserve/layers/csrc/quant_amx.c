@@ -63,16 +63,21 @@ static const uint8_t *amx_group(const uint8_t *w, int64_t n, int64_t base, int64
  * bfloat16 apart) times groups grp[0], and grp[1] where ng = 2, over nc chunks of 32 columns in
  * column order; from chunk `full` on, a group is read from tail[g] (see amx_group). Tile g + 2 at
  * holds activation tile `at` times group g. Each sum is the same chain of tile products whatever
- * shares its tile. */
+ * shares its tile. Where `next` is given, the same chunks of the groups next[0], next[1] (either
+ * may be NULL) are prefetched as these are multiplied: a panel's first pass reads its groups from
+ * memory, faster than the hardware's prefetchers fetch them ahead across pages. */
 static inline __attribute__((always_inline)) void amx_block(const uint16_t *a0, int64_t lda0, const uint16_t *a1,
                                                             int64_t lda1, int na, const uint8_t *const *grp,
                                                             uint16_t (*tail)[16 * 32], int ng, int64_t nc,
-                                                            int64_t full) {
+                                                            int64_t full, const uint8_t *const *next) {
     _tile_zero(0);
     _tile_zero(1);
     _tile_zero(2);
     _tile_zero(3);
     for (int64_t c = 0; c < nc; c++) {
+        for (int g = 0; next && g < 2; g++)
+            if (next[g])
+                for (int l = 0; l < 16; l++) __builtin_prefetch(next[g] + c * 16 * 64 + 64 * l, 0, 2);
         _tile_loadd(4, a0 + c * 32, lda0 * 2);
         _tile_loadd(6, c < full ? (const void *)(grp[0] + c * 16 * 64) : (const void *)tail[0], 64);
         _tile_dpbf16ps(0, 4, 6);
@@ -88,6 +93,7 @@ static inline __attribute__((always_inline)) void amx_block(const uint16_t *a0, 
     }
 }
 
+#define AHEAD 4 /* groups from the one multiplied to the one prefetched on a panel's first pass (amx_block) */
 /* The activation tile of rows [i, i + 16) of xb (rows lda apart): in place, or for the last,
  * part-filled tile of m rows, `last` (16 rows of kb, the rows past m zero) where the caller filled
  * one (NULL: xb's rows are readable up to m rounded up to 16). */
@@ -165,9 +171,11 @@ static void amx_rows(const uint8_t *w, int64_t n, int64_t r0, int64_t r1, const 
             for (int64_t g0 = p0 / GL * GL; g0 < p1;) {
                 /* one group, or two where both are whole and in the panel whole */
                 const int ng = (g0 + 2 * GL <= p1 && g0 + 2 * GL <= n && g0 >= p0) ? 2 : 1;
-                const uint8_t *grp[2];
+                const uint8_t *grp[2], *next[2] = {NULL, NULL};
                 for (int g = 0; g < ng; g++) grp[g] = amx_group(w, n, g0 + g * GL, k, (uint8_t *)pad, tail[g]);
-                amx_block(a0, ld0, a1, ld1, na, grp, tail, ng, nc, full);
+                for (int g = 0; i0 == 0 && g < 2; g++) /* the next groups of the panel's first pass */
+                    if (g0 + (AHEAD + g + 1) * GL <= (p1 < n ? p1 : n)) next[g] = w + (g0 + (AHEAD + g) * GL) * k * 2;
+                amx_block(a0, ld0, a1, ld1, na, grp, tail, ng, nc, full, next);
                 amx_store(y, ldy, i0, m, g0, ng, na, n, p0, p1, out);
                 g0 += ng * GL;
             }
