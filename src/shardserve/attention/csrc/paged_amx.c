@@ -29,6 +29,17 @@ static void amx_query_tiles(const uint16_t *qb, int64_t D, const int64_t *cols, 
     }
 }
 
+/* The item's columns that read KV head kv, in order: (b - b0) * H + h for each of its rows b with
+ * keys and heads h it takes. Returns their count. */
+static int64_t amx_columns(const int64_t *lens, int64_t b0, int64_t b1, const unsigned char *take,
+                           const int64_t *kv_of_q, int64_t kv, int64_t H, int64_t *cols) {
+    int64_t n = 0;
+    for (int64_t b = b0; b < b1; ++b)
+        for (int64_t h = 0; h < H; ++h)
+            if (take[h] && kv_of_q[h] == kv && lens[b] > 0) cols[n++] = (b - b0) * H + h;
+    return n;
+}
+
 /* The 16 x 16 scores of keys [t, t + 16) of `page` (rows `stride` bfloat16 apart, this KV head's
  * D at the start) against column tile `qt` (nch chunks), into `c` (16 keys x 16 columns). */
 static inline void amx_key_tile(const uint16_t *keys, int64_t stride, const uint16_t *qt, int64_t nch, float *c) {
@@ -57,10 +68,7 @@ static void amx_item_scores(const uint16_t *qb, const uint16_t *k_cache, const i
     const int64_t npages = (longest + page_size - 1) / page_size;
     amx_configure();
     for (int64_t kv = kv0; kv < kv1; ++kv) {
-        int64_t ncols = 0;
-        for (int64_t b = b0; b < b1; ++b)
-            for (int64_t h = 0; h < H; ++h)
-                if (take[h] && kv_of_q[h] == kv && lens[b] > 0) cols[ncols++] = (b - b0) * H + h;
+        const int64_t ncols = amx_columns(lens, b0, b1, take, kv_of_q, kv, H, cols);
         if (!ncols) continue;
         amx_query_tiles(qb, D, cols, ncols, qt);
         for (int64_t pg = 0, t0 = 0; pg < npages; ++pg, t0 += page_size) {
@@ -130,10 +138,7 @@ static void amx_item_values(const float *scores, const uint16_t *v_cache, const 
     const int64_t nchunks = (longest + 31) / 32;
     amx_configure();
     for (int64_t kv = kv0; kv < kv1; ++kv) {
-        int64_t ncols = 0;
-        for (int64_t b = b0; b < b1; ++b)
-            for (int64_t h = 0; h < H; ++h)
-                if (take[h] && kv_of_q[h] == kv && lens[b] > 0) cols[ncols++] = (b - b0) * H + h;
+        const int64_t ncols = amx_columns(lens, b0, b1, take, kv_of_q, kv, H, cols);
         if (!ncols) continue;
         /* One pass of tiles (a decode row's heads): each chunk's values laid out just before its
          * products, in L1; several: all of them first, for every pass to reuse. */
