@@ -257,7 +257,7 @@ def test_silu_hands_the_down_product_the_bits_it_would_round() -> None:
     assert torch.equal(handed, mlp(x))
 
 
-@pytest.mark.parametrize("rows, k", [(1, 96), (5, 96), (8, 96), (13, 96), (256, 96), (257, 96), (600, 96),
+@pytest.mark.parametrize("rows, k", [(1, 96), (5, 96), (8, 96), (13, 96), (50, 96), (256, 96), (257, 96), (600, 96),
                                      (300, 4096)])  # 4096 columns: AMX panels of 32 gate rows, two a share
 def test_silu_in_the_gate_up_product_gives_the_bits_of_the_two_apart(rows: int, k: int) -> None:
     """quant_kernel.gate_up_silu (the product's epilogue applies SiLU and rounds to bfloat16)

@@ -56,9 +56,10 @@ static void amx_silu_epilogue(float (*out)[16 * 16], int na, int64_t i0, int64_t
 
 /* silu_run on AMX tiles: rows [0, m) of xb (k, whole chunks of 32, apart; readable up to m
  * rounded up to 16, as acts_alloc allocates them), each 32 rows by gate group j and up group j,
- * panel by panel of gate groups as amx_rows takes a plain product's (a panel row is a gate row
- * and its up row). A step's epilogue runs after the next step's tile products are issued, so
- * the vector unit's SiLU overlaps the tiles' work (its tiles were stored before). */
+ * panel by panel of gate groups and sweep by sweep of rows as amx_rows takes a plain product's (a
+ * panel row is a gate row and its up row). A step's epilogue runs after the next step's tile
+ * products are issued, so the vector unit's SiLU overlaps the tiles' work (its tiles were stored
+ * before). */
 static void amx_silu_run(const uint8_t *w, int64_t inter, int64_t k, int64_t r0, int64_t r1, const uint16_t *xb,
                          int64_t m, uint16_t *act, int64_t ldact) {
     const int64_t nc = k / 32, panel = panel_rows(2 * 2 * k, 2 * GL);
@@ -68,22 +69,26 @@ static void amx_silu_run(const uint8_t *w, int64_t inter, int64_t k, int64_t r0,
     amx_configure();
     for (int64_t p0 = r0; p0 < r1; p0 += panel) {
         const int64_t p1 = p0 + panel < r1 ? p0 + panel : r1;
-        for (int64_t i0 = 0; i0 < m; i0 += 32) {
-            const int na = m - i0 > 16 ? 2 : 1;
-            for (int64_t g = p0; g < p1; g += GL, s ^= 1) {
+        for (int64_t s0 = 0; s0 < m; s0 += sweep_rows(m)) {
+            const int64_t s1 = s0 + sweep_rows(m) < m ? s0 + sweep_rows(m) : m;
+            for (int64_t g = p0; g < p1; g += GL) {
                 const uint8_t *grp[2] = {w + g * k * 2, w + (inter + g) * k * 2};
                 /* a gate and an up group a step: AHEAD / 2 steps ahead, on the panel's first pass */
                 const uint8_t *next[2] = {grp[0] + AHEAD / 2 * GL * k * 2, grp[1] + AHEAD / 2 * GL * k * 2};
-                amx_block(xb + i0 * k, k, xb + (i0 + 16) * k, k, na, grp, NULL, 2, nc, nc,
-                          i0 == 0 && g + (AHEAD / 2 + 1) * GL <= p1 ? next : NULL);
-                if (prev_i0 >= 0) amx_silu_epilogue(out[s ^ 1], prev_na, prev_i0, m, prev_g, act, ldact);
-                _tile_stored(0, out[s][0], 64);
-                _tile_stored(1, out[s][1], 64);
-                if (na > 1) {
-                    _tile_stored(2, out[s][2], 64);
-                    _tile_stored(3, out[s][3], 64);
+                const int fetch = s0 == 0 && m > 16 && g + (AHEAD / 2 + 1) * GL <= p1;
+                for (int64_t i0 = s0; i0 < s1; i0 += 32, s ^= 1) {
+                    const int na = m - i0 > 16 ? 2 : 1;
+                    amx_block(xb + i0 * k, k, xb + (i0 + 16) * k, k, na, grp, NULL, 2, nc, nc,
+                              fetch && i0 == s0 ? next : NULL);
+                    if (prev_i0 >= 0) amx_silu_epilogue(out[s ^ 1], prev_na, prev_i0, m, prev_g, act, ldact);
+                    _tile_stored(0, out[s][0], 64);
+                    _tile_stored(1, out[s][1], 64);
+                    if (na > 1) {
+                        _tile_stored(2, out[s][2], 64);
+                        _tile_stored(3, out[s][3], 64);
+                    }
+                    prev_i0 = i0, prev_g = g, prev_na = na;
                 }
-                prev_i0 = i0, prev_g = g, prev_na = na;
             }
         }
     }

@@ -94,6 +94,11 @@ static inline __attribute__((always_inline)) void amx_block(const uint16_t *a0, 
 }
 
 #define AHEAD 4 /* groups from the one multiplied to the one prefetched on a panel's first pass (amx_block) */
+
+/* Activation rows that pass over a group while it is at hand: every row of a decode step's few
+ * (the group's one read from memory then feeds them all, so the stream of weights never waits
+ * for a second pass from L2), else a pair of tiles at a time, each pair over a whole panel. */
+static inline int64_t sweep_rows(int64_t m) { return m <= 64 ? m : 32; }
 /* The activation tile of rows [i, i + 16) of xb (rows lda apart): in place, or for the last,
  * part-filled tile of m rows, `last` (16 rows of kb, the rows past m zero) where the caller filled
  * one (NULL: xb's rows are readable up to m rounded up to 16). */
@@ -151,7 +156,8 @@ static inline void amx_store(float *y, int64_t ldy, int64_t i0, int64_t m, int64
  * else the last, part-filled tile is read from a copy, so that no row past m is read. `pad` holds
  * at least 16 * k + 16 * kb bfloat16 (gemm_scratch): a part-filled group, then that copy.
  * All m rows are taken here (qmatmul_rows does not cut them into row blocks): panel by panel
- * (panel_rows: whole pairs of groups), each pair of activation tiles against every group of it. */
+ * (panel_rows: whole pairs of groups), each sweep of activation rows (sweep_rows) against every
+ * group of it. An output's chain of tile products is the same in any order of the loops. */
 static void amx_rows(const uint8_t *w, int64_t n, int64_t r0, int64_t r1, const uint16_t *xb, int64_t lda, int padded,
                      int64_t m, int64_t k, float *y, int64_t ldy, float *pad) {
     const int64_t kb = (k + 31) / 32 * 32, nc = kb / 32, full = k / 32; /* chunks of 32 columns; full: whole */
@@ -163,20 +169,23 @@ static void amx_rows(const uint8_t *w, int64_t n, int64_t r0, int64_t r1, const 
     amx_configure();
     for (int64_t p0 = r0; p0 < r1; p0 += panel) {
         const int64_t p1 = p0 + panel < r1 ? p0 + panel : r1;
-        for (int64_t i0 = 0; i0 < m; i0 += 32) {
-            const int na = m - i0 > 16 ? 2 : 1; /* activation tiles */
-            int64_t ld0, ld1;
-            const uint16_t *a0 = amx_acts(xb, lda, i0, m, last, &ld0, kb),
-                           *a1 = amx_acts(xb, lda, i0 + 16, m, last, &ld1, kb);
+        for (int64_t s0 = 0; s0 < m; s0 += sweep_rows(m)) {
+            const int64_t s1 = s0 + sweep_rows(m) < m ? s0 + sweep_rows(m) : m;
             for (int64_t g0 = p0 / GL * GL; g0 < p1;) {
                 /* one group, or two where both are whole and in the panel whole */
                 const int ng = (g0 + 2 * GL <= p1 && g0 + 2 * GL <= n && g0 >= p0) ? 2 : 1;
                 const uint8_t *grp[2], *next[2] = {NULL, NULL};
                 for (int g = 0; g < ng; g++) grp[g] = amx_group(w, n, g0 + g * GL, k, (uint8_t *)pad, tail[g]);
-                for (int g = 0; i0 == 0 && g < 2; g++) /* the next groups of the panel's first pass */
+                for (int g = 0; s0 == 0 && m > 16 && g < 2; g++) /* the next groups of the panel's first pass */
                     if (g0 + (AHEAD + g + 1) * GL <= (p1 < n ? p1 : n)) next[g] = w + (g0 + (AHEAD + g) * GL) * k * 2;
-                amx_block(a0, ld0, a1, ld1, na, grp, tail, ng, nc, full, next);
-                amx_store(y, ldy, i0, m, g0, ng, na, n, p0, p1, out);
+                for (int64_t i0 = s0; i0 < s1; i0 += 32) {
+                    const int na = m - i0 > 16 ? 2 : 1; /* activation tiles */
+                    int64_t ld0, ld1;
+                    const uint16_t *a0 = amx_acts(xb, lda, i0, m, last, &ld0, kb),
+                                   *a1 = amx_acts(xb, lda, i0 + 16, m, last, &ld1, kb);
+                    amx_block(a0, ld0, a1, ld1, na, grp, tail, ng, nc, full, i0 == s0 ? next : NULL);
+                    amx_store(y, ldy, i0, m, g0, ng, na, n, p0, p1, out);
+                }
                 g0 += ng * GL;
             }
         }
