@@ -145,7 +145,8 @@ static inline __attribute__((always_inline)) void rows_of(const int type, int nr
 #include "quant_gemm.c"
 
 /* How a product of m activation rows runs, by the weight's type: x16 layouts always on their
- * groups (X16_GROUPS, or from I8_ROWS rows X16_AMX where the CPU has AMX-INT8); otherwise (crossovers measured on
+ * groups (X16_GROUPS, or from I8_ROWS rows X16_AMX where the CPU has AMX-INT8: the same
+ * numbers); otherwise (crossovers measured on
  * SmolLM2's decode steps): the 16-bit path (ACTS16) while decoding a block costs less than
  * expanding the weight to floats (below 10 rows for 4-bit blocks, below 13 for Q8_0, whose
  * bytes widen directly); then the float GEMM on activation panels (plain F32 rows from the
@@ -175,8 +176,9 @@ static int64_t claim_grain(int type, int64_t m, int64_t total, int nth) {
      * from 8 (f32x16_rows); BF16_AMX: 2 groups a tile pass. The grain is one tile: a longer one
      * only lengthens the last claims, which the other threads wait for at the barrier. Over
      * SHARE_ROWS activation rows or more, the paths that take all the rows at once (AMX, F32_X16,
-     * BF16_DP, X16_AMX): a thread's even share of the weight rows, one claim each, since every claim passes
-     * over all the activation rows (amx_rows, f32x16_rows), which outgrow L2. */
+     * BF16_DP, X16_AMX): a thread's even share of the weight rows, one claim each, since every
+     * claim passes over all the activation rows (amx_rows, f32x16_rows, i8_rows), which outgrow
+     * L2. */
     if ((path == F32_X16 || path == BF16_DP || path == BF16_AMX || path == X16_AMX) && m >= SHARE_ROWS)
         return ((total + nth - 1) / nth + 63) / 64 * 64;
     if (path == F32_X16 || path == BF16_DP) return m >= 8 ? 32 : 64;
@@ -300,16 +302,21 @@ static int acts_alloc(Acts *a, int64_t m, int64_t k, int paths) {
         if (!a->b) return 0;
     }
     if (!(paths & ((1 << ACTS16) | (1 << X16_GROUPS) | (1 << X16_AMX)))) return 1;
-    const int64_t mt = paths & (1 << X16_AMX) ? (m + 15) / 16 * 16 : m; /* tiles read whole: zeros past m */
+    /* X16_AMX reads whole tiles of 16 rows: those past m are read (zeros here, for k), not kept */
+    const int64_t mt = paths & (1 << X16_AMX) ? (m + 15) / 16 * 16 : m, nb = k / QK;
     a->q = malloc(sizeof(int16_t) * (size_t)(m * k));
-    a->d = calloc((size_t)(mt * (k / QK)), sizeof(float));
-    a->s = calloc((size_t)(mt * (k / QK)), sizeof(float));
-    if (paths & (1 << X16_AMX)) {
-        a->h = calloc((size_t)(mt * k), 1);
-        a->l = calloc((size_t)(mt * k), 1);
-        if (!a->h || !a->l) return 0;
-    }
-    return a->q && a->d && a->s;
+    a->d = malloc(sizeof(float) * (size_t)(mt * nb));
+    a->s = malloc(sizeof(float) * (size_t)(mt * nb));
+    if (!a->q || !a->d || !a->s) return 0;
+    if (!(paths & (1 << X16_AMX))) return 1;
+    memset(a->d + m * nb, 0, sizeof(float) * (size_t)((mt - m) * nb));
+    memset(a->s + m * nb, 0, sizeof(float) * (size_t)((mt - m) * nb));
+    a->h = malloc((size_t)(mt * k));
+    a->l = malloc((size_t)(mt * k));
+    if (!a->h || !a->l) return 0;
+    memset(a->h + (mt - 16) * k, 0, (size_t)(16 * k)); /* the last tile, whole (its rows interleave) */
+    memset(a->l + (mt - 16) * k, 0, (size_t)(16 * k));
+    return 1;
 }
 
 /* Whether products on these paths need gemm_scratch (a float GEMM's, or x16's padded group). */
