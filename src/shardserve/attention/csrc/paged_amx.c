@@ -55,16 +55,16 @@ static inline void amx_key_tile(const uint16_t *keys, int64_t stride, const uint
 /* block_item's scores (paged_decode.c) on AMX tiles, one KV head at a time: its columns (the
  * item's rows and heads that read it) laid out once, then the pages in table order, 16 keys a
  * tile. Keys past a row's length in a tile are computed and not kept (a page holds whole tiles:
- * page_size is a multiple of 16 on this path). qt: the column tiles' scratch. */
+ * page_size is a multiple of 16 on this path). longest: the item's longest row; qt: the column
+ * tiles' scratch. */
 static void amx_item_scores(const uint16_t *qb, const uint16_t *k_cache, const int64_t *table, const int64_t *lens,
-                            int64_t b0, int64_t b1, const unsigned char *take, const int64_t *kv_of_q, int64_t kv0,
-                            int64_t kv1, int64_t H, int64_t Hkv, int64_t D, int64_t page_size, float scale,
-                            float *scores, int64_t max_len, uint16_t *qt) {
+                            int64_t b0, int64_t b1, int64_t longest, const unsigned char *take,
+                            const int64_t *kv_of_q, int64_t kv0, int64_t kv1, int64_t H, int64_t Hkv, int64_t D,
+                            int64_t page_size, float scale, float *scores, int64_t max_len, uint16_t *qt) {
     const int64_t stride = Hkv * D, nch = D / 32;
-    int64_t longest = 0, cols[(b1 - b0) * H]; /* a column: (b - b0) * H + h, its query's index in qb */
+    int64_t cols[(b1 - b0) * H]; /* a column: (b - b0) * H + h, its query's index in qb */
     float c[16 * 16];
     const __m512i key_rows = _mm512_set_epi32(240, 224, 208, 192, 176, 160, 144, 128, 112, 96, 80, 64, 48, 32, 16, 0);
-    for (int64_t b = b0; b < b1; ++b) longest = lens[b] > longest ? lens[b] : longest;
     const int64_t npages = (longest + page_size - 1) / page_size;
     amx_configure();
     for (int64_t kv = kv0; kv < kv1; ++kv) {
@@ -128,13 +128,12 @@ static void amx_value_chunk(const uint16_t *v_cache, const int64_t *table, int64
  * scores as amx_item_scores left them, normalized; vp holds (longest rounded up to 32) * D
  * bfloat16, pt 512. */
 static void amx_item_values(const float *scores, const uint16_t *v_cache, const int64_t *table, const int64_t *lens,
-                            int64_t b0, int64_t b1, const unsigned char *take, const int64_t *kv_of_q, int64_t kv0,
-                            int64_t kv1, int64_t H, int64_t Hkv, int64_t D, int64_t page_size, float *out,
-                            int64_t max_len, uint16_t *vp, uint16_t *pt) {
+                            int64_t b0, int64_t b1, int64_t longest, const unsigned char *take,
+                            const int64_t *kv_of_q, int64_t kv0, int64_t kv1, int64_t H, int64_t Hkv, int64_t D,
+                            int64_t page_size, float *out, int64_t max_len, uint16_t *vp, uint16_t *pt) {
     const int64_t nd = D / 16;
-    int64_t longest = 0, cols[(b1 - b0) * H];
+    int64_t cols[(b1 - b0) * H];
     float c[4][16 * 16];
-    for (int64_t b = b0; b < b1; ++b) longest = lens[b] > longest ? lens[b] : longest;
     const int64_t nchunks = (longest + 31) / 32;
     amx_configure();
     for (int64_t kv = kv0; kv < kv1; ++kv) {

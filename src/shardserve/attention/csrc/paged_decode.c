@@ -103,22 +103,22 @@ static void block_item(const float *q, int64_t q_stride, const void *k_cache, co
 #else
     (void)qb;
 #endif
+    int64_t longest = 0, lb = b0; /* the longest row prefetches: it reads every page */
+    for (int64_t b = b0; b < b1; ++b)
+        if (lens[b] > longest) { longest = lens[b]; lb = b; }
 #if PAGED_BF16 && AMX_BUILT
     if (amx) { /* paged_amx.c: every pass on tiles */
-        amx_item_scores(qb, k_cache, table, lens, b0, b1, take, kv_of_q, kv0, kv1, H, Hkv, D, page_size, scale, scores,
-                        max_len, qt);
+        amx_item_scores(qb, k_cache, table, lens, b0, b1, longest, take, kv_of_q, kv0, kv1, H, Hkv, D, page_size,
+                        scale, scores, max_len, qt);
         item_softmax(take, lens, b0, b1, out, lse, H, D, scores, max_len);
-        amx_item_values(scores, v_cache, table, lens, b0, b1, take, kv_of_q, kv0, kv1, H, Hkv, D, page_size, out,
-                        max_len, vp, qt);
+        amx_item_values(scores, v_cache, table, lens, b0, b1, longest, take, kv_of_q, kv0, kv1, H, Hkv, D, page_size,
+                        out, max_len, vp, qt);
         return;
     }
 #else
     (void)amx, (void)qt, (void)vp;
 #endif
     const int64_t es = bf ? 2 : 4; /* bytes a cached value */
-    int64_t longest = 0, lb = b0; /* the longest row prefetches: it reads every page */
-    for (int64_t b = b0; b < b1; ++b)
-        if (lens[b] > longest) { longest = lens[b]; lb = b; }
     for (int values = 0; values < 2; ++values) {
         const char *cache = values ? v_cache : k_cache;
         int64_t stride = Hkv * D, block = page_size * stride * es, npages = (longest + page_size - 1) / page_size;

@@ -33,8 +33,8 @@ const char *kernel_paths(void) {
     static char text[400];
     int bf = bf16_path();
     snprintf(text, sizeof text, "Q4_0/Q4_1/Q8_0/float32 products: x16 groups on %s%s; bfloat16: %s; Q4_K/Q6_K: %s",
-             X16_PATH, i8_ready() ? I8_PATH_ON : "", bf == 1 ? AMX_PATH_ON : bf == 2 ? DPBF_PATH_ON : "x16 groups, float32 activations",
-             GEMM_PATH);
+             X16_PATH, i8_ready() ? I8_PATH_ON : "",
+             bf == 1 ? AMX_PATH_ON : bf == 2 ? DPBF_PATH_ON : "x16 groups, float32 activations", GEMM_PATH);
     if (!amx_ready() && AMX_BUILT) /* said where the CPU lists AMX and it is not used */
         snprintf(text + strlen(text), sizeof text - strlen(text), " (%s)", amx_why);
     else if (!i8_ready() && AMX_I8_BUILT)

@@ -73,9 +73,9 @@ static void amx_silu_run(const uint8_t *w, int64_t inter, int64_t k, int64_t r0,
             const int64_t s1 = s0 + sweep_rows(m) < m ? s0 + sweep_rows(m) : m;
             for (int64_t g = p0; g < p1; g += GL) {
                 const uint8_t *grp[2] = {w + g * k * 2, w + (inter + g) * k * 2};
-                /* a gate and an up group a step: AHEAD / 2 steps ahead, on the panel's first pass */
+                /* a gate and an up group a step: AHEAD / 2 steps ahead */
                 const uint8_t *next[2] = {grp[0] + AHEAD / 2 * GL * k * 2, grp[1] + AHEAD / 2 * GL * k * 2};
-                const int fetch = s0 == 0 && m > 16 && g + (AHEAD / 2 + 1) * GL <= p1;
+                const int fetch = amx_prefetching(s0, m) && g + (AHEAD / 2 + 1) * GL <= p1;
                 for (int64_t i0 = s0; i0 < s1; i0 += 32, s ^= 1) {
                     const int na = m - i0 > 16 ? 2 : 1;
                     amx_block(xb + i0 * k, k, xb + (i0 + 16) * k, k, na, grp, NULL, 2, nc, nc,

@@ -95,6 +95,10 @@ static inline __attribute__((always_inline)) void amx_block(const uint16_t *a0, 
 
 #define AHEAD 4 /* groups from the one multiplied to the one prefetched on a panel's first pass (amx_block) */
 
+/* Whether a sweep of m activation rows from row s0 prefetches weight groups: the panel's first
+ * (its groups come from memory), from 17 rows (at one row the prefetches slowed the decode). */
+static inline int amx_prefetching(int64_t s0, int64_t m) { return s0 == 0 && m > 16; }
+
 /* Activation rows that pass over a group while it is at hand: every row of a decode step's few
  * (the group's one read from memory then feeds them all, so the stream of weights never waits
  * for a second pass from L2), else a pair of tiles at a time, each pair over a whole panel. */
@@ -176,7 +180,7 @@ static void amx_rows(const uint8_t *w, int64_t n, int64_t r0, int64_t r1, const 
                 const int ng = (g0 + 2 * GL <= p1 && g0 + 2 * GL <= n && g0 >= p0) ? 2 : 1;
                 const uint8_t *grp[2], *next[2] = {NULL, NULL};
                 for (int g = 0; g < ng; g++) grp[g] = amx_group(w, n, g0 + g * GL, k, (uint8_t *)pad, tail[g]);
-                for (int g = 0; s0 == 0 && m > 16 && g < 2; g++) /* the next groups of the panel's first pass */
+                for (int g = 0; amx_prefetching(s0, m) && g < 2; g++) /* the groups AHEAD on */
                     if (g0 + (AHEAD + g + 1) * GL <= (p1 < n ? p1 : n)) next[g] = w + (g0 + (AHEAD + g) * GL) * k * 2;
                 for (int64_t i0 = s0; i0 < s1; i0 += 32) {
                     const int na = m - i0 > 16 ? 2 : 1; /* activation tiles */

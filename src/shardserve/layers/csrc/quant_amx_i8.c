@@ -220,7 +220,9 @@ static void i8_split(const Acts *a, int64_t r0, int64_t r1) {
         }
 }
 
-#define I8_PATH_ON "; from 16 rows on amx-int8 tiles (the same numbers)"
+#define I8_TEXT(x) #x
+#define I8_ROWS_TEXT(x) I8_TEXT(x) /* I8_ROWS's value as text */
+#define I8_PATH_ON "; from " I8_ROWS_TEXT(I8_ROWS) " rows on amx-int8 tiles (the same numbers)"
 #else /* the product paths' AMX-INT8 calls are compiled out (quant_matmul.c) */
 static inline int i8_ready(void) { return 0; }
 static const char *i8_why = "this build has no AMX-INT8 (the compiler or the CPU lacks it)";
