@@ -277,9 +277,41 @@ def test_silu_in_the_gate_up_product_gives_the_bits_of_the_two_apart(rows: int, 
     apart = cpu_ops.silu_mul(quant_kernel.linear(x, ((0, w),), 2 * inter), bf16=True)
     assert fused is not None and fused.dtype == torch.bfloat16 and fused.shape == (rows, inter)
     assert torch.equal(fused.view(torch.int16), apart.view(torch.int16))
-    # A strided input (a view into wider rows) reads the same rows.
+    # A strided input (a view into wider rows) reads the same rows; so do the rows handed already
+    # rounded to bfloat16 (the norm before it rounds them: rms_norm(bf16=True)), strided too.
     wide = torch.cat([x, torch.ones(rows, 8)], dim=1)[:, :k]
     assert torch.equal(quant_kernel.gate_up_silu(wide, ((0, w),)).view(torch.int16), fused.view(torch.int16))
+    assert torch.equal(quant_kernel.gate_up_silu(wide.bfloat16(), ((0, w),)).view(torch.int16), fused.view(torch.int16))
+    wide16 = torch.cat([x.bfloat16(), torch.full((rows, 32), float("nan"), dtype=torch.bfloat16)], dim=1)[:, :k]
+    assert torch.equal(quant_kernel.gate_up_silu(wide16, ((0, w),)).view(torch.int16), fused.view(torch.int16))
+
+
+@pytest.mark.parametrize("rows", [1, 7, 64, 300])
+def test_the_norm_hands_a_product_the_bits_it_would_round(rows: int) -> None:
+    """cpu_ops.rms_norm(bf16=True) gives rms_norm's float32 rows rounded to bfloat16 (nearest even,
+    NaN kept), and a decoder layer whose products take bfloat16 rows gives, from them, the bits it
+    gives from the float32 rows."""
+    from shardserve.distributed.communicator import Communicator
+    from shardserve.layers import cpu_ops
+    from shardserve.layers.mlp import GatedMLP
+    from shardserve.loader.quantized import bf16_rows
+
+    g = torch.Generator().manual_seed(rows)
+    x, weight = torch.randn(rows, 96, generator=g) * 3, torch.randn(96, generator=g)
+    x[0, 5] = float("nan")  # row 0 all NaN after the norm
+    n32, n16 = cpu_ops.rms_norm(x, weight, 1e-5), cpu_ops.rms_norm(x, weight, 1e-5, bf16=True)
+    assert n16.dtype == torch.bfloat16 and n16.shape == n32.shape
+    assert torch.equal(n16[1:].view(torch.int16), n32[1:].bfloat16().view(torch.int16)) and n16[0].isnan().all()
+    mlp = GatedMLP(96, 64, Communicator(), torch.float32, torch.device("cpu"))
+    for layer in (mlp.gate_up_proj, mlp.down_proj):
+        layer.quant = ((0, quant_kernel.kernel_layout(bf16_rows(torch.randn(layer.out_features, layer.weight.shape[1],
+                                                                            generator=g)))),)
+        layer.weight, layer._bf16_input = None, quant_kernel.takes_bf16(layer.quant)
+    if not mlp.takes_bf16_input:
+        pytest.skip(f"BF16 products run on {quant_kernel.bf16_path()} here, which rounds its own activations")
+    assert torch.equal(mlp(n16[1:]), mlp(n32[1:]))
+    mlp.down_proj._bf16_input = False  # the fused SiLU declines: the product and SiLU apart, from bf16 rows
+    assert torch.equal(mlp(n16[1:]), mlp(n32[1:]))
 
 
 def test_the_fused_gate_up_declines_what_it_does_not_take() -> None:

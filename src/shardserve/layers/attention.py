@@ -50,6 +50,11 @@ class SelfAttention(nn.Module):
         self.k_norm = RMSNorm(self.d, cfg.rms_norm_eps, dtype, device) if qk_norm else None
         self.heads = Heads(self.hq, self.hkv, self.d, self.d**-0.5, shard.kv_of_q, device)
 
+    @property
+    def takes_bf16_input(self) -> bool:
+        """Whether forward takes x as bfloat16 rows already rounded (the q/k/v product's)."""
+        return self.qkv_proj.takes_bf16_input
+
     def forward(self, positions: torch.Tensor, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         t = x.shape[0]
         q, k, v = self.qkv_proj(x).split([self.hq * self.d, self.hkv * self.d, self.hkv * self.d], dim=-1)

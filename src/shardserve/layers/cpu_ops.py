@@ -17,14 +17,20 @@ def cpu_float32(*ts: torch.Tensor) -> bool:
     return all(t.device.type == "cpu" and t.dtype == torch.float32 and t.stride(-1) == 1 for t in ts)
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor | None:
-    """weight * x / sqrt(mean(x^2) + eps) over the last dim, or None (use torch)."""
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, bf16: bool = False) -> torch.Tensor | None:
+    """weight * x / sqrt(mean(x^2) + eps) over the last dim, or None (use torch). `bf16`: rounded
+    to bfloat16 as a product on bfloat16 weights rounds its activations, for one that takes them
+    so (quant_kernel.takes_bf16): the same bits it would have used, without a float32 copy."""
     if not cpu_float32(x, weight) or (lib := _lib()) is None:
         return None
     x2 = x.reshape(-1, x.shape[-1])  # a view or a contiguous copy: unit stride either way
-    out = torch.empty(x2.shape, dtype=torch.float32)
-    lib.rms_norm_f32(x2.data_ptr(), x2.shape[0], x2.stride(0), x2.shape[1], weight.data_ptr(), eps, out.data_ptr(),
-                     out.stride(0), torch.get_num_threads())
+    out = torch.empty(x2.shape, dtype=torch.bfloat16 if bf16 else torch.float32)
+    args = (x2.data_ptr(), x2.shape[0], x2.stride(0), x2.shape[1], weight.data_ptr(), eps, out.data_ptr())
+    if bf16:
+        if lib.rms_norm_bf16(*args, torch.get_num_threads()):
+            raise MemoryError("rms_norm: out of memory for a row buffer")
+    else:
+        lib.rms_norm_f32(*args, out.stride(0), torch.get_num_threads())
     return out.view(x.shape)
 
 

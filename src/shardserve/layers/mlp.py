@@ -17,6 +17,11 @@ class GatedMLP(nn.Module):
         self.gate_up_proj = merged_column_linear(hidden, [intermediate, intermediate], False, comm, dtype, device)
         self.down_proj = RowParallelLinear(intermediate, hidden, False, comm, dtype, device, reduce=reduce)
 
+    @property
+    def takes_bf16_input(self) -> bool:
+        """Whether forward takes x as bfloat16 rows already rounded (the gate/up product's)."""
+        return self.gate_up_proj.takes_bf16_input
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.gate_up_proj.takes_bf16_input and self.down_proj.takes_bf16_input:
             # bfloat16 weights on vdpbf16ps, no adapter: SiLU in the gate/up product's epilogue.

@@ -19,8 +19,10 @@ class RMSNorm(nn.Module):
     def _load(self, param, src, shard_id=None) -> None:
         copy_into(param.data, src.read(), src.name)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if (out := cpu_ops.rms_norm(x, self.weight, self.eps)) is not None:
+    def forward(self, x: torch.Tensor, bf16: bool = False) -> torch.Tensor:
+        """`bf16`: the consumer takes bfloat16 rows (its takes_bf16_input): the C kernel then hands
+        them so, rounded as the consumer would round them; elsewhere the rows are as without it."""
+        if (out := cpu_ops.rms_norm(x, self.weight, self.eps, bf16)) is not None:
             return out
         if (out := gpu_ops.rms_norm(x, self.weight, self.eps)) is not None:
             return out

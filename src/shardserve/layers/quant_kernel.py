@@ -141,17 +141,20 @@ def gate_up_silu(x: torch.Tensor, segments: tuple[tuple[int, QuantWeight], ...])
     the up rows) with its SiLU in the product's own epilogue (csrc/gate_up_silu.c), the same bits
     as `linear` then cpu_ops.silu_mul(bf16=True). None, having done nothing, where the kernel's
     path is another (neither vdpbf16ps nor AMX with columns in whole chunks of 32, several
-    segments, I not a multiple of 16, not float32 x)."""
+    segments, I not a multiple of 16); x float32, or bfloat16 rows already rounded (cpu_ops.rms_norm
+    with bf16)."""
     w = segments[0][1]
     # The path (vdpbf16ps, AMX, or neither) the C entry checks itself, answering 3.
-    if len(segments) != 1 or w.qtype != X16 | BF16 or x.dtype != torch.float32:
+    if len(segments) != 1 or w.qtype != X16 | BF16 or x.dtype not in (torch.float32, torch.bfloat16):
         return None
     x2 = x.reshape(-1, x.shape[-1])
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
+    bf16 = x2.dtype == torch.bfloat16
     out = torch.empty(x2.shape[0], w.rows // 2, dtype=torch.bfloat16)
-    rc = load().qmatmul_bf16_silu(w.data.data_ptr(), w.rows, w.cols, x2.data_ptr(), x2.shape[0], x2.stride(0),
-                                  out.data_ptr(), out.stride(0), torch.get_num_threads())
+    rc = load().qmatmul_bf16_silu(w.data.data_ptr(), w.rows, w.cols, None if bf16 else x2.data_ptr(),
+                                  x2.data_ptr() if bf16 else None, x2.shape[0], x2.stride(0), out.data_ptr(),
+                                  out.stride(0), torch.get_num_threads())
     if rc == 3:
         return None
     _check(rc, "qmatmul_bf16_silu", w)

@@ -45,8 +45,15 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
-        x = x + self.self_attn(positions, self.input_layernorm(x), ctx)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        # A norm hands its rows as bfloat16 where the product after it would round them so itself.
+        x = x + self.self_attn(positions, self.input_layernorm(x, _takes_bf16(self.self_attn)), ctx)
+        return x + self.mlp(self.post_attention_layernorm(x, _takes_bf16(self.mlp)))
+
+
+def _takes_bf16(module: nn.Module) -> bool:
+    """Whether `module` (an attention or MLP) takes its input as bfloat16 rows: its first product's
+    takes_bf16_input, where it says (others take float32)."""
+    return getattr(module, "takes_bf16_input", False)
 
 
 class CausalLM(nn.Module):

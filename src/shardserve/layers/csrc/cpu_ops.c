@@ -25,17 +25,18 @@
 
 #define PAR_ROWS 64
 
+/* One row of rms_norm_f32: one copy of the code, so rms_norm_bf16's rows are these bits rounded. */
+static ONE_COPY void norm_row(const float *xr, int64_t dim, const float *w, float eps, float *o) {
+    float ss = 0.0f;
+    for (int64_t i = 0; i < dim; i++) ss += xr[i] * xr[i];
+    float inv = 1.0f / sqrtf(ss / (float)dim + eps);
+    for (int64_t i = 0; i < dim; i++) o[i] = w[i] * (xr[i] * inv);
+}
+
 void rms_norm_f32(const float *x, int64_t rows, int64_t ldx, int64_t dim, const float *w, float eps, float *out,
                   int64_t ldo, int nthreads) {
 #pragma omp parallel for num_threads(nthreads) schedule(static) if (rows >= PAR_ROWS)
-    for (int64_t r = 0; r < rows; r++) {
-        const float *xr = x + r * ldx;
-        float *o = out + r * ldo;
-        float ss = 0.0f;
-        for (int64_t i = 0; i < dim; i++) ss += xr[i] * xr[i];
-        float inv = 1.0f / sqrtf(ss / (float)dim + eps);
-        for (int64_t i = 0; i < dim; i++) o[i] = w[i] * (xr[i] * inv);
-    }
+    for (int64_t r = 0; r < rows; r++) norm_row(x + r * ldx, dim, w, eps, out + r * ldo);
 }
 
 static void rotate_heads(float *x, int64_t ld, int64_t heads, int64_t d, const float *c, const float *s) {
@@ -80,6 +81,28 @@ static inline void silu_row(const float *g, int64_t inter, float *o) { silu_rows
 void silu_mul_f32(const float *gu, int64_t rows, int64_t ldg, int64_t inter, float *out, int nthreads) {
 #pragma omp parallel for num_threads(nthreads) schedule(static) if (rows >= PAR_ROWS)
     for (int64_t r = 0; r < rows; r++) silu_row(gu + r * ldg, inter, out + r * inter);
+}
+
+/* rms_norm_f32's rows rounded to bfloat16 as a product on bfloat16 weights rounds its activations
+ * (bf16_rows_of), for one that takes them so (qmatmul_bf16, qmatmul_bf16_silu): the float32 rows
+ * are never stored, and the product does not pass over them again. out: rows `dim` apart.
+ * Returns 2 when a row buffer cannot be allocated. */
+int rms_norm_bf16(const float *x, int64_t rows, int64_t ldx, int64_t dim, const float *w, float eps, uint16_t *out,
+                  int nthreads) {
+    int failed = 0;
+#pragma omp parallel num_threads(nthreads) if (rows >= PAR_ROWS) reduction(| : failed)
+    {
+        float *row = malloc(sizeof(float) * (size_t)dim);
+        failed = !row;
+#pragma omp for schedule(static)
+        for (int64_t r = 0; r < rows; r++) {
+            if (!row) continue;
+            norm_row(x + r * ldx, dim, w, eps, row);
+            bf16_rows_of(row, 0, 0, 1, dim, dim, out + r * dim);
+        }
+        free(row);
+    }
+    return failed ? 2 : 0;
 }
 
 /* silu_mul_f32's rows rounded to bfloat16 as a product on bfloat16 weights rounds its activations

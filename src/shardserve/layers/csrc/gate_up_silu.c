@@ -54,14 +54,15 @@ static void amx_silu_epilogue(float (*out)[16 * 16], int na, int64_t i0, int64_t
     }
 }
 
-/* silu_run on AMX tiles: rows [0, m) of xb (k, whole chunks of 32, apart; readable up to m
- * rounded up to 16, as acts_alloc allocates them), each 32 rows by gate group j and up group j,
+/* silu_run on AMX tiles: rows [0, m) of xb (lda apart, k whole chunks of 32; the last,
+ * part-filled tile read from `last` (amx_last_tile) where given, else in place: acts_alloc's rows
+ * are readable up to m rounded up to 16), each 32 rows by gate group j and up group j,
  * panel by panel of gate groups and sweep by sweep of rows as amx_rows takes a plain product's (a
  * panel row is a gate row and its up row). A step's epilogue runs after the next step's tile
  * products are issued, so the vector unit's SiLU overlaps the tiles' work (its tiles were stored
  * before). */
 static void amx_silu_run(const uint8_t *w, int64_t inter, int64_t k, int64_t r0, int64_t r1, const uint16_t *xb,
-                         int64_t m, uint16_t *act, int64_t ldact) {
+                         int64_t lda, const uint16_t *last, int64_t m, uint16_t *act, int64_t ldact) {
     const int64_t nc = k / 32, panel = panel_rows(2 * 2 * k, 2 * GL);
     float out[2][4][16 * 16]; /* two steps' tiles: the one summing and the one in its epilogue */
     int64_t prev_i0 = -1, prev_g = 0;
@@ -78,8 +79,10 @@ static void amx_silu_run(const uint8_t *w, int64_t inter, int64_t k, int64_t r0,
                 const int fetch = amx_prefetching(s0, m) && g + (AHEAD / 2 + 1) * GL <= p1;
                 for (int64_t i0 = s0; i0 < s1; i0 += 32, s ^= 1) {
                     const int na = m - i0 > 16 ? 2 : 1;
-                    amx_block(xb + i0 * k, k, xb + (i0 + 16) * k, k, na, grp, NULL, 2, nc, nc,
-                              fetch && i0 == s0 ? next : NULL);
+                    int64_t ld0, ld1;
+                    const uint16_t *a0 = amx_acts(xb, lda, i0, m, last, &ld0, k),
+                                   *a1 = amx_acts(xb, lda, i0 + 16, m, last, &ld1, k);
+                    amx_block(a0, ld0, a1, ld1, na, grp, NULL, 2, nc, nc, fetch && i0 == s0 ? next : NULL);
                     if (prev_i0 >= 0) amx_silu_epilogue(out[s ^ 1], prev_na, prev_i0, m, prev_g, act, ldact);
                     _tile_stored(0, out[s][0], 64);
                     _tile_stored(1, out[s][1], 64);
@@ -97,25 +100,35 @@ static void amx_silu_run(const uint8_t *w, int64_t inter, int64_t k, int64_t r0,
 }
 #endif
 
-/* act (m rows ldact apart, bfloat16) as above, from x (m float32 rows ldx apart) and W (BF16 | X16,
- * n = 2I rows of k). Returns 0; 1 for a k the format does not take; 2 out of memory; 3, doing
+/* act (m rows ldact apart, bfloat16) as above, from x (m float32 rows ldx apart) or, x NULL, xb
+ * (m rows ldx apart already rounded to bfloat16: rms_norm_bf16), and W (BF16 | X16, n = 2I rows of
+ * k). Returns 0; 1 for a k the format does not take; 2 out of memory; 3, doing
  * nothing, where this is not the product's path (neither vdpbf16ps nor AMX with k whole chunks
  * of 32; or I not whole groups): the caller then runs the product and silu_mul_bf16. */
-int qmatmul_bf16_silu(const uint8_t *w, int64_t n, int64_t k, const float *x, int64_t m, int64_t ldx, uint16_t *act,
-                      int64_t ldact, int nthreads) {
+int qmatmul_bf16_silu(const uint8_t *w, int64_t n, int64_t k, const float *x, const uint16_t *xb, int64_t m,
+                      int64_t ldx, uint16_t *act, int64_t ldact, int nthreads) {
     const int type = X16 | BF16, path = product_path(type, m);
     if (!fits(type, k)) return 1;
     if (n % (2 * GL) || !((DPBF_BUILT && path == BF16_DP) || (AMX_BUILT && path == BF16_AMX && k % 32 == 0))) return 3;
     const int64_t inter = n / 2;
-    Acts a; /* AMX: rows up to m rounded up to 16, so every tile is read in place */
-    if (!acts_alloc(&a, m, k, 1 << path)) { acts_free(&a); return 2; }
+    Acts a = {NULL, NULL, NULL, NULL, k, m, (uint16_t *)xb, ldx, NULL, NULL};
+    uint16_t *last = NULL; /* xb's last, part-filled tile for AMX (its rows past m are not ours to read) */
+    if (!xb && !acts_alloc(&a, m, k, 1 << path)) { acts_free(&a); return 2; } /* AMX: readable to 16 rows */
+    if (xb && path == BF16_AMX && m % 16) {
+        if (!(last = malloc(sizeof(uint16_t) * 16 * (size_t)k))) return 2;
+#if AMX_BUILT
+        amx_last_tile(xb, ldx, m, k, last);
+#endif
+    }
     int err = 0;
     int64_t next = 0;
 #pragma omp parallel num_threads(nthreads)
     {
         int nth = omp_get_num_threads(), tid = omp_get_thread_num();
-        acts_rows(x, ldx, m * tid / nth, m * (tid + 1) / nth, &a);
+        if (x) { /* the same for every thread: all or none reach the barrier */
+            acts_rows(x, ldx, m * tid / nth, m * (tid + 1) / nth, &a);
 #pragma omp barrier
+        }
         float *tile = path == BF16_DP ? malloc(sizeof(float) * 3 * GL * ROW_BLOCK) : NULL; /* [rows][32] sums, then [rows][16] SiLU */
         if (path == BF16_DP && !tile) {
 #pragma omp atomic write
@@ -125,7 +138,7 @@ int qmatmul_bf16_silu(const uint8_t *w, int64_t n, int64_t k, const float *x, in
             for (int64_t r0, r1; (r0 = claim_rows(&next, inter, grain, nth, &r1)) >= 0;) {
 #if AMX_BUILT
                 if (path == BF16_AMX) {
-                    amx_silu_run(w, inter, k, r0, r1, a.b, m, act, ldact);
+                    amx_silu_run(w, inter, k, r0, r1, a.b, acts_ldb(&a), last, m, act, ldact);
                     continue;
                 }
 #endif
@@ -140,6 +153,7 @@ int qmatmul_bf16_silu(const uint8_t *w, int64_t n, int64_t k, const float *x, in
         }
         free(tile);
     }
-    acts_free(&a);
+    if (!xb) acts_free(&a);
+    free(last);
     return err;
 }
