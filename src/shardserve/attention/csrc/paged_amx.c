@@ -125,9 +125,10 @@ static void amx_value_chunk(const uint16_t *v_cache, const int64_t *table, int64
  * tiles (amx_value_chunk), then for each tile of 16 columns (the item's rows and heads reading
  * it) and each 64 dims, the probabilities of 32 keys at a time rounded to bfloat16 (nearest even)
  * as an A tile, summed in key order into float32 accumulator tiles; out[b][h] written whole.
- * scores as amx_item_scores left them, normalized; vp holds (longest rounded up to 32) * D
+ * scores: the exps item_softmax left, a column's probabilities those times its invs entry (the
+ * normalization, done here as they are rounded); vp holds (longest rounded up to 32) * D
  * bfloat16, pt 512. */
-static void amx_item_values(const float *scores, const uint16_t *v_cache, const int64_t *table, const int64_t *lens,
+static void amx_item_values(const float *scores, const float *invs, const uint16_t *v_cache, const int64_t *table, const int64_t *lens,
                             int64_t b0, int64_t b1, int64_t longest, const unsigned char *take,
                             const int64_t *kv_of_q, int64_t kv0, int64_t kv1, int64_t H, int64_t Hkv, int64_t D,
                             int64_t page_size, float *out, int64_t max_len, uint16_t *vp, uint16_t *pt) {
@@ -158,10 +159,12 @@ static void amx_item_values(const float *scores, const uint16_t *v_cache, const 
                     for (int64_t n = 0; n < nc; ++n) { /* column n's probabilities of keys [t, t + 32) */
                         const int64_t b = b0 + cols[j0 + n] / H, h = cols[j0 + n] % H, len = lens[b];
                         const float *p = scores + (b - b0) * H * max_len + h * len + t;
+                        const __m512 inv = _mm512_set1_ps(invs[(b - b0) * H + h]);
                         const int64_t left = len - t;
                         const __mmask16 k0 = left >= 16 ? 0xFFFF : left > 0 ? (__mmask16)((1u << left) - 1) : 0;
                         const __mmask16 k1 = left >= 32 ? 0xFFFF : left > 16 ? (__mmask16)((1u << (left - 16)) - 1) : 0;
-                        __m512bh two = _mm512_cvtne2ps_pbh(_mm512_maskz_loadu_ps(k1, p + 16), _mm512_maskz_loadu_ps(k0, p));
+                        __m512bh two = _mm512_cvtne2ps_pbh(_mm512_mul_ps(_mm512_maskz_loadu_ps(k1, p + 16), inv),
+                                                           _mm512_mul_ps(_mm512_maskz_loadu_ps(k0, p), inv));
                         _mm512_storeu_si512((void *)(pt + n * 32), (__m512i)two);
                     }
                     if (once) amx_value_chunk(v_cache, table, kv, Hkv, D, page_size, longest, t, vp);

@@ -19,6 +19,9 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
 
 #include "paged_vec.c"
 
@@ -26,16 +29,55 @@
  * loads, shown by `shardserve env`. */
 const char *kernel_paths(void); /* at the end, once paged_bf16.c has said what it built */
 
-/* Normalizes s[0..n) in place, n >= 1, and returns its log-sum-exp. The max starts at s[0], not
- * -inf: under -ffast-math the compiler may assume no infinities. */
-static float softmax(float *s, int64_t n) {
+/* Normalizes s[0..n) in place, n >= 1, and returns its log-sum-exp; or, `inv` given, leaves the
+ * exps unnormalized and sets *inv = 1 / their sum, for a values pass that multiplies as it reads
+ * (the same products, so the same bits, without a pass of its own). The max starts at s[0], not
+ * -inf: under -ffast-math the compiler may assume no infinities. With AVX-512, 16 lanes written
+ * out (the compiler's own loop takes libmvec's 8-lane expf and a scalar one for the tail): every
+ * exp on glibc's 16-lane expf, the tail's lanes masked. */
+#if defined(__AVX512F__)
+__m512 _ZGVeN16v_expf(__m512); /* libmvec (glibc), linked through -lm */
+static float softmax(float *s, int64_t n, float *inv_out) {
+    const int64_t whole = n / 16 * 16;
+    const __mmask16 tail = (__mmask16)((1u << (n - whole)) - 1);
+    __m512 vmx = _mm512_set1_ps(s[0]), vsum = _mm512_setzero_ps();
+    for (int64_t t = 0; t < whole; t += 16) vmx = _mm512_max_ps(vmx, _mm512_loadu_ps(s + t));
+    vmx = _mm512_mask_max_ps(vmx, tail, vmx, _mm512_maskz_loadu_ps(tail, s + whole));
+    const __m512 mx = _mm512_set1_ps(_mm512_reduce_max_ps(vmx));
+    for (int64_t t = 0; t < whole; t += 16) {
+        __m512 e = _ZGVeN16v_expf(_mm512_sub_ps(_mm512_loadu_ps(s + t), mx));
+        _mm512_storeu_ps(s + t, e);
+        vsum = _mm512_add_ps(vsum, e);
+    }
+    if (tail) {
+        __m512 e = _ZGVeN16v_expf(_mm512_sub_ps(_mm512_maskz_loadu_ps(tail, s + whole), mx));
+        _mm512_mask_storeu_ps(s + whole, tail, e);
+        vsum = _mm512_mask_add_ps(vsum, tail, vsum, e);
+    }
+    const float sum = _mm512_reduce_add_ps(vsum);
+    const __m512 inv = _mm512_set1_ps(1.f / sum);
+    if (inv_out) {
+        *inv_out = _mm512_cvtss_f32(inv);
+        return _mm512_cvtss_f32(mx) + logf(sum);
+    }
+    for (int64_t t = 0; t < whole; t += 16) _mm512_storeu_ps(s + t, _mm512_mul_ps(_mm512_loadu_ps(s + t), inv));
+    _mm512_mask_storeu_ps(s + whole, tail, _mm512_mul_ps(_mm512_maskz_loadu_ps(tail, s + whole), inv));
+    return _mm512_cvtss_f32(mx) + logf(sum);
+}
+#else
+static float softmax(float *s, int64_t n, float *inv_out) {
     float mx = s[0], sum = 0.f;
     for (int64_t t = 1; t < n; ++t) mx = s[t] > mx ? s[t] : mx;
     for (int64_t t = 0; t < n; ++t) { s[t] = expf(s[t] - mx); sum += s[t]; }
     float inv = 1.f / sum;
+    if (inv_out) {
+        *inv_out = inv;
+        return mx + logf(sum);
+    }
     for (int64_t t = 0; t < n; ++t) s[t] *= inv;
     return mx + logf(sum);
 }
+#endif
 
 /* Round-to-nearest-even float -> bfloat16, a NaN kept a NaN (the cache writes, kv_write). */
 static inline uint16_t bf16_of(float f) {
@@ -55,10 +97,11 @@ static inline void prefetch_rows(const char *page, int64_t r0, int64_t r1, int64
 #include "amx.h" /* whether this process runs AMX tiles: decided as for the products */
 #include "paged_bf16.c"
 
-/* The item's scores (rows [b0, b1), its heads) normalized in place; its out rows zeroed for the
- * values to add into; lse as paged_decode says. */
+/* The item's scores (rows [b0, b1), its heads) normalized in place, or, `invs` given, left as
+ * exps with 1 / their sum at invs[(b - b0) * H + h] (softmax); its out rows zeroed for the values
+ * to add into; lse as paged_decode says. */
 static void item_softmax(const unsigned char *take, const int64_t *lens, int64_t b0, int64_t b1, float *out, float *lse,
-                         int64_t H, int64_t D, float *scores, int64_t max_len) {
+                         int64_t H, int64_t D, float *scores, int64_t max_len, float *invs) {
     for (int64_t b = b0; b < b1; ++b) {
         int64_t len = lens[b];
         for (int64_t h = 0; h < H; ++h) {
@@ -66,7 +109,9 @@ static void item_softmax(const unsigned char *take, const int64_t *lens, int64_t
             memset(out + b * H * D + h * D, 0, sizeof(float) * D);
             /* No keys: the sum of exps is 0. Stored on its own branch, as a constant, since
              * under -ffast-math computing it (log of 0, 1/0) is not guaranteed to give -inf. */
-            float l = len > 0 ? softmax(scores + (b - b0) * H * max_len + h * len, len) : -INFINITY;
+            float l = len > 0 ? softmax(scores + (b - b0) * H * max_len + h * len, len,
+                                        invs ? invs + (b - b0) * H + h : NULL)
+                              : -INFINITY;
             if (lse) lse[b * H + h] = l;
         }
     }
@@ -110,9 +155,10 @@ static void block_item(const float *q, int64_t q_stride, const void *k_cache, co
     if (amx) { /* paged_amx.c: every pass on tiles */
         amx_item_scores(qb, k_cache, table, lens, b0, b1, longest, take, kv_of_q, kv0, kv1, H, Hkv, D, page_size,
                         scale, scores, max_len, qt);
-        item_softmax(take, lens, b0, b1, out, lse, H, D, scores, max_len);
-        amx_item_values(scores, v_cache, table, lens, b0, b1, longest, take, kv_of_q, kv0, kv1, H, Hkv, D, page_size,
-                        out, max_len, vp, qt);
+        float invs[(b1 - b0) * H]; /* the values pass normalizes as it rounds */
+        item_softmax(take, lens, b0, b1, out, lse, H, D, scores, max_len, invs);
+        amx_item_values(scores, invs, v_cache, table, lens, b0, b1, longest, take, kv_of_q, kv0, kv1, H, Hkv, D,
+                        page_size, out, max_len, vp, qt);
         return;
     }
 #else
@@ -164,7 +210,7 @@ static void block_item(const float *q, int64_t q_stride, const void *k_cache, co
             }
         }
         if (values) break;
-        item_softmax(take, lens, b0, b1, out, lse, H, D, scores, max_len);
+        item_softmax(take, lens, b0, b1, out, lse, H, D, scores, max_len, NULL);
     }
 }
 
