@@ -35,7 +35,7 @@ const char *kernel_paths(void); /* at the end, once paged_bf16.c has said what i
  * -inf: under -ffast-math the compiler may assume no infinities. With AVX-512, 16 lanes written
  * out (the compiler's own loop takes libmvec's 8-lane expf and a scalar one for the tail): every
  * exp on glibc's 16-lane expf, the tail's lanes masked. */
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) && defined(__GLIBC__)
 __m512 _ZGVeN16v_expf(__m512); /* libmvec (glibc), linked through -lm */
 static float softmax(float *s, int64_t n, float *inv_out) {
     const int64_t whole = n / 16 * 16;
