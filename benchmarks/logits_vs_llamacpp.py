@@ -64,7 +64,7 @@ def shardserve_run(model: str, quantization: str, prompt: list[int], n: int) -> 
     """Greedy tokens and the logits rows that produced them (the sampling rank's view, like
     tests/engine_util.py's record_logits)."""
     from shardserve.config import EngineConfig
-    from shardserve.core import SamplingParams
+    from shardserve.sampling_params import SamplingParams
     from shardserve.scheduler.engine_core import EngineCore
 
     core = EngineCore(EngineConfig(model=model, show_progress=False, num_pages=256, quantization=quantization))

@@ -52,7 +52,7 @@ def _sync(device: torch.device) -> None:
 
 def run(core, prompts: list[list[int]], max_tokens: int, outputs: list | None = None) -> tuple[int, float]:
     """(output tokens, seconds); each request's tokens appended to `outputs` if given."""
-    from shardserve.core import SamplingParams
+    from shardserve.sampling_params import SamplingParams
 
     params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
     reqs = [core.add_request(f"r{i}-{time.monotonic_ns()}", p, params) for i, p in enumerate(prompts)]
@@ -97,7 +97,7 @@ def kernel_launches(core, device: torch.device) -> int | None:
     """GPU kernels one decode step of one running request launches (None on the CPU)."""
     if device.type != "cuda":
         return None
-    from shardserve.core import SamplingParams
+    from shardserve.sampling_params import SamplingParams
 
     core.add_request("launches", [1] * 16, SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))
     core.step()  # the prefill

@@ -1,6 +1,7 @@
 """shardserve: serve large language models split across many devices."""
 
-from shardserve.core import LoRARequest, RequestOutput, SamplingParams
+from shardserve.core import RequestOutput
+from shardserve.sampling_params import LoRARequest, SamplingParams
 from shardserve.structured_outputs import StructuredOutputsParams
 
 __all__ = ["LLM", "LoRARequest", "RequestOutput", "SamplingParams", "StructuredOutputsParams"]

@@ -13,7 +13,6 @@ import time
 import zmq
 
 from shardserve.config import EngineConfig
-from shardserve.core import SamplingParams
 from shardserve.distributed.layout import Layout
 from shardserve.ipc.messages.api import AbortReq, AddRequests, ErrorOut, TokenBatch, TokenizedReq, TokenOut
 from shardserve.ipc.messages.reports import RankReports, ReportReq, Stats, merge_stats
@@ -21,6 +20,7 @@ from shardserve.ipc.sockets import Endpoints, bind_address, bound, gate_for, pus
 from shardserve.launch.grid import LocalGrid, endpoints, place
 from shardserve.launch.nodes import NodeSpec
 from shardserve.router.replicas import router_child
+from shardserve.sampling_params import SamplingParams
 from shardserve.scheduler.engine_core import EngineCore, RequestLimits
 from shardserve.scheduler.outputs import token_out
 

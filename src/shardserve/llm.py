@@ -11,14 +11,7 @@ from tqdm import tqdm
 
 from shardserve.chat_messages import check_template_options, normalize_messages, render_chat
 from shardserve.config import EngineConfig
-from shardserve.core import (
-    CompletionOutput,
-    EmbeddingOutput,
-    EmbeddingRequestOutput,
-    LoRARequest,
-    RequestOutput,
-    SamplingParams,
-)
+from shardserve.core import CompletionOutput, EmbeddingOutput, EmbeddingRequestOutput, RequestOutput
 from shardserve.distributed.layout import Layout
 from shardserve.engine_backends import LocalBackend, ProcessBackend
 from shardserve.ipc.messages.api import TokenOut
@@ -35,6 +28,7 @@ from shardserve.loader.tokenizer import load_tokenizer
 from shardserve.loader.weights import read_model_config, resolve_dtype
 from shardserve.logs import use_log_level
 from shardserve.router.policy import resolve_policy
+from shardserve.sampling_params import LoRARequest, SamplingParams
 from shardserve.scheduler.startup import startup_summary, use_threads
 
 Prompt = str | list[int]

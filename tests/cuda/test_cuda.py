@@ -68,7 +68,7 @@ def test_kernels_on_the_gpu(dtype, tol, heads, hkv, dim, ps, lens):
 @pytest.mark.parametrize("arch", ["llama", "qwen3", "qwen3_moe"])
 def test_tiny_models_match_transformers_on_the_gpu(tiny_model, arch, dtype, async_scheduling):
     from shardserve.config import EngineConfig
-    from shardserve.core import SamplingParams
+    from shardserve.sampling_params import SamplingParams
     from shardserve.scheduler.engine_core import EngineCore
 
     path, model = tiny_model(arch)
@@ -119,9 +119,9 @@ def test_small_operators_on_the_gpu(dtype, tol):
 def test_batched_sampling_on_the_gpu(kw):
     """The batched draw on CUDA tensors and generators equals the whole-row filters drawn at the
     same uniform numbers (float64, on the GPU)."""
-    from shardserve.core import SamplingParams
     from shardserve.engine.batch_sampling import sample_rows
     from shardserve.engine.sampler import filter_logits
+    from shardserve.sampling_params import SamplingParams
 
     g = torch.Generator(device=GPU).manual_seed(0)
     rows = torch.randn(16, 6000, device=GPU, generator=g) * 4

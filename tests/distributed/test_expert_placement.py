@@ -8,7 +8,6 @@ import json
 import pytest
 
 from shardserve.config import EngineConfig
-from shardserve.core import SamplingParams
 from shardserve.distributed.expert_placement import (
     Placement,
     PlacementPlan,
@@ -17,6 +16,7 @@ from shardserve.distributed.expert_placement import (
     save_counts,
 )
 from shardserve.layers.sharding import split_range
+from shardserve.sampling_params import SamplingParams
 from shardserve.scheduler.engine_core import EngineCore
 
 # 8 experts on 4 ranks, two of them (0 and 1, both on rank 0) hot.

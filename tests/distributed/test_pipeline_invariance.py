@@ -10,8 +10,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from shardserve.core import SamplingParams
 from shardserve.llm import LLM
+from shardserve.sampling_params import SamplingParams
 
 GREEDY = SamplingParams(max_tokens=10, temperature=0, logprobs=2)
 

@@ -13,10 +13,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from shardserve.core import SamplingParams
 from shardserve.distributed.communicator import CollectiveError
 from shardserve.distributed.layout import LayoutError
 from shardserve.llm import LLM
+from shardserve.sampling_params import SamplingParams
 from shardserve.scheduler.overlap import ExecutorError
 from shardserve.structured_outputs import StructuredOutputsParams
 

@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from shardserve.core import SamplingParams
 from shardserve.engine import batch_sampling
 from shardserve.engine.batch_sampling import STAGES, inverse_cdf, sample_rows
 from shardserve.engine.sampler import filter_logits
+from shardserve.sampling_params import SamplingParams
 
 VOCAB = 3000  # between the last two stages
 

@@ -28,10 +28,10 @@ from torch import nn
 
 from shardserve.attention import cpu_kernel
 from shardserve.config import EngineConfig
-from shardserve.core import SamplingParams
 from shardserve.layers import quant_kernel
 from shardserve.layers.linear import PackedLinear
 from shardserve.llm import LLM
+from shardserve.sampling_params import SamplingParams
 from shardserve.scheduler.engine_core import EngineCore
 
 pytestmark = pytest.mark.skipif(quant_kernel.available() is not None, reason="the C kernels do not build here")

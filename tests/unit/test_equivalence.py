@@ -8,7 +8,7 @@ import torch
 from engine_util import record_logits
 
 from shardserve.config import EngineConfig
-from shardserve.core import SamplingParams
+from shardserve.sampling_params import SamplingParams
 from shardserve.scheduler.engine_core import EngineCore
 
 ARCHS = ["llama", "llama_tied", "qwen2", "qwen3", "qwen3_moe", "qwen2_moe", "mixtral", "deepseek_v2", "deepseek_v3"]

@@ -37,7 +37,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("loader",),
     ("distributed",),
     ("ipc",),
-    ("core", "http_common"),  # they import only the modules below
+    ("core", "sampling_params", "http_common"),  # they import only the modules below
     ("config", "platform", "native", "text", "structured_outputs", "chat_messages", "openai_errors", "logs"),
     ("model_config",),  # the model's shape: config re-exports it
 ]

@@ -15,10 +15,10 @@ import torch
 from shardserve.attention import cpu_kernel
 from shardserve.cli.main import build_parser
 from shardserve.config import EngineConfig
-from shardserve.core import SamplingParams
 from shardserve.engine import model_runner
 from shardserve.launch import devices
 from shardserve.llm import LLM
+from shardserve.sampling_params import SamplingParams
 from shardserve.scheduler.engine_core import EngineCore
 
 HAS_BF16_CACHE = cpu_kernel.bf16_cache((64, 64))

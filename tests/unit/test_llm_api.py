@@ -13,8 +13,9 @@ import dataclasses
 import pytest
 import torch
 
-from shardserve.core import RequestOutput, SamplingParams
+from shardserve.core import RequestOutput
 from shardserve.llm import LLM
+from shardserve.sampling_params import SamplingParams
 
 FRANCE = [{"role": "user", "content": "What is the capital of France?"}]
 GREEDY = SamplingParams(max_tokens=8, temperature=0)

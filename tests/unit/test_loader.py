@@ -12,9 +12,9 @@ from engine_util import record_logits
 from safetensors.torch import load_file, save_file
 
 from shardserve.config import EngineConfig
-from shardserve.core import SamplingParams
 from shardserve.layers import quant_kernel
 from shardserve.loader.model_path import resolve_checkpoint
+from shardserve.sampling_params import SamplingParams
 from shardserve.scheduler.engine_core import EngineCore
 
 

@@ -11,9 +11,9 @@ import torch
 from transformers import AutoModelForCausalLM, MistralConfig
 
 from shardserve.config import EngineConfig, ModelConfig
-from shardserve.core import SamplingParams
 from shardserve.distributed.layout import LayoutError
 from shardserve.launch.checks import check_context
+from shardserve.sampling_params import SamplingParams
 from shardserve.scheduler.engine_core import EngineCore
 
 

@@ -7,8 +7,9 @@ import pytest
 import torch
 
 from shardserve.config import EngineConfig
-from shardserve.core import SamplingParams, Status
+from shardserve.core import Status
 from shardserve.kvcache.pages import PageAllocator, page_hashes
+from shardserve.sampling_params import SamplingParams
 from shardserve.scheduler.engine_core import EngineCore
 
 PAGE = 4

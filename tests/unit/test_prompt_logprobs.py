@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from shardserve.config import EngineConfig
-from shardserve.core import SamplingParams
+from shardserve.sampling_params import SamplingParams
 from shardserve.scheduler.engine_core import EngineCore
 
 

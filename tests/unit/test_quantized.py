@@ -17,13 +17,13 @@ from gguf.quants import quantize
 from gguf_util import finish, gguf_writer
 
 from shardserve.config import EngineConfig
-from shardserve.core import SamplingParams
 from shardserve.layers import cpu_ops, quant_kernel
 from shardserve.layers.decode_loop import DecodeLoop
 from shardserve.layers.embedding import VocabParallelEmbedding
 from shardserve.layers.linear import PackedLinear, RowParallelLinear
 from shardserve.loader.quantized import FORMATS, QuantWeight, quantize_q8_0
 from shardserve.loader.source import LazySource
+from shardserve.sampling_params import SamplingParams
 from shardserve.scheduler.engine_core import EngineCore
 
 # The kernels round activations to 16-bit fixed point per block of 32 (see quant_matmul.c):

@@ -12,8 +12,8 @@ from gguf.quants import quantize
 from gguf_util import finish, gguf_writer
 
 from shardserve.config import EngineConfig
-from shardserve.core import SamplingParams
 from shardserve.layers.moe import SparseMoE
+from shardserve.sampling_params import SamplingParams
 from shardserve.scheduler.engine_core import EngineCore
 
 LAYER = {"attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from shardserve.core import SamplingParams
+from shardserve.sampling_params import SamplingParams
 from shardserve.server.reasoning import Reasoning
 from shardserve.structured_outputs import StructuredOutputsParams
 

@@ -9,11 +9,11 @@ import asyncio
 
 import zmq
 
-from shardserve.core import SamplingParams
 from shardserve.ipc.messages import decode
 from shardserve.ipc.messages.api import ErrorOut, GenerateReq, TextBatch, TextOut
 from shardserve.ipc.messages.replicas import ReplicaLost
 from shardserve.ipc.sockets import Endpoints
+from shardserve.sampling_params import SamplingParams
 from shardserve.server.client import EngineClient, Rewind
 
 

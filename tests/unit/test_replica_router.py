@@ -9,13 +9,13 @@ import time
 import pytest
 import zmq
 
-from shardserve.core import SamplingParams
 from shardserve.ipc.messages.api import AbortReq, AddRequests, TokenizedReq
 from shardserve.ipc.messages.replicas import DropStreams, ReplicaDown, ReplicaLost, ReplicaUp
 from shardserve.ipc.messages.reports import CacheEvents, ReportReq
 from shardserve.ipc.sockets import Endpoints, pull, recv, send
 from shardserve.kvcache.pages import page_hashes
 from shardserve.router.replicas import ReplicaRouter
+from shardserve.sampling_params import SamplingParams
 
 PAGE = 4
 

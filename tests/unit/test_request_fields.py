@@ -14,9 +14,10 @@ from transformers import AutoTokenizer
 
 import shardserve.core
 from shardserve.chat_messages import render_chat
-from shardserve.core import Request, SamplingParams
+from shardserve.core import Request
 from shardserve.engine.sampler import banned_tokens
 from shardserve.llm import LLM
+from shardserve.sampling_params import SamplingParams
 from shardserve.server.protocol import ChatRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
 
 PROMPT = "The capital of France is"

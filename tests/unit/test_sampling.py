@@ -9,9 +9,10 @@ import pytest
 import torch
 
 from shardserve.config import EngineConfig
-from shardserve.core import Request, SamplingParams
+from shardserve.core import Request
 from shardserve.engine.sampler import apply_logit_bias, apply_penalties, filter_logits, row_argmax
 from shardserve.llm import LLM
+from shardserve.sampling_params import SamplingParams
 from shardserve.scheduler.engine_core import EngineCore
 
 

@@ -8,10 +8,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from shardserve.core import Request, SamplingParams
+from shardserve.core import Request
 from shardserve.engine import verify as verify_module
 from shardserve.engine.sampler import Sampler
 from shardserve.engine.verify import verify
+from shardserve.sampling_params import SamplingParams
 
 DRAWS = 12000
 CRITICAL = {5: 20.515, 35: 66.619}  # chi-square at p = 0.001, by degrees of freedom

@@ -12,9 +12,9 @@ import torch
 from tiny_tokenizer import save_tiny_tokenizer
 
 from shardserve.config import EngineConfig
-from shardserve.core import SamplingParams
 from shardserve.engine.proposers import ngram_lookup
 from shardserve.llm import LLM
+from shardserve.sampling_params import SamplingParams
 
 # Every step speculates (the default stops above 4 requests a step) and a repeated single token
 # is enough to propose (the default wants 2): the tiny random models repeat little else.

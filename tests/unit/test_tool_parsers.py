@@ -235,7 +235,7 @@ def test_tool_requests_refused(fields, parser, param, says):
 
 
 def test_tool_choice_modes():
-    from shardserve.core import SamplingParams
+    from shardserve.sampling_params import SamplingParams
 
     assert tool_use(chat_request(), None).parser is None
     none = tool_use(chat_request(tools=OPENAI_TOOLS, tool_choice="none"), None)  # no parser needed
@@ -304,7 +304,7 @@ def test_template_facts(tiny_tok):
 
 
 def test_tool_grammar_conflicts_and_bad_schemas():
-    from shardserve.core import SamplingParams
+    from shardserve.sampling_params import SamplingParams
     from shardserve.server.errors import APIError
     from shardserve.structured_outputs import StructuredOutputsParams
 

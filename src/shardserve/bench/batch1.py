@@ -9,8 +9,8 @@ import time
 
 import torch
 
-from shardserve.core import SamplingParams
 from shardserve.llm import LLM
+from shardserve.sampling_params import SamplingParams
 from shardserve.structured_outputs import StructuredOutputsParams
 
 

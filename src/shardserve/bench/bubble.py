@@ -20,7 +20,7 @@ import time
 
 import torch
 
-from shardserve.core import SamplingParams
+from shardserve.sampling_params import SamplingParams
 
 CONFIGS = [("pp2_mb1", {"pp_size": 2, "pp_micro_batches": 1}),
            ("pp2_mb2", {"pp_size": 2, "pp_micro_batches": 2}),

@@ -39,8 +39,8 @@ import torch
 from shardserve.attention.ring import causal_pairs
 from shardserve.bench.runs import per_group, random_model
 from shardserve.bench.spawn import environ
-from shardserve.core import SamplingParams
 from shardserve.kvcache.pages import PageAllocator
+from shardserve.sampling_params import SamplingParams
 from shardserve.scheduler.limits import RequestLimits
 
 POS_BYTES = 8  # int64 position per key sent with each ring block

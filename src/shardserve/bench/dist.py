@@ -24,7 +24,7 @@ import tempfile
 import time
 
 from shardserve.bench.runs import minus, per_group, random_model
-from shardserve.core import SamplingParams
+from shardserve.sampling_params import SamplingParams
 
 # The traffic modes' default model is small (the counts follow from the shapes); the bubble's is
 # large enough that a half-size micro-batch costs about half a full one on a CPU (see bubble.py).

@@ -31,8 +31,8 @@ import tempfile
 import torch
 
 from shardserve.bench.runs import per_group
-from shardserve.core import SamplingParams
 from shardserve.distributed.expert_placement import layer_counts, save_counts
+from shardserve.sampling_params import SamplingParams
 
 HOT = (0, 1)  # the experts the skewed gate favours
 

@@ -30,7 +30,7 @@ import tempfile
 import torch
 
 from shardserve.bench.runs import per_group
-from shardserve.core import SamplingParams
+from shardserve.sampling_params import SamplingParams
 
 LATENT = dict(kv_lora_rank=128, qk_rope_head_dim=32, qk_nope_head_dim=64, v_head_dim=64, q_lora_rank=192)
 

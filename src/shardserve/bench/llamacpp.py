@@ -21,9 +21,9 @@ import time
 import torch
 
 from shardserve.bench.batch1 import batch1_ours
-from shardserve.core import SamplingParams
 from shardserve.llm import LLM
 from shardserve.loader.model_path import resolve_checkpoint
+from shardserve.sampling_params import SamplingParams
 
 PROMPT_TOKENS = 128
 ROUNDS = 3

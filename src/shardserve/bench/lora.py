@@ -20,11 +20,11 @@ import time
 import torch
 from safetensors.torch import save_file
 
-from shardserve.core import LoRARequest, SamplingParams
 from shardserve.llm import LLM
 from shardserve.loader.lora import CONFIG, TARGETS, WEIGHTS, base_shapes, submodule
 from shardserve.loader.model_path import resolve_checkpoint
 from shardserve.loader.weights import read_model_config
+from shardserve.sampling_params import LoRARequest, SamplingParams
 
 
 def write_adapter(path: str, model_cfg, rank: int, seed: int) -> None:

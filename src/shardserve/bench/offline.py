@@ -24,10 +24,10 @@ from shardserve.bench.batch1 import batch1_ours
 from shardserve.bench.runs import sampling_text
 from shardserve.bench.vllm_peer import check_vllm_compare, run_vllm_compare
 from shardserve.config import torch_dtype
-from shardserve.core import SamplingParams
 from shardserve.llm import LLM
 from shardserve.loader.model_path import resolve_checkpoint
 from shardserve.platform import pick_device
+from shardserve.sampling_params import SamplingParams
 from shardserve.structured_outputs import StructuredOutputsParams
 
 BATCH1_PROMPT = 32

@@ -22,8 +22,8 @@ import time
 
 import torch
 
-from shardserve.core import SamplingParams
 from shardserve.llm import LLM
+from shardserve.sampling_params import SamplingParams
 
 PASSAGES = [
     "The old lighthouse stood at the edge of the cliff for two hundred years. Every night its keeper climbed the "

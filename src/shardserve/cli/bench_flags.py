@@ -165,7 +165,7 @@ def add_sampling_args(p: argparse.ArgumentParser) -> None:
 def sampling_of(args: argparse.Namespace) -> dict:
     """The sampling flags as request fields (the temperature, and the others where not off), checked
     as a request's are: exits naming the flag."""
-    from shardserve.core import SamplingParams
+    from shardserve.sampling_params import SamplingParams
 
     fields = {"temperature": args.temperature, "top_p": args.top_p, "top_k": args.top_k, "min_p": args.min_p}
     try:

@@ -35,11 +35,11 @@ def add_record_args(p: argparse.ArgumentParser) -> None:
 
 def record_experts(args: argparse.Namespace) -> int:
     from shardserve.cli.flags import llm_kwargs
-    from shardserve.core import SamplingParams
     from shardserve.distributed.expert_placement import layer_counts, save_counts
     from shardserve.llm import LLM
     from shardserve.loader.model_path import resolve_checkpoint
     from shardserve.loader.weights import read_model_config
+    from shardserve.sampling_params import SamplingParams
 
     experts = read_model_config(resolve_checkpoint(args.model)).num_experts
     if experts == 0:

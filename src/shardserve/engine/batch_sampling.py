@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import torch
 
-from shardserve.core import SamplingParams
+from shardserve.sampling_params import SamplingParams
 
 STAGES = (64, 1024, 4096)  # the sorted candidates of a truncating row, each stage for rows the last left open
 

@@ -14,8 +14,9 @@ from collections.abc import Callable
 
 import torch
 
-from shardserve.core import Request, SamplingParams
+from shardserve.core import Request
 from shardserve.engine.batch_sampling import sample_rows
+from shardserve.sampling_params import SamplingParams
 
 
 class _Tally:

@@ -81,7 +81,7 @@ def _generation_eos(ckpt: Checkpoint) -> tuple[int, ...]:
 
 def describe(defaults: dict[str, Any], origin: str) -> str:
     """One line for the start-up log: which defaults a request that leaves them out gets."""
-    from shardserve.core import SamplingParams
+    from shardserve.sampling_params import SamplingParams
 
     base = SamplingParams()
     shown = {k: defaults.get(k, getattr(base, k)) for k in ("temperature", "top_p", "top_k", "min_p",

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 import torch
 
 from shardserve.config import EngineConfig
-from shardserve.core import Batch, Request, SamplingParams, Status
+from shardserve.core import Batch, Request, Status
 from shardserve.distributed.communicator import CollectiveError
 from shardserve.distributed.groups import ParallelGroups, single_process_groups
 from shardserve.engine.stage_worker import StageWorker
@@ -23,6 +23,7 @@ from shardserve.loader.generation_config import eos_ids
 from shardserve.loader.lora import base_shapes
 from shardserve.loader.model_path import Checkpoint, resolve_checkpoint
 from shardserve.loader.weights import read_model_config, resolve_dtype
+from shardserve.sampling_params import SamplingParams
 from shardserve.scheduler.engine_stats import engine_stats, running_status
 from shardserve.scheduler.finish import finish_reason
 from shardserve.scheduler.in_flight import InFlightPlans

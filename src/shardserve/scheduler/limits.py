@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from shardserve.core import SamplingParams
+from shardserve.sampling_params import SamplingParams
 
 
 @dataclass(frozen=True)

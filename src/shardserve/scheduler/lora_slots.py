@@ -23,9 +23,9 @@ from collections import Counter, OrderedDict
 from safetensors import SafetensorError
 from safetensors.torch import load as load_safetensors
 
-from shardserve.core import LoRARequest
 from shardserve.ipc.messages.plan import DROP, LoraOp
 from shardserve.loader.lora import WEIGHTS, AdapterSpec, BaseShapes, read_adapter
+from shardserve.sampling_params import LoRARequest
 from shardserve.scheduler.plan_feed import PlanFeed
 
 

@@ -32,12 +32,12 @@ from dataclasses import dataclass, field
 import zmq
 
 from shardserve.config import EngineConfig
-from shardserve.core import SamplingParams
 from shardserve.ipc.messages import decode_or_none, encode
 from shardserve.ipc.messages.api import ErrorOut, TokenizedReq
 from shardserve.ipc.messages.disagg import AbortPrefill, KVTarget, PeerAlive, PrefillDone, PrefillFailed, PrefillReq
 from shardserve.ipc.secure import connect_secure
 from shardserve.layers.sharding import head_shard
+from shardserve.sampling_params import SamplingParams
 from shardserve.scheduler.engine_core import EngineCore, StepOutput
 from shardserve.scheduler.pd_prefill import BEAT_S, model_shape
 

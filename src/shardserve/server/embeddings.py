@@ -10,7 +10,7 @@ from typing import Literal
 
 from pydantic import Field
 
-from shardserve.core import SamplingParams
+from shardserve.sampling_params import SamplingParams
 from shardserve.server.errors import APIError
 from shardserve.server.generation import collect
 from shardserve.server.protocol import Refusing

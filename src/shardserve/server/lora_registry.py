@@ -13,8 +13,8 @@ import threading
 import time
 from typing import ClassVar
 
-from shardserve.core import LoRARequest
 from shardserve.loader.lora import BaseShapes, base_shapes, parse_lora_module, read_adapter
+from shardserve.sampling_params import LoRARequest
 from shardserve.server.errors import APIError
 from shardserve.server.protocol import Refusing
 

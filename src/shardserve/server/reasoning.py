@@ -21,7 +21,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from shardserve.core import SamplingParams
+from shardserve.sampling_params import SamplingParams
 from shardserve.structured_outputs import ANY_TEXT, StructuredOutputsParams
 
 START, END = "<think>", "</think>"

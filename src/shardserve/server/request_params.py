@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 from shardserve.chat_messages import ChatMessageError, check_template_options
-from shardserve.core import LoRARequest, SamplingParams
+from shardserve.sampling_params import LoRARequest, SamplingParams
 from shardserve.server.errors import APIError
 from shardserve.server.structured import structured_outputs
 

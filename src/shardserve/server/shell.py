@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import sys
 
-from shardserve.core import SamplingParams
 from shardserve.llm import LLM
+from shardserve.sampling_params import SamplingParams
 from shardserve.tokenizer.detokenizer import Detokenizer
 
 HELP = "Type a message. /reset clears the conversation, /exit (or Ctrl-D) leaves."

@@ -21,7 +21,7 @@ import logging
 import re
 from dataclasses import dataclass
 
-from shardserve.core import SamplingParams
+from shardserve.sampling_params import SamplingParams
 from shardserve.server.errors import APIError
 from shardserve.server.reasoning import Reasoning
 from shardserve.server.tool_parsers import PARSERS, get_parser

@@ -7,8 +7,8 @@ from __future__ import annotations
 import dataclasses
 
 from shardserve.chat_messages import ChatMessageError, normalize_messages
-from shardserve.core import LoRARequest, SamplingParams
 from shardserve.ipc.messages.api import GenerateReq
+from shardserve.sampling_params import LoRARequest, SamplingParams
 from shardserve.server.client import EngineClient
 from shardserve.server.errors import APIError
 from shardserve.server.protocol import ChatMessage, ChatRequest

@@ -7,8 +7,8 @@ and tokenize/detokenize replies go straight to the API's inbox.
 
 from __future__ import annotations
 
-from shardserve.core import SamplingParams
 from shardserve.ipc.messages.base import Msg
+from shardserve.sampling_params import SamplingParams
 
 
 class GenerateReq(Msg):

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import msgspec
 
-from shardserve.core import SamplingParams
 from shardserve.ipc.messages.base import Msg
+from shardserve.sampling_params import SamplingParams
 
 
 class KVTarget(msgspec.Struct, array_like=True):

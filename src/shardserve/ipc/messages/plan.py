@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import msgspec
 
-from shardserve.core import SamplingParams
 from shardserve.ipc.messages.base import Msg
 from shardserve.ipc.messages.disagg import KVTarget
+from shardserve.sampling_params import SamplingParams
 
 
 class PlanRequest(msgspec.Struct, array_like=True):
