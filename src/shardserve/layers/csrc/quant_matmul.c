@@ -193,15 +193,7 @@ static size_t gemm_scratch(int64_t k, int paths) {
 }
 /* (>= NW * k floats; AMX: >= 16 * k + 16 * (k rounded up to 32) bfloat16, amx_rows) */
 
-/* Rows [r0, r1) of x into the same rows of `a`: quantized or packed, whichever `a` holds. */
-static void acts_rows(const float *x, int64_t ldx, int64_t r0, int64_t r1, const Acts *a) {
-    if (a->q) quantize_rows(x, ldx, r0, r1, a);
-#if AMX_I8_BUILT
-    if (a->h) i8_split(a, r0, r1);
-#endif
-    if (a->b) bf16_rows_of(x, ldx, r0, r1, a->k, amx_row(a->k), a->b);
-    if (a->p) pack_rows(x, ldx, r0, r1, a);
-}
+#include "quant_acts_buffers.c" /* acts_alloc, acts_rows, acts_part, acts_free */
 
 /* qmatmul_rows on one path for all m rows. */
 static void path_rows(int path, int type, const uint8_t *w, int64_t row_bytes, int64_t n, int64_t r0, int64_t r1,
@@ -262,15 +254,6 @@ static void path_rows(int path, int type, const uint8_t *w, int64_t row_bytes, i
  * operations are the same either way. */
 #define ROW_BLOCK 256
 
-/* Rows [i0, i0 + m) of `a` (the x16 paths' buffers: 16-bit or bfloat16 rows). */
-static Acts acts_part(const Acts *a, int64_t i0, int64_t m) {
-    Acts part = *a;
-    part.m = m;
-    if (a->q) part.q = a->q + i0 * a->k, part.d = a->d + i0 * (a->k / QK), part.s = a->s + i0 * (a->k / QK);
-    if (a->b) part.b = a->b + i0 * acts_ldb(a);
-    return part;
-}
-
 /* y[i * ldy + r] = x_i . W[r] for i < m and r0 <= r < r1, by product_path: the 16-bit path on
  * `a` (x quantized), F32 rows against x, or a float GEMM with `wp` (gemm_scratch(k) bytes) on a's
  * panels or on x itself (strips); the block formats' x16 path in blocks of ROW_BLOCK rows. No threads of its own. */
@@ -289,42 +272,10 @@ static void qmatmul_rows(int type, const uint8_t *w, int64_t row_bytes, int64_t 
     }
 }
 
-/* Buffers for m rows of up to k, for the paths in `paths` (bits 1 << ACTS16, X16_GROUPS or X16_AMX,
- * 1 << PANELS, 1 << BF16_AMX or BF16_DP; the others read x itself). Returns 0 when out of memory. */
-static int acts_alloc(Acts *a, int64_t m, int64_t k, int paths) {
-    *a = (Acts){NULL, NULL, NULL, NULL, k, m, NULL, 0, NULL, NULL};
-    if (paths & (1 << PANELS)) {
-        a->p = malloc(sizeof(float) * (size_t)((m + PW - 1) / PW * PW * k));
-        if (!a->p) return 0;
-    }
-    if (paths & ((1 << BF16_AMX) | (1 << BF16_DP))) { /* AMX: whole tiles of 16 rows (those past m read, not kept) */
-        a->b = malloc(sizeof(uint16_t) * (size_t)((m + 15) / 16 * 16 * amx_row(k)));
-        if (!a->b) return 0;
-    }
-    if (!(paths & ((1 << ACTS16) | (1 << X16_GROUPS) | (1 << X16_AMX)))) return 1;
-    /* X16_AMX reads whole tiles of 16 rows: those past m are read (zeros here, for k), not kept */
-    const int64_t mt = paths & (1 << X16_AMX) ? (m + 15) / 16 * 16 : m, nb = k / QK;
-    a->q = malloc(sizeof(int16_t) * (size_t)(m * k));
-    a->d = malloc(sizeof(float) * (size_t)(mt * nb));
-    a->s = malloc(sizeof(float) * (size_t)(mt * nb));
-    if (!a->q || !a->d || !a->s) return 0;
-    if (!(paths & (1 << X16_AMX))) return 1;
-    memset(a->d + m * nb, 0, sizeof(float) * (size_t)((mt - m) * nb));
-    memset(a->s + m * nb, 0, sizeof(float) * (size_t)((mt - m) * nb));
-    a->h = malloc((size_t)(mt * k));
-    a->l = malloc((size_t)(mt * k));
-    if (!a->h || !a->l) return 0;
-    memset(a->h + (mt - 16) * k, 0, (size_t)(16 * k)); /* the last tile, whole (its rows interleave) */
-    memset(a->l + (mt - 16) * k, 0, (size_t)(16 * k));
-    return 1;
-}
-
 /* Whether products on these paths need gemm_scratch (a float GEMM's, or x16's padded group). */
 static int needs_scratch(int paths) {
     return (paths & ((1 << PANELS) | (1 << STRIPS) | (1 << X16_GROUPS) | (1 << F32_X16) | (1 << BF16_AMX) |
                      (1 << BF16_DP) | (1 << X16_AMX))) != 0;
 }
-
-static void acts_free(Acts *a) { free(a->q); free(a->d); free(a->s); free(a->p); free(a->b); free(a->h); free(a->l); }
 
 #include "quant_threads.c" /* the entry points */
