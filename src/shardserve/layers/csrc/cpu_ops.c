@@ -83,44 +83,50 @@ void silu_mul_f32(const float *gu, int64_t rows, int64_t ldg, int64_t inter, flo
     for (int64_t r = 0; r < rows; r++) silu_row(gu + r * ldg, inter, out + r * inter);
 }
 
-/* rms_norm_f32's rows rounded to bfloat16 as a product on bfloat16 weights rounds its activations
+/* Rows of `out` (bfloat16, `width` apart): each computed by row_of(src row, width, arg, buffer) into
+ * a float32 row buffer, then rounded as a product on bfloat16 weights rounds its activations
  * (bf16_rows_of), for one that takes them so (qmatmul_bf16, qmatmul_bf16_silu): the float32 rows
- * are never stored, and the product does not pass over them again. out: rows `dim` apart.
- * Returns 2 when a row buffer cannot be allocated. */
-int rms_norm_bf16(const float *x, int64_t rows, int64_t ldx, int64_t dim, const float *w, float eps, uint16_t *out,
-                  int nthreads) {
+ * are never stored, and the product does not pass over them again. Returns 2 when a row buffer
+ * cannot be allocated. */
+static int rounded_rows(void (*row_of)(const float *, int64_t, const void *, float *), const void *arg,
+                        const float *src, int64_t rows, int64_t ld, int64_t width, uint16_t *out, int nthreads) {
     int failed = 0;
 #pragma omp parallel num_threads(nthreads) if (rows >= PAR_ROWS) reduction(| : failed)
     {
-        float *row = malloc(sizeof(float) * (size_t)dim);
+        float *row = malloc(sizeof(float) * (size_t)width);
         failed = !row;
 #pragma omp for schedule(static)
         for (int64_t r = 0; r < rows; r++) {
             if (!row) continue;
-            norm_row(x + r * ldx, dim, w, eps, row);
-            bf16_rows_of(row, 0, 0, 1, dim, dim, out + r * dim);
+            row_of(src + r * ld, width, arg, row);
+            bf16_rows_of(row, 0, 0, 1, width, width, out + r * width);
         }
         free(row);
     }
     return failed ? 2 : 0;
 }
 
-/* silu_mul_f32's rows rounded to bfloat16 as a product on bfloat16 weights rounds its activations
- * (bf16_rows_of), for qmatmul_bf16: the float32 rows are never stored, and the product does not
- * pass over them again. Returns 2 when a row buffer cannot be allocated. */
+typedef struct {
+    const float *w;
+    float eps;
+} NormArgs;
+static void norm_of(const float *x, int64_t dim, const void *arg, float *o) {
+    const NormArgs *n = arg;
+    norm_row(x, dim, n->w, n->eps, o);
+}
+static void silu_of(const float *gu, int64_t inter, const void *arg, float *o) {
+    (void)arg;
+    silu_row(gu, inter, o);
+}
+
+/* rms_norm_f32's rows rounded to bfloat16 (rounded_rows); out: rows `dim` apart. */
+int rms_norm_bf16(const float *x, int64_t rows, int64_t ldx, int64_t dim, const float *w, float eps, uint16_t *out,
+                  int nthreads) {
+    const NormArgs args = {w, eps};
+    return rounded_rows(norm_of, &args, x, rows, ldx, dim, out, nthreads);
+}
+
+/* silu_mul_f32's rows rounded to bfloat16 (rounded_rows); out: rows `inter` apart. */
 int silu_mul_bf16(const float *gu, int64_t rows, int64_t ldg, int64_t inter, uint16_t *out, int nthreads) {
-    int failed = 0;
-#pragma omp parallel num_threads(nthreads) if (rows >= PAR_ROWS) reduction(| : failed)
-    {
-        float *row = malloc(sizeof(float) * (size_t)inter);
-        failed = !row;
-#pragma omp for schedule(static)
-        for (int64_t r = 0; r < rows; r++) {
-            if (!row) continue;
-            silu_row(gu + r * ldg, inter, row);
-            bf16_rows_of(row, 0, 0, 1, inter, inter, out + r * inter);
-        }
-        free(row);
-    }
-    return failed ? 2 : 0;
+    return rounded_rows(silu_of, NULL, gu, rows, ldg, inter, out, nthreads);
 }
