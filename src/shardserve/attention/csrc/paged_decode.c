@@ -166,7 +166,7 @@ static void block_item(const float *q, int64_t q_stride, const void *k_cache, co
     }
 }
 
-#define ROW_BLOCK 8 /* rows of one block table taken together */
+#define ROW_BLOCK 16 /* rows of one block table taken together */
 
 /* The first row of each block of rows sharing a block table, and the end: returns the count. */
 static int64_t row_blocks(const int64_t *block_tables, int64_t max_pages, int64_t B, int64_t *starts) {
