@@ -70,7 +70,7 @@ static void item_softmax(const unsigned char *take, const int64_t *lens, int64_t
 }
 
 
-/* Rows [b0, b1) (at most ROW_BLOCK, one block table: a prefill chunk's tokens, or one decode)
+/* Rows [b0, b1) (at most row_block's, one block table: a prefill chunk's tokens, or one decode)
  * for the query heads whose kv head is in [kv0, kv1): scores, softmax, weighted values. Each row
  * is computed exactly as alone (the same calls per page, in the same order); the rows only take
  * turns on each page, so a page of K or V is read from memory once for all of them. Pages sit at
@@ -166,13 +166,17 @@ static void block_item(const float *q, int64_t q_stride, const void *k_cache, co
     }
 }
 
-#define ROW_BLOCK 16 /* rows of one block table taken together */
+/* Rows of one block table taken together: 16 (a KV head's query columns then fill whole AMX
+ * tiles of 16 at any GQA ratio), or 8 where each thread's scores buffer (rows x H x max_len floats)
+ * would pass 16 MiB: long contexts, many heads. A row's numbers do not depend on its block. */
+static int64_t row_block(int64_t H, int64_t max_len) { return 16 * H * max_len * 4 <= (16 << 20) ? 16 : 8; }
 
-/* The first row of each block of rows sharing a block table, and the end: returns the count. */
-static int64_t row_blocks(const int64_t *block_tables, int64_t max_pages, int64_t B, int64_t *starts) {
+/* The first row of each block of rows sharing a block table (at most `most` rows), and the end:
+ * returns the count. */
+static int64_t row_blocks(const int64_t *block_tables, int64_t max_pages, int64_t B, int64_t most, int64_t *starts) {
     int64_t n = 0;
     for (int64_t b = 0; b < B; ++b)
-        if (b == 0 || b - starts[n - 1] == ROW_BLOCK ||
+        if (b == 0 || b - starts[n - 1] == most ||
             memcmp(block_tables + b * max_pages, block_tables + starts[n - 1] * max_pages,
                    sizeof(int64_t) * (size_t)max_pages) != 0)
             starts[n++] = b;
@@ -189,10 +193,10 @@ static int paged_decode(const float *q, int64_t q_stride, const void *k_cache, c
                         int64_t D, int64_t page_size, float scale, int num_threads) {
     int64_t max_len = 0;
     for (int64_t b = 0; b < B; ++b) max_len = context_lens[b] > max_len ? context_lens[b] : max_len;
-    /* Rows of one block table (a prefill chunk's tokens) go together, up to ROW_BLOCK a block. */
+    /* Rows of one block table (a prefill chunk's tokens) go together, up to row_block's a block. */
     int64_t *starts = malloc(sizeof(int64_t) * (size_t)(B + 1));
     if (!starts) return -1;
-    int64_t nblocks = row_blocks(block_tables, max_pages, B, starts), rows = 1; /* the largest block's */
+    int64_t nblocks = row_blocks(block_tables, max_pages, B, row_block(H, max_len), starts), rows = 1; /* the largest block's */
     for (int64_t i = 0; i < nblocks; ++i) rows = starts[i + 1] - starts[i] > rows ? starts[i + 1] - starts[i] : rows;
     /* A whole block per item reads its pages contiguously; with fewer blocks than threads x 2,
      * items are (block, kv head) so every thread has work, and with still too few (one kv head
