@@ -151,17 +151,19 @@ def test_bf16_cache_kernel(heads, kv_of_q, dim, page_size):
         assert torch.equal(alone[0], got[i]), i
 
 
-@pytest.mark.parametrize("heads,kv_of_q,dim", [
-    (9, (0, 0, 0, 1, 1, 1, 2, 2, 2), 64),  # SmolLM2: 8 rows x 3 heads, 24 columns a KV head
-    (16, (0,) * 16, 32),                   # 128 columns of one KV head: 8 column tiles
-    (3, (0, 1, 2), 96),                    # three chunks of 32 dims
+@pytest.mark.parametrize("heads,kv_of_q,dim,ctx", [
+    (9, (0, 0, 0, 1, 1, 1, 2, 2, 2), 64, 203),  # SmolLM2: 16 rows x 3 heads, 48 columns a KV head
+    (16, (0,) * 16, 32, 203),                   # 256 columns of one KV head: 16 column tiles
+    (3, (0, 1, 2), 96, 203),                    # three chunks of 32 dims
+    (32, tuple(h // 8 for h in range(32)), 32, 8300),  # 32 heads x 8300 keys: blocks of 8 rows
 ])
-def test_bf16_cache_prefill_rows_equal_their_decodes(heads, kv_of_q, dim):
-    """A prefill chunk's rows share a block table and go through the kernel together (up to 8
-    a block; on AMX the scores and values of all their heads that read a KV head in shared
-    tiles): each row equals itself decoded alone, bit for bit, and the float64 attention to
-    float32 rounding (on AMX of the probabilities rounded to bfloat16, as test_bf16_cache_kernel)."""
-    page_size, n, ctx = 16, 21, 203  # the chunk's last row sees 203 keys; the first 183
+def test_bf16_cache_prefill_rows_equal_their_decodes(heads, kv_of_q, dim, ctx):
+    """A prefill chunk's rows share a block table and go through the kernel together (16 a block,
+    8 where a thread's scores would pass 16 MiB; on AMX the scores and values of all their heads
+    that read a KV head in shared tiles): each row equals itself decoded alone, bit for bit, and
+    the float64 attention to float32 rounding (on AMX of the probabilities rounded to bfloat16, as
+    test_bf16_cache_kernel)."""
+    page_size, n = 16, 21  # the chunk's last row sees ctx keys; the first ctx - 20
     q, kc, vc, pages = random_case(heads, kv_of_q, dim, page_size, [ctx], seed=9)
     q = torch.randn(n, heads, dim, generator=torch.Generator().manual_seed(10))
     kc, vc = kc.bfloat16(), vc.bfloat16()

@@ -125,7 +125,8 @@ def linear(x: torch.Tensor, segments: tuple[tuple[int, QuantWeight], ...], out_f
     bf16 = x2.dtype == torch.bfloat16
     if x2.dtype != torch.float32 and not (bf16 and takes_bf16(segments)):
         raise TypeError(f"these linear layers take float32 activations, got {x2.dtype}")
-    if x2.stride(-1) != 1:
+    # To the C entries a bfloat16 row stride of 0 means their own padded rows: never hand them one.
+    if x2.stride(-1) != 1 or (bf16 and x2.stride(0) < x2.shape[1]):
         x2 = x2.contiguous()
     y = torch.empty(x2.shape[0], out_features, dtype=torch.float32)
     for offset, w in segments:
@@ -148,9 +149,9 @@ def gate_up_silu(x: torch.Tensor, segments: tuple[tuple[int, QuantWeight], ...])
     if len(segments) != 1 or w.qtype != X16 | BF16 or x.dtype not in (torch.float32, torch.bfloat16):
         return None
     x2 = x.reshape(-1, x.shape[-1])
-    if x2.stride(-1) != 1:
-        x2 = x2.contiguous()
     bf16 = x2.dtype == torch.bfloat16
+    if x2.stride(-1) != 1 or (bf16 and x2.stride(0) < x2.shape[1]):  # as in linear
+        x2 = x2.contiguous()
     out = torch.empty(x2.shape[0], w.rows // 2, dtype=torch.bfloat16)
     rc = load().qmatmul_bf16_silu(w.data.data_ptr(), w.rows, w.cols, None if bf16 else x2.data_ptr(),
                                   x2.data_ptr() if bf16 else None, x2.shape[0], x2.stride(0), out.data_ptr(),

@@ -116,7 +116,7 @@ class _Sampling(Refusing):
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
     structured_outputs: dict | None = None
-    # vLLM's sampling extras (core.SamplingParams says what each does).
+    # vLLM's sampling extras (sampling_params.SamplingParams says what each does).
     min_tokens: int = Field(0, ge=0)
     include_stop_str_in_output: bool = False
     allowed_token_ids: list[int] | None = None
