@@ -47,7 +47,7 @@ class Library:
 
 
 _PACKAGE = Path(__file__).parent
-SHARED = _PACKAGE / "csrc"  # headers several libraries include (amx.h: whether this process runs AMX)
+SHARED = _PACKAGE / "csrc"  # headers several libraries include (amx.h: whether this process runs AMX; bf16.h)
 LIBRARIES = (
     Library("layers", _PACKAGE / "layers" / "csrc" / "decode_loop.c",
             "quantized GGUF products, the decode loop, fused CPU ops",

@@ -217,12 +217,26 @@ def test_bfloat16_alone_equals_in_a_batch(smollm2_path: str) -> None:
     assert (warm.token_ids, warm.logprobs) == (whole.token_ids, whole.logprobs)
 
 
+def bf16_mlp(g: torch.Generator) -> nn.Module:
+    """A gated MLP (96 -> 64 -> 96) on random BF16 weights in the kernels' layout, as loading
+    leaves one (each product's takes_bf16_input decided)."""
+    from shardserve.distributed.communicator import Communicator
+    from shardserve.layers.mlp import GatedMLP
+    from shardserve.loader.quantized import bf16_rows
+
+    mlp = GatedMLP(96, 64, Communicator(), torch.float32, torch.device("cpu"))
+    for layer in (mlp.gate_up_proj, mlp.down_proj):
+        w = torch.randn(layer.out_features, layer.weight.shape[1], generator=g)
+        layer.quant = ((0, quant_kernel.kernel_layout(bf16_rows(w))),)
+        layer.weight, layer._bf16_input = None, quant_kernel.takes_bf16(layer.quant)
+    return mlp
+
+
 def test_silu_hands_the_down_product_the_bits_it_would_round() -> None:
     """cpu_ops.silu_mul(bf16=True) rounds its rows as a BF16 product rounds its activations, and
     such a product (quant_kernel.takes_bf16, the vdpbf16ps path) given them gives the bits it
     gives from the float32 rows: the gated MLP skips a pass, its numbers unchanged."""
     from shardserve.layers import cpu_ops
-    from shardserve.layers.mlp import GatedMLP
     from shardserve.loader.quantized import bf16_rows, float_rows
 
     g = torch.Generator().manual_seed(5)
@@ -243,13 +257,7 @@ def test_silu_hands_the_down_product_the_bits_it_would_round() -> None:
     with pytest.raises(TypeError, match="take float32 activations"):
         quant_kernel.linear(h.bfloat16(), ((0, quant_kernel.kernel_layout(float_rows(torch.ones(40, 96)))),), 40)
 
-    from shardserve.distributed.communicator import Communicator
-
-    mlp = GatedMLP(96, 64, Communicator(), torch.float32, torch.device("cpu"))
-    for layer in (mlp.gate_up_proj, mlp.down_proj):
-        layer.quant = ((0, quant_kernel.kernel_layout(bf16_rows(torch.randn(layer.out_features, layer.weight.shape[1],
-                                                                            generator=g)))),)
-        layer.weight, layer._bf16_input = None, quant_kernel.takes_bf16(layer.quant)
+    mlp = bf16_mlp(g)
     assert mlp.down_proj.takes_bf16_input
     x = torch.randn(300, 96, generator=g)
     handed = mlp(x)
@@ -291,10 +299,7 @@ def test_the_norm_hands_a_product_the_bits_it_would_round(rows: int) -> None:
     """cpu_ops.rms_norm(bf16=True) gives rms_norm's float32 rows rounded to bfloat16 (nearest even,
     NaN kept), and a decoder layer whose products take bfloat16 rows gives, from them, the bits it
     gives from the float32 rows."""
-    from shardserve.distributed.communicator import Communicator
     from shardserve.layers import cpu_ops
-    from shardserve.layers.mlp import GatedMLP
-    from shardserve.loader.quantized import bf16_rows
 
     g = torch.Generator().manual_seed(rows)
     x, weight = torch.randn(rows, 96, generator=g) * 3, torch.randn(96, generator=g)
@@ -302,11 +307,7 @@ def test_the_norm_hands_a_product_the_bits_it_would_round(rows: int) -> None:
     n32, n16 = cpu_ops.rms_norm(x, weight, 1e-5), cpu_ops.rms_norm(x, weight, 1e-5, bf16=True)
     assert n16.dtype == torch.bfloat16 and n16.shape == n32.shape
     assert torch.equal(n16[1:].view(torch.int16), n32[1:].bfloat16().view(torch.int16)) and n16[0].isnan().all()
-    mlp = GatedMLP(96, 64, Communicator(), torch.float32, torch.device("cpu"))
-    for layer in (mlp.gate_up_proj, mlp.down_proj):
-        layer.quant = ((0, quant_kernel.kernel_layout(bf16_rows(torch.randn(layer.out_features, layer.weight.shape[1],
-                                                                            generator=g)))),)
-        layer.weight, layer._bf16_input = None, quant_kernel.takes_bf16(layer.quant)
+    mlp = bf16_mlp(g)
     if not mlp.takes_bf16_input:
         pytest.skip(f"BF16 products run on {quant_kernel.bf16_path()} here, which rounds its own activations")
     assert torch.equal(mlp(n16[1:]), mlp(n32[1:]))

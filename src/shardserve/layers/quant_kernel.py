@@ -116,18 +116,24 @@ def _bf16_kernel(x: torch.Tensor, w: QuantWeight, out: torch.Tensor) -> None:
     _check(rc, "qmatmul_bf16", w)
 
 
+def _rows(x: torch.Tensor) -> torch.Tensor:
+    """x [.., K] as the C entries read it: rows of unit inner stride. To them a bfloat16 row stride
+    of 0 means their own padded rows, so bfloat16 rows closer than K apart are copied too."""
+    x2 = x.reshape(-1, x.shape[-1])
+    if x2.stride(-1) != 1 or (x2.dtype == torch.bfloat16 and x2.stride(0) < x2.shape[1]):
+        x2 = x2.contiguous()
+    return x2
+
+
 def linear(x: torch.Tensor, segments: tuple[tuple[int, QuantWeight], ...], out_features: int,
            bias: torch.Tensor | None = None) -> torch.Tensor:
     """x [.., K] float32 (or bfloat16 where takes_bf16) . W^T (+ bias), W given as row segments
     (offset, QuantWeight) that together cover `out_features` rows (a fused q/k/v may mix formats)."""
     lead = x.shape[:-1]
-    x2 = x.reshape(-1, x.shape[-1])
-    bf16 = x2.dtype == torch.bfloat16
-    if x2.dtype != torch.float32 and not (bf16 and takes_bf16(segments)):
-        raise TypeError(f"these linear layers take float32 activations, got {x2.dtype}")
-    # To the C entries a bfloat16 row stride of 0 means their own padded rows: never hand them one.
-    if x2.stride(-1) != 1 or (bf16 and x2.stride(0) < x2.shape[1]):
-        x2 = x2.contiguous()
+    bf16 = x.dtype == torch.bfloat16
+    if x.dtype != torch.float32 and not (bf16 and takes_bf16(segments)):
+        raise TypeError(f"these linear layers take float32 activations, got {x.dtype}")
+    x2 = _rows(x)
     y = torch.empty(x2.shape[0], out_features, dtype=torch.float32)
     for offset, w in segments:
         (_bf16_kernel if bf16 else _kernel)(x2, w, y[:, offset: offset + w.rows])
@@ -148,10 +154,7 @@ def gate_up_silu(x: torch.Tensor, segments: tuple[tuple[int, QuantWeight], ...])
     # The path (vdpbf16ps, AMX, or neither) the C entry checks itself, answering 3.
     if len(segments) != 1 or w.qtype != X16 | BF16 or x.dtype not in (torch.float32, torch.bfloat16):
         return None
-    x2 = x.reshape(-1, x.shape[-1])
-    bf16 = x2.dtype == torch.bfloat16
-    if x2.stride(-1) != 1 or (bf16 and x2.stride(0) < x2.shape[1]):  # as in linear
-        x2 = x2.contiguous()
+    x2, bf16 = _rows(x), x.dtype == torch.bfloat16
     out = torch.empty(x2.shape[0], w.rows // 2, dtype=torch.bfloat16)
     rc = load().qmatmul_bf16_silu(w.data.data_ptr(), w.rows, w.cols, None if bf16 else x2.data_ptr(),
                                   x2.data_ptr() if bf16 else None, x2.shape[0], x2.stride(0), out.data_ptr(),

@@ -128,8 +128,8 @@ static void amx_value_chunk(const uint16_t *v_cache, const int64_t *table, int64
  * scores: the exps item_softmax left, a column's probabilities those times its invs entry (the
  * normalization, done here as they are rounded); vp holds (longest rounded up to 32) * D
  * bfloat16, pt 512. */
-static void amx_item_values(const float *scores, const float *invs, const uint16_t *v_cache, const int64_t *table, const int64_t *lens,
-                            int64_t b0, int64_t b1, int64_t longest, const unsigned char *take,
+static void amx_item_values(const float *scores, const float *invs, const uint16_t *v_cache, const int64_t *table,
+                            const int64_t *lens, int64_t b0, int64_t b1, int64_t longest, const unsigned char *take,
                             const int64_t *kv_of_q, int64_t kv0, int64_t kv1, int64_t H, int64_t Hkv, int64_t D,
                             int64_t page_size, float *out, int64_t max_len, uint16_t *vp, uint16_t *pt) {
     const int64_t nd = D / 16;

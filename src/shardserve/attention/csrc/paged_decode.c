@@ -31,13 +31,7 @@ const char *kernel_paths(void); /* at the end, once paged_bf16.c has said what i
 
 #include "softmax.c"
 
-/* Round-to-nearest-even float -> bfloat16, a NaN kept a NaN (the cache writes, kv_write). */
-static inline uint16_t bf16_of(float f) {
-    uint32_t u;
-    memcpy(&u, &f, 4);
-    if ((u & 0x7FFFFFFFu) > 0x7F800000u) return (uint16_t)((u >> 16) | 0x40u);
-    return (uint16_t)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
-}
+#include "bf16.h" /* bf16_round_row: the cache writes (kv_write) and the queries */
 
 /* Prefetch rows [r0, r1) of page `page`'s block, the part of each row this item reads (bytes). */
 static inline void prefetch_rows(const char *page, int64_t r0, int64_t r1, int64_t stride, int64_t offset,
@@ -96,7 +90,7 @@ static void block_item(const float *q, int64_t q_stride, const void *k_cache, co
         for (int64_t b = b0; b < b1; ++b)
             for (int64_t h = 0; h < H; ++h)
                 if (take[h])
-                    for (int64_t i = 0; i < D; ++i) qb[((b - b0) * H + h) * D + i] = bf16_of(q[b * q_stride + h * D + i]);
+                    bf16_round_row(q + b * q_stride + h * D, D, qb + ((b - b0) * H + h) * D);
 #else
     (void)qb;
 #endif
@@ -196,7 +190,8 @@ static int paged_decode(const float *q, int64_t q_stride, const void *k_cache, c
     /* Rows of one block table (a prefill chunk's tokens) go together, up to row_block's a block. */
     int64_t *starts = malloc(sizeof(int64_t) * (size_t)(B + 1));
     if (!starts) return -1;
-    int64_t nblocks = row_blocks(block_tables, max_pages, B, row_block(H, max_len), starts), rows = 1; /* the largest block's */
+    int64_t nblocks = row_blocks(block_tables, max_pages, B, row_block(H, max_len), starts);
+    int64_t rows = 1; /* the largest block's */
     for (int64_t i = 0; i < nblocks; ++i) rows = starts[i + 1] - starts[i] > rows ? starts[i + 1] - starts[i] : rows;
     /* A whole block per item reads its pages contiguously; with fewer blocks than threads x 2,
      * items are (block, kv head) so every thread has work, and with still too few (one kv head
@@ -251,7 +246,7 @@ ENTRY(paged_decode_bf16, 1)
 #endif
 
 /* Rows i < n of src (float32, `width` values each, rows ldx apart) into cache rows slots[i]:
- * float32 as they are, or bfloat16 (bf: bf16_of, nearest even, as torch's `.to(torch.bfloat16)`
+ * float32 as they are, or bfloat16 (bf: bf16_round_row, nearest even, as torch's `.to(torch.bfloat16)`
  * rounds; a NaN stays a NaN) as `index_copy_(0, slots, src.to(cache dtype))` would, in one pass
  * and on every thread: a prefill chunk writes thousands of rows a layer. Returns -1, writing
  * nothing, where a slot is outside the cache's nslots rows. */
@@ -267,7 +262,7 @@ int kv_write(const float *src, int64_t ldx, int64_t n, int64_t width, void *cach
             continue;
         }
         uint16_t *o = (uint16_t *)cache + slots[i] * width;
-        for (int64_t e = 0; e < width; ++e) o[e] = bf16_of(x[e]);
+        bf16_round_row(x, width, o);
     }
     return 0;
 }

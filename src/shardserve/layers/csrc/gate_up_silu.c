@@ -10,18 +10,11 @@
  *
  * The same bits as the product then silu_mul_bf16: each output is the same chain of vdpbf16ps
  * (quant_x16_float.c) or tile products (amx_block) whatever its tile, SiLU is the one compiled
- * `silu_rows`, and the rounding is bf16_round, as bf16_rows_of rounds. */
+ * `silu_rows`, and the rounding is bf16_round_row, as bf16_rows_of rounds. */
 
 /* Rows [0, mb) of `o` (16 floats apart) rounded to bfloat16 into columns [g, g + 16) of act. */
 static void act_round(const float *o, int64_t mb, uint16_t *act, int64_t ldact, int64_t g) {
-    for (int64_t r = 0; r < mb; r++) {
-        uint16_t *out = act + r * ldact + g;
-        for (int l = 0; l < GL; l++) {
-            uint32_t bits;
-            memcpy(&bits, o + r * GL + l, 4);
-            out[l] = bf16_round(bits);
-        }
-    }
+    for (int64_t r = 0; r < mb; r++) bf16_round_row(o + r * GL, GL, act + r * ldact + g);
 }
 
 #if DPBF_BUILT

@@ -17,32 +17,13 @@
  * loads its configuration and releases the tiles when done.
  */
 
-/* A float's bits rounded to bfloat16, to nearest even; NaN stays NaN. */
-static inline uint16_t bf16_round(uint32_t u) {
-    if ((u & 0x7FFFFFFFu) > 0x7F800000u) return (uint16_t)((u >> 16) | 0x40u);
-    return (uint16_t)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
-}
+#include "bf16.h" /* bf16_round, bf16_round_row: shared with the attention library */
 
 /* Rows [r0, r1) of x as bfloat16 (nearest even), zero from column k to the row's end `kb`. */
 static void bf16_rows_of(const float *x, int64_t ldx, int64_t r0, int64_t r1, int64_t k, int64_t kb, uint16_t *out) {
     for (int64_t i = r0; i < r1; i++) {
-        const uint32_t *src = (const uint32_t *)(x + i * ldx);
-        uint16_t *o = out + i * kb;
-        int64_t e = 0;
-#if defined(__AVX512F__) && defined(__AVX512BW__)
-        /* bf16_round on 16 lanes at once (the scalar loop does not vectorize: its NaN branch) */
-        const __m512i half = _mm512_set1_epi32(0x7FFF), one = _mm512_set1_epi32(1), quiet = _mm512_set1_epi32(0x40);
-        const __m512i mag = _mm512_set1_epi32(0x7FFFFFFF), inf = _mm512_set1_epi32(0x7F800000);
-        for (; e + 16 <= k; e += 16) {
-            __m512i u = _mm512_loadu_si512(src + e), top = _mm512_srli_epi32(u, 16);
-            __m512i r = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(half, _mm512_and_si512(top, one))), 16);
-            __mmask16 nan = _mm512_cmpgt_epu32_mask(_mm512_and_si512(u, mag), inf);
-            r = _mm512_mask_mov_epi32(r, nan, _mm512_or_si512(top, quiet));
-            _mm256_storeu_si256((__m256i *)(o + e), _mm512_cvtepi32_epi16(r));
-        }
-#endif
-        for (; e < k; e++) o[e] = bf16_round(src[e]);
-        for (int64_t e = k; e < kb; e++) o[e] = 0;
+        bf16_round_row(x + i * ldx, k, out + i * kb);
+        for (int64_t e = k; e < kb; e++) out[i * kb + e] = 0;
     }
 }
 
