@@ -5,13 +5,10 @@ from __future__ import annotations
 import dataclasses
 import logging
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field
-
-from tqdm import tqdm
 
 from shardserve.chat_messages import check_template_options, normalize_messages, render_chat
 from shardserve.config import EngineConfig
-from shardserve.core import CompletionOutput, EmbeddingOutput, EmbeddingRequestOutput, RequestOutput
+from shardserve.core import EmbeddingOutput, EmbeddingRequestOutput, RequestOutput
 from shardserve.distributed.layout import Layout
 from shardserve.engine_backends import LocalBackend, ProcessBackend
 from shardserve.ipc.messages.api import TokenOut
@@ -20,6 +17,8 @@ from shardserve.launch.checks import check_dense, check_deployment
 from shardserve.launch.deployment import Deployment
 from shardserve.launch.grid import run_other_node
 from shardserve.launch.nodes import NodeSpec
+from shardserve.llm_inputs import Prompt, as_params_list, as_prompt_list, with_loras
+from shardserve.llm_outputs import Sample, collect, request_output
 from shardserve.loader.generation_config import generation_defaults
 from shardserve.loader.lora import base_shapes, read_adapter
 from shardserve.loader.model_path import resolve_checkpoint
@@ -31,28 +30,7 @@ from shardserve.router.policy import resolve_policy
 from shardserve.sampling_params import LoRARequest, SamplingParams
 from shardserve.scheduler.startup import startup_summary, use_threads
 
-Prompt = str | list[int]
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class _Sample:
-    """One running sample, rebuilt from the TokenOut stream."""
-
-    rid: str
-    params: SamplingParams
-    token_ids: list[int] = field(default_factory=list)
-    logprobs: list[dict] = field(default_factory=list)
-    prompt_logprobs: list[dict] | None = None
-    out: TokenOut | None = None  # the final one
-
-    def feed(self, o: TokenOut) -> None:
-        self.token_ids.extend(o.new_ids)
-        self.logprobs.extend(o.logprobs or [])
-        if o.prompt_logprobs is not None:
-            self.prompt_logprobs = o.prompt_logprobs
-        if o.finished:
-            self.out = o
 
 
 class LLM:
@@ -157,10 +135,10 @@ class LLM:
         `lora_request`: the adapter every prompt runs with, or one per prompt (None: the base
         model); the LLM needs enable_lora=True."""
         backend = self._live()
-        prompts = _as_prompt_list(prompts)
+        prompts = as_prompt_list(prompts)
         if sampling_params is None:
             sampling_params = self.get_default_sampling_params()
-        params = _with_loras(_as_params_list(sampling_params, len(prompts)), lora_request)
+        params = with_loras(as_params_list(sampling_params, len(prompts)), lora_request)
         encoded = [self._prepare(p, sp) for p, sp in zip(prompts, params)]
         for ids, sp in zip(encoded, params):
             backend.limits.check(ids, sp)  # refuse the batch before anything starts
@@ -169,8 +147,8 @@ class LLM:
         # All at once: the engine admits the whole batch before its first step, so a run is
         # the same steps every time.
         backend.add([(s.rid, ids, s.params) for ids, g in zip(encoded, groups) for s in g])
-        self._run(groups, use_tqdm)
-        return [self._output(p, ids, g) for p, ids, g in zip(prompts, encoded, groups)]
+        collect(backend, groups, use_tqdm)
+        return [request_output(p, ids, g, self._decode) for p, ids, g in zip(prompts, encoded, groups)]
 
     def _check_loras(self, params: list[SamplingParams]) -> None:
         """Every adapter the batch names, checked before any of it starts (the engine checks again)."""
@@ -265,47 +243,14 @@ class LLM:
             if not done:
                 backend.abort(sample.rid)
 
-    def _sample(self, sp: SamplingParams, index: int) -> _Sample:
+    def _sample(self, sp: SamplingParams, index: int) -> Sample:
         """The index-th of a prompt's n samples, with its own id and seed, not yet added.
         n samples are n requests sharing the prompt (and, through the prefix cache, its KV);
         only the first scores the prompt: RequestOutput reports it once."""
         one = dataclasses.replace(sp, n=1, seed=sp.sample_seed(index),
                                   prompt_logprobs=sp.prompt_logprobs if index == 0 else None)
         self._next_id += 1
-        return _Sample(str(self._next_id), one)
-
-    def _run(self, groups: list[list[_Sample]], use_tqdm: bool) -> None:
-        by_rid = {s.rid: (gi, s) for gi, g in enumerate(groups) for s in g}
-        left = [len(g) for g in groups]
-        with tqdm(total=len(groups), desc="Generating", disable=not use_tqdm, unit="prompt") as bar:
-            try:
-                while by_rid:
-                    for o in self._backend.poll():
-                        entry = by_rid.get(o.rid)
-                        if entry is None:
-                            continue
-                        gi, sample = entry
-                        sample.feed(o)
-                        if o.finished:
-                            del by_rid[o.rid]
-                            left[gi] -= 1
-                            bar.update(left[gi] == 0)
-            finally:
-                for rid in by_rid:  # an error or Ctrl-C: free what is still running
-                    self._backend.abort(rid)
-
-    def _output(self, prompt: Prompt, ids: list[int], samples: list[_Sample]) -> RequestOutput:
-        comps = []
-        for i, s in enumerate(samples):
-            text = self._decode(s.token_ids, s.params.skip_special_tokens)
-            if s.out.text_cut is not None:
-                text = text[: s.out.text_cut]
-            if s.out.error is not None:
-                log.warning("request %s failed alone: %s", s.rid, s.out.error)
-            comps.append(CompletionOutput(i, text, s.token_ids, s.out.finish_reason, s.out.stop_reason,
-                                          s.logprobs if s.params.logprobs is not None else None, s.out.error))
-        return RequestOutput(samples[0].rid, prompt if isinstance(prompt, str) else None, ids, comps,
-                             samples[0].out.cached_tokens, samples[0].prompt_logprobs, samples[0].out.embedding)
+        return Sample(str(self._next_id), one)
 
     @property
     def limits(self):
@@ -341,34 +286,3 @@ class LLM:
             self.shutdown()
         except Exception:
             pass
-
-
-def _as_prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
-    if isinstance(prompts, str):
-        return [prompts]
-    prompts = list(prompts)
-    if prompts and all(isinstance(t, int) for t in prompts):
-        return [prompts]
-    for p in prompts:
-        if not isinstance(p, str | list | tuple):
-            raise TypeError(f"a prompt must be a string or a list of token ids, got {type(p).__name__}")
-    return [p if isinstance(p, str) else list(p) for p in prompts]
-
-
-def _with_loras(params: list[SamplingParams], lora) -> list[SamplingParams]:
-    """Each prompt's parameters with its adapter (vLLM's lora_request: one for all, or a list)."""
-    if lora is None:
-        return params
-    loras = list(lora) if isinstance(lora, list | tuple) else [lora] * len(params)
-    if len(loras) != len(params):
-        raise ValueError(f"lora_request: {len(loras)} given for {len(params)} prompts")
-    return [dataclasses.replace(p, lora_request=x) if x is not None else p for p, x in zip(params, loras)]
-
-
-def _as_params_list(sp, n: int) -> list[SamplingParams]:
-    if isinstance(sp, SamplingParams):
-        return [sp] * n
-    sp = list(sp)
-    if len(sp) != n:
-        raise ValueError(f"got {len(sp)} SamplingParams for {n} prompts")
-    return sp

@@ -24,7 +24,8 @@ LAYERS: list[tuple[str, ...]] = [
     ("server",),
     ("bench",),
     ("gateway",),  # the standalone HTTP router: places requests with router/'s policy
-    ("llm", "engine_backends"),  # the offline API and its engine (in process or scheduler processes)
+    # The offline API (its arguments and outputs) and its engine (in process or scheduler processes).
+    ("llm", "llm_inputs", "llm_outputs", "engine_backends"),
     ("router",),  # in-server placement: the policy, prefix indexes, the --dp-size router process
     ("tokenizer",),
     ("launch",),
