@@ -238,7 +238,7 @@ def test_two_results_of_a_request_in_one_step_each_report_their_own_logprobs() -
     request when sent, the first output reported the second token's logprobs: the e2e test of
     concurrent streams saw such a token id now and then.)"""
     from shardserve.core import Request
-    from shardserve.scheduler.engine_core import StepOutput
+    from shardserve.scheduler.engine_results import StepOutput
     from shardserve.scheduler.outputs import token_out
 
     req = Request("r", [1, 2, 3], SamplingParams(max_tokens=2, logprobs=0, prompt_logprobs=0), (0,))

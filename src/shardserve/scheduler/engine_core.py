@@ -2,21 +2,20 @@
 
 The offline `LLM` drives this directly; the scheduler process of the server wraps it with
 message I/O. It owns no tokenizer, only a `decode` function used to match stop strings.
+Results and finishes (StepOutput, EngineResultsMixin) are engine_results.py's.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
 
 import torch
 
 from shardserve.config import EngineConfig
 from shardserve.core import Batch, Request, Status
-from shardserve.distributed.communicator import CollectiveError
 from shardserve.distributed.groups import ParallelGroups, single_process_groups
 from shardserve.engine.stage_worker import StageWorker
-from shardserve.ipc.messages.plan import StageTraffic, StepPlan, StepResult
+from shardserve.ipc.messages.plan import StepPlan
 from shardserve.ipc.messages.reports import Stats
 from shardserve.kvcache.pages import PageAllocator
 from shardserve.loader.generation_config import eos_ids
@@ -24,8 +23,8 @@ from shardserve.loader.lora import base_shapes
 from shardserve.loader.model_path import Checkpoint, resolve_checkpoint
 from shardserve.loader.weights import read_model_config, resolve_dtype
 from shardserve.sampling_params import SamplingParams
+from shardserve.scheduler.engine_results import EngineResultsMixin, StepOutput
 from shardserve.scheduler.engine_stats import engine_stats, running_status
-from shardserve.scheduler.finish import finish_reason
 from shardserve.scheduler.in_flight import InFlightPlans
 from shardserve.scheduler.limits import RequestLimits
 from shardserve.scheduler.lora_slots import LoraSlots
@@ -35,26 +34,7 @@ from shardserve.scheduler.scheduler import Scheduler
 from shardserve.scheduler.speculator import make_speculator
 
 
-@dataclass
-class StepOutput:
-    """What one request gained this step (for streaming) and whether it is done. Made as its
-    tokens are appended: what it reports of them is taken from the request then, since one
-    step can apply two results of a request (--async-scheduling) before anything is sent."""
-
-    request: Request
-    new_token_ids: list[int]
-    finished: bool
-    grammar_done: bool = False  # structured outputs: the grammar is complete after this token
-    logprobs: list[dict] | None = field(init=False)  # the new tokens' entries, where asked for
-    first: bool = field(init=False)  # holds the request's first sampled tokens (prompt logprobs go with them)
-
-    def __post_init__(self) -> None:
-        r, n = self.request, len(self.new_token_ids)
-        self.logprobs = (r.logprobs[len(r.logprobs) - n:] if n else []) if r.params.logprobs is not None else None
-        self.first = n > 0 and len(r.output_token_ids) == n
-
-
-class EngineCore:
+class EngineCore(EngineResultsMixin):
     """The leader's engine: requests, scheduling, plans, and what came of them.
 
     `step()` makes progress in one of two ways: it applies any results that came back, and when
@@ -239,17 +219,6 @@ class EngineCore:
             self.publish(plan)
         return self.worker.execute(plan)
 
-    def wait_result(self, timeout_ms: int) -> list[StepOutput]:
-        """Apply results arriving within `timeout_ms` (when stalled)."""
-        return self._collect(timeout_ms)
-
-    def drain(self) -> list[StepOutput]:
-        """Wait for every micro-batch in flight (before a collective all ranks must join)."""
-        outputs = []
-        while self.inflight:
-            outputs += self._collect(100)
-        return outputs
-
     def _seq_cap(self) -> int:
         """Split the active requests evenly over the micro-batches, so each slot has work."""
         if self.micro_batches == 1:
@@ -277,73 +246,10 @@ class EngineCore:
         result = self.worker.execute(plan)
         return self._apply(result) if result is not None else []
 
-    def _collect(self, timeout_ms: int) -> list[StepOutput]:
-        if self.results is None:
-            return []
-        outputs = []
-        for msg in self.results(timeout_ms):
-            if isinstance(msg, StageTraffic):
-                self.stage_traffic[str(msg.stage)] = msg.groups
-                self.stage_reports += 1
-            else:
-                outputs += self._apply(msg)
-        mb = self.inflight.overdue(self.cfg.dist_timeout) if self.executor is None else None
-        if mb is not None:  # an executor's plan may run long: it is this process, not a lost stage
-            raise CollectiveError(f"rank {self.runner.groups.rank}: no result for micro-batch {mb} from the last "
-                                  f"pipeline stage within {self.cfg.dist_timeout:.0f} s")
-        return outputs
-
-    def _apply(self, result: StepResult) -> list[StepOutput]:
-        waits = self.inflight.take(result.mb)
-        self.starved = False
-        tokens = iter(zip(result.tokens, result.logprobs))
-        accepted = iter(zip(result.accepted, result.accepted_logprobs)) if result.accepted else None
-        scored = iter(result.prompt_logprobs)
-        ended, k = set(result.ended), -1
-        outputs = []
-        for req, sample, scores in waits:
-            entries = next(scored) if scores else []
-            tok, lp = next(tokens) if sample else (None, None)
-            toks, lps = next(accepted) if sample and accepted else ([], [])
-            k += sample  # position among the sampled entries
-            if req.finished:  # aborted while its micro-batch was in flight
-                continue
-            req.prompt_logprobs.extend(entries)
-            if req.request_id in result.embeddings:
-                req.embedding = result.embeddings[req.request_id]
-            if sample and k in result.failed:  # this request alone: its token is void, the batch goes on
-                req.error = result.failed[k]
-                self._end(req, "error")
-                outputs.append(StepOutput(req, [], True))
-            elif tok is not None:
-                outputs.append(self._take_tokens(req, [*toks, tok], [*lps, lp], k in ended))
-                if self.spec is not None:
-                    self.spec.settle(req, len(toks), len(outputs[-1].new_token_ids))
-        return outputs
-
     def close(self) -> None:
         """Stop the executor thread (--async-scheduling) after the plans in flight."""
         if self.executor is not None:
             self.executor.close()
-
-    def _take_tokens(self, req: Request, toks: list[int], lps: list[dict | None], grammar_done: bool) -> StepOutput:
-        """Append a step's tokens (several with speculative decoding) one at a time, stopping at
-        the first that ends the request: a stop inside an accepted run cuts the output there."""
-        for i, (tok, lp) in enumerate(zip(toks, lps)):
-            req.append_token(tok)
-            if lp is not None:
-                req.logprobs.append(lp)
-            if req.transfer is not None:  # disaggregated prefill: the decode instance takes it from here
-                self._end(req, "transferred")
-                return StepOutput(req, toks[: i + 1], True, grammar_done)
-            last = i == len(toks) - 1
-            reason = finish_reason(req, tok, self.decode, self.max_model_len)
-            if reason != "stop" and grammar_done and last:  # structured outputs: the grammar is complete
-                reason = "stop"
-            if reason:
-                self._end(req, reason)
-                return StepOutput(req, toks[: i + 1], True, grammar_done and last)
-        return StepOutput(req, toks, False, grammar_done)
 
     def stats(self) -> Stats:
         """What /metrics shows of this engine."""

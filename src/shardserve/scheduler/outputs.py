@@ -8,7 +8,7 @@ import zmq
 from shardserve.ipc.messages.api import TokenOut
 from shardserve.ipc.messages.reports import CacheEvents
 from shardserve.ipc.sockets import bound, send
-from shardserve.scheduler.engine_core import StepOutput
+from shardserve.scheduler.engine_results import StepOutput
 
 
 class CacheEventFeed:

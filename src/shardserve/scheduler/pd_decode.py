@@ -38,7 +38,8 @@ from shardserve.ipc.messages.disagg import AbortPrefill, KVTarget, PeerAlive, Pr
 from shardserve.ipc.secure import connect_secure
 from shardserve.layers.sharding import head_shard
 from shardserve.sampling_params import SamplingParams
-from shardserve.scheduler.engine_core import EngineCore, StepOutput
+from shardserve.scheduler.engine_core import EngineCore
+from shardserve.scheduler.engine_results import StepOutput
 from shardserve.scheduler.pd_prefill import BEAT_S, model_shape
 
 log = logging.getLogger("shardserve.disagg")

@@ -26,7 +26,8 @@ from shardserve.config import EngineConfig
 from shardserve.ipc.messages import decode_or_none, encode
 from shardserve.ipc.messages.disagg import AbortPrefill, ModelShape, PeerAlive, PrefillDone, PrefillFailed, PrefillReq
 from shardserve.ipc.secure import Gate, serve_secure
-from shardserve.scheduler.engine_core import EngineCore, StepOutput
+from shardserve.scheduler.engine_core import EngineCore
+from shardserve.scheduler.engine_results import StepOutput
 
 log = logging.getLogger("shardserve.disagg")
 BEAT_S = 1.0

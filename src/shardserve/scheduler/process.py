@@ -30,7 +30,8 @@ from shardserve.ipc.sockets import Endpoints, push, send
 from shardserve.loader.model_path import resolve_checkpoint
 from shardserve.loader.tokenizer import load_tokenizer
 from shardserve.platform import pick_device
-from shardserve.scheduler.engine_core import EngineCore, StepOutput
+from shardserve.scheduler.engine_core import EngineCore
+from shardserve.scheduler.engine_results import StepOutput
 from shardserve.scheduler.follower import Follower, serve_loop
 from shardserve.scheduler.inbox import Inbox
 from shardserve.scheduler.lockstep import Lockstep
