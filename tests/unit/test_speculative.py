@@ -303,7 +303,8 @@ def test_settings_of_the_other_method_refused(spec: dict, message: str) -> None:
 
 
 def test_flags(target: str) -> None:
-    from shardserve.cli.flags import Parser, add_engine_args, speculative_config
+    from shardserve.cli.flag_types import Parser
+    from shardserve.cli.flags import add_engine_args, speculative_config
 
     p = Parser()
     add_engine_args(p)

@@ -9,9 +9,7 @@ from __future__ import annotations
 import argparse
 import math
 
-from shardserve.cli.flags import (
-    add_engine_args,
-    llm_kwargs,
+from shardserve.cli.flag_types import (
     memory_amount,
     non_negative_int,
     positive_float,
@@ -19,6 +17,7 @@ from shardserve.cli.flags import (
     positive_ints,
     seed_int,
 )
+from shardserve.cli.flags import add_engine_args, llm_kwargs
 from shardserve.config import DTYPES
 from shardserve.logs import LOG_LEVELS
 

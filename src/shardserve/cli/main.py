@@ -9,7 +9,8 @@ import argparse
 import logging
 import sys
 
-from shardserve.cli.flags import Parser, add_engine_args, non_negative_float, positive_int
+from shardserve.cli.flag_types import Parser, non_negative_float, positive_int
+from shardserve.cli.flags import add_engine_args
 from shardserve.cli.router_flags import add_router_args
 from shardserve.launch import LaunchError
 from shardserve.logs import use_log_level

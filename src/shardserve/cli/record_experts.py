@@ -25,7 +25,8 @@ BUILT_IN = [
 
 
 def add_record_args(p: argparse.ArgumentParser) -> None:
-    from shardserve.cli.flags import add_engine_args, positive_int
+    from shardserve.cli.flag_types import positive_int
+    from shardserve.cli.flags import add_engine_args
 
     add_engine_args(p)
     p.add_argument("--output", "-o", required=True, help="where to write the counts (JSON)")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import os
 
-from shardserve.cli.flags import non_negative_int, port_number, positive_float, positive_int
+from shardserve.cli.flag_types import non_negative_int, port_number, positive_float, positive_int
 from shardserve.config import DISAGGREGATION_MODES
 from shardserve.openai_errors import API_KEY_ENV
 from shardserve.server.reasoning import PARSERS as REASONING_PARSERS
