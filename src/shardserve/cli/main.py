@@ -78,7 +78,7 @@ def main(argv: list[str] | None = None) -> int:
 
             return chat(llm_kwargs(args), args.max_tokens, args.temperature)
         if args.command == "bench":
-            from shardserve.cli.bench_flags import run_bench
+            from shardserve.cli.bench_run import run_bench
 
             return run_bench(args)
         if args.command == "record-experts":
