@@ -16,7 +16,7 @@ from gguf_util import finish, gguf_writer
 from test_equivalence import hf_reference, prompts, run_engine
 
 from shardserve.config import ModelConfig
-from shardserve.loader.gguf_loader import read_gguf_config
+from shardserve.loader.gguf_metadata import read_gguf_config
 
 LAYER = {"attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm", "attn_q": "self_attn.q_proj",
          "attn_q_a": "self_attn.q_a_proj", "attn_q_a_norm": "self_attn.q_a_layernorm", "attn_q_b": "self_attn.q_b_proj",

@@ -1,4 +1,4 @@
-"""Tests for shardserve.loader.gguf_loader against transformers' own GGUF loader.
+"""Tests for shardserve.loader.gguf_loader and gguf_metadata against transformers' own GGUF loader.
 
 Runtime is dominated by transformers' reference dequantization, so the expensive objects live
 in module-scoped fixtures.
@@ -15,7 +15,8 @@ import torch
 from gguf import GGMLQuantizationType, GGUFWriter
 from gguf.quants import quantize
 
-from shardserve.loader.gguf_loader import iter_gguf_tensors, read_gguf_config
+from shardserve.loader.gguf_loader import iter_gguf_tensors
+from shardserve.loader.gguf_metadata import read_gguf_config
 from shardserve.loader.gguf_tokenizer import load_gguf_tokenizer
 
 # ----------------------------------------------------------------------------- fixtures

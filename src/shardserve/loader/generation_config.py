@@ -34,7 +34,7 @@ def generation_defaults(ckpt: Checkpoint, source: str = "auto") -> tuple[dict[st
             raise FileNotFoundError(f"--generation-config {source!r}: no generation_config.json there")
         found, where = _from_json(path), path
     elif ckpt.is_gguf:
-        from shardserve.loader.gguf_loader import read_gguf_sampling
+        from shardserve.loader.gguf_metadata import read_gguf_sampling
 
         raw = read_gguf_sampling(ckpt.path)
         found = _typed({GGUF_FIELDS[k]: v for k, v in raw.items() if k in GGUF_FIELDS})

@@ -1,9 +1,9 @@
-"""Read GGUF checkpoints (llama.cpp's format) as Hugging Face config, tensors and tokenizer.
+"""Read GGUF checkpoints' tensors (llama.cpp's format) as Hugging Face tensors.
 
 The engine's model code speaks Hugging Face names and layouts, so everything here translates:
-GGUF metadata keys become config.json keys, `blk.N.attn_q.weight` becomes
-`model.layers.N.self_attn.q_proj.weight`, stacked MoE expert tensors are split per expert, and
-llama's Q/K rows are un-permuted back to the HF rotary layout.
+`blk.N.attn_q.weight` becomes `model.layers.N.self_attn.q_proj.weight`, stacked MoE expert
+tensors are split per expert, and llama's Q/K rows are un-permuted back to the HF rotary layout.
+GGUF metadata keys become config.json keys in gguf_metadata.py; the tokenizer is gguf_tokenizer.py's.
 
 Tensors are never loaded eagerly: `iter_gguf_tensors` yields a loader per tensor and the header
 reader (gguf_header.py) memory-maps the file, so peak memory is one dequantized tensor at a time.
@@ -11,36 +11,20 @@ reader (gguf_header.py) memory-maps the file, so peak memory is one dequantized 
 
 from __future__ import annotations
 
-import functools
-import os
 import re
 from collections.abc import Callable, Iterator
-from typing import Any
 
 import numpy as np
 import torch
 from gguf import GGMLQuantizationType, ReaderTensor
 from gguf.quants import dequantize
 
-from shardserve.loader.gguf_deepseek import (
-    CORRECTION_BIAS,
-    DEEPSEEK2_LAYER_TENSORS,
-    SPLIT_KV_B,
-    deepseek2_config,
-    deepseek2_rope_scaling,
-    merged_kv_b,
-)
-from shardserve.loader.gguf_header import GGUFHeader, read_header
+from shardserve.loader.gguf_deepseek import CORRECTION_BIAS, DEEPSEEK2_LAYER_TENSORS, SPLIT_KV_B, merged_kv_b
+from shardserve.loader.gguf_metadata import config_from_reader, open_header
 from shardserve.loader.gguf_names import (
-    GGUF_ARCH_KEY_TO_HF_CONFIG,
-    GGUF_ARCH_TO_HF_MODEL,
     GGUF_GLOBAL_TENSOR_TO_HF,
     GGUF_LAYER_TENSOR_TO_HF,
-    GGUF_MOE_KEY_TO_HF_CONFIG,
     GGUF_STACKED_EXPERT_TENSOR_TO_HF,
-    GGUF_TOKENIZER_KEY_TO_HF_CONFIG,
-    MOE_ARCHS,
-    NORM_TOPK_PROB_BY_ARCH,
 )
 from shardserve.loader.quantized import FORMATS, QuantWeight
 from shardserve.loader.source import LazySource
@@ -49,117 +33,6 @@ _LAYER_TENSOR_RE = re.compile(r"blk\.(?P<layer>\d+)\.(?P<stem>\w+)\.(?P<kind>wei
 
 TensorLoader = Callable[[], torch.Tensor]
 LAYER_TENSORS = GGUF_LAYER_TENSOR_TO_HF | DEEPSEEK2_LAYER_TENSORS
-
-
-# ----------------------------------------------------------------------------- reader
-
-
-@functools.lru_cache(maxsize=2)
-def _cached_reader(real_path: str, mtime_ns: int, size: int) -> GGUFHeader:
-    del mtime_ns, size  # only part of the cache key, so a rewritten file is re-read
-    return read_header(real_path)
-
-
-def open_header(path: str) -> GGUFHeader:
-    """Parse a GGUF header once per file version (config, tensors and tokenizer each read it).
-    Tensor data is only memory-mapped, so keeping it costs page cache, not resident memory."""
-    real_path = os.path.realpath(path)
-    stat = os.stat(real_path)
-    return _cached_reader(real_path, stat.st_mtime_ns, stat.st_size)
-
-
-# ----------------------------------------------------------------------------- metadata
-
-
-def _architecture(reader: GGUFHeader) -> str:
-    arch = reader.fields.get("general.architecture")
-    if arch not in GGUF_ARCH_TO_HF_MODEL:
-        raise ValueError(f"unsupported GGUF architecture {arch!r}; supported: {sorted(GGUF_ARCH_TO_HF_MODEL)}")
-    return arch
-
-
-def _copy_mapped_keys(reader: GGUFHeader, prefix: str, table: dict[str, str], out: dict) -> None:
-    for gguf_suffix, hf_key in table.items():
-        value = reader.fields.get(prefix + gguf_suffix)
-        if value is not None:
-            out[hf_key] = value
-
-
-def _head_dim(reader: GGUFHeader, arch: str, config: dict) -> int:
-    # Qwen3 decouples head_dim from hidden/heads, and llama.cpp records it as key_length;
-    # older llama files only carry rope.dimension_count, which equals head_dim for full rope.
-    for suffix in ("attention.key_length", "rope.dimension_count"):
-        value = reader.fields.get(f"{arch}.{suffix}")
-        if value is not None:
-            return int(value)
-    return config["hidden_size"] // config["num_attention_heads"]
-
-
-def _rope_scaling(reader: GGUFHeader, arch: str) -> dict | None:
-    kind = reader.fields.get(f"{arch}.rope.scaling.type")
-    factor = reader.fields.get(f"{arch}.rope.scaling.factor")
-    if kind in (None, "none") or factor is None:
-        return None
-    scaling: dict[str, Any] = {"rope_type": kind, "factor": float(factor)}
-    original = reader.fields.get(f"{arch}.rope.scaling.original_context_length")
-    if original is not None:
-        scaling["original_max_position_embeddings"] = int(original)
-    return scaling
-
-
-def _moe_config(reader: GGUFHeader, arch: str) -> dict:
-    moe: dict[str, Any] = {}
-    _copy_mapped_keys(reader, f"{arch}.", GGUF_MOE_KEY_TO_HF_CONFIG, moe)
-    if arch in MOE_ARCHS:
-        # Every layer is sparse in llama.cpp's qwen MoE graphs.
-        moe.setdefault("shared_expert_intermediate_size", 0)
-        moe["norm_topk_prob"] = NORM_TOPK_PROB_BY_ARCH[arch]
-        moe["decoder_sparse_step"] = 1
-        moe["mlp_only_layers"] = []
-    return moe
-
-
-def _config_from_reader(reader: GGUFHeader) -> dict:
-    arch = _architecture(reader)
-    model_type, hf_arch = GGUF_ARCH_TO_HF_MODEL[arch]
-    config: dict[str, Any] = {"architectures": [hf_arch], "model_type": model_type, "hidden_act": "silu"}
-    _copy_mapped_keys(reader, f"{arch}.", GGUF_ARCH_KEY_TO_HF_CONFIG, config)
-    _copy_mapped_keys(reader, "", GGUF_TOKENIZER_KEY_TO_HF_CONFIG, config)
-    # Without a key/value head count the model is plain multi-head attention.
-    config.setdefault("num_key_value_heads", config["num_attention_heads"])
-    config["head_dim"] = _head_dim(reader, arch, config)
-    if "vocab_size" not in config:
-        # Many converters omit {arch}.vocab_size; the token list is authoritative.
-        config["vocab_size"] = len(reader.fields["tokenizer.ggml.tokens"])
-    tensor_names = {t.name for t in reader.tensors}
-    config["tie_word_embeddings"] = "output.weight" not in tensor_names
-    # Q/K/V biases are a per-checkpoint choice (qwen2 has them, llama and qwen3 usually not);
-    # the tensors themselves are the only record of it.
-    config["attention_bias"] = "blk.0.attn_q.bias" in tensor_names
-    config["rope_theta"] = float(config.get("rope_theta", 10000.0))
-    config["rms_norm_eps"] = float(config["rms_norm_eps"])
-    if (scaling := _rope_scaling(reader, arch)) is not None:
-        config["rope_scaling"] = scaling
-    config.update(_moe_config(reader, arch))
-    if arch == "llama" and config.get("num_experts"):  # llama.cpp writes Mixtral as llama with experts
-        config.update(architectures=["MixtralForCausalLM"], model_type="mixtral")
-    if arch == "deepseek2":
-        def value(suffix: str) -> Any:
-            return reader.fields.get(f"{arch}.{suffix}")
-
-        config.update(deepseek2_config(value))
-        if "rope_scaling" in config:
-            config["rope_scaling"] = deepseek2_rope_scaling(config["rope_scaling"], value)
-    return config
-
-
-def read_gguf_config(path: str) -> dict:
-    """Translate a GGUF file's metadata into a Hugging Face `config.json`-style dict.
-
-    Raises ValueError if `general.architecture` is not llama, qwen2, qwen3, qwen2moe or qwen3moe.
-    `tie_word_embeddings` is True when the file has no `output.weight` tensor.
-    """
-    return _config_from_reader(open_header(path))
 
 
 # ----------------------------------------------------------------------------- tensors
@@ -268,7 +141,7 @@ def iter_gguf_tensors(path: str) -> Iterator[tuple[str, Callable[[], torch.Tenso
     HF equivalent are yielded under their raw GGUF name.
     """
     reader = open_header(path)
-    config = _config_from_reader(reader)
+    config = config_from_reader(reader)
     tensors = {t.name: t for t in reader.tensors}
     for tensor in reader.tensors:
         yield from _tensor_entries(tensor, config, tensors)
@@ -305,7 +178,7 @@ def gguf_sources(path: str, keep_quantized: bool) -> list[LazySource]:
     `keep_quantized`, a weight in a format with a kernel is also offered in its blocks (a stacked
     MoE tensor expert by expert)."""
     reader = open_header(path)
-    config = _config_from_reader(reader)
+    config = config_from_reader(reader)
     tensors = {t.name: t for t in reader.tensors}
     out = []
     for tensor in reader.tensors:
@@ -318,13 +191,3 @@ def gguf_sources(path: str, keep_quantized: bool) -> list[LazySource]:
         quantized = _quantized_loader(tensor, config) if keep_quantized else None
         out.extend(LazySource(name, load, quantized) for name, load in entries)
     return out
-
-
-# ----------------------------------------------------------------------------- sampling
-
-
-def read_gguf_sampling(path: str) -> dict[str, Any]:
-    """The `general.sampling.*` keys a GGUF may carry (llama.cpp's names), as raw values."""
-    reader = open_header(path)
-    prefix = "general.sampling."
-    return {k.removeprefix(prefix): v for k, v in reader.fields.items() if k.startswith(prefix)}

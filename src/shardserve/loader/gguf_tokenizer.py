@@ -18,7 +18,7 @@ import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from shardserve.loader.gguf_loader import open_header
+from shardserve.loader.gguf_metadata import open_header
 from shardserve.native import cache_root
 
 if TYPE_CHECKING:

@@ -19,7 +19,7 @@ if TYPE_CHECKING:
 
 def read_model_config(ckpt: Checkpoint) -> ModelConfig:
     if ckpt.is_gguf:
-        from shardserve.loader.gguf_loader import read_gguf_config
+        from shardserve.loader.gguf_metadata import read_gguf_config
 
         return ModelConfig.from_dict(read_gguf_config(ckpt.path))
     return ModelConfig.from_dir(ckpt.path)

@@ -1,0 +1,143 @@
+"""A GGUF file's metadata: its header parsed once per file version (`open_header`), translated
+into a Hugging Face `config.json`-style dict (`read_gguf_config`: architecture, shapes, rotary
+scaling, MoE and DeepSeek keys), and the `general.sampling.*` keys it may carry.
+
+Tensors are gguf_loader.py's; the tokenizer is gguf_tokenizer.py's.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from typing import Any
+
+from shardserve.loader.gguf_deepseek import deepseek2_config, deepseek2_rope_scaling
+from shardserve.loader.gguf_header import GGUFHeader, read_header
+from shardserve.loader.gguf_names import (
+    GGUF_ARCH_KEY_TO_HF_CONFIG,
+    GGUF_ARCH_TO_HF_MODEL,
+    GGUF_MOE_KEY_TO_HF_CONFIG,
+    GGUF_TOKENIZER_KEY_TO_HF_CONFIG,
+    MOE_ARCHS,
+    NORM_TOPK_PROB_BY_ARCH,
+)
+
+# ----------------------------------------------------------------------------- reader
+
+
+@functools.lru_cache(maxsize=2)
+def _cached_reader(real_path: str, mtime_ns: int, size: int) -> GGUFHeader:
+    del mtime_ns, size  # only part of the cache key, so a rewritten file is re-read
+    return read_header(real_path)
+
+
+def open_header(path: str) -> GGUFHeader:
+    """Parse a GGUF header once per file version (config, tensors and tokenizer each read it).
+    Tensor data is only memory-mapped, so keeping it costs page cache, not resident memory."""
+    real_path = os.path.realpath(path)
+    stat = os.stat(real_path)
+    return _cached_reader(real_path, stat.st_mtime_ns, stat.st_size)
+
+
+# ----------------------------------------------------------------------------- metadata
+
+
+def _architecture(reader: GGUFHeader) -> str:
+    arch = reader.fields.get("general.architecture")
+    if arch not in GGUF_ARCH_TO_HF_MODEL:
+        raise ValueError(f"unsupported GGUF architecture {arch!r}; supported: {sorted(GGUF_ARCH_TO_HF_MODEL)}")
+    return arch
+
+
+def _copy_mapped_keys(reader: GGUFHeader, prefix: str, table: dict[str, str], out: dict) -> None:
+    for gguf_suffix, hf_key in table.items():
+        value = reader.fields.get(prefix + gguf_suffix)
+        if value is not None:
+            out[hf_key] = value
+
+
+def _head_dim(reader: GGUFHeader, arch: str, config: dict) -> int:
+    # Qwen3 decouples head_dim from hidden/heads, and llama.cpp records it as key_length;
+    # older llama files only carry rope.dimension_count, which equals head_dim for full rope.
+    for suffix in ("attention.key_length", "rope.dimension_count"):
+        value = reader.fields.get(f"{arch}.{suffix}")
+        if value is not None:
+            return int(value)
+    return config["hidden_size"] // config["num_attention_heads"]
+
+
+def _rope_scaling(reader: GGUFHeader, arch: str) -> dict | None:
+    kind = reader.fields.get(f"{arch}.rope.scaling.type")
+    factor = reader.fields.get(f"{arch}.rope.scaling.factor")
+    if kind in (None, "none") or factor is None:
+        return None
+    scaling: dict[str, Any] = {"rope_type": kind, "factor": float(factor)}
+    original = reader.fields.get(f"{arch}.rope.scaling.original_context_length")
+    if original is not None:
+        scaling["original_max_position_embeddings"] = int(original)
+    return scaling
+
+
+def _moe_config(reader: GGUFHeader, arch: str) -> dict:
+    moe: dict[str, Any] = {}
+    _copy_mapped_keys(reader, f"{arch}.", GGUF_MOE_KEY_TO_HF_CONFIG, moe)
+    if arch in MOE_ARCHS:
+        # Every layer is sparse in llama.cpp's qwen MoE graphs.
+        moe.setdefault("shared_expert_intermediate_size", 0)
+        moe["norm_topk_prob"] = NORM_TOPK_PROB_BY_ARCH[arch]
+        moe["decoder_sparse_step"] = 1
+        moe["mlp_only_layers"] = []
+    return moe
+
+
+def config_from_reader(reader: GGUFHeader) -> dict:
+    arch = _architecture(reader)
+    model_type, hf_arch = GGUF_ARCH_TO_HF_MODEL[arch]
+    config: dict[str, Any] = {"architectures": [hf_arch], "model_type": model_type, "hidden_act": "silu"}
+    _copy_mapped_keys(reader, f"{arch}.", GGUF_ARCH_KEY_TO_HF_CONFIG, config)
+    _copy_mapped_keys(reader, "", GGUF_TOKENIZER_KEY_TO_HF_CONFIG, config)
+    # Without a key/value head count the model is plain multi-head attention.
+    config.setdefault("num_key_value_heads", config["num_attention_heads"])
+    config["head_dim"] = _head_dim(reader, arch, config)
+    if "vocab_size" not in config:
+        # Many converters omit {arch}.vocab_size; the token list is authoritative.
+        config["vocab_size"] = len(reader.fields["tokenizer.ggml.tokens"])
+    tensor_names = {t.name for t in reader.tensors}
+    config["tie_word_embeddings"] = "output.weight" not in tensor_names
+    # Q/K/V biases are a per-checkpoint choice (qwen2 has them, llama and qwen3 usually not);
+    # the tensors themselves are the only record of it.
+    config["attention_bias"] = "blk.0.attn_q.bias" in tensor_names
+    config["rope_theta"] = float(config.get("rope_theta", 10000.0))
+    config["rms_norm_eps"] = float(config["rms_norm_eps"])
+    if (scaling := _rope_scaling(reader, arch)) is not None:
+        config["rope_scaling"] = scaling
+    config.update(_moe_config(reader, arch))
+    if arch == "llama" and config.get("num_experts"):  # llama.cpp writes Mixtral as llama with experts
+        config.update(architectures=["MixtralForCausalLM"], model_type="mixtral")
+    if arch == "deepseek2":
+        def value(suffix: str) -> Any:
+            return reader.fields.get(f"{arch}.{suffix}")
+
+        config.update(deepseek2_config(value))
+        if "rope_scaling" in config:
+            config["rope_scaling"] = deepseek2_rope_scaling(config["rope_scaling"], value)
+    return config
+
+
+def read_gguf_config(path: str) -> dict:
+    """Translate a GGUF file's metadata into a Hugging Face `config.json`-style dict.
+
+    Raises ValueError if `general.architecture` is not llama, qwen2, qwen3, qwen2moe or qwen3moe.
+    `tie_word_embeddings` is True when the file has no `output.weight` tensor.
+    """
+    return config_from_reader(open_header(path))
+
+
+# ----------------------------------------------------------------------------- sampling
+
+
+def read_gguf_sampling(path: str) -> dict[str, Any]:
+    """The `general.sampling.*` keys a GGUF may carry (llama.cpp's names), as raw values."""
+    reader = open_header(path)
+    prefix = "general.sampling."
+    return {k.removeprefix(prefix): v for k, v in reader.fields.items() if k.startswith(prefix)}
