@@ -11,158 +11,16 @@ function: {arguments}}]}` as the arguments are generated. `grammar(...)` enforce
 `arguments` is the raw JSON text of the arguments object as the model wrote it, so the deltas add up to the
 whole parse's string. Text that may yet become a tag is held back; whitespace touching a call is dropped; a
 block that is not a well-formed call stays content. One divergence: a call whose JSON breaks only after its
-arguments began to stream stays a (broken) call in the stream, content in the whole parse.
+arguments began to stream stays a (broken) call in the stream, content in the whole parse. Each call's JSON is
+scanned by tool_call_scanner.py.
 """
 
 from __future__ import annotations
 
 import json
-import uuid
 
+from shardserve.server.tool_call_scanner import CallStream
 from shardserve.structured_outputs import JSON_OPTIONS, bounded_schema
-
-ARG_KEYS = ("arguments", "parameters")
-
-
-def new_call_id() -> str:
-    return f"call_{uuid.uuid4().hex[:24]}"
-
-
-class _Scanner:
-    """Walks one JSON object char by char, resumably: the raw spans of its top-level values (first occurrence
-    of each key), where the object ends, and whether it has gone wrong. Any split of the input into pieces
-    leaves it in the same state."""
-
-    def __init__(self):
-        self.text, self.pos, self.depth, self.stage = "", 0, 0, "start"
-        self.in_str = self.esc = self.bad = False
-        self.key, self.key_start, self.end = None, 0, None
-        self.spans: dict[str, list] = {}  # key -> [start, end or None while open]
-        self.cur: list | None = None  # the span being filled (None for a repeated key)
-
-    def _close(self, i: int) -> None:
-        self.stage = "after"
-        if self.cur is not None:
-            self.cur[1] = i
-
-    def feed(self, s: str) -> str:
-        """Consumes s up to the object's end or the first char that breaks it; returns what is left."""
-        self.text += s
-        while self.pos < len(self.text) and self.end is None and not self.bad:
-            i, c = self.pos, self.text[self.pos]
-            self.pos += 1
-            if self.in_str:
-                if self.esc:
-                    self.esc = False
-                elif c == "\\":
-                    self.esc = True
-                elif c == '"':
-                    self.in_str = False
-                    if self.depth == 1 and self.stage == "key":
-                        try:
-                            self.key, self.stage = json.loads(self.text[self.key_start:i + 1]), "colon"
-                        except ValueError:  # a bad escape
-                            self.bad = True
-                    elif self.depth == 1:
-                        self._close(i + 1)
-            elif c in " \t\r\n":
-                if self.depth == 1 and self.stage == "scalar":
-                    self._close(i)
-            elif self.depth == 0:
-                self.depth, self.stage, self.bad = 1, "key", c != "{"
-            elif self.depth > 1:
-                self.in_str = c == '"'
-                self.depth += (c in "{[") - (c in "}]")
-                if self.depth == 1:
-                    self._close(i + 1)
-            elif self.stage == "key":
-                if c == '"':
-                    self.in_str, self.key_start = True, i
-                elif c == "}" and not self.spans:
-                    self.end = i + 1
-                else:
-                    self.bad = True
-            elif self.stage == "colon":
-                self.stage, self.bad = "value", c != ":"
-            elif self.stage == "value":
-                self.cur = None if self.key in self.spans else self.spans.setdefault(self.key, [i, None])
-                self.in_str = c == '"'
-                self.depth, self.stage = (2, "nested") if c in "{[" else (1, "string" if c == '"' else "scalar")
-            elif c in ",}" and self.stage in ("scalar", "after"):
-                if self.stage == "scalar":
-                    self._close(i)
-                self.stage = "key"
-                if c == "}":
-                    self.end = i + 1
-            else:
-                self.bad = self.stage == "after"
-        rest, self.text = self.text[self.pos:], self.text[:self.pos]
-        return rest
-
-    def raw(self, key: str | None) -> str | None:
-        """Key's value as written so far; None before it starts."""
-        span = self.spans.get(key)
-        return None if span is None else self.text[span[0]:span[1]]
-
-    def name(self) -> str | bool | None:
-        """The name once its string is complete; False if it cannot be a name; None while unknown."""
-        span = self.spans.get("name")
-        if span is None or span[1] is None and self.text[span[0]] == '"':
-            return None
-        try:
-            name = json.loads(self.raw("name"))
-        except ValueError:
-            return False
-        return name if isinstance(name, str) and name else False
-
-    def args_key(self) -> str | None:
-        return next((k for k in self.spans if k in ARG_KEYS), None)
-
-    def call(self) -> tuple[str, str] | None:
-        """(name, arguments) of the finished object; None if it is not a well-formed call."""
-        key = self.args_key()
-        try:
-            json.loads(self.text[:self.end] if self.end and not self.bad else "")
-            args = json.loads(self.raw(key)) if key else {}
-            if isinstance(args, str) and isinstance(json.loads(args), dict):  # arguments as a JSON string
-                return (self.name(), args) if self.name() else None
-        except ValueError:
-            return None
-        return (self.name(), self.raw(key) if key else "{}") if self.name() and isinstance(args, dict) else None
-
-
-class _CallStream(_Scanner):
-    """Streams one call: the header once the name is known and an arguments object has begun, then the
-    arguments' text as it comes. state: "open", "done" (ended: well-formed, or already begun) or "failed"
-    (not a call, nothing sent)."""
-
-    def __init__(self, index: int, eager: bool):
-        super().__init__()
-        self.index, self.eager, self.sent, self.state = index, eager, None, "open"
-
-    def _send(self, out: list, args: str, name: str | None = None) -> None:
-        if name is not None:
-            out.append({"tool_calls": [{"index": self.index, "id": new_call_id(), "type": "function",
-                                        "function": {"name": name, "arguments": ""}}]})
-            self.sent = ""
-        if args[len(self.sent):]:
-            out.append({"tool_calls": [{"index": self.index, "function": {"arguments": args[len(self.sent):]}}]})
-        self.sent = args
-
-    def stream(self, s: str, out: list, final: bool = False) -> str:
-        rest = self.feed(s)
-        name, key = self.name(), self.args_key()
-        if self.sent is not None or self.eager and name and key and self.raw(key).startswith("{"):
-            self._send(out, self.raw(key), None if self.sent is not None else name)
-        if self.end is not None or self.bad or name is False or final:
-            call = self.call()
-            if call is None and self.sent is None:
-                self.state = "failed"
-                return rest
-            if call is not None and call[1].startswith(self.sent or ""):
-                self._send(out, call[1], call[0] if self.sent is None else None)
-            self.state = "done"
-        return rest
 
 
 def _content(out: list, text: str) -> None:
@@ -258,7 +116,7 @@ class Hermes(_Stream):
                 body = self.buf[:i].rstrip()
                 _content(out, body)
                 self.pre, self.buf = self.buf[len(body):i], self.buf[i + len(HERMES_START):]
-                self.mode, self.call = "call", _CallStream(self.n, self.eager)
+                self.mode, self.call = "call", CallStream(self.n, self.eager)
             else:  # hold back what may be the start of a tag, and whitespace that may precede one
                 keep = 0 if final else next((k for k in range(len(HERMES_START) - 1, 0, -1)
                                              if self.buf.endswith(HERMES_START[:k])), 0)
@@ -283,7 +141,7 @@ class Llama3Json(_Stream):
                 if not final and (not s or PYTHON_TAG.startswith(s) and s != PYTHON_TAG):
                     return
                 if s.startswith(PYTHON_TAG) or s.startswith("{"):
-                    self.buf, self.mode, self.call = s.removeprefix(PYTHON_TAG), "call", _CallStream(0, self.eager)
+                    self.buf, self.mode, self.call = s.removeprefix(PYTHON_TAG), "call", CallStream(0, self.eager)
                 else:
                     self.mode = "text"
             elif self.mode == "call":
@@ -301,7 +159,7 @@ class Llama3Json(_Stream):
                 if not s and not final:
                     return
                 if s.startswith(";"):
-                    self.buf, self.mode, self.call = s[1:], "call", _CallStream(self.n, self.eager)
+                    self.buf, self.mode, self.call = s[1:], "call", CallStream(self.n, self.eager)
                 else:
                     self.buf, self.mode = s, "text"
             else:
