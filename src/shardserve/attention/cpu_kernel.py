@@ -25,7 +25,12 @@ SOURCE = next(lib.source for lib in native.LIBRARIES if lib.name == "attention")
 def load() -> ctypes.CDLL:
     """The compiled kernel library (its own, apart from the layers'); raises KernelUnavailable
     with the reason, after shardserve.native's one warning about the fallbacks."""
-    lib = native.library("attention")
+    return bind(native.library("attention"))
+
+
+def bind(lib: ctypes.CDLL) -> ctypes.CDLL:
+    """The attention library's entry points given their C signatures (also for a build made
+    for another CPU, in the tests)."""
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
     for name in ("paged_decode_f32", "paged_decode_bf16"):
         if hasattr(lib, name):  # the bfloat16 one is built where the CPU has AVX512-BF16

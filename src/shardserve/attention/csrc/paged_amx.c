@@ -4,7 +4,7 @@
  * scores (amx_item_scores), softmax (paged_decode.c), then values (amx_item_values). Each output
  * is one fixed chain of tile products over its own row's keys, whatever shares its tiles.
  */
-#if AMX_BUILT
+#if PAGED_BF16 && AMX_BUILT
 static int amx_on; /* set once, when the library loads (amx.h) */
 __attribute__((constructor)) static void amx_init(void) { amx_on = amx_decide() == NULL; }
 

@@ -128,10 +128,10 @@ static void page_values_bf16(int ng, const float *const *p, const uint16_t *v, i
 #undef VB
 }
 
-#include "paged_amx.c" /* scores and values on AMX tiles, where this process runs them */
-
 /* Whether paged_decode_bf16 reads heads of width D: the one answer (attention/cpu_kernel.py asks). */
 int paged_bf16_width(int64_t D) { return D % 32 == 0 && D >= 32 && D <= MAX_D; }
 #else
 #define PAGED_BF16 0
 #endif
+
+#include "paged_amx.c" /* scores and values on AMX tiles, where this process runs them */
