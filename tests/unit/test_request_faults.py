@@ -150,9 +150,9 @@ def test_one_non_finite_logit_fails_only_its_entry():
         assert torch.equal(out[[0, 3]], logits[[0, 3]]) and not out[[1, 2, 4]].any()
     clean = torch.randn(5, 50)
     assert finite_rows(clean, 5, entries) == (clean, {})
-    many = [SimpleNamespace(num_draft=0)] * 12  # 12 rows: the check's other branch (torch's reductions)
+    many = [SimpleNamespace(num_draft=0)] * 12  # float64: the check's other branch (torch's reductions)
     for bad_value in (float("nan"), float("inf"), -float("inf")):
-        logits = torch.randn(12, 50)
+        logits = torch.randn(12, 50, dtype=torch.float64)
         logits[9, 3] = bad_value
         out, failed = finite_rows(logits, 12, many)
         assert sorted(failed) == [9] and not out[9].any() and torch.equal(out[:9], logits[:9])

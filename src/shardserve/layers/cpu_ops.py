@@ -1,4 +1,5 @@
-"""The fused small operators (csrc/cpu_ops.c): RMSNorm, rotary, gated SiLU in one call each.
+"""The fused small operators (csrc/cpu_ops.c): RMSNorm, rotary, gated SiLU in one call each;
+and the sampler's passes over a step's logits (csrc/logit_rows.c): finite rows, argmax.
 
 Each function answers None where it does not apply (not a CPU float32 tensor with unit inner
 stride, or no compiler here: shardserve.native then warns once), and the caller runs its torch
@@ -62,3 +63,33 @@ def silu_mul(gate_up: torch.Tensor, bf16: bool = False) -> torch.Tensor | None:
     else:
         lib.silu_mul_f32(g2.data_ptr(), g2.shape[0], g2.stride(0), inter, out.data_ptr(), torch.get_num_threads())
     return out.view(*gate_up.shape[:-1], inter)
+
+
+def _logit_rows(logits: torch.Tensor):
+    """The library where it takes these logits ([rows, vocab] CPU float32, unit inner stride, a
+    vocabulary), else None."""
+    if logits.dim() != 2 or logits.shape[1] == 0 or not cpu_float32(logits):
+        return None
+    return _lib()
+
+
+def rows_finite(logits: torch.Tensor) -> torch.Tensor | None:
+    """[rows] bool: whether each row is all finite (no NaN, no infinity), in one pass over the
+    rows on torch's threads; or None (use torch)."""
+    if (lib := _logit_rows(logits)) is None:
+        return None
+    out = torch.empty(logits.shape[0], dtype=torch.bool)
+    lib.rows_finite(logits.data_ptr(), logits.shape[0], logits.shape[1], logits.stride(0), out.data_ptr(),
+                    torch.get_num_threads())
+    return out
+
+
+def rows_argmax(logits: torch.Tensor) -> list[int] | None:
+    """Each row's argmax, the first of equal maxima, a NaN counting as the largest (numpy's and
+    torch's), in one pass over the rows on torch's threads; or None (use torch)."""
+    if (lib := _logit_rows(logits)) is None:
+        return None
+    out = torch.empty(logits.shape[0], dtype=torch.int64)
+    lib.rows_argmax(logits.data_ptr(), logits.shape[0], logits.shape[1], logits.stride(0), out.data_ptr(),
+                    torch.get_num_threads())
+    return out.tolist()

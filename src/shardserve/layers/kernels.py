@@ -34,6 +34,8 @@ SIGNATURES: dict[str, tuple[list[type], type | None]] = {
     "bf16_path": ([], c_int),
     "lora_shrink_f32": ([ptr, i64, i64, ptr, ptr, ptr, i64, ptr, i64, ptr, c_int], None),
     "lora_expand_f32": ([ptr, i64, ptr, ptr, ptr, i64, ptr, i64, i64, ptr, i64, ptr, i64, c_int], None),
+    "rows_finite": ([ptr, i64, i64, i64, ptr, c_int], None),
+    "rows_argmax": ([ptr, i64, i64, i64, ptr, c_int], None),
     "decode_layers": ([ptr, i64, ptr, ptr, i64, ptr, ptr, ptr, ptr, i64, ptr, i64, ptr, c_int, ptr], c_int),
 }
 

@@ -3,7 +3,7 @@
  *
  * This file is the one compiled unit: it includes the block-quantized products
  * (quant_matmul.c), the fused small operators (cpu_ops.c) and the gate/up product with its SiLU
- * (gate_up_silu.c), and adds `decode_layers`, which runs every layer of a dense llama-family
+ * (gate_up_silu.c), the sampler's passes over logits (logit_rows.c), and adds `decode_layers`, which runs every layer of a dense llama-family
  * stack for a few decode rows without returning to Python. In a one-row step the layers'
  * arithmetic is small; from Python the same step is a dozen or more operator calls per layer,
  * each costing more than its arithmetic. The decode attention kernel lives in another library
@@ -20,6 +20,7 @@
 #include "cpu_ops.c"
 #include "gate_up_silu.c"
 #include "lora.c"
+#include "logit_rows.c"
 
 #ifdef __AVX2__
 #define GEMM_PATH "avx2 fma, 8 lanes"
