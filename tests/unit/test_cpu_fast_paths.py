@@ -3,8 +3,6 @@ path, the backend choice, and oneDNN-packed linear weights."""
 
 from __future__ import annotations
 
-import ctypes
-
 import pytest
 import torch
 import torch.nn.functional as F
@@ -314,31 +312,3 @@ def test_cpu_float32_weights_are_held_once(tiny_model):
                for m in moes)
     assert bf.lm_head.quant.name == "BF16x16" and bf.lm_head.weight is None
 
-
-@pytest.mark.parametrize("flags, path, bf16", [
-    (["-mno-avx512f"], "float32 KV cache only", False),  # an AVX2-only CPU (the EPYCs this was tuned on)
-    (["-mno-avx512bf16", "-mno-amx-tile", "-mno-amx-bf16"], "float32 KV cache only", False),  # AVX-512, no BF16
-    (["-mno-amx-tile", "-mno-amx-bf16"], "vdpbf16ps", True),  # AVX512-BF16 without AMX
-])
-def test_the_attention_library_builds_for_other_cpus(tmp_path, flags, path, bf16):
-    """The attention library compiled as for a CPU without the extensions `flags` turn off (each
-    machine builds it for its own CPU): it builds (an AVX2-only build once referred to the AMX
-    path's switch, which only AVX-512 builds define), says which path it took, and its float32
-    kernel agrees with the reference."""
-    if "avx512f" not in open("/proc/cpuinfo").read().split():
-        pytest.skip("the CPU lacks AVX-512: its own build is the AVX2 one")
-    out = tmp_path / "attention.so"
-    native.compile_library([*native.compiler(), *flags], cpu_kernel.SOURCE, out)
-    lib = cpu_kernel.bind(ctypes.CDLL(str(out)))
-    assert path in native.kernel_paths(lib)
-    assert hasattr(lib, "paged_decode_bf16") == bf16
-    kv_of_q, page_size = (0, 0, 0, 1, 1, 1, 2, 2, 2), 16
-    lens = [1, 17, 37, 200]
-    q, kc, vc, page_lists = random_case(9, kv_of_q, 64, page_size, lens)
-    meta = build_metadata(page_size, list(zip(page_lists, lens)), [], torch.device("cpu"), paged_decode=True)
-    tables, ctx, kv = meta.paged.block_tables, meta.paged.context_lens, torch.tensor(kv_of_q)
-    got = torch.empty_like(q)
-    assert lib.paged_decode_f32(q.data_ptr(), q.stride(0), kc.data_ptr(), vc.data_ptr(), tables.data_ptr(),
-                                tables.shape[1], ctx.data_ptr(), kv.data_ptr(), got.data_ptr(), None, len(lens), 9, 3,
-                                64, page_size, 0.125, 2) == 0
-    torch.testing.assert_close(got, reference(q, kc, vc, tables, ctx, kv, page_size, 0.125), atol=1e-5, rtol=1e-5)

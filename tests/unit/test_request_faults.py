@@ -133,8 +133,8 @@ def test_a_tool_parser_fault_is_a_500_naming_it():
 
 
 def test_one_non_finite_logit_fails_only_its_entry():
-    """A single NaN, +inf or -inf among a row's finite logits is caught (the check reads each
-    row's max and min); entries with finite rows are kept as they were."""
+    """A single NaN, +inf or -inf among a row's finite logits is caught (the C pass on float32
+    rows, torch's max and min otherwise); entries with finite rows are kept as they were."""
     from types import SimpleNamespace
 
     from shardserve.engine.step_rows import finite_rows

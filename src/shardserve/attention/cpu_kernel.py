@@ -16,7 +16,7 @@ import torch
 from shardserve import native
 from shardserve.native import KernelUnavailable
 
-__all__ = ["KernelUnavailable", "bf16_cache", "load", "paged_decode", "supports", "write_rows"]
+__all__ = ["KernelUnavailable", "bf16_cache", "bind", "load", "paged_decode", "supports", "write_rows"]
 
 SOURCE = next(lib.source for lib in native.LIBRARIES if lib.name == "attention")
 

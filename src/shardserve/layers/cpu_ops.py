@@ -3,7 +3,8 @@ and the sampler's passes over a step's logits (csrc/logit_rows.c): finite rows, 
 
 Each function answers None where it does not apply (not a CPU float32 tensor with unit inner
 stride, or no compiler here: shardserve.native then warns once), and the caller runs its torch
-formula instead; the two agree to float32 rounding (tests/unit/test_quantized.py checks it).
+formula instead; the operators agree with it to float32 rounding (tests/unit/test_quantized.py),
+the logit passes exactly (tests/unit/test_logit_rows.py).
 """
 
 from __future__ import annotations
@@ -67,10 +68,11 @@ def silu_mul(gate_up: torch.Tensor, bf16: bool = False) -> torch.Tensor | None:
 
 def _logit_rows(logits: torch.Tensor):
     """The library where it takes these logits ([rows, vocab] CPU float32, unit inner stride, a
-    vocabulary), else None."""
+    vocabulary) and has the passes (an AVX-512 build), else None."""
     if logits.dim() != 2 or logits.shape[1] == 0 or not cpu_float32(logits):
         return None
-    return _lib()
+    lib = _lib()
+    return lib if lib is not None and hasattr(lib, "rows_argmax") else None
 
 
 def rows_finite(logits: torch.Tensor) -> torch.Tensor | None:

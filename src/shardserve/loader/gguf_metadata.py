@@ -91,6 +91,7 @@ def _moe_config(reader: GGUFHeader, arch: str) -> dict:
 
 
 def config_from_reader(reader: GGUFHeader) -> dict:
+    """The Hugging Face config (as a dict) of an opened GGUF header (read_gguf_config's work)."""
     arch = _architecture(reader)
     model_type, hf_arch = GGUF_ARCH_TO_HF_MODEL[arch]
     config: dict[str, Any] = {"architectures": [hf_arch], "model_type": model_type, "hidden_act": "silu"}

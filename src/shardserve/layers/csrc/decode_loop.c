@@ -2,8 +2,9 @@
 /* A decode step's decoder layers in one call, for the CPU: the library the layers load.
  *
  * This file is the one compiled unit: it includes the block-quantized products
- * (quant_matmul.c), the fused small operators (cpu_ops.c) and the gate/up product with its SiLU
- * (gate_up_silu.c), the sampler's passes over logits (logit_rows.c), and adds `decode_layers`, which runs every layer of a dense llama-family
+ * (quant_matmul.c), the fused small operators (cpu_ops.c), the gate/up product with its SiLU
+ * (gate_up_silu.c), the adapters' products (lora.c) and the sampler's passes over logits
+ * (logit_rows.c), and adds `decode_layers`, which runs every layer of a dense llama-family
  * stack for a few decode rows without returning to Python. In a one-row step the layers'
  * arithmetic is small; from Python the same step is a dozen or more operator calls per layer,
  * each costing more than its arithmetic. The decode attention kernel lives in another library
