@@ -132,13 +132,18 @@ def test_a_tool_parser_fault_is_a_500_naming_it():
         assert e.value.status == 500 and "broken output parser failed on this output" in e.value.message
 
 
-def test_one_non_finite_logit_fails_only_its_entry():
+@pytest.mark.parametrize("c_pass", [True, False])  # False: a build without AVX-512 (numpy's few rows)
+def test_one_non_finite_logit_fails_only_its_entry(c_pass, monkeypatch):
     """A single NaN, +inf or -inf among a row's finite logits is caught (the C pass on float32
-    rows, torch's max and min otherwise); entries with finite rows are kept as they were."""
+    rows where it is built, else numpy's or torch's max and min); entries with finite rows are
+    kept as they were."""
     from types import SimpleNamespace
 
     from shardserve.engine.step_rows import finite_rows
+    from shardserve.layers import cpu_ops
 
+    if not c_pass:
+        monkeypatch.setattr(cpu_ops, "rows_finite", lambda logits: None)
     entries = [SimpleNamespace(num_draft=0), SimpleNamespace(num_draft=1), SimpleNamespace(num_draft=0),
                SimpleNamespace(num_draft=0)]
     for bad_value in (float("nan"), float("inf"), -float("inf")):
