@@ -1,5 +1,5 @@
-/* A step's logits, row by row, for the sampler (engine/), in one pass of each row and on every
- * thread: a decode step of many streams reads [rows, vocab] floats, megabytes that a numpy pass
+/* A step's logits, row by row, for the sampler (engine/), each row read from memory once and the
+ * rows shared by every thread: a decode step of many streams reads [rows, vocab] floats, megabytes that a numpy pass
  * reads on one thread. decode_loop.c includes this file; not compiled alone. Built where the CPU
  * has AVX-512 (elsewhere the sampler keeps numpy's and torch's passes, which are vectorized):
  *
@@ -49,8 +49,9 @@ static int64_t first_nan(const float *x, int64_t n) {
     return -1;
 }
 
-/* Two passes over the row (the second from L2): its largest order key (four chains), then the
- * first index holding it; a row with a NaN, its first NaN. */
+/* Three passes over the row (the later two from L2): whether it holds a NaN (max_abs_bits, as
+ * rows_finite), its largest order key (four chains), then the first index holding that key; a
+ * row with a NaN, its first NaN. (Folding the first pass into the second was no faster.) */
 static int64_t row_argmax(const float *x, int64_t n) {
     if (max_abs_bits(x, n) > EXP_ONES) return first_nan(x, n);
     const __m512i lowest = _mm512_set1_epi32(INT32_MIN);
