@@ -131,6 +131,19 @@ def _attempt(source: Path) -> ctypes.CDLL | KernelUnavailable:
     return lib
 
 
+def declare(lib: ctypes.CDLL, signatures: dict[str, tuple[list, object]],
+            optional: frozenset[str] = frozenset()) -> ctypes.CDLL:
+    """The library with each function's C signature, name: (argument types, result type; None for
+    void), declared; a name in `optional` may be absent (a function some CPUs' builds leave out).
+    Also for a build made for another CPU, in the tests."""
+    for name, (args, res) in signatures.items():
+        if name in optional and not hasattr(lib, name):
+            continue
+        fn = getattr(lib, name)
+        fn.argtypes, fn.restype = args, res
+    return lib
+
+
 def kernel_paths(lib: ctypes.CDLL) -> str:
     """What the library says its build runs on (its `kernel_paths()`): chosen once, when it was
     compiled for this CPU."""

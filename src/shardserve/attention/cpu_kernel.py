@@ -28,21 +28,20 @@ def load() -> ctypes.CDLL:
     return bind(native.library("attention"))
 
 
+_I64, _PTR = ctypes.c_int64, ctypes.c_void_p
+_DECODE = ([_PTR, _I64, _PTR, _PTR, _PTR, _I64, _PTR, _PTR, _PTR, _PTR, _I64, _I64, _I64, _I64, _I64, ctypes.c_float,
+            ctypes.c_int], ctypes.c_int)
+SIGNATURES = {"paged_decode_f32": _DECODE, "paged_decode_bf16": _DECODE,
+              "kv_write": ([_PTR, _I64, _I64, _I64, _PTR, _I64, ctypes.c_int, _PTR, ctypes.c_int], ctypes.c_int),
+              "paged_bf16_width": ([_I64], ctypes.c_int)}
+# Built where the CPU has AVX512-BF16 (a bfloat16 cache's kernel and the widths it reads).
+BF16_ONLY = frozenset({"paged_decode_bf16", "paged_bf16_width"})
+
+
 def bind(lib: ctypes.CDLL) -> ctypes.CDLL:
-    """The attention library's entry points given their C signatures (also for a build made
-    for another CPU, in the tests)."""
-    i64, ptr = ctypes.c_int64, ctypes.c_void_p
-    for name in ("paged_decode_f32", "paged_decode_bf16"):
-        if hasattr(lib, name):  # the bfloat16 one is built where the CPU has AVX512-BF16
-            fn = getattr(lib, name)
-            fn.argtypes = [ptr, i64, ptr, ptr, ptr, i64, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, ctypes.c_float,
-                           ctypes.c_int]
-            fn.restype = ctypes.c_int
-    lib.kv_write.argtypes = [ptr, i64, i64, i64, ptr, i64, ctypes.c_int, ptr, ctypes.c_int]
-    lib.kv_write.restype = ctypes.c_int
-    if hasattr(lib, "paged_bf16_width"):
-        lib.paged_bf16_width.argtypes, lib.paged_bf16_width.restype = [i64], ctypes.c_int
-    return lib
+    """The attention library (or a build made for another CPU, in the tests) with its entry
+    points' C signatures declared."""
+    return native.declare(lib, SIGNATURES, BF16_ONLY)
 
 
 def supports(device: torch.device, dtype: torch.dtype) -> bool:

@@ -49,14 +49,9 @@ def load() -> ctypes.CDLL:
 
 
 def bind(lib: ctypes.CDLL) -> ctypes.CDLL:
-    """The layers' library with its functions' C signatures declared (also a build made for
-    another CPU, in the tests)."""
-    for name, (args, res) in SIGNATURES.items():
-        if name in AVX512_ONLY and not hasattr(lib, name):
-            continue
-        fn = getattr(lib, name)
-        fn.argtypes, fn.restype = args, res
-    return lib
+    """The layers' library (or a build made for another CPU, in the tests) with its functions' C
+    signatures declared."""
+    return native.declare(lib, SIGNATURES, AVX512_ONLY)
 
 
 @functools.cache  # the fused operators ask on every call: a failure is not re-raised each time
