@@ -8,6 +8,9 @@ AVX-VNNI, AVX-512 without VNNI, no AMX, no AVX512-BF16) give the same bits as th
 from __future__ import annotations
 
 import ctypes
+import shutil
+import tempfile
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -79,12 +82,56 @@ def test_embedding_rows_are_the_native_rows(qtype: int) -> None:
     assert torch.equal(quant_kernel.dequantize(interleave16(q), ids), quant_kernel.dequantize(q, ids))
 
 
-def build_for(tmp_path: Path, flags: list[str]) -> ctypes.CDLL:
-    """The layers' library compiled as for a CPU without the ISA extensions `flags` turn off."""
-    out = tmp_path / f"layers{'_'.join(flags)}.so"
+NO_AMX = ["-mno-amx-tile", "-mno-amx-bf16"]
+OTHER_CPUS = [
+    (["-mno-avx512f"], "avx2"),  # with AVX-VNNI where this CPU has it
+    (["-mno-avx512f", "-mno-avxvnni"], "avx2 (vpmaddwd ymm)"),
+    (["-mno-avx512vnni"], "(vpmaddwd"),  # AVX-512 without VNNI (or AVX2 on an AVX2-only host)
+    (["-mno-avx"], "scalar"),  # no vector unit at all: plain C
+]
+# Every build this module's tests ask for (a build takes seconds): started together on first use,
+# two at a time (gcc runs in its own process), each built once and shared.
+BUILDS = [flags for flags, _ in OTHER_CPUS] + [["-mno-amx-int8"], [*NO_AMX, "-mno-avx512bf16"], [], ["-O1"],
+                                                ["-Os"], NO_AMX]
+_built: dict[tuple[str, ...], Future] = {}
+_where: list[Path] = []
+
+
+def _build(out: Path, flags: list[str]) -> Path:
     source = next(lib.source for lib in native.LIBRARIES if lib.name == "layers")
     native.compile_library([*native.compiler(), *flags], source, out)
-    return kernels.bind(ctypes.CDLL(str(out)))
+    return out
+
+
+def built(flags: list[str]) -> Path:
+    """The layers' library compiled as for a CPU without the ISA extensions `flags` turn off."""
+    if not _built:
+        _where.append(Path(tempfile.mkdtemp(prefix="x16_builds_")))
+        pool = ThreadPoolExecutor(2)
+        for i, f in enumerate(BUILDS):
+            _built[tuple(f)] = pool.submit(_build, _where[0] / f"layers{i}.so", f)
+        pool.shutdown(wait=False)  # the builds go on; each test awaits its own
+    return _built[tuple(flags)].result()
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _builds_removed():
+    yield
+    for future in _built.values():
+        future.cancel() or future.exception()  # each build finished (or never started) before its folder goes
+    for where in _where:
+        shutil.rmtree(where, ignore_errors=True)
+    _built.clear()
+    _where.clear()
+
+
+def build_for(tmp_path: Path, flags: list[str], fresh: bool = False) -> ctypes.CDLL:
+    """That library loaded; `fresh`: a copy of it, so that its load-time choices (environment
+    variables) are made again."""
+    path = built(flags)
+    if fresh:
+        path = Path(shutil.copy(path, tmp_path / "fresh.so"))
+    return kernels.bind(ctypes.CDLL(str(path)))
 
 
 def bf16_path(lib: ctypes.CDLL) -> str:
@@ -101,12 +148,7 @@ def product(lib: ctypes.CDLL, w: QuantWeight, x: torch.Tensor) -> torch.Tensor:
     return y
 
 
-@pytest.mark.parametrize("flags, path", [
-    (["-mno-avx512f"], "avx2"),  # with AVX-VNNI where this CPU has it
-    (["-mno-avx512f", "-mno-avxvnni"], "avx2 (vpmaddwd ymm)"),
-    (["-mno-avx512vnni"], "(vpmaddwd"),  # AVX-512 without VNNI (or AVX2 on an AVX2-only host)
-    (["-mno-avx"], "scalar"),  # no vector unit at all: plain C
-])
+@pytest.mark.parametrize("flags, path", OTHER_CPUS)
 def test_other_cpus_builds_give_the_same_bits(tmp_path: Path, flags: list[str], path: str) -> None:
     here, other = kernels.load(), build_for(tmp_path, flags)
     assert path in native.kernel_paths(other)
@@ -127,7 +169,6 @@ def test_other_cpus_builds_give_the_same_bits(tmp_path: Path, flags: list[str], 
             assert torch.equal(product(other, w, xs), product(here, w, xs)), (qtype, rows)
 
 
-NO_AMX = ["-mno-amx-tile", "-mno-amx-bf16"]
 AMX_INT8 = "amx-int8 tiles"  # where kernel_paths says the block formats' products take them
 
 
@@ -178,7 +219,7 @@ def test_float32_activations_asked_for(tmp_path: Path, monkeypatch: pytest.Monke
     """SHARDSERVE_FLOAT32_ACTIVATIONS=1, read when the library loads: bfloat16 weights against
     float32 activations whatever the CPU offers, the float32 product of the same weights."""
     monkeypatch.setenv("SHARDSERVE_FLOAT32_ACTIVATIONS", "1")
-    other = build_for(tmp_path, [])
+    other = build_for(tmp_path, [], fresh=True)
     assert bf16_path(other) == "float32 activations"
     assert "bfloat16: x16 groups, float32 activations" in native.kernel_paths(other)
     w = interleave16(weight(BF16, 45, 192, seed=7))

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import os
-
-from transformers import AutoTokenizer, PreTrainedTokenizerBase
+from typing import TYPE_CHECKING
 
 from shardserve.loader.model_path import Checkpoint
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 
@@ -19,4 +21,6 @@ def load_tokenizer(ckpt: Checkpoint) -> PreTrainedTokenizerBase | None:
         return load_gguf_tokenizer(ckpt.path)
     if not any(os.path.exists(os.path.join(ckpt.path, f)) for f in TOKENIZER_FILES):
         return None
+    from transformers import AutoTokenizer  # here: a rank that never loads a tokenizer skips its import
+
     return AutoTokenizer.from_pretrained(ckpt.path)
