@@ -144,8 +144,8 @@ def test_no_circle_across_folders():
 
 def test_a_rank_imports_no_tokenizer_library():
     """A rank process (the stage worker and what it imports) loads no tokenizer unless a request
-    needs one (structured outputs, on the leader): transformers' import alone costs about a
-    second of every rank's start."""
+    needs one (a structured-output request): transformers' import would be a large part of every
+    rank's start."""
     code = "import sys, shardserve.engine.stage_worker; print(sorted(m for m in sys.modules if m.split('.')[0] in " \
            "('transformers', 'tokenizers')))"
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
