@@ -1,7 +1,8 @@
 /* A step's logits, row by row, for the sampler (engine/), each row read from memory once and the
- * rows shared by every thread: a decode step of many streams reads [rows, vocab] floats, megabytes that a numpy pass
- * reads on one thread. decode_loop.c includes this file; not compiled alone. Built where the CPU
- * has AVX-512 (elsewhere the sampler keeps numpy's and torch's passes, which are vectorized):
+ * rows shared by every thread: a decode step of many streams reads [rows, vocab] floats, megabytes
+ * that a numpy pass reads on one thread. decode_loop.c includes this file; not compiled alone.
+ * Built where the CPU has AVX-512 (elsewhere the sampler keeps numpy's and torch's passes, which
+ * are vectorized):
  *
  *   rows_finite:  whether each row's values are all finite (no NaN, no infinity);
  *   rows_argmax:  each row's first index of its largest value, a NaN counting as the largest (the
