@@ -28,7 +28,14 @@
  */
 
 #define GL 16     /* rows per group */
-#define NXMAX 8   /* activation rows per register tile */
+/* Activation rows per register tile: each row holds an integer and a float accumulator, so 12
+ * fit AVX-512's 32 registers beside the widened weights; two AVX2 halves each, 8 rows already
+ * fill AVX2's 16. More rows a tile widen each weight chunk fewer times per product. */
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+#define NXMAX 12
+#else
+#define NXMAX 8
+#endif
 
 /* Byte offset of the quants within a block of an L-row group. */
 static inline int64_t quants_at(int base, int64_t lanes) { return (base == Q4_1 ? 4 : 2) * lanes; }
@@ -99,13 +106,16 @@ static inline __attribute__((always_inline)) void x16_tile(const int base, const
     const int64_t k = a->k, bb = block_bytes(base) * GL, q0 = quants_at(base, GL);
     const int16_t *xq = a->q + i0 * k;
     const float *xd = a->d + i0 * (k / QK), *xs = a->s + i0 * (k / QK);
-    VF t0 = vf_zero(), t1 = t0, t2 = t0, t3 = t0, t4 = t0, t5 = t0, t6 = t0, t7 = t0;
+    VF t0 = vf_zero(), t1 = t0, t2 = t0, t3 = t0, t4 = t0, t5 = t0, t6 = t0, t7 = t0, t8 = t0, t9 = t0, t10 = t0,
+       t11 = t0;
     for (int64_t b = 0; b < nb; b++) {
         const uint8_t *blk = grp + b * bb, *qs = blk + q0;
         const int16_t *xb = xq + b * QK;
-        VI c0 = vi_zero(), c1 = c0, c2 = c0, c3 = c0, c4 = c0, c5 = c0, c6 = c0, c7 = c0;
-        VI e0 = c0, e1 = c0, e2 = c0, e3 = c0, e4 = c0, e5 = c0, e6 = c0, e7 = c0; /* second accumulators (nx <= 2) */
-        (void)e2; (void)e3; (void)e4; (void)e5; (void)e6; (void)e7;
+        VI c0 = vi_zero(), c1 = c0, c2 = c0, c3 = c0, c4 = c0, c5 = c0, c6 = c0, c7 = c0, c8 = c0, c9 = c0, c10 = c0,
+           c11 = c0;
+        /* second accumulators (nx <= 2; the others only name the macros' untaken branches) */
+        VI e0 = c0, e1 = c0, e2, e3, e4, e5, e6, e7, e8, e9, e10, e11;
+        (void)e2, (void)e3, (void)e4, (void)e5, (void)e6, (void)e7, (void)e8, (void)e9, (void)e10, (void)e11;
         if (base == Q8_0) {
             for (int p = 0; p < 16; p++) {
                 VI w = w8(qs + p * 2 * GL);
@@ -115,7 +125,7 @@ static inline __attribute__((always_inline)) void x16_tile(const int base, const
         if (nx <= 2 && (p & 1)) e##j = dp(e##j, w, xp + j * k);                       \
         else c##j = dp(c##j, w, xp + j * k);                                          \
     }
-                DP8(0) DP8(1) DP8(2) DP8(3) DP8(4) DP8(5) DP8(6) DP8(7)
+                DP8(0) DP8(1) DP8(2) DP8(3) DP8(4) DP8(5) DP8(6) DP8(7) DP8(8) DP8(9) DP8(10) DP8(11)
 #undef DP8
             }
         } else {
@@ -128,7 +138,7 @@ static inline __attribute__((always_inline)) void x16_tile(const int base, const
         if (nx <= 2) { c##j = dp(c##j, lo, xc + j * k); e##j = dp(e##j, hi, xc + j * k + 2); } \
         else { c##j = dp(c##j, lo, xc + j * k); c##j = dp(c##j, hi, xc + j * k + 2); }          \
     }
-                DP4(0) DP4(1) DP4(2) DP4(3) DP4(4) DP4(5) DP4(6) DP4(7)
+                DP4(0) DP4(1) DP4(2) DP4(3) DP4(4) DP4(5) DP4(6) DP4(7) DP4(8) DP4(9) DP4(10) DP4(11)
 #undef DP4
             }
         }
@@ -139,12 +149,12 @@ static inline __attribute__((always_inline)) void x16_tile(const int base, const
         t##j = vf_fma_i(c##j, vf_scale(s, xd[j * (k / QK) + b]), t##j);               \
         if (base != Q8_0) t##j = vf_fma_c(mn, xs[j * (k / QK) + b], t##j);            \
     }
-        EPI(0) EPI(1) EPI(2) EPI(3) EPI(4) EPI(5) EPI(6) EPI(7)
+        EPI(0) EPI(1) EPI(2) EPI(3) EPI(4) EPI(5) EPI(6) EPI(7) EPI(8) EPI(9) EPI(10) EPI(11)
 #undef EPI
     }
 #define OUT(j) \
     if (nx > j) vf_store(y + (i0 + j) * ldy, t##j, lanes);
-    OUT(0) OUT(1) OUT(2) OUT(3) OUT(4) OUT(5) OUT(6) OUT(7)
+    OUT(0) OUT(1) OUT(2) OUT(3) OUT(4) OUT(5) OUT(6) OUT(7) OUT(8) OUT(9) OUT(10) OUT(11)
 #undef OUT
 }
 
@@ -152,6 +162,12 @@ static inline __attribute__((always_inline)) void x16_tile(const int base, const
 static inline __attribute__((always_inline)) void x16_tiles(const int base, const uint8_t *grp, int64_t nb,
                                                             const Acts *a, float *y, int64_t ldy) {
     switch ((int)a->m) {
+#if NXMAX > 8
+    case 12: x16_tile(base, 12, grp, nb, a, 0, y, ldy, GL); break;
+    case 11: x16_tile(base, 11, grp, nb, a, 0, y, ldy, GL); break;
+    case 10: x16_tile(base, 10, grp, nb, a, 0, y, ldy, GL); break;
+    case 9: x16_tile(base, 9, grp, nb, a, 0, y, ldy, GL); break;
+#endif
     case 8: x16_tile(base, 8, grp, nb, a, 0, y, ldy, GL); break;
     case 7: x16_tile(base, 7, grp, nb, a, 0, y, ldy, GL); break;
     case 6: x16_tile(base, 6, grp, nb, a, 0, y, ldy, GL); break;
