@@ -29,8 +29,8 @@ static inline void w4(const uint8_t *chunk, VI *lo, VI *hi) {
 static inline VI w8(const uint8_t *chunk) { return _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)chunk)); }
 /* acc += w . the pair of activations at x2 broadcast to every lane. With VNNI the pair is read by
  * vpdpwssd itself ({1to16}): from the intrinsics GCC emits a separate broadcast for each and
- * copies accumulators between registers around them, which left the products ~10% short of
- * the same instructions written this way (the same integers either way). */
+ * copies accumulators between registers around them, slower than this (the same integers either
+ * way; the README has the measurements). */
 typedef int32_t __attribute__((may_alias)) pair16; /* two int16 read as one operand */
 static inline VI dp(VI acc, VI w, const int16_t *x2) {
 #ifdef __AVX512VNNI__
