@@ -115,17 +115,17 @@ static void block_item(const float *q, int64_t q_stride, const void *k_cache, co
     (void)amx, (void)qt, (void)vp;
 #endif
     const int64_t es = bf ? 2 : 4; /* bytes a cached value */
+    const int64_t stride = Hkv * D, block = page_size * stride * es, npages = (longest + page_size - 1) / page_size;
+    int64_t heads = 0;
+    for (int64_t h = 0; h < H; ++h) heads += take[h];
     /* The first page of the keys and of the values: the loop below prefetches a page ahead from
      * the second on, and the values' first page is in L2 by the time the scores are done. */
     if (longest > 0)
         for (int c = 0; c < 2; ++c)
-            prefetch_rows((const char *)(c ? v_cache : k_cache) + table[0] * page_size * Hkv * D * es, 0,
-                          longest < page_size ? longest : page_size, Hkv * D * es, kv0 * D * es, (kv1 - kv0) * D * es);
+            prefetch_rows((const char *)(c ? v_cache : k_cache) + table[0] * block, 0,
+                          longest < page_size ? longest : page_size, stride * es, kv0 * D * es, (kv1 - kv0) * D * es);
     for (int values = 0; values < 2; ++values) {
         const char *cache = values ? v_cache : k_cache;
-        int64_t stride = Hkv * D, block = page_size * stride * es, npages = (longest + page_size - 1) / page_size;
-        int64_t heads = 0;
-        for (int64_t h = 0; h < H; ++h) heads += take[h];
         for (int64_t pg = 0, t0 = 0; pg < npages; ++pg, t0 += page_size) {
             const char *page = cache + table[pg] * block, *next = pg + 1 < npages ? cache + table[pg + 1] * block : 0;
             for (int64_t b = b0; b < b1; ++b) {
