@@ -13,9 +13,10 @@ permuted (the graph rotates interleaved pairs, as DeepSeek's own code does).
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
+if TYPE_CHECKING:  # the tokenizer processes read GGUF metadata through this file, without torch
+    import torch
 
 SIGMOID = 2  # gguf.ExpertGatingFuncType.SIGMOID
 
@@ -78,4 +79,6 @@ def deepseek2_rope_scaling(scaling: dict[str, Any], value: Callable[[str], Any])
 def merged_kv_b(k_b: torch.Tensor, v_b: torch.Tensor) -> torch.Tensor:
     """kv_b_proj's [heads * (nope + v), kv_lora_rank] from llama.cpp's k_b [heads, lora, nope]
     and v_b [heads, v, lora]."""
+    import torch
+
     return torch.cat((k_b.transpose(1, 2), v_b), dim=1).reshape(-1, v_b.shape[2]).contiguous()

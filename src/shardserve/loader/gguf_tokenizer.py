@@ -31,15 +31,17 @@ FORMAT = "1"  # bump when what is saved changes
 def load_gguf_tokenizer(path: str) -> PreTrainedTokenizerFast:
     """The GGUF's tokenizer, with bos/eos from `tokenizer.ggml.{bos,eos}_token_id` and the
     chat template from `tokenizer.chat_template` (converters may not carry them over)."""
-    from transformers import AutoTokenizer  # heavy import, only needed on this path
+    from shardserve.loader.tokenizer import auto_tokenizer
 
     where = _cache_path(path)
     if (where / "tokenizer.json").exists():
         try:
-            return _finish(AutoTokenizer.from_pretrained(where), path)
+            return _finish(auto_tokenizer(str(where)), path)
         except Exception as e:  # a damaged entry (any parser's error): convert again and replace it
             log.warning("cached tokenizer %s unreadable (%s); converting %s again", where, e, path)
             shutil.rmtree(where, ignore_errors=True)
+    from transformers import AutoTokenizer  # heavy import, only needed to convert
+
     tokenizer = _finish(AutoTokenizer.from_pretrained(os.path.dirname(path) or ".",
                                                       gguf_file=os.path.basename(path)), path)
     _save(tokenizer, where)
@@ -80,8 +82,11 @@ def _signature(tokenizer: Any) -> tuple:
 def _save(tokenizer: Any, where: Path) -> None:
     """Write the entry whole or not at all: into a temporary folder, read back and compared,
     then one rename (another process converting the same file at the same time keeps whichever
-    lands first). A tokenizer whose saved form reads back otherwise is not cached."""
+    lands first). A tokenizer whose saved form reads back otherwise is not cached. The entry's
+    tokenizer class is remembered too (loader/tokenizer.py), so the next start needs neither."""
     from transformers import AutoTokenizer
+
+    from shardserve.loader.tokenizer import auto_tokenizer
 
     try:
         where.parent.mkdir(parents=True, exist_ok=True)
@@ -93,6 +98,7 @@ def _save(tokenizer: Any, where: Path) -> None:
                             "files; not cached (each start converts it again)")
                 return
             os.replace(tmp, where)
+            auto_tokenizer(str(where))
         except OSError:
             if not (where / "tokenizer.json").exists():
                 raise
