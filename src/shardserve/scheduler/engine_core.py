@@ -8,6 +8,7 @@ Results and finishes (StepOutput, EngineResultsMixin) are engine_results.py's.
 from __future__ import annotations
 
 from collections.abc import Callable
+from concurrent.futures import Future
 
 import torch
 
@@ -48,13 +49,20 @@ class EngineCore(EngineResultsMixin):
                  groups: ParallelGroups | None = None,
                  publish: Callable[[StepPlan], None] | None = None,
                  results: Callable[[int], list] | None = None, tokenizer=None, secret: bytes = b""):
-        """`tokenizer`: its EOS id ends generations too, and structured outputs may use it;
-        `secret` keys a prefill instance's KV channels (disaggregation)."""
+        """`tokenizer`: its EOS id ends generations too, structured outputs may use it and,
+        where no `decode` is given, stop strings are matched in its text; a Future of one (None
+        where the checkpoint has none) is awaited once the model is built. `secret` keys a
+        prefill instance's KV channels (disaggregation)."""
         groups = groups or single_process_groups()
         self.ckpt: Checkpoint = resolve_checkpoint(cfg.model)
         self.model_cfg = read_model_config(self.ckpt)
         self.cfg = cfg = resolve_dtype(cfg, self.ckpt, self.model_cfg)  # --dtype auto: see resolve_dtype
         self.worker = StageWorker(cfg, self.ckpt, self.model_cfg, groups, secret)
+        if isinstance(tokenizer, Future):
+            tokenizer = tokenizer.result()
+        if decode is None and tokenizer is not None:
+            def decode(ids: list[int], skip: bool) -> str:
+                return tokenizer.decode(ids, skip_special_tokens=skip)
         if self.worker.guide is not None:  # this rank samples: structured outputs may use its tokenizer
             self.worker.guide.hf_tokenizer = tokenizer
         self.micro_batches = self.worker.micro_batches

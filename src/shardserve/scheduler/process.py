@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 import zmq
@@ -50,9 +51,12 @@ class SchedulerServer:
     """The leader of one engine replica (control rank 0): requests in, plans out, tokens out."""
 
     def __init__(self, cfg: EngineConfig, ep: Endpoints, groups: ParallelGroups):
-        tok = load_tokenizer(resolve_checkpoint(cfg.model))
-        decode = (lambda ids, skip: tok.decode(ids, skip_special_tokens=skip)) if tok else None
-        self.engine = EngineCore(cfg, decode=decode, groups=groups, tokenizer=tok, secret=ep.secret)
+        # The tokenizer loads on a thread while the model builds (imports and reads on both
+        # sides, and the other ranks wait on this one's collectives, not on its tokenizer).
+        pool = ThreadPoolExecutor(1, thread_name_prefix="tokenizer")
+        tok = pool.submit(load_tokenizer, resolve_checkpoint(cfg.model))
+        pool.shutdown(wait=False)
+        self.engine = EngineCore(cfg, groups=groups, tokenizer=tok, secret=ep.secret)
         ctx = zmq.Context.instance()
         self.replica = groups.coords.dp
         # After the engine: both sides meet in the same control-group collectives in the same order.
