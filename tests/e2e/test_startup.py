@@ -5,6 +5,7 @@ a rank refusing a setting in one line."""
 from __future__ import annotations
 
 import re
+import shutil
 import subprocess
 import sys
 
@@ -60,3 +61,18 @@ def test_kv_fraction_below_one_page_is_one_line_from_the_rank(tiny_model):
         r"shardserve: error: scheduler-0 failed to start: --kv-cache-memory 1e-15 of free memory \(\d+ bytes\) holds "
         r"no KV page: one page of 16 tokens takes 8192 bytes on a rank \(K and V, all its layers\), so give at least "
         r"8192 \(8K\), or a smaller --page-size", errors[0]), errors
+
+
+def test_a_damaged_tokenizer_is_one_line_naming_its_folder(tiny_model, tmp_path):
+    src, _ = tiny_model("llama")
+    path = tmp_path / "damaged"
+    shutil.copytree(src, path)
+    (path / "tokenizer.json").write_text("{ damaged")
+    proc = subprocess.run([sys.executable, "-m", "shardserve", "serve", "--model", str(path), "--port",
+                           str(free_port())], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("shardserve: error: ")]
+    assert len(errors) == 1 and re.fullmatch(
+        rf"shardserve: error: \S+ failed to start: the tokenizer in {re.escape(str(path))} does not load: "
+        r"JSONDecodeError: .*", errors[0]), errors

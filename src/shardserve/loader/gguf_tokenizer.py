@@ -86,19 +86,20 @@ def _save(tokenizer: Any, where: Path) -> None:
     tokenizer class is remembered too (loader/tokenizer.py), so the next start needs neither."""
     from transformers import AutoTokenizer
 
-    from shardserve.loader.tokenizer import auto_tokenizer
+    from shardserve.loader.tokenizer import remember_class
 
     try:
         where.parent.mkdir(parents=True, exist_ok=True)
         tmp = tempfile.mkdtemp(dir=where.parent, prefix=".tmp-")
         try:
             tokenizer.save_pretrained(tmp)
-            if _signature(AutoTokenizer.from_pretrained(tmp)) != _signature(tokenizer):
+            back = AutoTokenizer.from_pretrained(tmp)
+            if _signature(back) != _signature(tokenizer):
                 log.warning("the tokenizer converted from the GGUF does not read back the same from its saved "
                             "files; not cached (each start converts it again)")
                 return
-            os.replace(tmp, where)
-            auto_tokenizer(str(where))
+            os.replace(tmp, where)  # the files keep their sizes and times: the key is the entry's
+            remember_class(str(where), type(back))
         except OSError:
             if not (where / "tokenizer.json").exists():
                 raise

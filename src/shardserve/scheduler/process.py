@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 import zmq
@@ -55,6 +55,7 @@ class SchedulerServer:
         # sides, and the other ranks wait on this one's collectives, not on its tokenizer).
         pool = ThreadPoolExecutor(1, thread_name_prefix="tokenizer")
         tok = pool.submit(load_tokenizer, resolve_checkpoint(cfg.model))
+        tok.add_done_callback(_say_if_failed)
         pool.shutdown(wait=False)
         self.engine = EngineCore(cfg, groups=groups, tokenizer=tok, secret=ep.secret)
         ctx = zmq.Context.instance()
@@ -259,6 +260,13 @@ def rank_server(cfg: EngineConfig, ep: Endpoints, spec: RankSpec) -> SchedulerSe
     server = SchedulerServer(cfg, ep, groups)
     log.info("%s", startup_summary(server.engine))  # the settings in force, once per replica
     return server
+
+
+def _say_if_failed(tokenizer: Future) -> None:
+    """At once: the rank's start fails on it only once the model is built, maybe minutes on."""
+    if (e := tokenizer.exception()) is not None:
+        log.error("the tokenizer failed to load (%s: %s); this rank stops once its model is built",
+                  type(e).__name__, e)
 
 
 def with_secret(ep: Endpoints, groups: ParallelGroups) -> Endpoints:
