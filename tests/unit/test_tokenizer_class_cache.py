@@ -14,9 +14,9 @@ import pytest
 from transformers import AutoTokenizer
 
 from shardserve.config import EngineConfig
-from shardserve.loader import tokenizer as tokenizer_module
+from shardserve.loader import tokenizer_class as tokenizer_module
 from shardserve.loader.model_path import default_model_path
-from shardserve.loader.tokenizer import auto_tokenizer
+from shardserve.loader.tokenizer_class import auto_tokenizer
 from shardserve.sampling_params import SamplingParams
 from shardserve.scheduler.engine_core import EngineCore
 
@@ -141,7 +141,7 @@ def test_an_unwritable_cache_is_said_and_the_tokenizer_still_loads(tiny_model, t
     blocker.write_text("not a folder")
     monkeypatch.setenv("SHARDSERVE_CACHE", str(blocker))
     path = tiny_model("llama")[0]
-    with caplog.at_level("WARNING", logger="shardserve.loader.tokenizer"):
+    with caplog.at_level("WARNING", logger="shardserve.loader.tokenizer_class"):
         _same(auto_tokenizer(path), AutoTokenizer.from_pretrained(path))
     assert "cannot remember the tokenizer's class" in caplog.text
 

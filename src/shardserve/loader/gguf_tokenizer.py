@@ -31,7 +31,7 @@ FORMAT = "1"  # bump when what is saved changes
 def load_gguf_tokenizer(path: str) -> PreTrainedTokenizerFast:
     """The GGUF's tokenizer, with bos/eos from `tokenizer.ggml.{bos,eos}_token_id` and the
     chat template from `tokenizer.chat_template` (converters may not carry them over)."""
-    from shardserve.loader.tokenizer import auto_tokenizer
+    from shardserve.loader.tokenizer_class import auto_tokenizer
 
     where = _cache_path(path)
     if (where / "tokenizer.json").exists():
@@ -86,7 +86,7 @@ def _save(tokenizer: Any, where: Path) -> None:
     tokenizer class is remembered too (loader/tokenizer.py), so the next start needs neither."""
     from transformers import AutoTokenizer
 
-    from shardserve.loader.tokenizer import remember_class
+    from shardserve.loader.tokenizer_class import remember_class
 
     try:
         where.parent.mkdir(parents=True, exist_ok=True)
