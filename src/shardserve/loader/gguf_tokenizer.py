@@ -83,7 +83,7 @@ def _save(tokenizer: Any, where: Path) -> None:
     """Write the entry whole or not at all: into a temporary folder, read back and compared,
     then one rename (another process converting the same file at the same time keeps whichever
     lands first). A tokenizer whose saved form reads back otherwise is not cached. The entry's
-    tokenizer class is remembered too (loader/tokenizer.py), so the next start needs neither."""
+    tokenizer class is remembered too (loader/tokenizer_class.py), so the next start needs neither."""
     from transformers import AutoTokenizer
 
     from shardserve.loader.tokenizer_class import remember_class
