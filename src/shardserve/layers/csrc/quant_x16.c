@@ -28,14 +28,6 @@
  */
 
 #define GL 16     /* rows per group */
-/* Activation rows per register tile: each row holds an integer and a float accumulator, so 12
- * fit AVX-512's 32 registers beside the widened weights; two AVX2 halves each, 8 rows already
- * fill AVX2's 16. More rows a tile widen each weight chunk fewer times per product. */
-#if defined(__AVX512F__) && defined(__AVX512BW__)
-#define NXMAX 12
-#else
-#define NXMAX 8
-#endif
 
 /* Byte offset of the quants within a block of an L-row group. */
 static inline int64_t quants_at(int base, int64_t lanes) { return (base == Q4_1 ? 4 : 2) * lanes; }
@@ -92,7 +84,7 @@ static void x16_pad(int base, const uint8_t *grp, int64_t lanes, int64_t nb, uin
     x16_pad_lanes(grp, lanes, nb * (block_bytes(base) / 2), 2, out);
 }
 
-#include "x16_vectors.c" /* VF, VI and their operations: AVX-512, or two AVX2 halves */
+#include "x16_vectors.c" /* VF, VI and their operations: AVX-512, or two AVX2 halves; NXMAX */
 
 #ifdef X16_VEC
 /* Rows i0 .. i0 + nx - 1 of the activations times one 16-row group (grp, nb blocks): y[(i0 + j)

@@ -1,7 +1,10 @@
 /* The x16 kernels' vector helpers (quant_x16.c includes this file; not compiled alone): VF, 16
  * float lanes, and VI, 16 int32 lanes (or 32 int16 ones), as one AVX-512 register or as two AVX2
  * halves, with the loads, widenings, dot products and stores the kernels use. X16_VEC says they
- * exist; X16_PATH names them for kernel_paths(). */
+ * exist; X16_PATH names them for kernel_paths(). NXMAX is the activation rows of a register tile:
+ * each row holds an integer and a float accumulator, so 12 fit AVX-512's 32 registers beside the
+ * widened weights; two AVX2 halves each, 8 rows already fill AVX2's 16. More rows a tile widen
+ * each weight chunk fewer times per product. */
 
 #if defined(__AVX512F__) && defined(__AVX512BW__)
 /* ---- 16 lanes in one register */
@@ -53,6 +56,7 @@ static inline void vf_store(float *y, VF t, int lanes) {
 }
 #define X16_PATH "avx512" X16_DP
 #define X16_VEC 1 /* the vector helpers above exist */
+#define NXMAX 12
 #ifdef __AVX512VNNI__
 #define X16_DP " vnni (vpdpwssd zmm)"
 #else
@@ -124,6 +128,7 @@ static inline void vf_store(float *y, VF t, int lanes) {
 }
 #define X16_PATH "avx2" X16_DP
 #define X16_VEC 1
+#define NXMAX 8
 #ifdef __AVXVNNI__
 #define X16_DP " avx-vnni (vpdpwssd ymm)"
 #else
