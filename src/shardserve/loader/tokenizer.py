@@ -6,12 +6,10 @@ import os
 from typing import TYPE_CHECKING
 
 from shardserve.loader.model_path import Checkpoint
-from shardserve.loader.tokenizer_class import auto_tokenizer
+from shardserve.loader.tokenizer_class import TOKENIZER_FILES, auto_tokenizer
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
-
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 
 
 def load_tokenizer(ckpt: Checkpoint) -> PreTrainedTokenizerBase | None:

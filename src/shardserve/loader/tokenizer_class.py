@@ -29,10 +29,10 @@ from shardserve.native import cache_root
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 # Files whose change may change the choice (config.json: the model type, its tokenizer class;
 # tekken.json: Mistral's own format), and the tokenizer's own (a change costs one more choice).
-CHOICE_FILES = ("config.json", "tekken.json", "tokenizer.json", "tokenizer_config.json", "tokenizer.model",
-                "vocab.json", "merges.txt", "special_tokens_map.json")
+CHOICE_FILES = ("config.json", "tekken.json", *TOKENIZER_FILES, "merges.txt", "special_tokens_map.json")
 FORMAT = "1"  # bump when what a class entry holds changes
 log = logging.getLogger(__name__)
 
@@ -53,7 +53,7 @@ def auto_tokenizer(directory: str) -> PreTrainedTokenizerBase:
         tokenizer = AutoTokenizer.from_pretrained(directory)
     except Exception as e:  # a damaged or unsupported file: one line naming the folder, not a traceback
         raise ValueError(f"the tokenizer in {directory} does not load: {type(e).__name__}: {e}") from e
-    remember_class(directory, type(tokenizer))
+    _remember(entry, type(tokenizer), directory)
     return tokenizer
 
 
