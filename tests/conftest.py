@@ -15,6 +15,7 @@ from transformers import (
     DeepseekV3Config,
     LlamaConfig,
     MixtralConfig,
+    Phi3Config,
     Qwen2Config,
     Qwen2MoeConfig,
     Qwen3Config,
@@ -32,6 +33,10 @@ MOE = dict(moe_intermediate_size=32, num_experts=8, num_experts_per_tok=2)
 DEEPSEEK = dict(hidden_size=48, num_attention_heads=6, num_key_value_heads=6, intermediate_size=96,
                 moe_intermediate_size=32, n_routed_experts=8, num_experts_per_tok=2, n_group=4, topk_group=2,
                 first_k_dense_replace=1, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=12, v_head_dim=10)
+
+# Heads of 16 rotated over their first 12 dims: 6 factors a set, short near 1, long stretched.
+PHI3_LONGROPE = {"rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": 0.75,
+                 "short_factor": [1.0, 1.02, 1.05, 1.1, 1.2, 1.4], "long_factor": [1.0, 1.5, 2.5, 4.0, 6.5, 9.0]}
 
 TINY_CONFIGS = {
     "llama": lambda **kw: LlamaConfig(intermediate_size=96, **COMMON | kw),
@@ -52,6 +57,12 @@ TINY_CONFIGS = {
                                               **COMMON | kw),
     "mixtral": lambda **kw: MixtralConfig(intermediate_size=48, num_local_experts=4, num_experts_per_tok=2,
                                           **COMMON | kw),
+    # Phi-3: q/k/v and gate/up fused in the checkpoint.
+    "phi3": lambda **kw: Phi3Config(intermediate_size=96, **COMMON | kw),
+    # Phi-3.5 / Phi-4-mini: LongRoPE past 64 pretrained positions, 3/4 of each head rotated.
+    "phi3_longrope": lambda **kw: Phi3Config(intermediate_size=96, tie_word_embeddings=True,
+                                             original_max_position_embeddings=64, rope_parameters=PHI3_LONGROPE,
+                                             **COMMON | kw),
     # V2-Lite's shape: no q low-rank path; V2's group-limited greedy gate, two shared experts.
     "deepseek_v2": lambda **kw: DeepseekV2Config(q_lora_rank=None, topk_method="group_limited_greedy",
                                                  n_shared_experts=2, routed_scaling_factor=1.5,
@@ -67,8 +78,13 @@ TINY_CONFIGS = {
 
 
 def make_tiny(kind: str, path: str, layers: int | None = None) -> torch.nn.Module:
+    return make_tiny_config(TINY_CONFIGS[kind](**({"num_hidden_layers": layers} if layers else {})), path)
+
+
+def make_tiny_config(cfg, path: str) -> torch.nn.Module:
+    """A random model of transformers config `cfg`, its weights widened (below), saved to `path`
+    with the tiny tokenizer."""
     torch.manual_seed(1234)
-    cfg = TINY_CONFIGS[kind](**({"num_hidden_layers": layers} if layers else {}))
     model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
     # Random init gives near-uniform logits and fragile argmaxes; widen them so greedy ties
     # cannot flip between two correct fp32 implementations.

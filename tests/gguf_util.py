@@ -26,3 +26,9 @@ def finish(w: GGUFWriter) -> None:
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
+
+
+def llama_cpp_permute(weight, n_heads: int):
+    """llama.cpp's converter's Q/K row order for llama (LlamaModel.permute, the forward direction)."""
+    return (weight.reshape(n_heads, 2, weight.shape[0] // n_heads // 2, *weight.shape[1:])
+            .swapaxes(1, 2).reshape(weight.shape))

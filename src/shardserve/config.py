@@ -11,7 +11,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 # The model's shape lives in model_config.py; its names are kept importable from here.
-from shardserve.model_config import ModelConfig, RopeScaling, eos_token_ids  # noqa: F401
+from shardserve.model_config import ModelConfig, eos_token_ids  # noqa: F401
+from shardserve.rope_config import RopeScaling  # noqa: F401
 
 if TYPE_CHECKING:
     import torch

@@ -7,56 +7,17 @@ engine does not implement: named by its field and value, at start, never a silen
 from __future__ import annotations
 
 import json
-import math
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
-ROPE_TYPES = ("default", "llama3", "yarn")
+from shardserve.rope_config import RopeScaling, rope_scaling, rotary_dim
 
 
 def eos_token_ids(value: Any) -> tuple[int, ...]:
     """An `eos_token_id` field (config.json's or generation_config.json's: one id, a list of
     them, or absent) as a tuple of ids."""
     return tuple(value) if isinstance(value, list) else (() if value is None else (int(value),))
-
-
-def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
-    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
-
-
-@dataclass(frozen=True)
-class RopeScaling:
-    """Frequency scaling of RoPE: `llama3` (low/high frequency factors) or `yarn` (the beta
-    ramp, and mscale as DeepSeek's checkpoints set it). `None` on ModelConfig means plain RoPE."""
-
-    kind: str
-    factor: float
-    original_max_position_embeddings: int
-    low_freq_factor: float = 1.0
-    high_freq_factor: float = 4.0
-    beta_fast: float = 32.0
-    beta_slow: float = 1.0
-    mscale: float = 0.0
-    mscale_all_dim: float = 0.0
-    attention_factor: float | None = None
-    truncate: bool = True
-
-    @property
-    def cos_sin_scale(self) -> float:
-        """yarn's factor on cos and sin (its "attention factor"); 1 for llama3."""
-        if self.kind != "yarn":
-            return 1.0
-        if self.attention_factor is not None:
-            return self.attention_factor
-        if self.mscale and self.mscale_all_dim:
-            return yarn_mscale(self.factor, self.mscale) / yarn_mscale(self.factor, self.mscale_all_dim)
-        return yarn_mscale(self.factor)
-
-    @property
-    def softmax_scale_factor(self) -> float:
-        """DeepSeek's extra factor on the attention scale: mscale(factor, mscale_all_dim) squared."""
-        return yarn_mscale(self.factor, self.mscale_all_dim) ** 2 if self.mscale_all_dim else 1.0
 
 
 @dataclass(frozen=True)
@@ -122,6 +83,9 @@ class ModelConfig:
     mla: LatentAttentionConfig | None = None
     sliding_window: int | None = None  # not implemented: the context is bounded by it instead
     torch_dtype: str = "float32"
+    # The leading dims of each head that RoPE rotates (partial_rotary_factor x head_dim; Phi-4-mini
+    # rotates 3/4); 0 means all of head_dim.
+    partial_rotary_dim: int = 0
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> ModelConfig:
@@ -136,6 +100,8 @@ class ModelConfig:
         rope = d.get("rope_parameters") or d.get("rope_scaling") or {}
         theta = d.get("rope_theta", rope.get("rope_theta", 10000.0))
         model_type = d.get("model_type", "")
+        head_dim = int(d.get("head_dim") or hidden // heads)
+        partial = float(d.get("partial_rotary_factor", rope.get("partial_rotary_factor", 1.0)))
         fields: dict[str, Any] = dict(
             architecture=archs[0],
             vocab_size=int(d["vocab_size"]),
@@ -144,13 +110,13 @@ class ModelConfig:
             num_layers=int(d["num_hidden_layers"]),
             num_heads=heads,
             num_kv_heads=int(d.get("num_key_value_heads") or heads),
-            head_dim=int(d.get("head_dim") or hidden // heads),
+            head_dim=head_dim,
             rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
             rope_theta=float(theta),
             max_position_embeddings=int(d.get("max_position_embeddings", 2048)),
             tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
             attention_bias=bool(d.get("attention_bias", model_type.startswith("qwen2"))),
-            rope_scaling=_rope_scaling(rope, d),
+            rope_scaling=rope_scaling(rope, d),
             eos_token_ids=eos_token_ids(d.get("eos_token_id")),
             bos_token_id=d.get("bos_token_id"),
             num_experts=int(d.get("num_experts") or d.get("num_local_experts") or 0),
@@ -162,12 +128,19 @@ class ModelConfig:
             mlp_only_layers=tuple(d.get("mlp_only_layers") or ()),
             sliding_window=_sliding_window(d),
             torch_dtype=str(d.get("torch_dtype") or d.get("dtype") or "float32"),
+            partial_rotary_dim=rotary_dim(head_dim, partial),
         )
         if model_type == "mixtral":  # experts as wide as the dense MLP, top-k renormalised
             fields.update(moe_intermediate_size=fields["intermediate_size"], router=RouterConfig(renormalize=True))
         if model_type in ("deepseek_v2", "deepseek_v3"):
             fields.update(_deepseek(d, model_type))
-        return cls(**fields)
+        out = cls(**fields)
+        if (s := out.rope_scaling) is not None and s.kind in ("longrope", "freq_factors"):
+            for name, factors in (("short_factor", s.short_factor), ("long_factor", s.long_factor)):
+                if len(factors) != out.rotary_dim // 2:
+                    raise ValueError(f"unsupported model option: longrope {name} has {len(factors)} entries for a "
+                                     f"rotary width of {out.rotary_dim} (needs {out.rotary_dim // 2})")
+        return out
 
     @classmethod
     def from_dir(cls, path: str) -> ModelConfig:
@@ -198,28 +171,28 @@ class ModelConfig:
             return self.sliding_window, "sliding_window: sliding-window attention is not implemented"
         return self.max_position_embeddings, "max_position_embeddings"
 
+    @property
+    def rotary_dim(self) -> int:
+        return self.partial_rotary_dim or self.head_dim
+
+    def served_length(self, asked: int | None) -> int:
+        """The longest context served: --max-model-len where given (never above the model's)."""
+        limit, _ = self.context_limit
+        return min(asked or limit, limit)
+
+    def serving(self, max_model_len: int) -> ModelConfig:
+        """This config as served with contexts of up to `max_model_len` tokens: LongRoPE's long
+        factors where that exceeds the pretraining length, else its short ones, for every request
+        alike (vLLM's rule; transformers picks by each call's longest position, which agrees for
+        prompts past that length and for contexts within it)."""
+        s = self.rope_scaling
+        if s is None or s.kind != "longrope":
+            return self
+        return replace(self, rope_scaling=replace(s, use_long=max_model_len > s.original_max_position_embeddings))
+
     def kv_values_per_token(self, num_kv_heads: int, num_layers: int) -> int:
         """Cached values (K and V) one token costs a rank holding `num_kv_heads` over `num_layers`."""
         return num_layers * num_kv_heads * sum(self.kv_widths)
-
-
-def _rope_scaling(rope: dict[str, Any], d: dict[str, Any]) -> RopeScaling | None:
-    kind = rope.get("rope_type") or rope.get("type")
-    if kind in (None, "default"):
-        return None
-    if kind not in ROPE_TYPES:
-        raise ValueError(f"unsupported rope scaling: rope_type {kind!r} (supported: {', '.join(ROPE_TYPES)})")
-    original = int(rope.get("original_max_position_embeddings", d.get("max_position_embeddings", 8192)))
-    if kind == "llama3":
-        return RopeScaling("llama3", float(rope["factor"]), original, low_freq_factor=float(rope["low_freq_factor"]),
-                           high_freq_factor=float(rope["high_freq_factor"]))
-    factor = rope.get("factor") or d.get("max_position_embeddings", original) / original
-    attention_factor = rope.get("attention_factor")
-    return RopeScaling("yarn", float(factor), original, beta_fast=float(rope.get("beta_fast") or 32),
-                       beta_slow=float(rope.get("beta_slow") or 1), mscale=float(rope.get("mscale") or 0),
-                       mscale_all_dim=float(rope.get("mscale_all_dim") or 0),
-                       attention_factor=None if attention_factor is None else float(attention_factor),
-                       truncate=bool(rope.get("truncate", True)))
 
 
 def _sliding_window(d: dict[str, Any]) -> int | None:

@@ -61,6 +61,19 @@ def test_tp_matches_transformers_and_tp1(reference, arch, tp):
     assert sampled == seeded
 
 
+def test_phi3_fused_checkpoint_tp3(tiny_model):
+    """Phi-3's q/k/v and gate/up, fused in the checkpoint, split back then sharded over 3 ranks
+    (query heads 2/1/1, KV heads replicated); 3/4 of each head rotated, LongRoPE's short factors
+    (--max-model-len 64, its pretrained length, where transformers uses them for these lengths)."""
+    path, model = tiny_model("phi3_longrope")
+    batch = prompts(model.config.vocab_size)
+    with torch.no_grad():
+        hf = [model.generate(torch.tensor([p]), max_new_tokens=NEW, min_new_tokens=NEW,
+                             do_sample=False)[0, len(p):].tolist() for p in batch]
+    with LLM(path, tp_size=3, num_pages=64, page_size=8, max_model_len=64, show_progress=False) as llm:
+        assert [o.token_ids for o in llm.generate(batch, GREEDY, use_tqdm=False)] == hf
+
+
 # 9 heads over 2 ranks: 5 + 4 query heads and a KV head group straddling them. Sizes 3 and 4
 # (uneven, replicated KV heads) run on the tiny models above; CI time keeps the real model at one.
 @pytest.mark.parametrize("tp", [2])

@@ -5,13 +5,17 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import COMMON
 from engine_util import record_logits
+from transformers import LlamaConfig
 
 from shardserve.config import EngineConfig
 from shardserve.sampling_params import SamplingParams
 from shardserve.scheduler.engine_core import EngineCore
+from shardserve.scheduler.startup import startup_summary
 
-ARCHS = ["llama", "llama_tied", "qwen2", "qwen3", "qwen3_moe", "qwen2_moe", "mixtral", "deepseek_v2", "deepseek_v3"]
+ARCHS = ["llama", "llama_tied", "qwen2", "qwen3", "qwen3_moe", "qwen2_moe", "mixtral", "deepseek_v2", "deepseek_v3",
+         "phi3"]
 NEW_TOKENS = 32
 
 
@@ -62,6 +66,43 @@ def test_torch_attention_backend(tiny_model, arch):
     """The gather + SDPA decode path (the one CUDA and half precision use) on the CPU too."""
     core = check(tiny_model, arch, attention_backend="torch")
     assert core.runner.attention.name == "torch"
+
+
+@pytest.mark.parametrize("backend", ["cpu", "torch"])
+def test_phi3_longrope_both_factor_sets(tiny_model, backend):
+    """Phi-3.5 / Phi-4-mini's rotary: 3/4 of each head, LongRoPE past 64 pretrained positions.
+    Served past them (the default, 512), every token gets the long factors, as transformers
+    gives prompts longer than 64; with --max-model-len 64, the short ones, as it gives shorter."""
+    path, model = tiny_model("phi3_longrope")
+    g = torch.Generator().manual_seed(3)
+    long = [torch.randint(model.config.vocab_size, (n,), generator=g).tolist() for n in (65, 90)]
+    short = [torch.randint(model.config.vocab_size, (n,), generator=g).tolist() for n in (1, 13, 30)]
+    for batch, cfg in ((long, {}), (short, {"max_model_len": 64})):
+        tokens, logits, core = run_engine(path, batch, attention_backend=backend, **cfg)
+        assert core.runner.model_cfg.rope_scaling.use_long == (cfg == {})
+        said = "LongRoPE long factors (the context exceeds the 64 pretrained tokens; --max-model-len 64 gives" \
+            if cfg == {} else "LongRoPE short factors (the context is within the 64 pretrained tokens)"
+        assert said in startup_summary(core)
+        for p, toks, lg in zip(batch, tokens, logits):
+            ref_tokens, ref_logits = hf_reference(model, p)
+            assert toks == ref_tokens
+            torch.testing.assert_close(lg, ref_logits, atol=1e-4, rtol=1e-4)
+
+
+def test_linear_rope_scaling(tiny_model, tmp_path):
+    """Linear scaling (position interpolation: every frequency divided by the factor)."""
+    from conftest import make_tiny_config
+
+    path = str(tmp_path / "linear")
+    model = make_tiny_config(LlamaConfig(intermediate_size=96, rope_scaling={"rope_type": "linear", "factor": 3.0},
+                                         **COMMON), path)
+    batch = prompts(model.config.vocab_size)[2:]
+    tokens, logits, core = run_engine(path, batch)
+    assert core.runner.model_cfg.rope_scaling.kind == "linear"
+    for p, toks, lg in zip(batch, tokens, logits):
+        ref_tokens, ref_logits = hf_reference(model, p)
+        assert toks == ref_tokens
+        torch.testing.assert_close(lg, ref_logits, atol=1e-4, rtol=1e-4)
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3_moe", "deepseek_v2"])

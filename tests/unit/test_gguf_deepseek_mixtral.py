@@ -12,7 +12,7 @@ import gguf
 import numpy as np
 import pytest
 import torch
-from gguf_util import finish, gguf_writer
+from gguf_util import finish, gguf_writer, llama_cpp_permute
 from test_equivalence import hf_reference, prompts, run_engine
 
 from shardserve.config import ModelConfig
@@ -107,11 +107,6 @@ def test_deepseek2_gguf_matches_transformers(tiny_model, tmp_path, arch, split):
     assert_round_trip(path, hf_path, model)
 
 
-def _permute(w: np.ndarray, heads: int) -> np.ndarray:
-    """llama.cpp's rotary row order for llama-architecture q/k."""
-    return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
-
-
 def test_mixtral_gguf_matches_transformers(tiny_model, tmp_path):
     """llama.cpp writes Mixtral as `llama` with stacked experts (and q/k rows permuted)."""
     hf_path, model = tiny_model("mixtral")
@@ -127,8 +122,9 @@ def test_mixtral_gguf_matches_transformers(tiny_model, tmp_path):
         pre = f"model.layers.{i}."
         w.add_tensor(f"blk.{i}.attn_norm.weight", sd[f"{pre}input_layernorm.weight"])
         w.add_tensor(f"blk.{i}.ffn_norm.weight", sd[f"{pre}post_attention_layernorm.weight"])
-        w.add_tensor(f"blk.{i}.attn_q.weight", _permute(sd[f"{pre}self_attn.q_proj.weight"], cfg.num_attention_heads))
-        w.add_tensor(f"blk.{i}.attn_k.weight", _permute(sd[f"{pre}self_attn.k_proj.weight"], cfg.num_key_value_heads))
+        q, k = sd[f"{pre}self_attn.q_proj.weight"], sd[f"{pre}self_attn.k_proj.weight"]
+        w.add_tensor(f"blk.{i}.attn_q.weight", llama_cpp_permute(q, cfg.num_attention_heads))
+        w.add_tensor(f"blk.{i}.attn_k.weight", llama_cpp_permute(k, cfg.num_key_value_heads))
         w.add_tensor(f"blk.{i}.attn_v.weight", sd[f"{pre}self_attn.v_proj.weight"])
         w.add_tensor(f"blk.{i}.attn_output.weight", sd[f"{pre}self_attn.o_proj.weight"])
         moe = f"{pre}mlp."  # (in memory; the saved file says block_sparse_moe)

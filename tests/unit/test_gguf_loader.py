@@ -14,6 +14,7 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType, GGUFWriter
 from gguf.quants import quantize
+from gguf_util import llama_cpp_permute
 
 from shardserve.loader.gguf_loader import iter_gguf_tensors
 from shardserve.loader.gguf_metadata import read_gguf_config
@@ -135,15 +136,6 @@ def _finish(writer: GGUFWriter) -> None:
     writer.close()
 
 
-def _llama_cpp_permute(weight: np.ndarray, n_heads: int) -> np.ndarray:
-    """llama.cpp convert_hf_to_gguf.py LlamaModel.permute (the forward direction)."""
-    return (
-        weight.reshape(n_heads, 2, weight.shape[0] // n_heads // 2, *weight.shape[1:])
-        .swapaxes(1, 2)
-        .reshape(weight.shape)
-    )
-
-
 @pytest.fixture(scope="module")
 def tiny_llama(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, dict[str, np.ndarray]]:
     """A one-layer llama GGUF with one tensor per storage type; returns (path, originals)."""
@@ -165,8 +157,8 @@ def tiny_llama(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, dict[str,
     writer.add_tensor("token_embd.weight", originals["token_embd.weight"].astype(np.float16))
     writer.add_tensor("blk.0.attn_norm.weight", originals["blk.0.attn_norm.weight"])
     # Stored as llama.cpp would: rope-permuted rows. The loader must hand back the originals.
-    writer.add_tensor("blk.0.attn_q.weight", _llama_cpp_permute(originals["blk.0.attn_q.weight"], HEADS))
-    writer.add_tensor("blk.0.attn_k.weight", _llama_cpp_permute(originals["blk.0.attn_k.weight"], KV_HEADS))
+    writer.add_tensor("blk.0.attn_q.weight", llama_cpp_permute(originals["blk.0.attn_q.weight"], HEADS))
+    writer.add_tensor("blk.0.attn_k.weight", llama_cpp_permute(originals["blk.0.attn_k.weight"], KV_HEADS))
     for name, qtype in (
         ("blk.0.ffn_gate.weight", GGMLQuantizationType.BF16),
         ("blk.0.ffn_up.weight", GGMLQuantizationType.Q8_0),
@@ -218,8 +210,10 @@ def test_tiny_llama_dequantization(tiny_llama: tuple) -> None:
         assert err.max() <= rel_bound * want.abs().max(), hf_name
         assert err.mean() < 0.1 * want.abs().mean(), hf_name  # not just bounded: close
 
-    # Unknown tensors pass through under their GGUF name for the caller to report.
-    assert torch.equal(got["rope_freqs.weight"], orig("rope_freqs.weight"))
+    # rope_freqs is the rotary's frequency divisors: read into the config, never a weight.
+    assert "rope_freqs.weight" not in got
+    factors = read_gguf_config(path)["rope_scaling"]["factors"]
+    assert torch.equal(torch.tensor(factors), orig("rope_freqs.weight"))
 
 
 def test_tiny_llama_is_lazy(tiny_llama: tuple) -> None:

@@ -310,3 +310,21 @@ def test_layouts_without_adapters_refused_at_start(tiny_model):
     mc = read_model_config(resolve_checkpoint(tiny_model("llama")[0]))
     with pytest.raises(LayoutError, match="--enable-lora is not supported with --disaggregation-mode"):
         check_lora(EngineConfig(enable_lora=True, disaggregation_mode="prefill"), Layout.from_sizes(), mc)
+
+
+def test_phi3_adapters_on_its_fused_projections_equal_peft(tiny_model, tmp_path):
+    """PEFT adapts Phi-3's qkv_proj and gate_up_proj as one matrix each: the engine adapts q, k, v
+    and gate, up with the one A and their rows of B; the same tokens and logprobs as PEFT."""
+    from lora_util import peft_greedy, save_adapter
+
+    path, base = tiny_model("phi3")
+    model = save_adapter(base, str(tmp_path / "phi"), 4, 4, 8, ("qkv_proj", "o_proj", "gate_up_proj", "down_proj"),
+                         False)
+    spec = read_adapter("phi", str(tmp_path / "phi"), BaseShapes(2, module_shapes(64, 4, 2, 16, 96)), 8)
+    assert spec.modules == ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+    ref = {"phi": [peft_greedy(model, p, NEW) for p in PROMPTS], "base": [peft_greedy(base, p, NEW) for p in PROMPTS]}
+    assert ref["phi"] != ref["base"]
+    with LLM(path, enable_lora=True, max_loras=1, max_lora_rank=8, num_pages=64, show_progress=False) as llm:
+        lora = LoRARequest("phi", 1, str(tmp_path / "phi"))
+        outs = llm.generate(PROMPTS * 2, GREEDY, use_tqdm=False, lora_request=[lora] * 3 + [None] * 3)
+    check(outs, ["phi"] * 3 + ["base"] * 3, ref)

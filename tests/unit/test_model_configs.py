@@ -5,6 +5,7 @@ refused at start naming its field and value."""
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 import torch
@@ -50,7 +51,13 @@ def test_deepseek_gate_stays_float32_in_bfloat16(tiny_model):
 
 
 @pytest.mark.parametrize("arch,key,value,named", [
-    ("deepseek_v3", "rope_parameters", {"rope_type": "longrope", "rope_theta": 1e4}, "rope_type 'longrope'"),
+    ("deepseek_v3", "rope_parameters", {"rope_type": "dynamic", "rope_theta": 1e4}, "rope_type 'dynamic'"),
+    ("deepseek_v3", "rope_parameters", {"rope_type": "longrope", "rope_theta": 1e4},
+     "rope_type 'longrope' without short_factor and long_factor"),
+    ("phi3_longrope", "partial_rotary_factor", 0.7, "partial_rotary_factor 0.7 rotates 11 of 16 dims, an odd count"),
+    ("phi3_longrope", "partial_rotary_factor", 1.5, "partial_rotary_factor 1.5"),
+    ("phi3", "rope_parameters", {"rope_type": "longrope", "rope_theta": 1e4, "short_factor": [1.0] * 8,
+                                 "long_factor": [1.0] * 7}, "long_factor has 7 entries for a rotary width of 16"),
     ("deepseek_v2", "topk_method", "noaux_tc", "topk_method 'noaux_tc'"),
     ("deepseek_v3", "scoring_func", "softmax", "scoring_func 'softmax'"),
     ("deepseek_v3", "moe_layer_freq", 2, "moe_layer_freq 2"),
@@ -73,6 +80,22 @@ def test_left_out_deepseek_keys_take_transformers_defaults(tiny_model):
          if k not in ("n_group", "topk_group", "routed_scaling_factor", "norm_topk_prob")}
     router = ModelConfig.from_dict(d).router
     assert (router.n_group, router.topk_group, router.scaling, router.renormalize) == (8, 4, 2.5, True)
+
+
+def test_phi3_configs_read_as_transformers_reads_them(tiny_model):
+    """Phi-3's early spellings of LongRoPE ("su", "yarn") are LongRoPE; the original length comes
+    from the top level; the attention factor follows max / original positions; which set is served
+    follows --max-model-len, decided once."""
+    d = config_dict(tiny_model, "phi3_longrope")
+    rope = d["rope_parameters"] | {"rope_type": "su"}
+    d = d | {"rope_parameters": {k: v for k, v in rope.items() if k != "original_max_position_embeddings"}}
+    mc = ModelConfig.from_dict(d)
+    s = mc.rope_scaling
+    assert (s.kind, s.original_max_position_embeddings, mc.rotary_dim, mc.head_dim) == ("longrope", 64, 12, 16)
+    assert s.cos_sin_scale == pytest.approx((1 + math.log(512 / 64) / math.log(64)) ** 0.5)
+    assert not mc.serving(mc.served_length(64)).rope_scaling.use_long
+    assert mc.serving(mc.served_length(65)).rope_scaling.use_long
+    assert mc.serving(mc.served_length(None)).rope_scaling.use_long  # 512, the model's own
 
 
 def test_mistral_sliding_window_bounds_the_context(tmp_path):

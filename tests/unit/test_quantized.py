@@ -14,7 +14,7 @@ from engine_util import record_logits
 from gguf import GGMLQuantizationType as T
 from gguf import GGUFReader
 from gguf.quants import quantize
-from gguf_util import finish, gguf_writer
+from gguf_util import finish, gguf_writer, llama_cpp_permute
 
 from shardserve.config import EngineConfig
 from shardserve.layers import cpu_ops, quant_kernel
@@ -150,6 +150,13 @@ def test_fused_small_ops_equal_torch():
     assert cpu_ops.rotary_(q, k, cos, sin)
     torch.testing.assert_close(q, want_q, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(k, want_k, rtol=1e-5, atol=1e-6)
+    # Partial rotary: tables 6 wide rotate each head's leading 12 of 16 dims, the last 4 kept.
+    cos, sin = cos[..., :6].contiguous(), sin[..., :6].contiguous()
+    want_q = torch.cat((rot(q[..., :12].clone()), q[..., 12:]), -1)
+    want_k = torch.cat((rot(k[..., :12].clone()), k[..., 12:]), -1)
+    assert cpu_ops.rotary_(q, k, cos, sin)
+    torch.testing.assert_close(q, want_q, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(k, want_k, rtol=1e-5, atol=1e-6)
 
 
 # ----------------------------------------------------------------------------- whole models
@@ -161,11 +168,6 @@ FORMATS_BY_TENSOR = {"attn_q": T.Q4_1, "attn_k": T.Q4_0, "attn_v": T.Q8_0, "attn
 HF_NAMES = {"attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
             "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
             "ffn_down": "mlp.down_proj", "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm"}
-
-
-def _permute(w: np.ndarray, heads: int) -> np.ndarray:
-    """llama.cpp's converter's Q/K row order."""
-    return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
 @pytest.fixture(scope="module")
@@ -182,7 +184,7 @@ def tiny_gguf(tiny_model, tmp_path_factory) -> str:
         for stem, hf in HF_NAMES.items():
             w = sd[f"model.layers.{i}.{hf}.weight"]
             if stem in ("attn_q", "attn_k"):
-                w = _permute(w, cfg.num_attention_heads if stem == "attn_q" else cfg.num_key_value_heads)
+                w = llama_cpp_permute(w, cfg.num_attention_heads if stem == "attn_q" else cfg.num_key_value_heads)
             qtype = FORMATS_BY_TENSOR.get(stem)
             if qtype is None:
                 writer.add_tensor(f"blk.{i}.{stem}.weight", w)

@@ -125,7 +125,7 @@ def test_the_backend_matches_torch_on_a_mixed_step():
     assert torch.equal(caches[0][0], caches[1][0]) and torch.equal(caches[0][1], caches[1][1])
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen3", "deepseek_v2"])
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "deepseek_v2", "phi3"])
 def test_whole_models_match_transformers_through_triton(tiny_model, arch):
     from test_equivalence import check
 
@@ -174,5 +174,13 @@ def test_the_small_operators_match_their_torch_formulas():
         cos, sin = torch.randn(6, 16, generator=g), torch.randn(6, 16, generator=g)
         x1, x2 = q.float().chunk(2, dim=-1)
         ref = torch.cat((x1 * cos[:, None] - x2 * sin[:, None], x2 * cos[:, None] + x1 * sin[:, None]), -1).to(dtype)
+        ops.rotary_(q, cos, sin)
+        torch.testing.assert_close(q, ref, atol=tol, rtol=tol)
+        # Partial rotary (Phi-4-mini's 3/4): the leading 24 of 32 dims rotated, the rest kept.
+        q = torch.randn(6, 4, 32, generator=g).to(dtype)
+        cos, sin = torch.randn(6, 12, generator=g), torch.randn(6, 12, generator=g)
+        x1, x2 = q[..., :24].float().chunk(2, dim=-1)
+        ref = torch.cat((x1 * cos[:, None] - x2 * sin[:, None], x2 * cos[:, None] + x1 * sin[:, None], q[..., 24:]),
+                        -1).to(dtype)
         ops.rotary_(q, cos, sin)
         torch.testing.assert_close(q, ref, atol=tol, rtol=tol)

@@ -18,7 +18,7 @@ from shardserve.distributed.communicator import Communicator
 from shardserve.distributed.pipeline import Stage
 from shardserve.ipc.messages.plan import DROP, LoraOp
 from shardserve.layers.lora import LoraRows, LoraStep
-from shardserve.loader.lora import TARGETS, parse_key, submodule
+from shardserve.loader.lora import TARGETS, base_shapes, parse_key, submodule, unfuse
 
 # (layer, module) -> this rank's (A rows, Bt columns) of it.
 Parsed = dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]
@@ -39,6 +39,7 @@ class LoraRuntime:
                                      dtype, device)
                 self.targets[(i, module)] = (linear, shard)
         self.adapted = list({id(lin): lin for lin, _ in self.targets.values()}.values())
+        self.rows = {m: out for m, (_, out) in base_shapes(model.cfg).modules.items()}  # for unfuse
         self.cache: dict[int, Parsed] = {}  # which ones, the leader says (LoraOp): no order kept here
 
     def apply(self, ops: list[LoraOp]) -> None:
@@ -60,8 +61,9 @@ class LoraRuntime:
         pieces: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
         for name, t in load_safetensors(data).items():
             layer, module, ab = parse_key(name)  # the leader checked every name
-            if (layer, module) in self.targets:
-                pieces.setdefault((layer, module), {})[ab] = t.float()
+            for part, m in unfuse(module, ab, t, self.rows):
+                if (layer, part) in self.targets:
+                    pieces.setdefault((layer, part), {})[ab] = m.float()
         out: Parsed = {}
         for key, ab in pieces.items():
             linear, shard = self.targets[key]

@@ -84,7 +84,8 @@ class ModelRunner:
     def __init__(self, cfg: EngineConfig, ckpt: Checkpoint, model_cfg: ModelConfig,
                  groups: ParallelGroups | None = None, stage: Stage | None = None):
         self.cfg = cfg = resolve_dtype(cfg, ckpt, model_cfg)  # a no-op where the engine core did it
-        self.model_cfg = model_cfg
+        # What depends on the served length (LongRoPE's factor set) is fixed here, for every layer.
+        self.model_cfg = model_cfg = model_cfg.serving(model_cfg.served_length(cfg.max_model_len))
         groups = groups or single_process_groups()
         self.groups = groups
         self.stage = stage or Stage(0, 1, 0, model_cfg.num_layers)

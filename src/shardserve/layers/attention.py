@@ -42,6 +42,7 @@ class SelfAttention(nn.Module):
         self.layer_idx = layer_idx
         shard = head_shard(cfg.num_heads, cfg.num_kv_heads, comm.size, comm.rank)
         self.hq, self.hkv, self.d = shard.num_q, shard.num_kv, cfg.head_dim
+        self.rotary_dim = cfg.rotary_dim  # what the C decode loop rotates (the tables are as wide)
         self.qkv_proj = qkv_linear(cfg.hidden_size, self.d, shard, cfg.attention_bias, dtype, device)
         o_range = (shard.q_start * self.d, shard.q_end * self.d)
         self.o_proj = RowParallelLinear(cfg.num_heads * self.d, cfg.hidden_size, False, comm, dtype, device,

@@ -37,15 +37,15 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, bf16: bool = Fal
 
 
 def rotary_(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> bool:
-    """Rotate q [T, Hq, d] and k [T, Hk, d] in place (heads packed in each row); False where the
-    kernel does not apply and nothing was done."""
+    """Rotate q [T, Hq, d] and k [T, Hk, d] in place (heads packed in each row), each head's
+    leading 2 x cos.shape[-1] dims; False where the kernel does not apply and nothing was done."""
     if not cpu_float32(q, k, cos, sin) or (lib := _lib()) is None:
         return False
     t, hq, d = q.shape
     if q.stride(1) != d or k.stride(1) != d or not cos.is_contiguous() or not sin.is_contiguous():
         return False
-    lib.rotary_f32(q.data_ptr(), q.stride(0), hq, k.data_ptr(), k.stride(0), k.shape[1], t, d, cos.data_ptr(),
-                   sin.data_ptr(), torch.get_num_threads())
+    lib.rotary_f32(q.data_ptr(), q.stride(0), hq, k.data_ptr(), k.stride(0), k.shape[1], t, d, 2 * cos.shape[-1],
+                   cos.data_ptr(), sin.data_ptr(), torch.get_num_threads())
     return True
 
 

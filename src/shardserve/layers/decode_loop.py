@@ -51,7 +51,7 @@ class Layer(ctypes.Structure):
 
 class Dims(ctypes.Structure):
     _fields_ = [("hidden", i64), ("hq", i64), ("hkv", i64), ("d", i64), ("inter", i64), ("eps", ctypes.c_float),
-                ("scale", ctypes.c_float), ("kv_of_q", ptr), ("kv_bf16", i64)]
+                ("scale", ctypes.c_float), ("kv_of_q", ptr), ("kv_bf16", i64), ("rd", i64)]
 
 
 def _mat(linear: PackedLinear) -> Mat:
@@ -100,7 +100,7 @@ class DecodeLoop:
         mlp = layers[0].mlp
         self.dims = Dims(hidden=first.o_proj.out_features, hq=first.hq, hkv=first.hkv, d=first.d,
                          inter=mlp.down_proj.end - mlp.down_proj.start, eps=layers[0].input_layernorm.eps,
-                         scale=first.heads.scale, kv_of_q=self.kv_index.data_ptr())
+                         scale=first.heads.scale, kv_of_q=self.kv_index.data_ptr(), rd=first.rotary_dim)
         self._table: ctypes.Array | None = None
         self._key = 0
         # The step's adapter rows are shared by every adapted layer of the runner (layers/lora.py).

@@ -26,7 +26,7 @@ SIGNATURES: dict[str, tuple[list[type], type | None]] = {
     "qdequant": ([c_int, ptr, i64, i64, i64, ptr, i64, ptr, c_int], c_int),
     "rms_norm_f32": ([ptr, i64, i64, i64, ptr, c_float, ptr, i64, c_int], None),
     "rms_norm_bf16": ([ptr, i64, i64, i64, ptr, c_float, ptr, c_int], c_int),
-    "rotary_f32": ([ptr, i64, i64, ptr, i64, i64, i64, i64, ptr, ptr, c_int], None),
+    "rotary_f32": ([ptr, i64, i64, ptr, i64, i64, i64, i64, i64, ptr, ptr, c_int], None),
     "silu_mul_f32": ([ptr, i64, i64, i64, ptr, c_int], None),
     "silu_mul_bf16": ([ptr, i64, i64, i64, ptr, c_int], c_int),
     "qmatmul_bf16": ([ptr, i64, i64, i64, ptr, i64, i64, ptr, i64, c_int], c_int),

@@ -1,4 +1,7 @@
-"""Rotary position embedding (the rotate-half layout of Hugging Face), with llama3 or YaRN scaling."""
+"""Rotary position embedding (the rotate-half layout of Hugging Face), with linear, llama3, YaRN or
+LongRoPE scaling or a GGUF's frequency divisors, over each head or its leading `rotary_dim` dims
+(partial rotary: the tables are rotary_dim / 2 wide, and every kernel rotates as many dims as they
+are wide)."""
 
 from __future__ import annotations
 
@@ -11,12 +14,19 @@ from shardserve.config import RopeScaling
 from shardserve.layers import cpu_ops, gpu_ops
 
 
-def inverse_frequencies(head_dim: int, theta: float, scaling: RopeScaling | None) -> torch.Tensor:
-    inv = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+def inverse_frequencies(dim: int, theta: float, scaling: RopeScaling | None) -> torch.Tensor:
+    """`dim`: the rotated width (rotary_dim under partial rotary)."""
+    exponents = torch.arange(0, dim, 2, dtype=torch.int64).float() / dim
+    if scaling is not None and scaling.kind in ("longrope", "freq_factors"):
+        factors = scaling.long_factor if scaling.use_long else scaling.short_factor
+        return 1.0 / (torch.tensor(factors, dtype=torch.float32) * theta**exponents)
+    inv = 1.0 / (theta**exponents)
     if scaling is None:
         return inv
+    if scaling.kind == "linear":
+        return inv / scaling.factor
     if scaling.kind == "yarn":
-        return _yarn(inv, head_dim, theta, scaling)
+        return _yarn(inv, dim, theta, scaling)
     low_wavelen = scaling.original_max_position_embeddings / scaling.low_freq_factor
     high_wavelen = scaling.original_max_position_embeddings / scaling.high_freq_factor
     wavelen = 2 * math.pi / inv
@@ -62,13 +72,14 @@ class RotaryEmbedding(nn.Module):
 
 
 def apply_rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
-    """Rotate q [T, Hq, d] and k [T, Hk, d] together (one pass over both), in float32. On the
-    CPU in float32 they are rotated in place (they are fresh projections) by one fused call."""
+    """Rotate q [T, Hq, d] and k [T, Hk, d] together (one pass over both), in float32: their
+    leading 2 x cos.shape[-1] dims, the rest passed through. On the CPU in float32 and on a GPU
+    they are rotated in place (they are fresh projections) by one fused call."""
     if cpu_ops.rotary_(q, k, cos, sin) or gpu_ops.rotary_(q, k, cos, sin):
         return q, k
-    hq = q.shape[1]
+    hq, rd = q.shape[1], 2 * cos.shape[-1]
     x = torch.cat((q, k), dim=1)
     dtype = x.dtype
-    x1, x2 = x.float().chunk(2, dim=-1)
-    out = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(dtype)
+    x1, x2 = x[..., :rd].float().chunk(2, dim=-1)
+    out = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin, x[..., rd:].float()), dim=-1).to(dtype)
     return out[:, :hq], out[:, hq:]

@@ -34,11 +34,11 @@ def _silu_mul(x, stride_x, out, stride_o, inter, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def _rotary(x, stride_t, heads, cos, sin, half, BLOCK: tl.constexpr):
+def _rotary(x, stride_t, heads, head_dim, cos, sin, half, BLOCK: tl.constexpr):
     t, h = tl.program_id(0), tl.program_id(1)
     i = tl.arange(0, BLOCK)
     m = i < half
-    base = x + t * stride_t + h * 2 * half
+    base = x + t * stride_t + h * head_dim
     x1 = tl.load(base + i, mask=m, other=0.0).to(tl.float32)
     x2 = tl.load(base + half + i, mask=m, other=0.0).to(tl.float32)
     c = tl.load(cos + t * half + i, mask=m, other=0.0)
@@ -71,8 +71,10 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
 
 
 def rotary_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
-    """Rotate x [T, H, d] (heads packed in each row) in place by cos/sin [T, d/2] (float32)."""
+    """Rotate x [T, H, d] (heads packed in each row) in place by cos/sin [T, rd/2] (float32): each
+    head's leading rd dims (rd < d under partial rotary)."""
     t, h, d = x.shape
-    assert x.stride(2) == 1 and x.stride(1) == d and cos.is_contiguous() and sin.is_contiguous()
+    half = cos.shape[-1]
+    assert x.stride(2) == 1 and x.stride(1) == d and cos.is_contiguous() and sin.is_contiguous() and 2 * half <= d
     if t:
-        _rotary[(t, h)](x, x.stride(0), h, cos, sin, d // 2, BLOCK=triton.next_power_of_2(d // 2))
+        _rotary[(t, h)](x, x.stride(0), h, d, cos, sin, half, BLOCK=triton.next_power_of_2(half))

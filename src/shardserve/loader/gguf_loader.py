@@ -22,8 +22,10 @@ from gguf.quants import dequantize
 from shardserve.loader.gguf_deepseek import CORRECTION_BIAS, DEEPSEEK2_LAYER_TENSORS, SPLIT_KV_B, merged_kv_b
 from shardserve.loader.gguf_metadata import config_from_reader, open_header
 from shardserve.loader.gguf_names import (
+    GGUF_ARCH_LAYER_TENSOR_TO_HF,
     GGUF_GLOBAL_TENSOR_TO_HF,
     GGUF_LAYER_TENSOR_TO_HF,
+    GGUF_ROPE_FACTOR_TENSORS,
     GGUF_STACKED_EXPERT_TENSOR_TO_HF,
 )
 from shardserve.loader.quantized import FORMATS, QuantWeight
@@ -112,7 +114,8 @@ def _layer_entries(
     # HF's shared_expert_gate is Linear(hidden, 1); llama.cpp stores it as a flat vector.
     shape = (1, -1) if stem == "ffn_gate_inp_shexp" else None
     loader = _whole_tensor_loader(tensor, _llama_rope_heads(config, stem), shape)
-    yield f"{prefix}{LAYER_TENSORS[stem]}.{kind}", loader
+    hf = GGUF_ARCH_LAYER_TENSOR_TO_HF.get(config["model_type"], {}).get(stem) or LAYER_TENSORS[stem]
+    yield f"{prefix}{hf}.{kind}", loader
 
 
 LAYER_STEMS = frozenset(LAYER_TENSORS) | frozenset(GGUF_STACKED_EXPERT_TENSOR_TO_HF) | {CORRECTION_BIAS, *SPLIT_KV_B}
@@ -123,13 +126,15 @@ def _tensor_entries(tensor: ReaderTensor, config: dict,
     if tensor.name in GGUF_GLOBAL_TENSOR_TO_HF:
         yield GGUF_GLOBAL_TENSOR_TO_HF[tensor.name], _whole_tensor_loader(tensor, None, None)
         return
+    if tensor.name in GGUF_ROPE_FACTOR_TENSORS:  # the config's rope scaling (gguf_metadata), not a weight
+        return
     match = _LAYER_TENSOR_RE.fullmatch(tensor.name)
     stem = match["stem"] if match else None
     if match and stem in LAYER_STEMS:
         yield from _layer_entries(tensor, match["layer"], stem, match["kind"], config, tensors)
         return
-    # Unknown (e.g. rope_freqs.weight): pass through under its GGUF name so the caller can
-    # report it as unexpected rather than silently dropping it.
+    # Unknown: pass through under its GGUF name so the caller can report it as unexpected rather
+    # than silently dropping it.
     yield tensor.name, _whole_tensor_loader(tensor, None, None)
 
 

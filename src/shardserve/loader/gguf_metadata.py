@@ -11,12 +11,15 @@ import functools
 import os
 from typing import Any
 
+import numpy as np
+
 from shardserve.loader.gguf_deepseek import deepseek2_config, deepseek2_rope_scaling
 from shardserve.loader.gguf_header import GGUFHeader, read_header
 from shardserve.loader.gguf_names import (
     GGUF_ARCH_KEY_TO_HF_CONFIG,
     GGUF_ARCH_TO_HF_MODEL,
     GGUF_MOE_KEY_TO_HF_CONFIG,
+    GGUF_ROPE_FACTOR_TENSORS,
     GGUF_TOKENIZER_KEY_TO_HF_CONFIG,
     MOE_ARCHS,
     NORM_TOPK_PROB_BY_ARCH,
@@ -59,11 +62,47 @@ def _copy_mapped_keys(reader: GGUFHeader, prefix: str, table: dict[str, str], ou
 def _head_dim(reader: GGUFHeader, arch: str, config: dict) -> int:
     # Qwen3 decouples head_dim from hidden/heads, and llama.cpp records it as key_length;
     # older llama files only carry rope.dimension_count, which equals head_dim for full rope.
-    for suffix in ("attention.key_length", "rope.dimension_count"):
+    # phi3's rope.dimension_count is the rotated part of a head (partial rotary: _partial_rotary).
+    for suffix in ("attention.key_length",) + (() if arch in PARTIAL_ROTARY_ARCHS else ("rope.dimension_count",)):
         value = reader.fields.get(f"{arch}.{suffix}")
         if value is not None:
             return int(value)
     return config["hidden_size"] // config["num_attention_heads"]
+
+
+# Architectures whose rope.dimension_count may be less than a head (the rotated leading dims).
+PARTIAL_ROTARY_ARCHS = frozenset({"phi3"})
+
+
+def _partial_rotary(reader: GGUFHeader, arch: str, head_dim: int) -> dict:
+    rotated = reader.fields.get(f"{arch}.rope.dimension_count")
+    if arch not in PARTIAL_ROTARY_ARCHS or rotated is None or int(rotated) == head_dim:
+        return {}
+    return {"partial_rotary_factor": int(rotated) / head_dim}
+
+
+def _rope_factors(reader: GGUFHeader, arch: str) -> dict | None:
+    """Rope scaling kept as tensors of per-frequency divisors: phi3's LongRoPE sets, or llama
+    3.x's "llama3" scaling, which llama.cpp's converter writes as rope_freqs and no metadata."""
+    tables = {t.name: t for t in reader.tensors if t.name in GGUF_ROPE_FACTOR_TENSORS}
+    if not tables:
+        return None
+
+    def floats(name: str) -> list[float]:
+        t = tables[name]
+        if t.data.dtype not in (np.float32, np.float16):
+            raise ValueError(f"GGUF tensor {name} is {t.tensor_type.name}; rotary factors must be F32 or F16")
+        return np.asarray(t.data, dtype=np.float32).reshape(-1).tolist()
+
+    if "rope_factors_long.weight" in tables:
+        scaling: dict[str, Any] = {"rope_type": "longrope", "long_factor": floats("rope_factors_long.weight"),
+                                   "short_factor": floats("rope_factors_short.weight")}
+        if (original := reader.fields.get(f"{arch}.rope.scaling.original_context_length")) is not None:
+            scaling["original_max_position_embeddings"] = int(original)
+        if (attn := reader.fields.get(f"{arch}.rope.scaling.attn_factor")) is not None:
+            scaling["attention_factor"] = float(attn)
+        return scaling
+    return {"rope_type": "freq_factors", "factors": floats("rope_freqs.weight")}
 
 
 def _rope_scaling(reader: GGUFHeader, arch: str) -> dict | None:
@@ -110,8 +149,11 @@ def config_from_reader(reader: GGUFHeader) -> dict:
     config["attention_bias"] = "blk.0.attn_q.bias" in tensor_names
     config["rope_theta"] = float(config.get("rope_theta", 10000.0))
     config["rms_norm_eps"] = float(config["rms_norm_eps"])
-    if (scaling := _rope_scaling(reader, arch)) is not None:
+    if (scaling := _rope_factors(reader, arch) or _rope_scaling(reader, arch)) is not None:
         config["rope_scaling"] = scaling
+    config.update(_partial_rotary(reader, arch, config["head_dim"]))
+    if window := reader.fields.get(f"{arch}.attention.sliding_window"):  # 0: none (llama.cpp's Phi-4)
+        config["sliding_window"] = int(window)
     config.update(_moe_config(reader, arch))
     if arch == "llama" and config.get("num_experts"):  # llama.cpp writes Mixtral as llama with experts
         config.update(architectures=["MixtralForCausalLM"], model_type="mixtral")
@@ -128,7 +170,7 @@ def config_from_reader(reader: GGUFHeader) -> dict:
 def read_gguf_config(path: str) -> dict:
     """Translate a GGUF file's metadata into a Hugging Face `config.json`-style dict.
 
-    Raises ValueError if `general.architecture` is not llama, qwen2, qwen3, qwen2moe or qwen3moe.
+    Raises ValueError if `general.architecture` is not one gguf_names.GGUF_ARCH_TO_HF_MODEL lists.
     `tie_word_embeddings` is True when the file has no `output.weight` tensor.
     """
     return config_from_reader(open_header(path))

@@ -10,6 +10,7 @@ GGUF_ARCH_TO_HF_MODEL: dict[str, tuple[str, str]] = {
     "qwen2moe": ("qwen2_moe", "Qwen2MoeForCausalLM"),
     "qwen3moe": ("qwen3_moe", "Qwen3MoeForCausalLM"),
     "deepseek2": ("deepseek_v2", "DeepseekV2ForCausalLM"),  # or V3: gguf_deepseek.deepseek2_config says
+    "phi3": ("phi3", "Phi3ForCausalLM"),
 }
 
 MOE_ARCHS = frozenset({"qwen2moe", "qwen3moe"})
@@ -60,6 +61,7 @@ GGUF_LAYER_TENSOR_TO_HF: dict[str, str] = {
     "attn_q": "self_attn.q_proj",
     "attn_k": "self_attn.k_proj",
     "attn_v": "self_attn.v_proj",
+    "attn_qkv": "self_attn.qkv_proj",  # q, k and v stored as one (phi3)
     "attn_output": "self_attn.o_proj",
     "attn_q_norm": "self_attn.q_norm",
     "attn_k_norm": "self_attn.k_norm",
@@ -73,6 +75,14 @@ GGUF_LAYER_TENSOR_TO_HF: dict[str, str] = {
     "ffn_down_shexp": "mlp.shared_expert.down_proj",
     "ffn_gate_inp_shexp": "mlp.shared_expert_gate",
 }
+
+# Per-layer stems an architecture maps otherwise: phi3's ffn_up holds gate and up, as HF's gate_up_proj.
+GGUF_ARCH_LAYER_TENSOR_TO_HF: dict[str, dict[str, str]] = {"phi3": {"ffn_up": "mlp.gate_up_proj"}}
+
+# Whole-model tensors that are rotary tables, not weights: read into the config's rope scaling
+# (gguf_metadata.py), never loaded as parameters. rope_freqs: llama 3.x's frequency divisors (its
+# "llama3" scaling, as llama.cpp's converter computes them); rope_factors_*: phi3's LongRoPE sets.
+GGUF_ROPE_FACTOR_TENSORS = ("rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight")
 
 # Stacked-expert GGUF tensor stem -> per-expert HF projection under "mlp.experts.E.".
 GGUF_STACKED_EXPERT_TENSOR_TO_HF: dict[str, str] = {

@@ -19,11 +19,15 @@ import os
 import re
 import struct
 from dataclasses import dataclass
+from typing import Any
 
 # The projections an adapter may target, by the module's place in a decoder layer.
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 _SUB = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn", "o_proj": "self_attn",
-        "gate_proj": "mlp", "up_proj": "mlp", "down_proj": "mlp"}
+        "gate_proj": "mlp", "up_proj": "mlp", "down_proj": "mlp", "qkv_proj": "self_attn", "gate_up_proj": "mlp"}
+# Projections some checkpoints store fused (Phi-3's), which their adapters name so: such an adapter
+# adapts each piece with its one A and the piece's rows of its B, in order (`unfuse`).
+FUSED_TARGETS = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
 # PEFT's names (base_model.model. before the model's own), or the model's own alone.
 _KEY = re.compile(r"^(?:base_model\.model\.)?(?:model\.)?layers\.(\d+)\.(self_attn|mlp)\.(\w+?)\.lora_(A|B)"
                   r"(?:\.\w+)?\.weight$")
@@ -190,7 +194,8 @@ def read_adapter(name: str, path: str, base: BaseShapes, max_rank: int, data: by
             raise ValueError(f"LoRA adapter {name!r}: tensor {key!r} is not a LoRA matrix of a decoder layer's "
                              "projection")
         layer, module, ab = parsed
-        if module not in base.modules:
+        parts = FUSED_TARGETS.get(module, (module,))
+        if any(p not in base.modules for p in parts):
             known = ", ".join(base.modules) or "none"
             raise ValueError(f"LoRA adapter {name!r}: target module {module!r} is not one this model adapts "
                              f"(supported here: {known})")
@@ -200,17 +205,18 @@ def read_adapter(name: str, path: str, base: BaseShapes, max_rank: int, data: by
         if info.get("dtype") not in _FLOAT_DTYPES:
             raise ValueError(f"LoRA adapter {name!r}: tensor {key!r} has dtype {info.get('dtype')}; expected one of "
                              f"{', '.join(_FLOAT_DTYPES)}")
-        fan_in, fan_out = base.modules[module]
+        fan_in, fan_out = base.modules[parts[0]][0], sum(base.modules[p][1] for p in parts)
         want = [r, fan_in] if ab == "A" else [fan_out, r]
         if list(info.get("shape", ())) != want:
             raise ValueError(f"LoRA adapter {name!r}: tensor {key!r} has shape {info.get('shape')}, expected {want} "
                              "(rank r from its config, the base model's projection size): is it for another base "
                              "model?")
-        modules.add(module)
-        seen = pairs.setdefault((layer, module), set())
-        if ab in seen:
-            raise ValueError(f"LoRA adapter {name!r}: layer {layer} {module} has two lora_{ab} tensors")
-        seen.add(ab)
+        for part in parts:  # a fused projection and one of its pieces adapted apart: two of one
+            modules.add(part)
+            seen = pairs.setdefault((layer, part), set())
+            if ab in seen:
+                raise ValueError(f"LoRA adapter {name!r}: layer {layer} {part} has two lora_{ab} tensors")
+            seen.add(ab)
     if not pairs:
         raise ValueError(f"LoRA adapter {name!r}: {weights} holds no LoRA matrices")
     lone = next(((layer, m) for (layer, m), abs_ in pairs.items() if len(abs_) != 2), None)
@@ -218,6 +224,21 @@ def read_adapter(name: str, path: str, base: BaseShapes, max_rank: int, data: by
         raise ValueError(f"LoRA adapter {name!r}: layer {lone[0]} {lone[1]} has lora_A or lora_B but not both")
     scale = alpha / math.sqrt(r) if cfg.get("use_rslora") else alpha / r
     return AdapterSpec(name, os.path.abspath(path), r, float(scale), tuple(sorted(modules, key=TARGETS.index)))
+
+
+def unfuse(module: str, ab: str, matrix, rows: dict[str, int]) -> list[tuple[str, Any]]:
+    """(piece, matrix) for an adapter's lora_`ab` matrix of `module`: itself, or for a fused
+    projection each piece's: A whole, B's rows in order (`rows`: each piece's output size)."""
+    parts = FUSED_TARGETS.get(module)
+    if parts is None:
+        return [(module, matrix)]
+    if ab == "A":
+        return [(p, matrix) for p in parts]
+    out, at = [], 0
+    for p in parts:
+        out.append((p, matrix[at:at + rows[p]]))
+        at += rows[p]
+    return out
 
 
 def parse_lora_module(text: str) -> tuple[str, str]:

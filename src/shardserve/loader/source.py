@@ -126,3 +126,29 @@ class Bf16Source(ConvertingSource):
         from shardserve.loader.quantized import bf16_rows
 
         return bf16_rows(self.src.read(dim, start, end))
+
+
+class RowsSource(TensorSource):
+    """Rows [offset, offset + rows) of another source, under a name of their own: one piece of a
+    tensor a checkpoint stores fused (Phi-3's qkv_proj and gate_up_proj), so it loads through
+    the same hooks as the separate tensors other checkpoints store. Reads only those rows."""
+
+    def __init__(self, name: str, src: TensorSource, offset: int, rows: int):
+        self.name, self.src, self.offset, self.rows = name, src, offset, rows
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return (self.rows, *self.src.shape[1:])
+
+    def _span(self, dim: int | None, start: int, end: int | None) -> tuple[int, int]:
+        if dim != 0:
+            return self.offset, self.offset + self.rows
+        return self.offset + start, self.offset + (self.rows if end is None else end)
+
+    def read(self, dim: int | None = None, start: int = 0, end: int | None = None) -> torch.Tensor:
+        t = self.src.read(0, *self._span(dim, start, end))
+        return t if dim in (None, 0) else t.narrow(dim, start, (end or t.shape[dim]) - start)
+
+    def read_quantized(self, dim: int | None = None, start: int = 0, end: int | None = None) -> QuantWeight | None:
+        q = self.src.read_quantized(0, *self._span(dim, start, end))
+        return q if q is None or dim in (None, 0) else q.narrow(dim, start, end)

@@ -69,17 +69,18 @@ def load_weights(model: nn.Module, sources: Iterable[TensorSource], total: int |
     params = dict(model.named_parameters(remove_duplicate=True))
     loaded: dict[str, set] = {name: set() for name in params}
     unexpected: list[str] = []
-    for src in tqdm(sources, total=total, desc=desc, disable=not progress, unit="tensor"):
-        target = model.weight_target(src.name)
-        if target is None:
-            continue
-        pname, shard_id = target
-        param = params.get(pname)
-        if param is None:
-            unexpected.append(src.name)
-            continue
-        param.weight_loader(param, src, shard_id)
-        loaded[pname].add(shard_id)
+    for whole in tqdm(sources, total=total, desc=desc, disable=not progress, unit="tensor"):
+        for src in model.checkpoint_pieces(whole):
+            target = model.weight_target(src.name)
+            if target is None:
+                continue
+            pname, shard_id = target
+            param = params.get(pname)
+            if param is None:
+                unexpected.append(src.name)
+                continue
+            param.weight_loader(param, src, shard_id)
+            loaded[pname].add(shard_id)
     missing = [
         f"{name}[{shard}]" if shard is not None else name
         for name, p in params.items()

@@ -7,6 +7,7 @@ to map the few checkpoint tensors that are fused here: q/k/v, gate/up, and stack
 from __future__ import annotations
 
 import re
+from collections.abc import Sequence
 
 import torch
 from torch import nn
@@ -22,6 +23,7 @@ from shardserve.layers.mlp import GatedMLP
 from shardserve.layers.moe import EXPERT_PIECES
 from shardserve.layers.norm import RMSNorm
 from shardserve.layers.rotary import RotaryEmbedding
+from shardserve.loader.source import TensorSource
 
 # Checkpoint name piece -> (our fused parameter's name piece, shard id).
 FUSED = {
@@ -79,7 +81,7 @@ class CausalLM(nn.Module):
         self.stage = stage = stage or Stage(0, 1, 0, cfg.num_layers)
         self.embed_tokens = (VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, comm, dtype, device)
                              if stage.first else None)
-        self.rotary = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.max_position_embeddings,
+        self.rotary = RotaryEmbedding(cfg.rotary_dim, cfg.rope_theta, cfg.max_position_embeddings,
                                       cfg.rope_scaling, device)
         self.layers = nn.ModuleList(
             DecoderLayer(
@@ -127,6 +129,11 @@ class CausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden)
+
+    def checkpoint_pieces(self, src: TensorSource) -> Sequence[TensorSource]:
+        """The tensors `src` holds, each loaded on its own: itself, but where an architecture's
+        checkpoints store fused what others store apart (models/phi3.py)."""
+        return (src,)
 
     def weight_target(self, name: str) -> tuple[str, object] | None:
         """Our parameter name and shard id for a checkpoint tensor, or None to skip it (another

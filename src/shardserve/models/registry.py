@@ -6,6 +6,7 @@ from shardserve.models.blocks import CausalLM
 from shardserve.models.deepseek import DeepseekV2ForCausalLM
 from shardserve.models.llama import LlamaForCausalLM
 from shardserve.models.mixtral import MixtralForCausalLM
+from shardserve.models.phi3 import Phi3ForCausalLM
 from shardserve.models.qwen2 import Qwen2ForCausalLM
 from shardserve.models.qwen2_moe import Qwen2MoeForCausalLM
 from shardserve.models.qwen3 import Qwen3ForCausalLM
@@ -15,6 +16,7 @@ MODELS: dict[str, type[CausalLM]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
     "MistralForCausalLM": LlamaForCausalLM,
     "MixtralForCausalLM": MixtralForCausalLM,
+    "Phi3ForCausalLM": Phi3ForCausalLM,
     "DeepseekV2ForCausalLM": DeepseekV2ForCausalLM,
     "DeepseekV3ForCausalLM": DeepseekV2ForCausalLM,
     "Qwen2ForCausalLM": Qwen2ForCausalLM,

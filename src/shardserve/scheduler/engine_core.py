@@ -68,8 +68,7 @@ class EngineCore(EngineResultsMixin):
         self.micro_batches = self.worker.micro_batches
         self.runner = self.worker.runner
         self.control = self.runner.control
-        limit, _ = self.model_cfg.context_limit
-        self.max_model_len = min(cfg.max_model_len or limit, limit)
+        self.max_model_len = self.model_cfg.served_length(cfg.max_model_len)
         # Context parallelism: one pool per context rank, each request's pages spread over them.
         cp = groups.context.size
         self.allocator = PageAllocator(self.runner.num_pages * cp, cfg.page_size, cfg.enable_prefix_cache, parts=cp)

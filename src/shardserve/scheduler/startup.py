@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import torch
 
+from shardserve.config import ModelConfig
 from shardserve.distributed.groups import ParallelGroups
 from shardserve.layers import quant_kernel
 from shardserve.scheduler.engine_core import EngineCore
@@ -56,7 +57,19 @@ def startup_summary(engine: EngineCore) -> str:
             f"KV cache {str(r.kv_dtype).removeprefix('torch.')}, {pages} pages x {cfg.page_size} tokens "
             f"({pages * cfg.page_size} tokens{spread}), "
             f"{mib(kv_bytes)} on this rank ({kv_bytes // max(1, r.num_pages)} bytes a page); "
-            f"context length {engine.max_model_len} tokens ({context}){async_text(engine)}")
+            f"context length {engine.max_model_len} tokens ({context}){rope_text(r.model_cfg)}{async_text(engine)}")
+
+
+def rope_text(mc: ModelConfig) -> str:
+    """LongRoPE's factor set in the summary: which one every request gets, and how to get the other."""
+    s = mc.rope_scaling
+    if s is None or s.kind != "longrope":
+        return ""
+    n = s.original_max_position_embeddings
+    if s.use_long:
+        return (f"; LongRoPE long factors (the context exceeds the {n} pretrained tokens; --max-model-len {n} "
+                "gives the short ones, for short prompts)")
+    return f"; LongRoPE short factors (the context is within the {n} pretrained tokens)"
 
 
 def async_text(engine: EngineCore) -> str:

@@ -39,8 +39,9 @@ void rms_norm_f32(const float *x, int64_t rows, int64_t ldx, int64_t dim, const 
     for (int64_t r = 0; r < rows; r++) norm_row(x + r * ldx, dim, w, eps, out + r * ldo);
 }
 
-static void rotate_heads(float *x, int64_t ld, int64_t heads, int64_t d, const float *c, const float *s) {
-    int64_t half = d / 2;
+/* The leading rd dims of each of `heads` heads d apart (partial rotary: rd < d; the rest kept). */
+static void rotate_heads(float *x, int64_t heads, int64_t d, int64_t rd, const float *c, const float *s) {
+    int64_t half = rd / 2;
     for (int64_t h = 0; h < heads; h++) {
         float *x1 = x + h * d, *x2 = x1 + half;
         for (int64_t i = 0; i < half; i++) {
@@ -49,17 +50,17 @@ static void rotate_heads(float *x, int64_t ld, int64_t heads, int64_t d, const f
             x2[i] = b * c[i] + a * s[i];
         }
     }
-    (void)ld;
 }
 
-/* q [T, ldq] holds hq heads of d floats at the start of each row, k likewise; cos, sin [T, d/2]. */
+/* q [T, ldq] holds hq heads of d floats at the start of each row, k likewise; each head's leading
+ * rd dims are rotated (rd = d but under partial rotary); cos, sin [T, rd/2]. */
 void rotary_f32(float *q, int64_t ldq, int64_t hq, float *k, int64_t ldk, int64_t hk, int64_t tokens, int64_t d,
-                const float *cos, const float *sin, int nthreads) {
+                int64_t rd, const float *cos, const float *sin, int nthreads) {
 #pragma omp parallel for num_threads(nthreads) schedule(static) if (tokens >= PAR_ROWS)
     for (int64_t t = 0; t < tokens; t++) {
-        const float *c = cos + t * (d / 2), *s = sin + t * (d / 2);
-        rotate_heads(q + t * ldq, ldq, hq, d, c, s);
-        rotate_heads(k + t * ldk, ldk, hk, d, c, s);
+        const float *c = cos + t * (rd / 2), *s = sin + t * (rd / 2);
+        rotate_heads(q + t * ldq, hq, d, rd, c, s);
+        rotate_heads(k + t * ldk, hk, d, rd, c, s);
     }
 }
 

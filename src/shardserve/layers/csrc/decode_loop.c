@@ -68,6 +68,7 @@ typedef struct {
     float eps, scale;
     const int64_t *kv_of_q;
     int64_t kv_bf16; /* the caches hold bfloat16: new rows rounded (nearest even) as written */
+    int64_t rd;      /* each head's leading dims that RoPE rotates (d but under partial rotary) */
 } Dims;
 
 typedef int (*attn_fn)(const float *q, int64_t q_stride, const void *k_cache, const void *v_cache,
@@ -137,7 +138,7 @@ static void norm_rows(const float *x, int64_t r0, int64_t r1, int64_t H, const f
     if (prep) acts_rows(h, H, r0, r1, a);
 }
 
-/* x [m, hidden] in/out. cos, sin [m, d/2]; slots [m] (each row's new cache slot); block_tables
+/* x [m, hidden] in/out. cos, sin [m, rd/2]; slots [m] (each row's new cache slot); block_tables
  * [m, max_pages] and context_lens [m] as the attention kernel takes them. Returns 0, 1 for a
  * weight the kernels do not take (checked before anything runs), 2 when out of memory.
  *
@@ -211,7 +212,8 @@ int decode_layers(const Layer *layers, int64_t nlayers, const Dims *dm, float *x
                     rms_norm_f32(row, dm->hq, d, d, L->q_norm, dm->eps, row, d, 1);
                     rms_norm_f32(row + nq, dm->hkv, d, d, L->k_norm, dm->eps, row + nq, d, 1);
                 }
-                rotary_f32(row, nqkv, dm->hq, row + nq, nqkv, dm->hkv, 1, d, cos + i * (d / 2), sin + i * (d / 2), 1);
+                rotary_f32(row, nqkv, dm->hq, row + nq, nqkv, dm->hkv, 1, d, dm->rd, cos + i * (dm->rd / 2),
+                           sin + i * (dm->rd / 2), 1);
                 if (dm->kv_bf16) {
                     bf16_rows_of(row + nq, 0, 0, 1, nkv, nkv, (uint16_t *)L->k_cache + slots[i] * nkv);
                     bf16_rows_of(row + nq + nkv, 0, 0, 1, nkv, nkv, (uint16_t *)L->v_cache + slots[i] * nkv);
