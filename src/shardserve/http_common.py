@@ -24,7 +24,7 @@ from shardserve.openai_errors import ANTHROPIC_PATHS, error_body, key_ok, unauth
 log = logging.getLogger(__name__)
 
 CLIENT_CLOSED = 499  # nginx's "client closed request": nobody reads it, but logs show it
-OPEN_PATHS = ("/health", "/metrics")  # Prometheus and load balancers probe these without a key
+OPEN_PATHS = ("/health", "/ping", "/metrics")  # Prometheus and load balancers probe these without a key
 
 
 # Deeper bodies are refused: what the parser accepts (~1,000 levels) some later step (a schema's

@@ -123,6 +123,11 @@ def test_stop_string_never_streams_past_the_stop(client):
 def test_models_tokenize_detokenize(tiny_server, tok):
     models = httpx.get(tiny_server.url + "/v1/models").json()
     assert models["data"][0]["max_model_len"] == 512
+    from shardserve import __version__
+
+    assert httpx.get(tiny_server.url + "/version").json() == {"version": __version__}
+    for call in (httpx.get, httpx.post):  # a health probe's other name
+        assert call(tiny_server.url + "/ping").json() == {"status": "ok"}
     t = httpx.post(tiny_server.url + "/tokenize", json={"prompt": PROMPT}).json()
     assert t["tokens"] == tok.encode(PROMPT)
     d = httpx.post(tiny_server.url + "/detokenize", json={"tokens": t["tokens"]}).json()

@@ -23,6 +23,7 @@ def _app(api_key: str = "", metrics_require_key: bool = False) -> FastAPI:
     answer_errors(app)
 
     @app.get("/health")
+    @app.get("/ping")
     async def health():
         return {"status": "ok"}
 
@@ -73,6 +74,7 @@ def test_api_key(metrics_require_key):
     assert refused.headers["www-authenticate"] == "Bearer"
     assert _get(app, "/v1/models", "sk").status_code == 200
     assert _get(app, "/health").status_code == (401 if metrics_require_key else 200)
+    assert _get(app, "/ping").status_code == (401 if metrics_require_key else 200)
     assert _get(_app(), "/v1/models").status_code == 200  # no key set: open
 
 

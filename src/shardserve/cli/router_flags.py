@@ -69,7 +69,8 @@ def add_router_args(p: argparse.ArgumentParser) -> None:
                    help=f"key clients must send as 'Authorization: Bearer KEY' (default: ${API_KEY_ENV})")
     p.add_argument("--worker-api-key", default=os.environ.get(WORKER_KEY_ENV, ""),
                    help=f"key sent to the workers (their --api-key; default: ${WORKER_KEY_ENV})")
-    p.add_argument("--metrics-require-key", action="store_true", help="require the key on /health and /metrics too")
+    p.add_argument("--metrics-require-key", action="store_true",
+                   help="require the key on /health, /ping and /metrics too")
     p.add_argument("--log-level", choices=LOG_LEVELS, default="info", help="this process's log level (uvicorn's too)")
     # Which mode the flags name is known only once all are parsed; it is checked then, as a one-line
     # error of this subcommand (argparse hands a subcommand's arguments to its parse_known_args).

@@ -26,7 +26,8 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--api-key", default=os.environ.get(API_KEY_ENV, ""),
                    help=f"require 'Authorization: Bearer KEY' on every request but /health and /metrics (default: "
                         f"${API_KEY_ENV}; the environment keeps the key out of `ps`)")
-    g.add_argument("--metrics-require-key", action="store_true", help="require the key on /health and /metrics too")
+    g.add_argument("--metrics-require-key", action="store_true",
+                   help="require the key on /health, /ping and /metrics too")
     g.add_argument("--max-prompts", type=positive_int, default=256, help="largest number of prompts in one request")
     g.add_argument("--max-stop-strings", type=positive_int, default=16, help="most stop strings in one request")
     g.add_argument("--max-stop-length", type=positive_int, default=256, help="longest stop string, in characters")

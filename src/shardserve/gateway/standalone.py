@@ -135,6 +135,8 @@ def build_app(fwd: HTTPRouter, health_interval: float, api_key: str = "", metric
         return error_response(503, f"no healthy {pool.noun} to list models{detail}")
 
     @app.get("/health")
+    @app.get("/ping")  # what SageMaker's and vLLM's probes call; as /health
+    @app.post("/ping")
     async def health():
         states = {name: {url: "healthy" if p.is_healthy(i) else "unhealthy" for i, url in enumerate(p.urls)}
                   for name, p in pools.items()}

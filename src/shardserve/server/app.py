@@ -10,6 +10,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 
+from shardserve import __version__
 from shardserve.http_common import answer_errors, cancel_on_disconnect, require_api_key
 from shardserve.ipc.messages.api import DetokenizeReq, ErrorOut, TokenizeReq
 from shardserve.loader.pooling import Pooling
@@ -181,7 +182,13 @@ def build_app(state: ServerState) -> FastAPI:
         log.info("LoRA adapter %r unloaded (requests running with it finish first)", body.lora_name)
         return Response(f"Success: LoRA adapter '{body.lora_name}' removed successfully.", media_type="text/plain")
 
+    @app.get("/version")
+    async def version():
+        return {"version": __version__}
+
     @app.get("/health")
+    @app.get("/ping")  # what SageMaker's and vLLM's probes call; as /health
+    @app.post("/ping")
     async def health():
         if state.client.dead:
             return JSONResponse(error_body(state.client.dead, 503), 503)
