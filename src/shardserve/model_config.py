@@ -81,7 +81,11 @@ class ModelConfig:
     decoder_sparse_step: int = 1
     mlp_only_layers: tuple[int, ...] = ()
     mla: LatentAttentionConfig | None = None
-    sliding_window: int | None = None  # not implemented: the context is bounded by it instead
+    # Sliding-window attention: each token attends to the last `sliding_window` keys (itself
+    # included). `window_everywhere`: on every layer (Mistral, Phi-3), which the attention
+    # implements (`attention_window`); a window on some layers only bounds the context instead.
+    sliding_window: int | None = None
+    window_everywhere: bool = True
     torch_dtype: str = "float32"
     # The leading dims of each head that RoPE rotates (partial_rotary_factor x head_dim; Phi-4-mini
     # rotates 3/4); 0 means all of head_dim.
@@ -101,7 +105,8 @@ class ModelConfig:
         theta = d.get("rope_theta", rope.get("rope_theta", 10000.0))
         model_type = d.get("model_type", "")
         head_dim = int(d.get("head_dim") or hidden // heads)
-        partial = float(d.get("partial_rotary_factor", rope.get("partial_rotary_factor", 1.0)))
+        # (rope_parameters' value first, as transformers' Phi3Config reads it)
+        partial = float(rope.get("partial_rotary_factor", d.get("partial_rotary_factor", 1.0)))
         fields: dict[str, Any] = dict(
             architecture=archs[0],
             vocab_size=int(d["vocab_size"]),
@@ -127,8 +132,9 @@ class ModelConfig:
             decoder_sparse_step=int(d.get("decoder_sparse_step") or 1),
             mlp_only_layers=tuple(d.get("mlp_only_layers") or ()),
             sliding_window=_sliding_window(d),
+            window_everywhere=_window_everywhere(d),
             torch_dtype=str(d.get("torch_dtype") or d.get("dtype") or "float32"),
-            partial_rotary_dim=rotary_dim(head_dim, partial),
+            partial_rotary_dim=rotary_dim(head_dim, partial, d.get("rotary_dim")),
         )
         if model_type == "mixtral":  # experts as wide as the dense MLP, top-k renormalised
             fields.update(moe_intermediate_size=fields["intermediate_size"], router=RouterConfig(renormalize=True))
@@ -138,7 +144,8 @@ class ModelConfig:
         if (s := out.rope_scaling) is not None and s.kind in ("longrope", "freq_factors"):
             for name, factors in (("short_factor", s.short_factor), ("long_factor", s.long_factor)):
                 if len(factors) != out.rotary_dim // 2:
-                    raise ValueError(f"unsupported model option: longrope {name} has {len(factors)} entries for a "
+                    what = f"longrope {name}" if s.kind == "longrope" else "rope_freqs (a GGUF's frequency divisors)"
+                    raise ValueError(f"unsupported model option: {what} has {len(factors)} entries for a "
                                      f"rotary width of {out.rotary_dim} (needs {out.rotary_dim // 2})")
         return out
 
@@ -163,12 +170,20 @@ class ModelConfig:
         return self.head_dim, self.head_dim
 
     @property
+    def attention_window(self) -> int | None:
+        """The window every layer's attention keeps (None: full attention), where it changes
+        anything: shorter than the positions."""
+        w = self.sliding_window
+        return w if w is not None and w < self.max_position_embeddings and self.window_everywhere else None
+
+    @property
     def context_limit(self) -> tuple[int, str]:
-        """The longest context served and the field that bounds it. Sliding-window attention is
-        not implemented, so a model with a window serves contexts within one window (where
-        windowed and full attention are the same arithmetic)."""
-        if self.sliding_window is not None and self.sliding_window < self.max_position_embeddings:
-            return self.sliding_window, "sliding_window: sliding-window attention is not implemented"
+        """The longest context served and the field that bounds it. A window on some layers only
+        (Qwen2's max_window_layers) is not implemented, so such a model serves contexts within one
+        window (where windowed and full attention are the same arithmetic)."""
+        w = self.sliding_window
+        if w is not None and w < self.max_position_embeddings and not self.window_everywhere:
+            return w, "sliding_window: sliding-window attention on some layers only is not implemented"
         return self.max_position_embeddings, "max_position_embeddings"
 
     @property
@@ -193,6 +208,16 @@ class ModelConfig:
     def kv_values_per_token(self, num_kv_heads: int, num_layers: int) -> int:
         """Cached values (K and V) one token costs a rank holding `num_kv_heads` over `num_layers`."""
         return num_layers * num_kv_heads * sum(self.kv_widths)
+
+
+def _window_everywhere(d: dict[str, Any]) -> bool:
+    """Whether a sliding window applies on every layer: config.json's `layer_types` (transformers
+    v5 writes it) all sliding, or, without it, Qwen2's layers from `max_window_layers` on."""
+    if types := d.get("layer_types"):
+        return all(t == "sliding_attention" for t in types)
+    if d.get("model_type", "").startswith("qwen2") and d.get("use_sliding_window"):
+        return int(d.get("max_window_layers", 28)) == 0
+    return True
 
 
 def _sliding_window(d: dict[str, Any]) -> int | None:

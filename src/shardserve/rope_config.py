@@ -60,7 +60,14 @@ class RopeScaling:
         return yarn_mscale(self.factor, self.mscale_all_dim) ** 2 if self.mscale_all_dim else 1.0
 
 
-def rotary_dim(head_dim: int, factor: float) -> int:
+def rotary_dim(head_dim: int, factor: float, width: int | None = None) -> int:
+    """The rotated width as transformers computes it (int(head_dim x factor)), or `width` where a
+    GGUF states it (rope.dimension_count), 0 meaning all of head_dim."""
+    if width is not None:
+        factor = int(width) / head_dim
+        if int(width) % 2 or not 0 < int(width) <= head_dim:
+            raise ValueError(f"unsupported model option: a rotary width of {width} for heads of {head_dim}")
+        return 0 if int(width) == head_dim else int(width)
     if not 0 < factor <= 1:
         raise ValueError(f"unsupported model option: partial_rotary_factor {factor} in config.json (0 < it <= 1)")
     dim = int(head_dim * factor)
@@ -85,6 +92,9 @@ def rope_scaling(rope: dict[str, Any], d: dict[str, Any]) -> RopeScaling | None:
     if kind not in ROPE_TYPES:
         raise ValueError(f"unsupported rope scaling: rope_type {kind!r} (supported: {', '.join(ROPE_TYPES)})")
     original = int(rope.get("original_max_position_embeddings", d.get("max_position_embeddings", 8192)))
+    needs = {"linear": ("factor",), "llama3": ("factor", "low_freq_factor", "high_freq_factor")}.get(kind, ())
+    if missing := [k for k in needs if rope.get(k) is None]:
+        raise ValueError(f"unsupported model option: rope_type {kind!r} without {', '.join(missing)}")
     if kind == "linear":  # positions interpolated: every frequency divided by the factor
         return RopeScaling("linear", float(rope["factor"]), original)
     if kind == "llama3":
@@ -100,8 +110,11 @@ def rope_scaling(rope: dict[str, Any], d: dict[str, Any]) -> RopeScaling | None:
 
 
 def _longrope(rope: dict[str, Any], d: dict[str, Any]) -> RopeScaling:
-    original = int(rope.get("original_max_position_embeddings") or d.get("original_max_position_embeddings")
-                   or d.get("max_position_embeddings", 4096))
+    # Phi-3's pretrained length: the top-level key first, then the rope's, 4096 where both are left
+    # out (as Phi3Config reads it).
+    fallback = 4096 if d.get("model_type") == "phi3" else d.get("max_position_embeddings", 4096)
+    original = int(d.get("original_max_position_embeddings") or rope.get("original_max_position_embeddings")
+                   or fallback)
     if not rope.get("short_factor") or not rope.get("long_factor"):
         raise ValueError("unsupported model option: rope_type 'longrope' without short_factor and long_factor lists")
     short, long = tuple(map(float, rope["short_factor"])), tuple(map(float, rope["long_factor"]))

@@ -7,7 +7,7 @@ import pytest
 import torch
 from conftest import COMMON
 from engine_util import record_logits
-from transformers import LlamaConfig
+from transformers import LlamaConfig, MistralConfig, Phi3Config
 
 from shardserve.config import EngineConfig
 from shardserve.sampling_params import SamplingParams
@@ -87,6 +87,50 @@ def test_phi3_longrope_both_factor_sets(tiny_model, backend):
             ref_tokens, ref_logits = hf_reference(model, p)
             assert toks == ref_tokens
             torch.testing.assert_close(lg, ref_logits, atol=1e-4, rtol=1e-4)
+
+
+@pytest.fixture(scope="module")
+def windowed(tmp_path_factory):
+    """Mistral and Phi-3 with a 16-token sliding window on every layer (prompts reach 40 + 32)."""
+    from conftest import make_tiny_config
+
+    out = {}
+    for name, cfg in (("mistral", MistralConfig(intermediate_size=96, sliding_window=16, **COMMON)),
+                      ("phi3", Phi3Config(intermediate_size=96, sliding_window=16, **COMMON))):
+        path = str(tmp_path_factory.mktemp(name))
+        out[name] = (path, make_tiny_config(cfg, path))
+    return out
+
+
+@pytest.mark.parametrize("arch,cfg", [
+    ("mistral", {}),  # the C kernel: decodes (in the C decode loop) and prefill tokens by block table
+    ("phi3", {}),
+    ("mistral", {"batch_invariant": False}),  # prefill chunks by SDPA with a window mask
+    ("mistral", {"attention_backend": "torch"}),  # decodes by padded groups, masked
+    ("mistral", {"max_num_batched_tokens": 7}),  # chunks over cached context, the window inside pages
+    ("mistral", {"max_num_batched_tokens": 7, "attention_backend": "torch", "page_size": 4}),
+])
+def test_sliding_window_attention(windowed, monkeypatch, arch, cfg):
+    """Each token attends to its last 16 keys, as transformers' sliding-window mask says; a second
+    pass over the same prompts (their prefixes from the cache) gives the same tokens."""
+    from shardserve.layers import decode_loop
+
+    path, model = windowed[arch]
+    loops, run = [], decode_loop.DecodeLoop.run
+    monkeypatch.setattr(decode_loop.DecodeLoop, "run", lambda self, x, ctx: loops.append(1) or run(self, x, ctx))
+    batch = prompts(model.config.vocab_size)
+    tokens, logits, core = run_engine(path, batch, **cfg)
+    assert core.runner.window == 16 and core.max_model_len == 512
+    assert bool(loops) == (cfg.get("attention_backend") != "torch")  # decodes in the C layer loop
+    for p, toks, lg in zip(batch, tokens, logits):
+        ref_tokens, ref_logits = hf_reference(model, p)
+        assert toks == ref_tokens
+        torch.testing.assert_close(lg, ref_logits, atol=1e-4, rtol=1e-4)
+    greedy = SamplingParams(max_tokens=NEW_TOKENS, temperature=0)
+    again = [core.add_request(f"again{i}", p, greedy) for i, p in enumerate(batch)]
+    while core.has_unfinished():
+        core.step()
+    assert [r.output_token_ids for r in again] == tokens and sum(r.num_cached_tokens for r in again) > 0
 
 
 def test_linear_rope_scaling(tiny_model, tmp_path):

@@ -107,19 +107,48 @@ def test_phi3_longrope_fused_partial(tiny_model, tmp_path, max_model_len, length
     assert (mc.rotary_dim, mc.head_dim, mc.rope_scaling.use_long) == (12, 16, max_model_len is None)
 
 
-def test_phi3_fused_blocks_stay_quantized(tiny_model, tmp_path):
-    """A Q8_0 attn_qkv and ffn_up are cut into their pieces' rows still in blocks (no float copy)."""
+def test_phi3_fused_blocks_stay_quantized(tiny_model, tmp_path, monkeypatch):
+    """A Q8_0 attn_qkv and ffn_up are cut into their pieces' rows still in blocks: never expanded
+    to floats (not even to learn their shape, which the header gives)."""
+    from shardserve.loader.gguf_loader import gguf_sources
+    from shardserve.loader.source import LazySource
+
     _, model = tiny_model("phi3_longrope")
     rope = model.config.rope_parameters
     path = str(tmp_path / "phi3-q8.gguf")
     write_gguf(path, "phi3", model, PHI3, {"rope_factors_long.weight": np.array(rope["long_factor"], np.float32),
                                            "rope_factors_short.weight": np.array(rope["short_factor"], np.float32)},
                quantized=("attn_qkv", "ffn_up"))
+    for src in gguf_sources(path, keep_quantized=False):  # the header's shapes are the loaded ones
+        assert src._shape is None or src._shape == tuple(src.read().shape), src.name
+    expanded, tensor = [], LazySource._tensor
+    monkeypatch.setattr(LazySource, "_tensor", lambda self: expanded.append(self.name) or tensor(self))
     g = torch.Generator().manual_seed(5)
     batch = [torch.randint(model.config.vocab_size, (n,), generator=g).tolist() for n in (70, 80)]
     tokens, logits, core = run_engine(path, batch, max_num_batched_tokens=2048)
+    assert expanded and not [n for n in expanded if "qkv_proj" in n or "gate_up_proj" in n]
     layer = core.runner.model.layers[0]
     for linear in (layer.self_attn.qkv_proj, layer.mlp.gate_up_proj):
         assert linear.weight is None and [q.name for _, q in linear.quant] == ["Q8_0x16"]
     for p, lg in zip(batch, logits):
         torch.testing.assert_close(lg, hf_reference(model, p)[1], atol=0.05, rtol=0.05)
+
+
+def test_rope_tables_refused_in_one_line(tiny_model, tmp_path):
+    """A LongRoPE table without its pair, divisors beside stated scaling, a table of the wrong
+    length: each a one-line error naming what the file holds."""
+    from shardserve.config import ModelConfig
+    from shardserve.loader.gguf_metadata import read_gguf_config
+
+    _, model = tiny_model("phi3_longrope")
+    long = np.array(model.config.rope_parameters["long_factor"], np.float32)
+    path = str(tmp_path / "lone.gguf")
+    write_gguf(path, "phi3", model, PHI3, {"rope_factors_long.weight": long})
+    with pytest.raises(ValueError, match="rope_factors_long.weight without its pair"):
+        read_gguf_config(path)
+    _, llama = tiny_model("llama_tied")
+    path = str(tmp_path / "short.gguf")
+    write_gguf(path, "llama", llama, LLAMA, {"rope_freqs.weight": llama3_rope_freqs(llama.config)[:5]})
+    with pytest.raises(ValueError, match=r"rope_freqs \(a GGUF's frequency divisors\) has 5 entries for a rotary "
+                                         r"width of 16 \(needs 8\)"):
+        ModelConfig.from_dict(read_gguf_config(path))

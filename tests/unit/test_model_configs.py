@@ -1,6 +1,6 @@
 """What config.json says, read the engine's way: DeepSeek's latent cache widths and gate rules,
-Mistral's sliding window bounding the context, and every option the engine does not implement
-refused at start naming its field and value."""
+Phi-3's rotary, sliding windows (on some layers only: bounding the context), and every option the
+engine does not implement refused at start naming its field and value."""
 
 from __future__ import annotations
 
@@ -9,12 +9,11 @@ import math
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, MistralConfig
+from transformers import AutoModelForCausalLM, MistralConfig, Qwen2Config
 
 from shardserve.config import EngineConfig, ModelConfig
 from shardserve.distributed.layout import LayoutError
 from shardserve.launch.checks import check_context
-from shardserve.sampling_params import SamplingParams
 from shardserve.scheduler.engine_core import EngineCore
 
 
@@ -54,8 +53,10 @@ def test_deepseek_gate_stays_float32_in_bfloat16(tiny_model):
     ("deepseek_v3", "rope_parameters", {"rope_type": "dynamic", "rope_theta": 1e4}, "rope_type 'dynamic'"),
     ("deepseek_v3", "rope_parameters", {"rope_type": "longrope", "rope_theta": 1e4},
      "rope_type 'longrope' without short_factor and long_factor"),
-    ("phi3_longrope", "partial_rotary_factor", 0.7, "partial_rotary_factor 0.7 rotates 11 of 16 dims, an odd count"),
-    ("phi3_longrope", "partial_rotary_factor", 1.5, "partial_rotary_factor 1.5"),
+    ("phi3", "rope_parameters", {"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.7},
+     "partial_rotary_factor 0.7 rotates 11 of 16 dims, an odd count"),
+    ("llama", "partial_rotary_factor", 1.5, "partial_rotary_factor 1.5"),
+    ("llama", "rope_parameters", {"rope_type": "linear", "rope_theta": 1e4}, "rope_type 'linear' without factor"),
     ("phi3", "rope_parameters", {"rope_type": "longrope", "rope_theta": 1e4, "short_factor": [1.0] * 8,
                                  "long_factor": [1.0] * 7}, "long_factor has 7 entries for a rotary width of 16"),
     ("deepseek_v2", "topk_method", "noaux_tc", "topk_method 'noaux_tc'"),
@@ -96,24 +97,38 @@ def test_phi3_configs_read_as_transformers_reads_them(tiny_model):
     assert not mc.serving(mc.served_length(64)).rope_scaling.use_long
     assert mc.serving(mc.served_length(65)).rope_scaling.use_long
     assert mc.serving(mc.served_length(None)).rope_scaling.use_long  # 512, the model's own
+    bare = {k: v for k, v in d.items() if k != "original_max_position_embeddings"}
+    assert ModelConfig.from_dict(bare).rope_scaling.original_max_position_embeddings == 4096  # Phi3Config's default
 
 
-def test_mistral_sliding_window_bounds_the_context(tmp_path):
+def test_a_window_on_some_layers_only_bounds_the_context(tmp_path):
+    """Qwen2's max_window_layers: full attention below it, a window above; not implemented, so
+    the context stays within one window (where both agree), said by the field."""
     torch.manual_seed(0)
-    cfg = MistralConfig(vocab_size=301, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512, sliding_window=32)
-    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
-    model.save_pretrained(tmp_path)
+    cfg = Qwen2Config(vocab_size=301, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, max_position_embeddings=512, use_sliding_window=True, sliding_window=32,
+                      max_window_layers=1)
+    AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).save_pretrained(tmp_path)
     mc = ModelConfig.from_dir(str(tmp_path))
-    assert mc.context_limit == (32, "sliding_window: sliding-window attention is not implemented")
+    assert mc.attention_window is None
+    assert mc.context_limit == (32, "sliding_window: sliding-window attention on some layers only is not implemented")
     with pytest.raises(LayoutError, match=r"--max-model-len 64 exceeds .* 32 tokens \(sliding_window"):
         check_context(EngineConfig(max_model_len=64), mc)
-    core = EngineCore(EngineConfig(model=str(tmp_path), show_progress=False))
-    assert core.max_model_len == 32
-    prompt = list(range(5, 25))  # 20 + 12 new = the window: windowed and full attention agree
-    req = core.add_request("a", prompt, SamplingParams(max_tokens=12, temperature=0))
-    while core.has_unfinished():
-        core.step()
-    with torch.no_grad():
-        ref = model.generate(torch.tensor([prompt]), max_new_tokens=12, min_new_tokens=12, do_sample=False)
-    assert req.output_token_ids == ref[0, 20:].tolist()
+    assert EngineCore(EngineConfig(model=str(tmp_path), show_progress=False)).max_model_len == 32
+
+
+def test_a_window_everywhere_is_refused_where_no_kernel_keeps_it(tmp_path):
+    """Context parallelism and Triton's kernels attend to whole contexts: refused naming the flag,
+    unless the served context fits one window; `auto` on a GPU takes torch SDPA instead."""
+    from shardserve.attention.select import BackendUnavailable, choose_backend
+
+    cfg = MistralConfig(vocab_size=301, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512, sliding_window=32)
+    mc = ModelConfig.from_dict(cfg.to_dict() | {"architectures": ["MistralForCausalLM"]})
+    assert (mc.attention_window, mc.context_limit[0]) == (32, 512)
+    with pytest.raises(LayoutError, match=r"--cp-size 2: .* window is 32 tokens\): give --max-model-len 32 or less"):
+        check_context(EngineConfig(), mc, cp=2)
+    check_context(EngineConfig(max_model_len=32), mc, cp=2)
+    with pytest.raises(BackendUnavailable, match="--attention-backend triton has no sliding-window attention"):
+        choose_backend("triton", torch.device("cpu"), torch.float32, window=32)
+    assert choose_backend("auto", torch.device("cuda"), torch.bfloat16, window=32).name == "torch"

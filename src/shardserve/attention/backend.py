@@ -48,11 +48,16 @@ class Heads:
 class AttentionBackend(ABC):
     name: str
 
+    # Whether this backend attends within a sliding window (prepare's `window`).
+    windows = True
+
     @abstractmethod
     def prepare(self, page_size: int, decodes: list[tuple[list[int], int]],
-                prefills: list[tuple[list[int], int, int]], device: torch.device) -> AttentionMetadata:
+                prefills: list[tuple[list[int], int, int]], device: torch.device,
+                window: int | None = None) -> AttentionMetadata:
         """decodes: (pages, context length with the new token); prefills: (pages, chunk length,
-        context length through the chunk)."""
+        context length through the chunk); window: each token attends to its last `window` keys
+        (ModelConfig.attention_window; only where `windows`)."""
 
     @abstractmethod
     def forward(self, heads: Heads, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,

@@ -62,10 +62,12 @@ class ContextBackend(AttentionBackend):
 
     name = "context"
 
+    windows = False  # the ring and its decode merge attend to whole contexts
+
     def __init__(self, inner: AttentionBackend):
         self.inner = inner
 
-    def prepare(self, page_size, decodes, prefills, device):
+    def prepare(self, page_size, decodes, prefills, device, window=None):
         raise NotImplementedError("context parallelism's metadata is built by engine/context_inputs.py")
 
     def forward(self, heads: Heads, q, k, v, k_cache, v_cache, meta: ContextMetadata) -> torch.Tensor:

@@ -19,9 +19,9 @@ class CpuBackend(TorchBackend):
     def __init__(self, batch_invariant: bool):
         self.batch_invariant = batch_invariant
 
-    def prepare(self, page_size, decodes, prefills, device) -> AttentionMetadata:
+    def prepare(self, page_size, decodes, prefills, device, window=None) -> AttentionMetadata:
         return build_metadata(page_size, decodes, prefills, device, paged_decode=True,
-                              paged_prefill=self.batch_invariant)
+                              paged_prefill=self.batch_invariant, window=window)
 
     def forward(self, heads: Heads, q, k, v, k_cache, v_cache, meta: AttentionMetadata) -> torch.Tensor:
         out = begin(q, k, v, k_cache, v_cache, meta)
@@ -29,11 +29,11 @@ class CpuBackend(TorchBackend):
         if meta.paged is not None:
             p = meta.paged
             cpu_kernel.paged_decode(q[:n], k_cache, v_cache, p.block_tables, p.context_lens, heads.kv_index,
-                                    meta.page_size, heads.scale, out=out[:n])
+                                    meta.page_size, heads.scale, out=out[:n], skips=p.skips)
         if meta.paged_prefill is not None:
             p = meta.paged_prefill
             cpu_kernel.paged_decode(q[n:], k_cache, v_cache, p.block_tables, p.context_lens, heads.kv_index,
-                                    meta.page_size, heads.scale, out=out[n:])
+                                    meta.page_size, heads.scale, out=out[n:], skips=p.skips)
         else:
             self._prefills(heads, q, k, v, k_cache, v_cache, meta, out)
         return out

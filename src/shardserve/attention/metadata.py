@@ -15,6 +15,10 @@ Where prefill tokens are described as decodes (`paged_prefill`), each attends, b
 as a decode, to the cache up to its own position, so a token's attention is the same arithmetic
 whether it is decoded, prefilled in one chunk or several, or follows a prefix that came from the
 cache (the batch invariance the engine's greedy outputs rest on; EngineConfig.batch_invariant).
+
+Under a sliding window (`window`: ModelConfig.attention_window) a token attends to its last
+`window` keys only: a paged row's block table starts at the window's first page and `skips` says
+how many keys of that page fall before it; masks and gathered slots say the same to SDPA.
 """
 
 from __future__ import annotations
@@ -53,6 +57,9 @@ class PagedDecode:
     block_tables: torch.Tensor
     context_lens: torch.Tensor
     max_len: int = 0
+    # Under a sliding window: keys at the start of each row's first page that it does not attend
+    # to (its block table starts at the window's first page, context_lens counts from there).
+    skips: torch.Tensor | None = None
 
 
 @dataclass
@@ -83,8 +90,8 @@ class AttentionMetadata:
 GROUP_RATIO = 0.6
 
 
-def _decode_groups(decodes: list[tuple[list[int], int]], page_size: int,
-                   device: torch.device) -> tuple[list[DecodeGroup], torch.Tensor]:
+def _decode_groups(decodes: list[tuple[list[int], int]], page_size: int, device: torch.device,
+                   window: int | None) -> tuple[list[DecodeGroup], torch.Tensor]:
     """The groups, and each decode's new-token slot in batch order."""
     lens = torch.tensor([n for _, n in decodes])
     order = sorted(range(len(decodes)), key=lambda i: -decodes[i][1])
@@ -104,7 +111,8 @@ def _decode_groups(decodes: list[tuple[list[int], int]], page_size: int,
         real = torch.minimum(pos[None, :], g_lens[:, None] - 1)
         slots = table.gather(1, real // page_size) * page_size + real % page_size
         new_slots[rows] = slots.gather(1, (g_lens - 1)[:, None]).squeeze(1)
-        mask = None if bool((g_lens == width).all()) else (pos[None, :] < g_lens[:, None]).view(len(rows), 1, 1, width)
+        keep = (pos[None, :] < g_lens[:, None]) & (pos[None, :] >= _starts(g_lens, window)[:, None])
+        mask = None if bool(keep.all()) else keep.view(len(rows), 1, 1, width)
         groups.append(DecodeGroup(rows.to(device), slots.to(device), None if mask is None else mask.to(device)))
         start = end
     return groups, new_slots
@@ -120,13 +128,31 @@ def _block_table(decodes: list[tuple[list[int], int]], page_size: int) -> torch.
     return table
 
 
-def _paged(decodes: list[tuple[list[int], int]], page_size: int,
-           device: torch.device) -> tuple[PagedDecode, torch.Tensor]:
+def _starts(lens: torch.Tensor, window: int | None) -> torch.Tensor:
+    """Each row's first key: 0, or under a window the first of its last `window` keys."""
+    return (lens - window).clamp(min=0) if window else torch.zeros_like(lens)
+
+
+def _paged_rows(table: torch.Tensor, lens: torch.Tensor, page_size: int, window: int | None,
+                device: torch.device) -> PagedDecode:
+    """Rows of block table `table` with contexts `lens`; under a window each row's table starts
+    at its window's first page (the entries past a row's pages are never read)."""
+    if not window or int(lens.max()) <= window:
+        return PagedDecode(table.to(device), lens.to(device), int(lens.max()))
+    first = _starts(lens, window) // page_size
+    index = (first[:, None] + torch.arange(table.shape[1])[None, :]).clamp(max=table.shape[1] - 1)
+    skips = _starts(lens, window) - first * page_size
+    lens = lens - first * page_size
+    return PagedDecode(table.gather(1, index).to(device), lens.to(device), int(lens.max()), skips.to(device))
+
+
+def _paged(decodes: list[tuple[list[int], int]], page_size: int, device: torch.device,
+           window: int | None) -> tuple[PagedDecode, torch.Tensor]:
     table = _block_table(decodes, page_size)
     lens = torch.tensor([n for _, n in decodes], dtype=torch.long)
     last = lens - 1
     new_slots = table.gather(1, (last // page_size)[:, None]).squeeze(1) * page_size + last % page_size
-    return PagedDecode(table.to(device), lens.to(device), int(lens.max())), new_slots
+    return _paged_rows(table, lens, page_size, window, device), new_slots
 
 
 def _slots(pages: torch.Tensor, length: int, page_size: int) -> torch.Tensor:
@@ -142,37 +168,42 @@ def build_metadata(
     paged_decode: bool = False,
     paged_prefill: bool = False,
     extend: bool = False,
+    window: int | None = None,
 ) -> AttentionMetadata:
     """decodes: (pages, context length including the new token), in batch order;
     prefills: (pages, chunk length, context length through the chunk's last token).
     `paged_decode` describes decodes by block table instead of by padded groups, `paged_prefill`
-    (with it) prefill tokens too, and `extend` (with it) prefill chunks by block table."""
+    (with it) prefill tokens too, and `extend` (with it, not under a `window`) prefill chunks by
+    block table."""
+    assert not (extend and window), "a sliding window has no extend kernel (the caller refuses it)"
     paged_prefill = paged_prefill and paged_decode
     extend = extend and paged_decode and not paged_prefill
     slot_parts: list[torch.Tensor] = []
     groups: list[DecodeGroup] = []
     paged = None
     if decodes and paged_decode:
-        paged, new_slots = _paged(decodes, page_size, device)
+        paged, new_slots = _paged(decodes, page_size, device, window)
         slot_parts.append(new_slots)
     elif decodes:
-        groups, new_slots = _decode_groups(decodes, page_size, device)
+        groups, new_slots = _decode_groups(decodes, page_size, device, window)
         slot_parts.append(new_slots)
     chunks, start = [], len(decodes)
     for pages, q_len, kv_len in prefills:
         ctx = _slots(torch.tensor(pages, dtype=torch.long), kv_len, page_size)
         slot_parts.append(ctx[kv_len - q_len :])
-        if kv_len == q_len or paged_prefill or extend:  # paged: no slots or mask
+        windowed = window is not None and kv_len > window
+        if (kv_len == q_len and not windowed) or paged_prefill or extend:  # paged: no slots or mask
             chunks.append(PrefillChunk(start, q_len, kv_len, None, None))
         else:
-            pos = torch.arange(kv_len - q_len, kv_len)
-            mask = torch.arange(kv_len)[None, :] <= pos[:, None]
-            chunks.append(PrefillChunk(start, q_len, kv_len, ctx.to(device), mask.to(device)))
+            pos, keys = torch.arange(kv_len - q_len, kv_len)[:, None], torch.arange(kv_len)[None, :]
+            mask = (keys <= pos) & (keys > pos - window) if windowed else keys <= pos
+            slots = None if kv_len == q_len else ctx.to(device)  # fresh keys only: the chunk's own
+            chunks.append(PrefillChunk(start, q_len, kv_len, slots, mask.to(device)))
         start += q_len
     # An empty step (data-parallel attention: a replica with no work joins its peers' MoE
     # collectives with zero tokens) writes no slot.
     slots = torch.cat(slot_parts).to(device) if slot_parts else torch.zeros(0, dtype=torch.long, device=device)
-    pp = _paged_prefill(prefills, page_size, device) if prefills and paged_prefill else None
+    pp = _paged_prefill(prefills, page_size, device, window) if prefills and paged_prefill else None
     ext = _extend(prefills, page_size, device) if prefills and extend else None
     return AttentionMetadata(slots, len(decodes), groups, chunks, page_size, paged, pp, ext)
 
@@ -185,9 +216,10 @@ def _extend(prefills: list[tuple[list[int], int, int]], page_size: int, device: 
     return PagedExtend(table.to(device), starts.to(device), kv_lens.to(device), max(q_lens))
 
 
-def _paged_prefill(prefills: list[tuple[list[int], int, int]], page_size: int, device: torch.device) -> PagedDecode:
+def _paged_prefill(prefills: list[tuple[list[int], int, int]], page_size: int, device: torch.device,
+                   window: int | None) -> PagedDecode:
     """Every prefill token as a decode row: its chunk's block table, context through itself."""
     table = _block_table([(pages, kv_len) for pages, _, kv_len in prefills], page_size)
     q_lens = torch.tensor([q_len for _, q_len, _ in prefills])
     lens = torch.cat([torch.arange(kv_len - q_len + 1, kv_len + 1) for _, q_len, kv_len in prefills])
-    return PagedDecode(table.repeat_interleave(q_lens, dim=0).to(device), lens.to(device), int(lens.max()))
+    return _paged_rows(table.repeat_interleave(q_lens, dim=0), lens, page_size, window, device)

@@ -1,8 +1,9 @@
 """The one place that decides which attention backend a model runner uses, before any weight loads.
 
 `auto`: on the CPU, the C kernel where the dtype is float32 and it builds, else torch SDPA; on a
-GPU, Triton's paged kernels where Triton imports, else torch SDPA (said in a warning, not
-silently). Asked by name, a backend that cannot run is an error naming the flag.
+GPU, Triton's paged kernels where Triton imports (and the model has no sliding window), else torch
+SDPA (said in a warning, not silently). Asked by name, a backend that cannot run is an error
+naming the flag.
 """
 
 from __future__ import annotations
@@ -52,8 +53,16 @@ def _cpu(device: torch.device, dtype: torch.dtype, choice: str, batch_invariant:
 
 
 def choose_backend(choice: str, device: torch.device, dtype: torch.dtype,
-                   batch_invariant: bool | None = None) -> AttentionBackend:
-    """`batch_invariant` None: wherever the backend offers it; True: required; False: off."""
+                   batch_invariant: bool | None = None, window: int | None = None) -> AttentionBackend:
+    """`batch_invariant` None: wherever the backend offers it; True: required; False: off.
+    `window`: the model's sliding window where the served context exceeds it (Triton's kernels
+    attend to whole contexts: `auto` takes torch SDPA then, and says so)."""
+    if window and choice == "triton":
+        raise BackendUnavailable(f"--attention-backend triton has no sliding-window attention (the model's window "
+                                 f"is {window} tokens): use cpu or torch, or --max-model-len {window} or less")
+    if window and choice == "auto" and device.type == "cuda":
+        log.info("attention: torch SDPA (the Triton kernels have no sliding window; the model's is %d tokens)", window)
+        choice = "torch"
     backend: AttentionBackend | None = None
     if choice in ("auto", "cpu") and device.type == "cpu":
         backend = _cpu(device, dtype, choice, batch_invariant)

@@ -33,8 +33,8 @@ def as_cached(x: torch.Tensor, cache: torch.Tensor) -> torch.Tensor:
 class TorchBackend(AttentionBackend):
     name = "torch"
 
-    def prepare(self, page_size, decodes, prefills, device) -> AttentionMetadata:
-        return build_metadata(page_size, decodes, prefills, device)
+    def prepare(self, page_size, decodes, prefills, device, window=None) -> AttentionMetadata:
+        return build_metadata(page_size, decodes, prefills, device, window=window)
 
     def forward(self, heads: Heads, q, k, v, k_cache, v_cache, meta: AttentionMetadata) -> torch.Tensor:
         """With no prefill chunks in `meta`, q may hold only the decode rows (latent attention

@@ -19,10 +19,13 @@ from shardserve.attention.metadata import AttentionMetadata, build_metadata
 class TritonBackend(AttentionBackend):
     name = "triton"
 
+    windows = False  # its decode and extend kernels attend to whole contexts
+
     def __init__(self, kernels: ModuleType, interpreted: bool):
         self.k, self.interpreted = kernels, interpreted
 
-    def prepare(self, page_size, decodes, prefills, device) -> AttentionMetadata:
+    def prepare(self, page_size, decodes, prefills, device, window=None) -> AttentionMetadata:
+        assert window is None, "the model runner refuses a sliding window on this backend"
         return build_metadata(page_size, decodes, prefills, device, paged_decode=True, extend=True)
 
     def forward(self, heads: Heads, q, k, v, k_cache, v_cache, meta: AttentionMetadata) -> torch.Tensor:

@@ -99,9 +99,16 @@ class ModelRunner:
         self.bf16_weights = quant_kernel.bf16_weights(self.device, self.dtype)
         if self.bf16_weights:
             self.dtype = torch.float32
+        # Sliding-window attention where the served context passes the window (within one
+        # window, full attention is the same arithmetic and costs nothing extra).
+        window = model_cfg.attention_window
+        self.window = window if window is not None and model_cfg.served_length(cfg.max_model_len) > window else None
         # Chosen once, before any weight loads; the layers call whichever it is.
-        backend = choose_backend(cfg.attention_backend, self.device, self.dtype, cfg.batch_invariant)
+        backend = choose_backend(cfg.attention_backend, self.device, self.dtype, cfg.batch_invariant, self.window)
         self.attention: AttentionBackend = ContextBackend(backend) if groups.context.size > 1 else backend
+        if self.window and not self.attention.windows:  # launch/checks refuses it before any process starts
+            raise ValueError(f"context parallelism (--cp-size) has no sliding-window attention (the model's window "
+                             f"is {self.window} tokens): give --max-model-len {self.window} or less")
         self.kv_dtype = kv_cache_dtype(cfg.kv_cache_dtype, self.dtype, self.bf16_weights, self.attention,
                                        model_cfg.kv_widths)
         cls = model_class(model_cfg.architecture)
@@ -215,7 +222,8 @@ class ModelRunner:
         residual stream to send on, or on the last stage the logits of `step.logit_rows`.
         `after_layer(i)` runs once layer i has (disaggregated prefill: its KV leaves then)."""
         cp = step.context
-        meta = cp.meta if cp else self.attention.prepare(self.cfg.page_size, step.decodes, step.prefills, self.device)
+        meta = cp.meta if cp else self.attention.prepare(self.cfg.page_size, step.decodes, step.prefills, self.device,
+                                                          self.window)
         ctx = ForwardContext(self.kv_views, meta, self.attention, after_layer=after_layer)
         pos = torch.tensor(step.positions, dtype=torch.long, device=self.device)
         ids = torch.tensor(step.token_ids, dtype=torch.long, device=self.device) if self.stage.first else None

@@ -50,7 +50,7 @@ def check_deployment(plan: Deployment, ckpt: Checkpoint, torchrun: bool = False)
     check_quantization(cfg, ckpt)
     mc = read_model_config(ckpt)
     layout.check_model(mc.num_layers, mc.num_heads, mc.num_experts)
-    check_context(cfg, mc)
+    check_context(cfg, mc, layout.cp)
     check_kv_budget(cfg, layout, mc)
     if cfg.ep_num_redundant_experts or cfg.ep_expert_placement:
         check_placement(cfg, layout, mc)
@@ -189,12 +189,17 @@ def check_dense(model: str | None, ep: int) -> None:
                           f"(it is dense: leave --ep-size out)")
 
 
-def check_context(cfg: EngineConfig, model_cfg: ModelConfig) -> None:
-    """A --max-model-len beyond the model's positions is refused, not clamped in silence."""
+def check_context(cfg: EngineConfig, model_cfg: ModelConfig, cp: int = 1) -> None:
+    """A --max-model-len beyond the model's positions is refused, not clamped in silence; so is
+    context parallelism over a sliding window (the ring attends to whole contexts)."""
     limit, field = model_cfg.context_limit
     if cfg.max_model_len is not None and cfg.max_model_len > limit:
         raise LayoutError(f"--max-model-len {cfg.max_model_len} exceeds the model's context limit of {limit} tokens "
                           f"({field}): give at most {limit}, or leave it out")
+    window = model_cfg.attention_window
+    if cp > 1 and window is not None and model_cfg.served_length(cfg.max_model_len) > window:
+        raise LayoutError(f"--cp-size {cp}: context parallelism has no sliding-window attention (the model's window "
+                          f"is {window} tokens): give --max-model-len {window} or less")
 
 
 def kv_page_bytes(cfg: EngineConfig, layout: Layout, model_cfg: ModelConfig) -> int:

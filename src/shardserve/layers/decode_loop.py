@@ -159,10 +159,11 @@ class DecodeLoop:
         rows = self.lora_step.rows if self.lora_step is not None else None
         lrows = (LoraRowsC(rows.order.data_ptr(), rows.bounds.data_ptr(), rows.gslot.data_ptr(), rows.ngroups)
                  if rows is not None else None)
+        skips = meta.paged.skips.data_ptr() if meta.paged.skips is not None else None
         rc = self.lib.decode_layers(
             ctypes.addressof(table), len(self.layers), ctypes.addressof(self.dims), x.data_ptr(),
             x.shape[0], cos.data_ptr(), sin.data_ptr(), slots.data_ptr(), tables.data_ptr(), tables.shape[1],
-            lens.data_ptr(), meta.page_size, self.attn_fn, torch.get_num_threads(),
+            lens.data_ptr(), skips, meta.page_size, self.attn_fn, torch.get_num_threads(),
             ctypes.addressof(lrows) if lrows is not None else None)
         if rc == 1:
             raise ValueError("decode_layers: a weight's block format or shape is not supported")

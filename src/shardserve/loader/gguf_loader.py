@@ -194,5 +194,17 @@ def gguf_sources(path: str, keep_quantized: bool) -> list[LazySource]:
             out.extend(LazySource(name, load, _expert_blocks(tensor, e)) for e, (name, load) in enumerate(entries))
             continue
         quantized = _quantized_loader(tensor, config) if keep_quantized else None
-        out.extend(LazySource(name, load, quantized) for name, load in entries)
+        shape = _hf_shape(tensor, match) if len(entries) == 1 else None
+        out.extend(LazySource(name, load, quantized, shape) for name, load in entries)
     return out
+
+
+def _hf_shape(tensor: ReaderTensor, match: re.Match | None) -> tuple[int, ...] | None:
+    """The shape a tensor loads as, from the header alone, where it is the file's own (GGUF lists
+    dims innermost first): a whole-model tensor or a plain layer weight or bias; None for those
+    reshaped or merged on load."""
+    if match is None and tensor.name not in GGUF_GLOBAL_TENSOR_TO_HF:
+        return None
+    if match is not None and (match["stem"] not in GGUF_LAYER_TENSOR_TO_HF or match["stem"] == "ffn_gate_inp_shexp"):
+        return None
+    return tuple(int(n) for n in reversed(tensor.shape))

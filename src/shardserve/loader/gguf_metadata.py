@@ -78,7 +78,7 @@ def _partial_rotary(reader: GGUFHeader, arch: str, head_dim: int) -> dict:
     rotated = reader.fields.get(f"{arch}.rope.dimension_count")
     if arch not in PARTIAL_ROTARY_ARCHS or rotated is None or int(rotated) == head_dim:
         return {}
-    return {"partial_rotary_factor": int(rotated) / head_dim}
+    return {"rotary_dim": int(rotated)}  # the width itself: a factor would round it back down
 
 
 def _rope_factors(reader: GGUFHeader, arch: str) -> dict | None:
@@ -94,7 +94,11 @@ def _rope_factors(reader: GGUFHeader, arch: str) -> dict | None:
             raise ValueError(f"GGUF tensor {name} is {t.tensor_type.name}; rotary factors must be F32 or F16")
         return np.asarray(t.data, dtype=np.float32).reshape(-1).tolist()
 
-    if "rope_factors_long.weight" in tables:
+    long_short = {"rope_factors_long.weight", "rope_factors_short.weight"} & set(tables)
+    if len(long_short) == 1:
+        raise ValueError(f"GGUF has {long_short.pop()} without its pair: LongRoPE needs rope_factors_long and "
+                         "rope_factors_short")
+    if long_short:
         scaling: dict[str, Any] = {"rope_type": "longrope", "long_factor": floats("rope_factors_long.weight"),
                                    "short_factor": floats("rope_factors_short.weight")}
         if (original := reader.fields.get(f"{arch}.rope.scaling.original_context_length")) is not None:
@@ -149,7 +153,11 @@ def config_from_reader(reader: GGUFHeader) -> dict:
     config["attention_bias"] = "blk.0.attn_q.bias" in tensor_names
     config["rope_theta"] = float(config.get("rope_theta", 10000.0))
     config["rms_norm_eps"] = float(config["rms_norm_eps"])
-    if (scaling := _rope_factors(reader, arch) or _rope_scaling(reader, arch)) is not None:
+    tables, stated = _rope_factors(reader, arch), _rope_scaling(reader, arch)
+    if tables and stated and tables["rope_type"] == "freq_factors":  # llama.cpp would apply both
+        raise ValueError(f"GGUF has rope_freqs and {arch}.rope.scaling.type {stated['rope_type']!r}: both at once are "
+                         "not implemented")
+    if (scaling := tables or stated) is not None:
         config["rope_scaling"] = scaling
     config.update(_partial_rotary(reader, arch, config["head_dim"]))
     if window := reader.fields.get(f"{arch}.attention.sliding_window"):  # 0: none (llama.cpp's Phi-4)

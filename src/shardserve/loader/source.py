@@ -61,9 +61,11 @@ class LazySource(TensorSource):
     that takes that form never triggers the float one."""
 
     def __init__(self, name: str, load: Callable[[], torch.Tensor],
-                 quantized: Callable[[], QuantWeight | None] | None = None):
+                 quantized: Callable[[], QuantWeight | None] | None = None, shape: tuple[int, ...] | None = None):
+        """`shape`, where the caller knows it (a GGUF's header does), answers `.shape` without
+        computing the tensor: asking a quantized weight's shape must not expand it."""
         self.name, self._load, self._t = name, load, None
-        self._quantized, self._q = quantized, None
+        self._quantized, self._q, self._shape = quantized, None, shape
 
     def _tensor(self) -> torch.Tensor:
         if self._t is None:
@@ -72,7 +74,7 @@ class LazySource(TensorSource):
 
     @property
     def shape(self) -> tuple[int, ...]:
-        return tuple(self._tensor().shape)
+        return self._shape if self._shape is not None else tuple(self._tensor().shape)
 
     def read(self, dim: int | None = None, start: int = 0, end: int | None = None) -> torch.Tensor:
         t = self._tensor()

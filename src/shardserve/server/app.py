@@ -5,12 +5,12 @@ from __future__ import annotations
 import asyncio
 import logging
 from dataclasses import dataclass, field
+from importlib import metadata
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 
-from shardserve import __version__
 from shardserve.http_common import answer_errors, cancel_on_disconnect, require_api_key
 from shardserve.ipc.messages.api import DetokenizeReq, ErrorOut, TokenizeReq
 from shardserve.loader.pooling import Pooling
@@ -184,7 +184,7 @@ def build_app(state: ServerState) -> FastAPI:
 
     @app.get("/version")
     async def version():
-        return {"version": __version__}
+        return {"version": metadata.version("shardserve")}  # the installed package's
 
     @app.get("/health")
     @app.get("/ping")  # what SageMaker's and vLLM's probes call; as /health

@@ -73,8 +73,8 @@ typedef struct {
 
 typedef int (*attn_fn)(const float *q, int64_t q_stride, const void *k_cache, const void *v_cache,
                        const int64_t *block_tables, int64_t max_pages, const int64_t *context_lens,
-                       const int64_t *kv_of_q, float *out, float *lse, int64_t B, int64_t H, int64_t Hkv, int64_t D,
-                       int64_t page_size, float scale, int num_threads);
+                       const int64_t *skips, const int64_t *kv_of_q, float *out, float *lse, int64_t B, int64_t H,
+                       int64_t Hkv, int64_t D, int64_t page_size, float scale, int num_threads);
 
 /* This thread's share of y = x W^T: runs of weight rows claimed from *next (see claim_rows), a
  * run that spans segments taken segment by segment; x both as floats and as `a` prepares it. */
@@ -100,7 +100,7 @@ static int mat_fits(const Mat *w, int64_t k) {
 }
 
 typedef struct {
-    const int64_t *block_tables, *context_lens; /* [m, max_pages], [m] */
+    const int64_t *block_tables, *context_lens, *skips; /* [m, max_pages], [m], [m] or NULL (no window) */
     int64_t max_pages, page_size;
     attn_fn attn;
 } Pages; /* what the attention kernel reads besides q and the caches */
@@ -116,14 +116,14 @@ static int attend(const Layer *L, const Dims *dm, const float *qkv, int64_t nqkv
         int64_t h0 = dm->hq * tid / nth, h1 = dm->hq * (tid + 1) / nth;
         if (h1 == h0) return 0;
         return pg->attn(qkv + h0 * d, nqkv, L->k_cache, L->v_cache, pg->block_tables, pg->max_pages,
-                        pg->context_lens, dm->kv_of_q + h0, att + h0 * d, NULL, 1, h1 - h0, dm->hkv, d,
+                        pg->context_lens, pg->skips, dm->kv_of_q + h0, att + h0 * d, NULL, 1, h1 - h0, dm->hkv, d,
                         pg->page_size, dm->scale, 1);
     }
     int64_t step = (m + 4 * nth - 1) / (4 * nth); /* rows per claim: a quarter of an even share */
     for (int64_t c; (c = claim(next, (m + step - 1) / step)) >= 0;) {
         int64_t i = c * step, n = i + step < m ? step : m - i;
         if (pg->attn(qkv + i * nqkv, nqkv, L->k_cache, L->v_cache, pg->block_tables + i * pg->max_pages,
-                     pg->max_pages, pg->context_lens + i, dm->kv_of_q, att + i * nq, NULL, n, dm->hq, dm->hkv, d,
+                     pg->max_pages, pg->context_lens + i, pg->skips ? pg->skips + i : NULL, dm->kv_of_q, att + i * nq, NULL, n, dm->hq, dm->hkv, d,
                      pg->page_size, dm->scale, 1))
             return 1;
         if (aq) acts_rows(att, nq, i, i + n, aq);
@@ -139,7 +139,8 @@ static void norm_rows(const float *x, int64_t r0, int64_t r1, int64_t H, const f
 }
 
 /* x [m, hidden] in/out. cos, sin [m, rd/2]; slots [m] (each row's new cache slot); block_tables
- * [m, max_pages] and context_lens [m] as the attention kernel takes them. Returns 0, 1 for a
+ * [m, max_pages], context_lens [m] and skips [m] (NULL: no sliding window) as the attention kernel
+ * takes them. Returns 0, 1 for a
  * weight the kernels do not take (checked before anything runs), 2 when out of memory.
  *
  * One parallel region covers the whole stack: the threads claim runs of the products' weight
@@ -148,7 +149,8 @@ static void norm_rows(const float *x, int64_t r0, int64_t r1, int64_t H, const f
  * per operator) separate the phases. */
 int decode_layers(const Layer *layers, int64_t nlayers, const Dims *dm, float *x, int64_t m, const float *cos,
                   const float *sin, const int64_t *slots, const int64_t *block_tables, int64_t max_pages,
-                  const int64_t *context_lens, int64_t page_size, attn_fn attn, int nthreads, const LoraRows *lrows) {
+                  const int64_t *context_lens, const int64_t *skips, int64_t page_size, attn_fn attn, int nthreads,
+                  const LoraRows *lrows) {
     int64_t H = dm->hidden, d = dm->d, nq = dm->hq * d, nkv = dm->hkv * d, nqkv = nq + 2 * nkv, I = dm->inter;
     for (int64_t l = 0; l < nlayers; l++) {
         const Layer *L = &layers[l];
@@ -180,7 +182,7 @@ int decode_layers(const Layer *layers, int64_t nlayers, const Dims *dm, float *x
     int rc = 0;
     Acts aH = a, aQ = a, aI = a; /* the same buffers, read as rows of H, nq or I */
     aH.k = H; aQ.k = nq; aI.k = I;
-    Pages pg = {block_tables, context_lens, max_pages, page_size, attn};
+    Pages pg = {block_tables, context_lens, skips, max_pages, page_size, attn};
 #pragma omp parallel num_threads(nthreads)
     {
         int tid = omp_get_thread_num(), nth = omp_get_num_threads();
