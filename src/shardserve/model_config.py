@@ -82,8 +82,9 @@ class ModelConfig:
     mlp_only_layers: tuple[int, ...] = ()
     mla: LatentAttentionConfig | None = None
     # Sliding-window attention: each token attends to the last `sliding_window` keys (itself
-    # included). `window_everywhere`: on every layer (Mistral, Phi-3), which the attention
-    # implements (`attention_window`); a window on some layers only bounds the context instead.
+    # included), on the layers _sliding_layers names (None where it names none). `window_everywhere`:
+    # on every layer (Mistral, Phi-3), which the attention implements (`attention_window`); a window
+    # on some layers only bounds the context instead.
     sliding_window: int | None = None
     window_everywhere: bool = True
     torch_dtype: str = "float32"
@@ -107,6 +108,7 @@ class ModelConfig:
         head_dim = int(d.get("head_dim") or hidden // heads)
         # (rope_parameters' value first, as transformers' Phi3Config reads it)
         partial = float(rope.get("partial_rotary_factor", d.get("partial_rotary_factor", 1.0)))
+        windowed = _sliding_layers(d)
         fields: dict[str, Any] = dict(
             architecture=archs[0],
             vocab_size=int(d["vocab_size"]),
@@ -131,8 +133,8 @@ class ModelConfig:
             router=RouterConfig(renormalize=bool(d.get("norm_topk_prob", False))),
             decoder_sparse_step=int(d.get("decoder_sparse_step") or 1),
             mlp_only_layers=tuple(d.get("mlp_only_layers") or ()),
-            sliding_window=_sliding_window(d),
-            window_everywhere=_window_everywhere(d),
+            sliding_window=_sliding_window(d) if any(windowed) else None,
+            window_everywhere=all(windowed),
             torch_dtype=str(d.get("torch_dtype") or d.get("dtype") or "float32"),
             partial_rotary_dim=rotary_dim(head_dim, partial, d.get("rotary_dim")),
         )
@@ -179,7 +181,7 @@ class ModelConfig:
     @property
     def context_limit(self) -> tuple[int, str]:
         """The longest context served and the field that bounds it. A window on some layers only
-        (Qwen2's max_window_layers) is not implemented, so such a model serves contexts within one
+        (Qwen2's and Qwen3's max_window_layers) is not implemented, so such a model serves contexts within one
         window (where windowed and full attention are the same arithmetic)."""
         w = self.sliding_window
         if w is not None and w < self.max_position_embeddings and not self.window_everywhere:
@@ -210,14 +212,20 @@ class ModelConfig:
         return num_layers * num_kv_heads * sum(self.kv_widths)
 
 
-def _window_everywhere(d: dict[str, Any]) -> bool:
-    """Whether a sliding window applies on every layer: config.json's `layer_types` (transformers
-    v5 writes it) all sliding, or, without it, Qwen2's layers from `max_window_layers` on."""
-    if types := d.get("layer_types"):
-        return all(t == "sliding_attention" for t in types)
-    if d.get("model_type", "").startswith("qwen2") and d.get("use_sliding_window"):
-        return int(d.get("max_window_layers", 28)) == 0
-    return True
+def _sliding_layers(d: dict[str, Any]) -> list[bool]:
+    """Which layers keep the window, as transformers decides: config.json's `layer_types`, or where
+    it is left out, as each config class fills it in (Qwen2 and Qwen3 from `max_window_layers` on,
+    Qwen2-MoE its even layers below it); Mistral's modeling windows every layer whatever it says."""
+    n, model_type = int(d["num_hidden_layers"]), d.get("model_type", "")
+    types = d.get("layer_types")
+    if types and model_type != "mistral":
+        return [t == "sliding_attention" for t in types]
+    first = int(d.get("max_window_layers", 28))
+    if model_type in ("qwen2", "qwen3"):
+        return [i >= first for i in range(n)]
+    if model_type == "qwen2_moe":
+        return [i % 2 == 0 and i < first for i in range(n)]
+    return [True] * n
 
 
 def _sliding_window(d: dict[str, Any]) -> int | None:

@@ -9,7 +9,7 @@ import math
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, MistralConfig, Qwen2Config
+from transformers import AutoModelForCausalLM, MistralConfig, Qwen2Config, Qwen2MoeConfig, Qwen3Config
 
 from shardserve.config import EngineConfig, ModelConfig
 from shardserve.distributed.layout import LayoutError
@@ -115,6 +115,30 @@ def test_a_window_on_some_layers_only_bounds_the_context(tmp_path):
     with pytest.raises(LayoutError, match=r"--max-model-len 64 exceeds .* 32 tokens \(sliding_window"):
         check_context(EngineConfig(max_model_len=64), mc)
     assert EngineCore(EngineConfig(model=str(tmp_path), show_progress=False)).max_model_len == 32
+
+
+@pytest.mark.parametrize("cls,arch,first,want", [
+    (Qwen3Config, "Qwen3ForCausalLM", 2, "some"),  # layers 2 and 3
+    (Qwen3Config, "Qwen3ForCausalLM", 0, "all"),
+    (Qwen2Config, "Qwen2ForCausalLM", 4, "none"),  # max_window_layers past the last layer
+    (Qwen2MoeConfig, "Qwen2MoeForCausalLM", 0, "none"),  # Qwen2-MoE: even layers below it
+    (Qwen2MoeConfig, "Qwen2MoeForCausalLM", 4, "some"),
+])
+@pytest.mark.parametrize("with_types", [True, False])
+def test_which_layers_keep_the_window_as_transformers_says(cls, arch, first, want, with_types):
+    """config.json's layer_types, or where a config leaves it out (Qwen's published ones do), what
+    its transformers config class would fill in: all windowed is served with the window, some only
+    bounds the context, none is full attention."""
+    cfg = cls(vocab_size=301, hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+              max_position_embeddings=512, use_sliding_window=True, sliding_window=16, max_window_layers=first)
+    d = cfg.to_dict() | {"architectures": [arch]}
+    if not with_types:
+        del d["layer_types"]
+    sliding = [t == "sliding_attention" for t in cfg.layer_types]
+    assert want == ("all" if all(sliding) else "some" if any(sliding) else "none")
+    mc = ModelConfig.from_dict(d)
+    served = {"all": (16, 512), "some": (None, 16), "none": (None, 512)}[want]
+    assert (mc.attention_window, mc.context_limit[0]) == served
 
 
 def test_a_window_everywhere_is_refused_where_no_kernel_keeps_it(tmp_path):

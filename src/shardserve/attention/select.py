@@ -61,7 +61,8 @@ def choose_backend(choice: str, device: torch.device, dtype: torch.dtype,
         raise BackendUnavailable(f"--attention-backend triton has no sliding-window attention (the model's window "
                                  f"is {window} tokens): use cpu or torch, or --max-model-len {window} or less")
     if window and choice == "auto" and device.type == "cuda":
-        log.info("attention: torch SDPA (the Triton kernels have no sliding window; the model's is %d tokens)", window)
+        log.warning("attention: torch SDPA (the Triton kernels have no sliding window; the model's is %d tokens)",
+                    window)
         choice = "torch"
     backend: AttentionBackend | None = None
     if choice in ("auto", "cpu") and device.type == "cpu":

@@ -80,10 +80,10 @@ static void item_softmax(const unsigned char *take, const int64_t *lens, const i
  * used the next one is prefetched, a slice of rows before each head of the longest row: one burst
  * per page would fill the miss queue and stall. scores holds (b1 - b0) * H * max_len floats. */
 static void block_item(const float *q, int64_t q_stride, const void *k_cache, const void *v_cache, int bf,
-                       const int64_t *table, const int64_t *lens, const int64_t *skips, int64_t b0, int64_t b1, const int64_t *kv_of_q,
-                       float *out, float *lse, int64_t kv0, int64_t kv1, int64_t hpart, int64_t hparts, int64_t H,
-                       int64_t Hkv, int64_t D, int64_t page_size, float scale, float *scores, int64_t max_len,
-                       uint16_t *qb, int amx, uint16_t *qt, uint16_t *vp) {
+                       const int64_t *table, const int64_t *lens, const int64_t *skips, int64_t b0, int64_t b1,
+                       const int64_t *kv_of_q, float *out, float *lse, int64_t kv0, int64_t kv1, int64_t hpart,
+                       int64_t hparts, int64_t H, int64_t Hkv, int64_t D, int64_t page_size, float scale, float *scores,
+                       int64_t max_len, uint16_t *qb, int amx, uint16_t *qt, uint16_t *vp) {
     /* This item's query heads: those reading kv heads [kv0, kv1), and of them the hpart-th of
      * hparts even slices (hparts > 1 only with one kv head per item). */
     unsigned char take[H];
@@ -197,8 +197,8 @@ static int64_t row_blocks(const int64_t *block_tables, int64_t max_pages, int64_
  * behind it, with a bfloat16 cache, the item's rounded queries. */
 static int paged_decode(const float *q, int64_t q_stride, const void *k_cache, const void *v_cache, int bf,
                         const int64_t *block_tables, int64_t max_pages, const int64_t *context_lens,
-                        const int64_t *skips, const int64_t *kv_of_q, float *out, float *lse, int64_t B, int64_t H, int64_t Hkv,
-                        int64_t D, int64_t page_size, float scale, int num_threads) {
+                        const int64_t *skips, const int64_t *kv_of_q, float *out, float *lse, int64_t B, int64_t H,
+                        int64_t Hkv, int64_t D, int64_t page_size, float scale, int num_threads) {
     int64_t max_len = 0;
     for (int64_t b = 0; b < B; ++b) max_len = context_lens[b] > max_len ? context_lens[b] : max_len;
     /* Rows of one block table (a prefill chunk's tokens) go together, up to row_block's a block. */

@@ -123,8 +123,8 @@ static int attend(const Layer *L, const Dims *dm, const float *qkv, int64_t nqkv
     for (int64_t c; (c = claim(next, (m + step - 1) / step)) >= 0;) {
         int64_t i = c * step, n = i + step < m ? step : m - i;
         if (pg->attn(qkv + i * nqkv, nqkv, L->k_cache, L->v_cache, pg->block_tables + i * pg->max_pages,
-                     pg->max_pages, pg->context_lens + i, pg->skips ? pg->skips + i : NULL, dm->kv_of_q, att + i * nq, NULL, n, dm->hq, dm->hkv, d,
-                     pg->page_size, dm->scale, 1))
+                     pg->max_pages, pg->context_lens + i, pg->skips ? pg->skips + i : NULL, dm->kv_of_q,
+                     att + i * nq, NULL, n, dm->hq, dm->hkv, d, pg->page_size, dm->scale, 1))
             return 1;
         if (aq) acts_rows(att, nq, i, i + n, aq);
     }
