@@ -8,6 +8,7 @@ import os
 import pytest
 import torch
 from engine_util import SMOLLM2_QUESTION
+from tiny_models import COMMON, make_tiny_config
 from tiny_tokenizer import save_tiny_tokenizer
 from transformers import (
     AutoModelForCausalLM,
@@ -22,11 +23,6 @@ from transformers import (
     Qwen3MoeConfig,
 )
 
-# Small enough to run in milliseconds, odd enough to catch shape bugs: vocab 301 divides by
-# neither 2, 3 nor 4, and there are fewer KV heads (2) than the largest TP size we test.
-COMMON = dict(vocab_size=301, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
-              num_key_value_heads=2, max_position_embeddings=512, eos_token_id=None, bos_token_id=None,
-              pad_token_id=None)
 MOE = dict(moe_intermediate_size=32, num_experts=8, num_experts_per_tok=2)
 # DeepSeek: 6 heads (TP 4 splits them 2, 2, 1, 1), a latent narrower than the heads' K/V, 8 routed
 # experts in 4 groups (2 chosen), one dense layer first.
@@ -79,25 +75,6 @@ TINY_CONFIGS = {
 
 def make_tiny(kind: str, path: str, layers: int | None = None) -> torch.nn.Module:
     return make_tiny_config(TINY_CONFIGS[kind](**({"num_hidden_layers": layers} if layers else {})), path)
-
-
-def make_tiny_config(cfg, path: str) -> torch.nn.Module:
-    """A random model of transformers config `cfg`, its weights widened (below), saved to `path`
-    with the tiny tokenizer."""
-    torch.manual_seed(1234)
-    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
-    # Random init gives near-uniform logits and fragile argmaxes; widen them so greedy ties
-    # cannot flip between two correct fp32 implementations.
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" not in name and p.dim() > 1:
-                p.mul_(4.0)
-        for name, b in model.named_buffers():
-            if name.endswith("e_score_correction_bias"):  # zero as initialised: give it a say in the choice
-                b.copy_(torch.randn(b.shape, generator=torch.Generator().manual_seed(3)) * 0.3)
-    model.save_pretrained(path)
-    save_tiny_tokenizer(path, model.config.vocab_size)
-    return model
 
 
 @pytest.fixture(scope="session")

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import COMMON
 from engine_util import record_logits
+from tiny_models import COMMON, make_tiny_config
 from transformers import LlamaConfig, MistralConfig, Phi3Config
 
 from shardserve.config import EngineConfig
@@ -92,8 +92,6 @@ def test_phi3_longrope_both_factor_sets(tiny_model, backend):
 @pytest.fixture(scope="module")
 def windowed(tmp_path_factory):
     """Mistral and Phi-3 with a 16-token sliding window on every layer (prompts reach 40 + 32)."""
-    from conftest import make_tiny_config
-
     out = {}
     for name, cfg in (("mistral", MistralConfig(intermediate_size=96, sliding_window=16, **COMMON)),
                       ("phi3", Phi3Config(intermediate_size=96, sliding_window=16, **COMMON))):
@@ -135,8 +133,6 @@ def test_sliding_window_attention(windowed, monkeypatch, arch, cfg):
 
 def test_linear_rope_scaling(tiny_model, tmp_path):
     """Linear scaling (position interpolation: every frequency divided by the factor)."""
-    from conftest import make_tiny_config
-
     path = str(tmp_path / "linear")
     model = make_tiny_config(LlamaConfig(intermediate_size=96, rope_scaling={"rope_type": "linear", "factor": 3.0},
                                          **COMMON), path)

@@ -1,0 +1,33 @@
+"""Tiny random models from transformers' config classes, for conftest's fixtures and the tests
+that build one of their own (importable by name, unlike conftest: pytest finds several)."""
+
+from __future__ import annotations
+
+import torch
+from tiny_tokenizer import save_tiny_tokenizer
+from transformers import AutoModelForCausalLM
+
+# Small enough to run in milliseconds, odd enough to catch shape bugs: vocab 301 divides by
+# neither 2, 3 nor 4, and there are fewer KV heads (2) than the largest TP size we test.
+COMMON = dict(vocab_size=301, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+              num_key_value_heads=2, max_position_embeddings=512, eos_token_id=None, bos_token_id=None,
+              pad_token_id=None)
+
+
+def make_tiny_config(cfg, path: str) -> torch.nn.Module:
+    """A random model of transformers config `cfg`, its weights widened (below), saved to `path`
+    with the tiny tokenizer."""
+    torch.manual_seed(1234)
+    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
+    # Random init gives near-uniform logits and fragile argmaxes; widen them so greedy ties
+    # cannot flip between two correct fp32 implementations.
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" not in name and p.dim() > 1:
+                p.mul_(4.0)
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):  # zero as initialised: give it a say in the choice
+                b.copy_(torch.randn(b.shape, generator=torch.Generator().manual_seed(3)) * 0.3)
+    model.save_pretrained(path)
+    save_tiny_tokenizer(path, model.config.vocab_size)
+    return model
