@@ -92,3 +92,18 @@ def test_half_precision_logits_track_transformers(tiny_model, dtype, torch_dtype
     assert core.runner.pool.k.dtype == kv
     torch.testing.assert_close(ours, ref, atol=tol * ref.abs().max().item(), rtol=0)
     assert req.prompt_token_ids == prompt
+
+
+@pytest.mark.parametrize("quantization", ["auto", "none"])
+def test_a_gguf_tensor_read_is_not_kept_by_its_source(smollm2_path, monkeypatch, quantization):
+    """Once a tensor's layers have their pieces, its source drops the expanded or raw copy it read,
+    so loading does not hold the whole checkpoint twice (the source list lives until the end)."""
+    from shardserve.engine import model_runner
+
+    seen, sources = [], model_runner.checkpoint_sources
+    monkeypatch.setattr(model_runner, "checkpoint_sources", lambda *a: seen.append(sources(*a)) or seen[-1])
+    core = EngineCore(EngineConfig(model=smollm2_path, show_progress=False, num_pages=16, quantization=quantization))
+    listed, _ = seen[0]
+    read = [s for s in listed if s._t is not None or s._q is not None]
+    assert len(listed) > 200 and not read, [s.name for s in read[:5]]
+    assert core.runner.model.layers[0].self_attn.qkv_proj.quant is not None  # weights kept (Q4_1 or F32 rows)

@@ -36,6 +36,10 @@ class TensorSource:
         falls on block boundaries; None means: read floats."""
         return None
 
+    def release(self) -> None:
+        """Drop what reading kept (the loader calls it once a tensor's layers have their pieces,
+        which they copied or still reference): the list of sources then holds no tensor."""
+
 
 class SliceSource(TensorSource):
     """A safetensors entry opened with `safe_open(...).get_slice(name)`: reads only the slice."""
@@ -76,6 +80,9 @@ class LazySource(TensorSource):
     def shape(self) -> tuple[int, ...]:
         return self._shape if self._shape is not None else tuple(self._tensor().shape)
 
+    def release(self) -> None:
+        self._t = self._q = None
+
     def read(self, dim: int | None = None, start: int = 0, end: int | None = None) -> torch.Tensor:
         t = self._tensor()
         return t if dim is None else t.narrow(dim, start, (end or t.shape[dim]) - start)
@@ -104,6 +111,9 @@ class ConvertingSource(TensorSource):
 
     def read(self, dim: int | None = None, start: int = 0, end: int | None = None) -> torch.Tensor:
         return self.src.read(dim, start, end)
+
+    def release(self) -> None:
+        self.src.release()
 
 
 class Int8Source(ConvertingSource):

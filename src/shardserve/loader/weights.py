@@ -81,6 +81,7 @@ def load_weights(model: nn.Module, sources: Iterable[TensorSource], total: int |
                 continue
             param.weight_loader(param, src, shard_id)
             loaded[pname].add(shard_id)
+        whole.release()  # a GGUF tensor's expanded or raw copy: the layers copied or keep what they need
     missing = [
         f"{name}[{shard}]" if shard is not None else name
         for name, p in params.items()
