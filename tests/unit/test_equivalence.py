@@ -131,6 +131,22 @@ def test_sliding_window_attention(windowed, monkeypatch, arch, cfg):
     assert [r.output_token_ids for r in again] == tokens and sum(r.num_cached_tokens for r in again) > 0
 
 
+def test_window_metadata_names_only_the_windows_keys():
+    """Contexts of 40 and 30 tokens, a 16-token window, pages of 4: the paged rows start at the
+    window's first page (6 and 3) with 0 and 2 keys skipped on it; the torch backend's decode group
+    gathers 16 slots a row, the window's own (pages are numbered 100 + i)."""
+    from shardserve.attention.metadata import build_metadata
+
+    pages, cpu = [100 + i for i in range(10)], torch.device("cpu")
+    decodes = [(pages, 40), (pages, 30)]
+    paged = build_metadata(4, decodes, [], cpu, paged_decode=True, window=16).paged
+    assert paged.block_tables[:, 0].tolist() == [106, 103] and paged.skips.tolist() == [0, 2]
+    assert paged.context_lens.tolist() == [16, 18]
+    (group,) = build_metadata(4, decodes, [], cpu, window=16).decode_groups
+    want = [[(100 + p // 4) * 4 + p % 4 for p in range(n - 16, n)] for n in (40, 30)]
+    assert group.slots.tolist() == want and group.mask is None
+
+
 def test_linear_rope_scaling(tiny_model, tmp_path):
     """Linear scaling (position interpolation: every frequency divided by the factor)."""
     path = str(tmp_path / "linear")

@@ -41,8 +41,8 @@ class PrefillChunk:
 
 @dataclass
 class DecodeGroup:
-    """Decodes of similar context length: batch rows `rows`, their padded cache slots [g, L] and
-    a mask [g, 1, 1, L] (None when every context in the group has length L)."""
+    """Decodes of similar context length: batch rows `rows`, their padded cache slots [g, L] (under
+    a window, of the window's keys only) and a mask [g, 1, 1, L] (None when no row is padded)."""
 
     rows: torch.Tensor
     slots: torch.Tensor
@@ -105,14 +105,18 @@ def _decode_groups(decodes: list[tuple[list[int], int]], page_size: int, device:
         rows = torch.tensor(order[start:end])
         table = _block_table([decodes[i] for i in order[start:end]], page_size)
         g_lens = lens[rows]
-        pos = torch.arange(width)
+        # Each row's keys from its first (under a window, its window's first), as many as the
+        # longest row has (a window's at most).
+        span = min(width, window) if window else width
+        pos = _starts(g_lens, window)[:, None] + torch.arange(span)[None, :]
         # Padding reads the sequence's last real slot, never an unwritten one: the mask hides it,
         # but 0 * NaN from uninitialised cache memory would still poison the output.
-        real = torch.minimum(pos[None, :], g_lens[:, None] - 1)
+        real = torch.minimum(pos, g_lens[:, None] - 1)
         slots = table.gather(1, real // page_size) * page_size + real % page_size
-        new_slots[rows] = slots.gather(1, (g_lens - 1)[:, None]).squeeze(1)
-        keep = (pos[None, :] < g_lens[:, None]) & (pos[None, :] >= _starts(g_lens, window)[:, None])
-        mask = None if bool(keep.all()) else keep.view(len(rows), 1, 1, width)
+        last = g_lens - 1
+        new_slots[rows] = table.gather(1, (last // page_size)[:, None]).squeeze(1) * page_size + last % page_size
+        keep = pos < g_lens[:, None]
+        mask = None if bool(keep.all()) else keep.view(len(rows), 1, 1, span)
         groups.append(DecodeGroup(rows.to(device), slots.to(device), None if mask is None else mask.to(device)))
         start = end
     return groups, new_slots
