@@ -85,7 +85,8 @@ class ModelRunner:
                  groups: ParallelGroups | None = None, stage: Stage | None = None):
         self.cfg = cfg = resolve_dtype(cfg, ckpt, model_cfg)  # a no-op where the engine core did it
         # What depends on the served length (LongRoPE's factor set) is fixed here, for every layer.
-        self.model_cfg = model_cfg = model_cfg.serving(model_cfg.served_length(cfg.max_model_len))
+        served = model_cfg.served_length(cfg.max_model_len)
+        self.model_cfg = model_cfg = model_cfg.serving(served)
         groups = groups or single_process_groups()
         self.groups = groups
         self.stage = stage or Stage(0, 1, 0, model_cfg.num_layers)
@@ -102,7 +103,7 @@ class ModelRunner:
         # Sliding-window attention where the served context passes the window (within one
         # window, full attention is the same arithmetic and costs nothing extra).
         window = model_cfg.attention_window
-        self.window = window if window is not None and model_cfg.served_length(cfg.max_model_len) > window else None
+        self.window = window if window is not None and served > window else None
         # Chosen once, before any weight loads; the layers call whichever it is.
         backend = choose_backend(cfg.attention_backend, self.device, self.dtype, cfg.batch_invariant, self.window)
         self.attention: AttentionBackend = ContextBackend(backend) if groups.context.size > 1 else backend

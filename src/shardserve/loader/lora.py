@@ -226,19 +226,25 @@ def read_adapter(name: str, path: str, base: BaseShapes, max_rank: int, data: by
     return AdapterSpec(name, os.path.abspath(path), r, float(scale), tuple(sorted(modules, key=TARGETS.index)))
 
 
+def fused_rows(module: str, rows: dict[str, int]) -> list[tuple[str, int, int]]:
+    """(piece, first row, end) of each piece of fused projection `module` in its output rows, in
+    order (`rows`: each piece's output size, module_shapes' out); the checkpoint loader cuts such
+    a tensor so (models/phi3.py), and `unfuse` an adapter's B."""
+    out, at = [], 0
+    for p in FUSED_TARGETS[module]:
+        out.append((p, at, at + rows[p]))
+        at += rows[p]
+    return out
+
+
 def unfuse(module: str, ab: str, matrix, rows: dict[str, int]) -> list[tuple[str, Any]]:
     """(piece, matrix) for an adapter's lora_`ab` matrix of `module`: itself, or for a fused
     projection each piece's: A whole, B's rows in order (`rows`: each piece's output size)."""
-    parts = FUSED_TARGETS.get(module)
-    if parts is None:
+    if module not in FUSED_TARGETS:
         return [(module, matrix)]
     if ab == "A":
-        return [(p, matrix) for p in parts]
-    out, at = [], 0
-    for p in parts:
-        out.append((p, matrix[at:at + rows[p]]))
-        at += rows[p]
-    return out
+        return [(p, matrix) for p in FUSED_TARGETS[module]]
+    return [(p, matrix[start:end]) for p, start, end in fused_rows(module, rows)]
 
 
 def parse_lora_module(text: str) -> tuple[str, str]:

@@ -4,23 +4,21 @@ rotary read from config.json (model_config.py)."""
 
 from collections.abc import Sequence
 
+from shardserve.loader.lora import FUSED_TARGETS, fused_rows, module_shapes
 from shardserve.loader.source import RowsSource, TensorSource
 from shardserve.models.blocks import CausalLM
 
 
 class Phi3ForCausalLM(CausalLM):
     def checkpoint_pieces(self, src: TensorSource) -> Sequence[TensorSource]:
+        fused = next((m for m in FUSED_TARGETS if f".{m}." in src.name), None)
+        if fused is None:
+            return (src,)
         c = self.cfg
-        q, kv, inter = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim, c.intermediate_size
-        for fused, parts in ((".qkv_proj.", (("q_proj", q), ("k_proj", kv), ("v_proj", kv))),
-                             (".gate_up_proj.", (("gate_proj", inter), ("up_proj", inter)))):
-            if fused not in src.name:
-                continue
-            if src.shape[0] != sum(n for _, n in parts):
-                raise ValueError(f"{src.name}: {src.shape[0]} rows, expected {' + '.join(str(n) for _, n in parts)}")
-            pieces, offset = [], 0
-            for name, rows in parts:
-                pieces.append(RowsSource(src.name.replace(fused, f".{name}."), src, offset, rows))
-                offset += rows
-            return pieces
-        return (src,)
+        shapes = module_shapes(c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim, c.intermediate_size)
+        pieces = fused_rows(fused, {m: out for m, (_, out) in shapes.items()})
+        if src.shape[0] != pieces[-1][2]:
+            raise ValueError(f"{src.name}: {src.shape[0]} rows, expected "
+                             f"{' + '.join(str(end - start) for _, start, end in pieces)}")
+        return [RowsSource(src.name.replace(f".{fused}.", f".{p}."), src, start, end - start)
+                for p, start, end in pieces]

@@ -182,9 +182,11 @@ def build_app(state: ServerState) -> FastAPI:
         log.info("LoRA adapter %r unloaded (requests running with it finish first)", body.lora_name)
         return Response(f"Success: LoRA adapter '{body.lora_name}' removed successfully.", media_type="text/plain")
 
+    installed = {"version": metadata.version("shardserve")}  # read once, not per request
+
     @app.get("/version")
     async def version():
-        return {"version": metadata.version("shardserve")}  # the installed package's
+        return installed
 
     @app.get("/health")
     @app.get("/ping")  # what SageMaker's and vLLM's probes call; as /health
