@@ -82,11 +82,17 @@ class ModelConfig:
     mlp_only_layers: tuple[int, ...] = ()
     mla: LatentAttentionConfig | None = None
     # Sliding-window attention: each token attends to the last `sliding_window` keys (itself
-    # included), on the layers _sliding_layers names (None where it names none). `window_everywhere`:
-    # on every layer (Mistral, Phi-3), which the attention implements (`attention_window`); a window
-    # on some layers only bounds the context instead.
+    # included), on every layer but `full_layers` (None where no layer keeps one): Mistral and Phi-3
+    # window every layer, Gemma 3 five in six, Qwen2's max_window_layers those from it on.
     sliding_window: int | None = None
-    window_everywhere: bool = True
+    full_layers: tuple[int, ...] = ()
+    # The windowed layers' RoPE base where it is not `rope_theta` (Gemma 3's local base; those
+    # layers then take no rope scaling, which applies to the full-attention layers).
+    window_rope_theta: float | None = None
+    # The gated MLP's activation: "silu", or "gelu_pytorch_tanh" (Gemma's).
+    mlp_activation: str = "silu"
+    # Attention scores are scaled by query_pre_attn_scalar ** -0.5 (Gemma's), else head_dim ** -0.5.
+    query_pre_attn_scalar: float | None = None
     torch_dtype: str = "float32"
     # The leading dims of each head that RoPE rotates (partial_rotary_factor x head_dim; Phi-4-mini
     # rotates 3/4); 0 means all of head_dim.
@@ -102,9 +108,11 @@ class ModelConfig:
         _refuse_unimplemented(d)
         heads = int(d["num_attention_heads"])
         hidden = int(d["hidden_size"])
-        rope = d.get("rope_parameters") or d.get("rope_scaling") or {}
-        theta = d.get("rope_theta", rope.get("rope_theta", 10000.0))
         model_type = d.get("model_type", "")
+        rope = d.get("rope_parameters") or d.get("rope_scaling") or {}
+        if "full_attention" in rope:  # one per layer type (Gemma 3): the windowed layers' in _gemma3
+            rope = rope["full_attention"] or {}
+        theta = d.get("rope_theta", rope.get("rope_theta", 1e6 if model_type == "gemma3_text" else 10000.0))
         head_dim = int(d.get("head_dim") or hidden // heads)
         # (rope_parameters' value first, as transformers' Phi3Config reads it)
         partial = float(rope.get("partial_rotary_factor", d.get("partial_rotary_factor", 1.0)))
@@ -134,7 +142,8 @@ class ModelConfig:
             decoder_sparse_step=int(d.get("decoder_sparse_step") or 1),
             mlp_only_layers=tuple(d.get("mlp_only_layers") or ()),
             sliding_window=_sliding_window(d) if any(windowed) else None,
-            window_everywhere=all(windowed),
+            full_layers=tuple(i for i, w in enumerate(windowed) if not w) if any(windowed) else (),
+            mlp_activation=_activation(d),
             torch_dtype=str(d.get("torch_dtype") or d.get("dtype") or "float32"),
             partial_rotary_dim=rotary_dim(head_dim, partial, d.get("rotary_dim")),
         )
@@ -142,7 +151,12 @@ class ModelConfig:
             fields.update(moe_intermediate_size=fields["intermediate_size"], router=RouterConfig(renormalize=True))
         if model_type in ("deepseek_v2", "deepseek_v3"):
             fields.update(_deepseek(d, model_type))
+        if model_type == "gemma3_text":
+            fields.update(_gemma3(d))
         out = cls(**fields)
+        if out.num_experts and out.mlp_activation != "silu":
+            raise ValueError(f"unsupported model option: hidden_act {out.mlp_activation!r} in a mixture of experts "
+                             "(its experts implement 'silu')")
         if (s := out.rope_scaling) is not None and s.kind in ("longrope", "freq_factors"):
             for name, factors in (("short_factor", s.short_factor), ("long_factor", s.long_factor)):
                 if len(factors) != out.rotary_dim // 2:
@@ -173,20 +187,14 @@ class ModelConfig:
 
     @property
     def attention_window(self) -> int | None:
-        """The window every layer's attention keeps (None: full attention), where it changes
-        anything: shorter than the positions."""
+        """The window the windowed layers' attention keeps (None: full attention everywhere), where
+        it changes anything: shorter than the positions."""
         w = self.sliding_window
-        return w if w is not None and w < self.max_position_embeddings and self.window_everywhere else None
+        return w if w is not None and w < self.max_position_embeddings else None
 
-    @property
-    def context_limit(self) -> tuple[int, str]:
-        """The longest context served and the field that bounds it. A window on some layers only
-        (Qwen2's and Qwen3's max_window_layers) is not implemented, so such a model serves contexts within one
-        window (where windowed and full attention are the same arithmetic)."""
-        w = self.sliding_window
-        if w is not None and w < self.max_position_embeddings and not self.window_everywhere:
-            return w, "sliding_window: sliding-window attention on some layers only is not implemented"
-        return self.max_position_embeddings, "max_position_embeddings"
+    def windowed(self, layer: int) -> bool:
+        """Whether layer `layer` keeps the sliding window (see attention_window)."""
+        return self.sliding_window is not None and layer not in self.full_layers
 
     @property
     def rotary_dim(self) -> int:
@@ -194,7 +202,7 @@ class ModelConfig:
 
     def served_length(self, asked: int | None) -> int:
         """The longest context served: --max-model-len where given (never above the model's)."""
-        limit, _ = self.context_limit
+        limit = self.max_position_embeddings
         return min(asked or limit, limit)
 
     def serving(self, max_model_len: int) -> ModelConfig:
@@ -221,11 +229,39 @@ def _sliding_layers(d: dict[str, Any]) -> list[bool]:
     if types and model_type != "mistral":
         return [t == "sliding_attention" for t in types]
     first = int(d.get("max_window_layers", 28))
+    if model_type == "gemma3_text":  # every `sliding_window_pattern`-th layer attends fully
+        pattern = int(d.get("sliding_window_pattern", 6))
+        return [(i + 1) % pattern != 0 for i in range(n)]
     if model_type in ("qwen2", "qwen3"):
         return [i >= first for i in range(n)]
     if model_type == "qwen2_moe":
         return [i % 2 == 0 and i < first for i in range(n)]
     return [True] * n
+
+
+ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
+
+
+def _activation(d: dict[str, Any]) -> str:
+    """The MLP's activation: Gemma names it `hidden_activation`, the others `hidden_act`."""
+    key = "hidden_activation" if d.get("hidden_activation") else "hidden_act"
+    act = d.get(key) or "silu"
+    if act not in ACTIVATIONS and act != "gelu_new":  # gelu_new: the same tanh approximation
+        raise ValueError(f"unsupported model option: {key} {act!r} in config.json (this engine implements "
+                         f"{', '.join(map(repr, ACTIVATIONS))})")
+    return "gelu_pytorch_tanh" if act == "gelu_new" else act
+
+
+def _gemma3(d: dict[str, Any]) -> dict[str, Any]:
+    """Gemma 3's text model: the local RoPE base of its windowed layers (transformers 5 writes
+    both bases per layer type under rope_parameters; the Hub's configs write rope_local_base_freq),
+    and the query scale."""
+    rope = d.get("rope_parameters") or {}
+    local = rope.get("sliding_attention") or {}
+    if (local.get("rope_type") or "default") != "default":
+        raise ValueError(f"unsupported model option: rope_type {local['rope_type']!r} on Gemma 3's sliding layers")
+    theta = local.get("rope_theta", d.get("rope_local_base_freq", 10000.0))
+    return dict(window_rope_theta=float(theta), query_pre_attn_scalar=float(d.get("query_pre_attn_scalar", 256)))
 
 
 def _sliding_window(d: dict[str, Any]) -> int | None:
@@ -239,13 +275,18 @@ def _sliding_window(d: dict[str, Any]) -> int | None:
 _HF_DEFAULTS: dict[str, dict[str, Any]] = {
     "deepseek_v2": dict(first_k_dense_replace=0, q_lora_rank=1536, n_shared_experts=2, routed_scaling_factor=1.0,
                         topk_method="greedy", norm_topk_prob=False, n_routed_experts=64),
+    "gemma3_text": dict(query_pre_attn_scalar=256, sliding_window=4096, head_dim=256,
+                        tie_word_embeddings=True, hidden_activation="gelu_pytorch_tanh",
+                        max_position_embeddings=131_072),
     "deepseek_v3": dict(first_k_dense_replace=3, q_lora_rank=1536, n_shared_experts=1, routed_scaling_factor=2.5,
                         n_group=8, topk_group=4, norm_topk_prob=True, n_routed_experts=256),
 }
 
 # (field, the values the engine implements) for every model type; checked before anything else.
 _IMPLEMENTED: dict[str, list[tuple[str, tuple]]] = {
-    "": [("hidden_act", (None, "silu")), ("quantization_config", (None,))],
+    "": [("quantization_config", (None,))],
+    "gemma3_text": [("attn_logit_softcapping", (None,)), ("final_logit_softcapping", (None,)),
+                    ("use_bidirectional_attention", (None, False))],
     # transformers' V2 never renormalises and always rotates interleaved pairs, DeepSeek's own code
     # would do as these say: two readings of one checkpoint, so neither is guessed.
     "deepseek_v2": [("topk_method", (None, "greedy", "group_limited_greedy")), ("scoring_func", (None, "softmax")),

@@ -79,7 +79,7 @@ LAYOUTS = [(2, 1), (4, 1), (2, 2)]  # (pp, tp); PP 3 (uneven) runs in MATRIX
 # TP 2 x PP 2 on every architecture; PP 2, 3 and 4 alone on one dense and one MoE architecture
 # between them (the stage split does not depend on the architecture; CI time).
 MATRIX = [("llama", 2, 1), ("llama", 4, 1), ("llama", 2, 2), ("qwen3", 2, 2), ("qwen3_moe", 2, 2),
-          ("qwen2_moe", 3, 1), ("qwen2_moe", 2, 2)]
+          ("qwen2_moe", 3, 1), ("qwen2_moe", 2, 2), ("gemma3", 2, 1)]
 
 
 @pytest.mark.slow

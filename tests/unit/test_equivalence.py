@@ -3,11 +3,13 @@ within 1e-4 at prefill and every decode step."""
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 from engine_util import record_logits
-from tiny_models import COMMON, make_tiny_config
-from transformers import LlamaConfig, MistralConfig, Phi3Config
+from tiny_models import COMMON, GEMMA3, make_tiny_config
+from transformers import Gemma3TextConfig, LlamaConfig, MistralConfig, Phi3Config, Qwen2Config
 
 from shardserve.config import EngineConfig
 from shardserve.sampling_params import SamplingParams
@@ -15,7 +17,7 @@ from shardserve.scheduler.engine_core import EngineCore
 from shardserve.scheduler.startup import startup_summary
 
 ARCHS = ["llama", "llama_tied", "qwen2", "qwen3", "qwen3_moe", "qwen2_moe", "mixtral", "deepseek_v2", "deepseek_v3",
-         "phi3"]
+         "phi3", "gemma3"]
 NEW_TOKENS = 32
 
 
@@ -91,10 +93,14 @@ def test_phi3_longrope_both_factor_sets(tiny_model, backend):
 
 @pytest.fixture(scope="module")
 def windowed(tmp_path_factory):
-    """Mistral and Phi-3 with a 16-token sliding window on every layer (prompts reach 40 + 32)."""
+    """A 16-token sliding window (prompts reach 40 + 32): on every layer of Mistral and Phi-3; on
+    Gemma 3's first layer of two (its own RoPE base) and on Qwen2's second (max_window_layers 1)."""
     out = {}
     for name, cfg in (("mistral", MistralConfig(intermediate_size=96, sliding_window=16, **COMMON)),
-                      ("phi3", Phi3Config(intermediate_size=96, sliding_window=16, **COMMON))):
+                      ("phi3", Phi3Config(intermediate_size=96, sliding_window=16, **COMMON)),
+                      ("gemma3", Gemma3TextConfig(**copy.deepcopy(GEMMA3) | COMMON)),
+                      ("qwen2", Qwen2Config(intermediate_size=96, use_sliding_window=True, sliding_window=16,
+                                            max_window_layers=1, **COMMON))):
         path = str(tmp_path_factory.mktemp(name))
         out[name] = (path, make_tiny_config(cfg, path))
     return out
@@ -107,10 +113,18 @@ def windowed(tmp_path_factory):
     ("mistral", {"attention_backend": "torch"}),  # decodes by padded groups, masked
     ("mistral", {"max_num_batched_tokens": 7}),  # chunks over cached context, the window inside pages
     ("mistral", {"max_num_batched_tokens": 7, "attention_backend": "torch", "page_size": 4}),
+    # Windowed and full layers in one model: each step described once for each.
+    ("gemma3", {}),
+    ("gemma3", {"batch_invariant": False}),
+    ("gemma3", {"attention_backend": "torch"}),
+    ("gemma3", {"max_num_batched_tokens": 7, "page_size": 4}),
+    ("qwen2", {}),
+    ("qwen2", {"max_num_batched_tokens": 7, "attention_backend": "torch", "page_size": 4}),
 ])
 def test_sliding_window_attention(windowed, monkeypatch, arch, cfg):
-    """Each token attends to its last 16 keys, as transformers' sliding-window mask says; a second
-    pass over the same prompts (their prefixes from the cache) gives the same tokens."""
+    """Each token attends to its last 16 keys on a windowed layer, to all on the others, as
+    transformers' masks say; a second pass over the same prompts (their prefixes from the cache)
+    gives the same tokens."""
     from shardserve.layers import decode_loop
 
     path, model = windowed[arch]
@@ -119,7 +133,11 @@ def test_sliding_window_attention(windowed, monkeypatch, arch, cfg):
     batch = prompts(model.config.vocab_size)
     tokens, logits, core = run_engine(path, batch, **cfg)
     assert core.runner.window == 16 and core.max_model_len == 512
-    assert bool(loops) == (cfg.get("attention_backend") != "torch")  # decodes in the C layer loop
+    assert core.runner.split_window == (arch in ("gemma3", "qwen2"))
+    where = "1 of 2 layers (the others attend fully)" if core.runner.split_window else "every layer"
+    assert f"; sliding window of 16 tokens on {where}" in startup_summary(core)
+    # Decodes in the C layer loop where every layer keeps the window (its one block table).
+    assert bool(loops) == (cfg.get("attention_backend") != "torch" and arch in ("mistral", "phi3"))
     for p, toks, lg in zip(batch, tokens, logits):
         ref_tokens, ref_logits = hf_reference(model, p)
         assert toks == ref_tokens

@@ -1,6 +1,6 @@
 """What config.json says, read the engine's way: DeepSeek's latent cache widths and gate rules,
-Phi-3's rotary, sliding windows (on some layers only: bounding the context), and every option the
-engine does not implement refused at start naming its field and value."""
+Phi-3's rotary, sliding windows (on every layer or some), Gemma 3's two kinds of layer, and every
+option the engine does not implement refused at start naming its field and value."""
 
 from __future__ import annotations
 
@@ -9,7 +9,13 @@ import math
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, MistralConfig, Qwen2Config, Qwen2MoeConfig, Qwen3Config
+from transformers import (
+    Gemma3TextConfig,
+    MistralConfig,
+    Qwen2Config,
+    Qwen2MoeConfig,
+    Qwen3Config,
+)
 
 from shardserve.config import EngineConfig, ModelConfig
 from shardserve.distributed.layout import LayoutError
@@ -101,22 +107,6 @@ def test_phi3_configs_read_as_transformers_reads_them(tiny_model):
     assert ModelConfig.from_dict(bare).rope_scaling.original_max_position_embeddings == 4096  # Phi3Config's default
 
 
-def test_a_window_on_some_layers_only_bounds_the_context(tmp_path):
-    """Qwen2's max_window_layers: full attention below it, a window above; not implemented, so
-    the context stays within one window (where both agree), said by the field."""
-    torch.manual_seed(0)
-    cfg = Qwen2Config(vocab_size=301, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-                      num_key_value_heads=2, max_position_embeddings=512, use_sliding_window=True, sliding_window=32,
-                      max_window_layers=1)
-    AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).save_pretrained(tmp_path)
-    mc = ModelConfig.from_dir(str(tmp_path))
-    assert mc.attention_window is None
-    assert mc.context_limit == (32, "sliding_window: sliding-window attention on some layers only is not implemented")
-    with pytest.raises(LayoutError, match=r"--max-model-len 64 exceeds .* 32 tokens \(sliding_window"):
-        check_context(EngineConfig(max_model_len=64), mc)
-    assert EngineCore(EngineConfig(model=str(tmp_path), show_progress=False)).max_model_len == 32
-
-
 @pytest.mark.parametrize("cls,arch,first,want", [
     (Qwen3Config, "Qwen3ForCausalLM", 2, "some"),  # layers 2 and 3
     (Qwen3Config, "Qwen3ForCausalLM", 0, "all"),
@@ -127,8 +117,7 @@ def test_a_window_on_some_layers_only_bounds_the_context(tmp_path):
 @pytest.mark.parametrize("with_types", [True, False])
 def test_which_layers_keep_the_window_as_transformers_says(cls, arch, first, want, with_types):
     """config.json's layer_types, or where a config leaves it out (Qwen's published ones do), what
-    its transformers config class would fill in: all windowed is served with the window, some only
-    bounds the context, none is full attention."""
+    its transformers config class would fill in; the others attend fully."""
     cfg = cls(vocab_size=301, hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
               max_position_embeddings=512, use_sliding_window=True, sliding_window=16, max_window_layers=first)
     d = cfg.to_dict() | {"architectures": [arch]}
@@ -137,8 +126,8 @@ def test_which_layers_keep_the_window_as_transformers_says(cls, arch, first, wan
     sliding = [t == "sliding_attention" for t in cfg.layer_types]
     assert want == ("all" if all(sliding) else "some" if any(sliding) else "none")
     mc = ModelConfig.from_dict(d)
-    served = {"all": (16, 512), "some": (None, 16), "none": (None, 512)}[want]
-    assert (mc.attention_window, mc.context_limit[0]) == served
+    assert mc.attention_window == (None if want == "none" else 16) and mc.served_length(None) == 512
+    assert [mc.windowed(i) for i in range(4)] == (sliding if want != "none" else [False] * 4)
 
 
 def test_a_window_everywhere_is_refused_where_no_kernel_keeps_it(tmp_path):
@@ -149,10 +138,58 @@ def test_a_window_everywhere_is_refused_where_no_kernel_keeps_it(tmp_path):
     cfg = MistralConfig(vocab_size=301, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512, sliding_window=32)
     mc = ModelConfig.from_dict(cfg.to_dict() | {"architectures": ["MistralForCausalLM"]})
-    assert (mc.attention_window, mc.context_limit[0]) == (32, 512)
+    assert (mc.attention_window, mc.served_length(None)) == (32, 512)
     with pytest.raises(LayoutError, match=r"--cp-size 2: .* window is 32 tokens\): give --max-model-len 32 or less"):
         check_context(EngineConfig(), mc, cp=2)
     check_context(EngineConfig(max_model_len=32), mc, cp=2)
     with pytest.raises(BackendUnavailable, match="--attention-backend triton has no sliding-window attention"):
         choose_backend("triton", torch.device("cpu"), torch.float32, window=32)
     assert choose_backend("auto", torch.device("cuda"), torch.bfloat16, window=32).name == "torch"
+
+
+# google/gemma-3-1b-it's config.json as the Hub has it (the keys this engine reads), with the
+# 4B-27B's linear scaling of the global layers.
+GEMMA3_HUB = {"architectures": ["Gemma3ForCausalLM"], "model_type": "gemma3_text", "hidden_size": 1152,
+              "intermediate_size": 6912, "num_hidden_layers": 26, "num_attention_heads": 4, "num_key_value_heads": 1,
+              "head_dim": 256, "query_pre_attn_scalar": 256, "rms_norm_eps": 1e-6, "rope_theta": 1000000,
+              "rope_local_base_freq": 10000, "rope_scaling": {"rope_type": "linear", "factor": 8.0},
+              "sliding_window": 512, "sliding_window_pattern": 6, "max_position_embeddings": 32768,
+              "vocab_size": 262144, "hidden_activation": "gelu_pytorch_tanh", "attn_logit_softcapping": None,
+              "final_logit_softcapping": None, "eos_token_id": [1, 106], "bos_token_id": 2}
+
+
+@pytest.mark.parametrize("spelling", ["hub", "transformers5"])
+def test_gemma3_read_as_transformers_reads_it(spelling):
+    """Which layers keep the 512-token window (every sixth attends fully), each kind's RoPE base,
+    the scaling on the global layers only, the query scale and the activation, from the Hub's
+    keys and from transformers 5's rewrite of them (rope_parameters per layer type)."""
+    d = GEMMA3_HUB if spelling == "hub" else Gemma3TextConfig.from_dict(GEMMA3_HUB).to_dict()
+    if spelling == "transformers5":
+        d = d | {"architectures": ["Gemma3ForCausalLM"]}
+        assert "rope_local_base_freq" not in d and "sliding_attention" in d["rope_parameters"]
+    ref = Gemma3TextConfig.from_dict(GEMMA3_HUB)
+    mc = ModelConfig.from_dict(d)
+    assert [mc.windowed(i) for i in range(26)] == [t == "sliding_attention" for t in ref.layer_types]
+    assert mc.full_layers == (5, 11, 17, 23) and mc.attention_window == 512
+    assert (mc.rope_theta, mc.window_rope_theta) == (1e6, 1e4) == (
+        ref.rope_parameters["full_attention"]["rope_theta"], ref.rope_parameters["sliding_attention"]["rope_theta"])
+    assert (mc.rope_scaling.kind, mc.rope_scaling.factor) == ("linear", 8.0)
+    assert (mc.query_pre_attn_scalar, mc.mlp_activation, mc.tie_word_embeddings) == (256, "gelu_pytorch_tanh", True)
+    assert mc.eos_token_ids == (1, 106) and mc.served_length(None) == 32768
+
+
+@pytest.mark.parametrize("change,named", [
+    ({"attn_logit_softcapping": 50.0}, "attn_logit_softcapping 50.0"),
+    ({"final_logit_softcapping": 30.0}, "final_logit_softcapping 30.0"),
+    ({"use_bidirectional_attention": True}, "use_bidirectional_attention True"),
+    ({"hidden_activation": "relu"}, "hidden_activation 'relu'"),
+    ({"rope_parameters": {"sliding_attention": {"rope_type": "yarn", "factor": 2.0}}}, "rope_type 'yarn' on Gemma"),
+])
+def test_gemma3_options_not_implemented_are_refused(change, named):
+    with pytest.raises(ValueError, match=named):
+        ModelConfig.from_dict(GEMMA3_HUB | change)
+
+
+def test_a_gelu_mixture_of_experts_is_refused(tiny_model):
+    with pytest.raises(ValueError, match="hidden_act 'gelu_pytorch_tanh' in a mixture of experts"):
+        ModelConfig.from_dict(config_dict(tiny_model, "mixtral") | {"hidden_act": "gelu_pytorch_tanh"})

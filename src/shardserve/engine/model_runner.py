@@ -18,6 +18,7 @@ import torch
 from shardserve.attention import cpu_kernel
 from shardserve.attention.backend import AttentionBackend
 from shardserve.attention.context import ContextBackend
+from shardserve.attention.metadata import AttentionMetadata
 from shardserve.attention.select import choose_backend
 from shardserve.config import EngineConfig, ModelConfig
 from shardserve.distributed.expert_placement import PlacementPlan, load_counts
@@ -104,6 +105,8 @@ class ModelRunner:
         # window, full attention is the same arithmetic and costs nothing extra).
         window = model_cfg.attention_window
         self.window = window if window is not None and served > window else None
+        # Some layers windowed, others not (Gemma 3): each step described twice, once per kind.
+        self.split_window = self.window is not None and bool(model_cfg.full_layers)
         # Chosen once, before any weight loads; the layers call whichever it is.
         backend = choose_backend(cfg.attention_backend, self.device, self.dtype, cfg.batch_invariant, self.window)
         self.attention: AttentionBackend = ContextBackend(backend) if groups.context.size > 1 else backend
@@ -223,9 +226,10 @@ class ModelRunner:
         residual stream to send on, or on the last stage the logits of `step.logit_rows`.
         `after_layer(i)` runs once layer i has (disaggregated prefill: its KV leaves then)."""
         cp = step.context
-        meta = cp.meta if cp else self.attention.prepare(self.cfg.page_size, step.decodes, step.prefills, self.device,
-                                                          self.window)
-        ctx = ForwardContext(self.kv_views, meta, self.attention, after_layer=after_layer)
+        ctx = ForwardContext(self.kv_views, cp.meta if cp else self._prepare(step, full=self.split_window),
+                             self.attention, after_layer=after_layer)
+        if self.split_window and not cp:
+            ctx.attn_window = self._prepare(step, full=False)
         pos = torch.tensor(step.positions, dtype=torch.long, device=self.device)
         ids = torch.tensor(step.token_ids, dtype=torch.long, device=self.device) if self.stage.first else None
         if self.lora is not None:
@@ -241,6 +245,11 @@ class ModelRunner:
         # Only rows that sample (or score a prompt) need logits: the LM head is the largest matmul.
         rows = torch.tensor(step.logit_rows, dtype=torch.long, device=self.device)
         return self.model.compute_logits(out.index_select(0, rows))
+
+    def _prepare(self, step: StepInputs, full: bool) -> AttentionMetadata:
+        """The step's attention metadata: for full attention, or under the model's window."""
+        return self.attention.prepare(self.cfg.page_size, step.decodes, step.prefills, self.device,
+                                      None if full else self.window)
 
     def _context_logits(self, out: torch.Tensor, cp: ContextStep) -> torch.Tensor:
         """The rows that need logits live on the context ranks that computed them: gather them in

@@ -35,11 +35,9 @@ def check_speculative(cfg: EngineConfig, layout: Layout, ckpt: Checkpoint) -> No
     if draft_cfg.vocab_size != target_cfg.vocab_size:
         raise LayoutError(f"--speculative-model {draft.name}: its vocabulary has {draft_cfg.vocab_size} tokens, the "
                           f"target's {target_cfg.vocab_size}; a draft must share the target's tokenizer")
-    (limit, _), (draft_limit, draft_field) = target_cfg.context_limit, draft_cfg.context_limit
-    longest = min(cfg.max_model_len or limit, limit)
+    draft_limit, longest = draft_cfg.max_position_embeddings, target_cfg.served_length(cfg.max_model_len)
     if draft_limit < longest:
-        window = " (its sliding_window)" if draft_field != "max_position_embeddings" else ""
-        raise LayoutError(f"--speculative-model {draft.name}: it takes {draft_limit} positions{window}, sequences "
+        raise LayoutError(f"--speculative-model {draft.name}: it takes {draft_limit} positions, sequences "
                           f"here may reach {longest}; give --max-model-len {draft_limit} or less, or a draft of the "
                           f"target's context length")
     if spec.draft_tp == "same":

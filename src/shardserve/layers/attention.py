@@ -29,17 +29,23 @@ class ForwardContext:
     attn: AttentionMetadata | ContextMetadata  # the latter under context parallelism
     backend: AttentionBackend
     rope: tuple[torch.Tensor, torch.Tensor] | None = None  # cos, sin of this step's positions
+    # Where only some layers keep a sliding window (Gemma 3), the metadata those read (`attn`
+    # being the full-attention layers'), and their rope tables where they differ; else None.
+    attn_window: AttentionMetadata | None = None
+    rope_window: tuple[torch.Tensor, torch.Tensor] | None = None
     # Called with each layer's index once it has run (a prefill instance ships that layer's KV).
     after_layer: Callable[[int], None] | None = None
 
 
 class SelfAttention(nn.Module):
-    """Llama-family attention. `qk_norm` adds Qwen3's per-head RMSNorm on q and k before RoPE."""
+    """Llama-family attention. `qk_norm` adds Qwen3's per-head RMSNorm on q and k before RoPE (of
+    class `norm`: Gemma's scales by 1 + w)."""
 
     def __init__(self, cfg: ModelConfig, layer_idx: int, comm: Communicator, dtype, device,
-                 qk_norm: bool = False):
+                 qk_norm: bool = False, norm: type[RMSNorm] = RMSNorm):
         super().__init__()
         self.layer_idx = layer_idx
+        self.windowed = cfg.windowed(layer_idx)  # reads ForwardContext.attn_window where there is one
         shard = head_shard(cfg.num_heads, cfg.num_kv_heads, comm.size, comm.rank)
         self.hq, self.hkv, self.d = shard.num_q, shard.num_kv, cfg.head_dim
         self.rotary_dim = cfg.rotary_dim  # what the C decode loop rotates (the tables are as wide)
@@ -47,9 +53,10 @@ class SelfAttention(nn.Module):
         o_range = (shard.q_start * self.d, shard.q_end * self.d)
         self.o_proj = RowParallelLinear(cfg.num_heads * self.d, cfg.hidden_size, False, comm, dtype, device,
                                         in_range=o_range)
-        self.q_norm = RMSNorm(self.d, cfg.rms_norm_eps, dtype, device) if qk_norm else None
-        self.k_norm = RMSNorm(self.d, cfg.rms_norm_eps, dtype, device) if qk_norm else None
-        self.heads = Heads(self.hq, self.hkv, self.d, self.d**-0.5, shard.kv_of_q, device)
+        self.q_norm = norm(self.d, cfg.rms_norm_eps, dtype, device) if qk_norm else None
+        self.k_norm = norm(self.d, cfg.rms_norm_eps, dtype, device) if qk_norm else None
+        scale = (cfg.query_pre_attn_scalar or self.d) ** -0.5
+        self.heads = Heads(self.hq, self.hkv, self.d, scale, shard.kv_of_q, device)
 
     @property
     def takes_bf16_input(self) -> bool:
@@ -62,7 +69,8 @@ class SelfAttention(nn.Module):
         q, k, v = q.view(t, self.hq, self.d), k.view(t, self.hkv, self.d), v.view(t, self.hkv, self.d)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rotary(q, k, *ctx.rope)
+        own_window = self.windowed and ctx.attn_window is not None
+        q, k = apply_rotary(q, k, *(ctx.rope_window if self.windowed and ctx.rope_window else ctx.rope))
         k_cache, v_cache = ctx.kv_caches[self.layer_idx]
-        o = ctx.backend.forward(self.heads, q, k, v, k_cache, v_cache, ctx.attn)
+        o = ctx.backend.forward(self.heads, q, k, v, k_cache, v_cache, ctx.attn_window if own_window else ctx.attn)
         return self.o_proj(o.reshape(t, self.hq * self.d))

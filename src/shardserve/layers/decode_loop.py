@@ -78,7 +78,8 @@ def _linears(layer: torch.nn.Module) -> tuple[PackedLinear, ...]:
 
 def _fits(layer: torch.nn.Module) -> bool:
     attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
-    if not isinstance(attn, SelfAttention) or type(mlp) is not GatedMLP:
+    if (not getattr(layer, "loop_fits", False) or not isinstance(attn, SelfAttention) or type(mlp) is not GatedMLP
+            or mlp.activation != "silu"):
         return False
     linears = _linears(layer)
     # Adapter slots: CPU float32 and whole (one tensor rank: the loop never shards them).
@@ -121,7 +122,10 @@ class DecodeLoop:
     def applies(self, x: torch.Tensor, ctx: ForwardContext) -> bool:
         meta = ctx.attn
         # The C loop calls the C attention kernel: only where the runner's backend is that one.
+        # One block table and one set of rope tables for every layer: not where some layers keep
+        # a window and others do not (the runner says so at start).
         return (ctx.backend.name == "cpu" and meta.paged is not None and not meta.prefills
+                and ctx.attn_window is None and ctx.rope_window is None
                 and not meta.decode_groups and meta.num_decode == x.shape[0]
                 and ctx.after_layer is None and x.dtype == torch.float32)
 

@@ -1,4 +1,5 @@
-"""The gated SiLU MLP (gate/up fused, column-split; down row-split)."""
+"""The gated MLP (gate/up fused, column-split; down row-split): SiLU, or Gemma's tanh-approximated
+GELU, of the gate times up."""
 
 from __future__ import annotations
 
@@ -12,8 +13,10 @@ from shardserve.layers.linear import RowParallelLinear, merged_column_linear
 
 
 class GatedMLP(nn.Module):
-    def __init__(self, hidden: int, intermediate: int, comm: Communicator, dtype, device, reduce: bool = True):
+    def __init__(self, hidden: int, intermediate: int, comm: Communicator, dtype, device, reduce: bool = True,
+                 activation: str = "silu"):
         super().__init__()
+        self.activation = activation  # ModelConfig.mlp_activation
         self.gate_up_proj = merged_column_linear(hidden, [intermediate, intermediate], False, comm, dtype, device)
         self.down_proj = RowParallelLinear(intermediate, hidden, False, comm, dtype, device, reduce=reduce)
 
@@ -23,6 +26,9 @@ class GatedMLP(nn.Module):
         return self.gate_up_proj.takes_bf16_input
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.activation != "silu":
+            gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+            return self.down_proj(F.gelu(gate, approximate="tanh") * up)
         if self.gate_up_proj.takes_bf16_input and self.down_proj.takes_bf16_input:
             # bfloat16 weights on vdpbf16ps, no adapter: SiLU in the gate/up product's epilogue.
             h = quant_kernel.gate_up_silu(x, self.gate_up_proj.quant)

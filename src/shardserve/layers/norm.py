@@ -32,3 +32,21 @@ class RMSNorm(nn.Module):
         x = x.float()
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x.to(dtype)
+
+
+class OffsetRMSNorm(RMSNorm):
+    """Gemma's RMSNorm: the normalized rows times (1 + w), in float32 whatever the dtype (as
+    transformers computes it). It holds 1 + w in float32, added once at load."""
+
+    def __init__(self, size: int, eps: float, dtype, device):
+        super().__init__(size, eps, torch.float32, device)
+        self.out_dtype = dtype
+
+    def _load(self, param, src, shard_id=None) -> None:
+        copy_into(param.data, src.read().float() + 1.0, src.name)
+
+    def forward(self, x: torch.Tensor, bf16: bool = False) -> torch.Tensor:
+        if x.dtype == torch.float32:
+            return super().forward(x, bf16)
+        y = x.float()
+        return (y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight).to(x.dtype)

@@ -40,11 +40,17 @@ _UNBUILT = object()
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, attn: nn.Module, mlp: nn.Module, cfg: ModelConfig, dtype, device):
+    """Pre-norm attention, then pre-norm MLP, each added to the residual stream (the order the C
+    decode loop runs: `loop_fits`)."""
+
+    loop_fits = True
+
+    def __init__(self, attn: nn.Module, mlp: nn.Module, cfg: ModelConfig, dtype, device,
+                 norm: type[RMSNorm] = RMSNorm):
         super().__init__()
         self.self_attn, self.mlp = attn, mlp
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
+        self.input_layernorm = norm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
+        self.post_attention_layernorm = norm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         # A norm hands its rows as bfloat16 where the product after it would round them so itself.
@@ -66,6 +72,8 @@ class CausalLM(nn.Module):
     their checkpoint layer numbers), and the final norm and LM head on the last stage."""
 
     qk_norm = False
+    norm_class = RMSNorm  # every norm's (Gemma's scales by 1 + w)
+    layer = DecoderLayer
     fused = FUSED  # the checkpoint pieces this architecture fuses (see FUSED)
     # Checkpoint name pieces spelled otherwise than ours: (theirs, ours), replaced in order.
     renames: tuple[tuple[str, str], ...] = ()
@@ -83,33 +91,41 @@ class CausalLM(nn.Module):
                              if stage.first else None)
         self.rotary = RotaryEmbedding(cfg.rotary_dim, cfg.rope_theta, cfg.max_position_embeddings,
                                       cfg.rope_scaling, device)
+        # The windowed layers' own tables (Gemma 3's local base, unscaled), where they have them.
+        self.rotary_window = (RotaryEmbedding(cfg.rotary_dim, cfg.window_rope_theta, cfg.max_position_embeddings,
+                                              None, device) if cfg.window_rope_theta is not None else None)
         self.layers = nn.ModuleList(
-            DecoderLayer(
+            self.layer(
                 self.make_attention(cfg, i, comm, dtype, device),
                 self.make_mlp(cfg, i, comm, dtype, device),
-                cfg, dtype, device,
+                cfg, dtype, device, norm=self.norm_class,
             ) if stage.owns(i) else nn.Identity()
             for i in range(cfg.num_layers)
         )
         self.norm = self.lm_head = None
         self._loop: DecodeLoop | None | object = _UNBUILT
         if stage.last:
-            self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
+            self.norm = self.norm_class(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
             # A tied head on a stage without the embedding loads the embedding matrix itself.
             tied = self.embed_tokens if cfg.tie_word_embeddings else None
             self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, comm, dtype, device, tied_to=tied)
 
     def make_attention(self, cfg: ModelConfig, layer: int, comm: Communicator, dtype, device) -> nn.Module:
-        return SelfAttention(cfg, layer, comm, dtype, device, qk_norm=self.qk_norm)
+        return SelfAttention(cfg, layer, comm, dtype, device, qk_norm=self.qk_norm, norm=self.norm_class)
 
     def make_mlp(self, cfg: ModelConfig, layer: int, comm: Communicator, dtype, device) -> nn.Module:
-        return GatedMLP(cfg.hidden_size, cfg.intermediate_size, comm, dtype, device)
+        return GatedMLP(cfg.hidden_size, cfg.intermediate_size, comm, dtype, device, activation=cfg.mlp_activation)
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.embed_tokens(input_ids)
 
     def forward(self, input_ids: torch.Tensor | None, positions: torch.Tensor, ctx: ForwardContext,
                 hidden: torch.Tensor | None = None) -> torch.Tensor:
         """The final-normed hidden states on the last stage, the residual stream elsewhere."""
-        x = self.embed_tokens(input_ids) if self.stage.first else hidden
+        x = self.embed(input_ids) if self.stage.first else hidden
         ctx.rope = self.rotary.cos_sin(positions)
+        if self.rotary_window is not None:
+            ctx.rope_window = self.rotary_window.cos_sin(positions)
         loop = self._decode_loop()
         if loop is not None and loop.applies(x, ctx):
             x = loop.run(x, ctx)

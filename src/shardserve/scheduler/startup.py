@@ -46,9 +46,8 @@ def startup_summary(engine: EngineCore) -> str:
     rank (4096 bytes a page); context length 512 tokens (the model's limit)'."""
     r, cfg, groups = engine.runner, engine.cfg, engine.runner.groups
     kv_bytes = r.pool.k.nbytes + r.pool.v.nbytes
-    limit, field = engine.model_cfg.context_limit
-    why = "" if field == "max_position_embeddings" else f": {field}"
-    context = f"the model's limit{why}" if engine.max_model_len == limit else f"--max-model-len; the model's is {limit}"
+    limit = engine.model_cfg.max_position_embeddings
+    context = "the model's limit" if engine.max_model_len == limit else f"--max-model-len; the model's is {limit}"
     pages = engine.allocator.num_pages
     spread = f" over {groups.context.size} context ranks" if groups.context.size > 1 else ""
     weights = weights_text(r.quantization, cfg.dtype, engine.ckpt.is_gguf)
@@ -57,7 +56,18 @@ def startup_summary(engine: EngineCore) -> str:
             f"KV cache {str(r.kv_dtype).removeprefix('torch.')}, {pages} pages x {cfg.page_size} tokens "
             f"({pages * cfg.page_size} tokens{spread}), "
             f"{mib(kv_bytes)} on this rank ({kv_bytes // max(1, r.num_pages)} bytes a page); "
-            f"context length {engine.max_model_len} tokens ({context}){rope_text(r.model_cfg)}{async_text(engine)}")
+            f"context length {engine.max_model_len} tokens ({context}){window_text(engine)}{rope_text(r.model_cfg)}"
+            f"{async_text(engine)}")
+
+
+def window_text(engine: EngineCore) -> str:
+    """The sliding window in the summary, where the served context passes it: on which layers."""
+    mc, window = engine.model_cfg, engine.runner.window
+    if window is None:
+        return ""
+    n = mc.num_layers
+    where = "every layer" if not mc.full_layers else f"{n - len(mc.full_layers)} of {n} layers (the others attend fully)"
+    return f"; sliding window of {window} tokens on {where}"
 
 
 def rope_text(mc: ModelConfig) -> str:

@@ -1,0 +1,34 @@
+"""Gemma 3's text model (Gemma3ForCausalLM: the 270M and 1B checkpoints): Llama's decoder with
+each norm scaling by 1 + w, a second norm on each block's output before the residual add, q/k
+norms, the tanh-approximated GELU, embeddings scaled by sqrt(hidden), and a sliding window on
+five layers in six with their own RoPE base (model_config.py reads which)."""
+
+import torch
+
+from shardserve.layers.attention import ForwardContext
+from shardserve.layers.norm import OffsetRMSNorm
+from shardserve.models.blocks import CausalLM, DecoderLayer
+
+
+class GemmaDecoderLayer(DecoderLayer):
+    loop_fits = False  # the C decode loop has no norms after the blocks
+
+    def __init__(self, attn, mlp, cfg, dtype, device, norm=OffsetRMSNorm):
+        super().__init__(attn, mlp, cfg, dtype, device, norm)
+        self.pre_feedforward_layernorm = norm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
+        self.post_feedforward_layernorm = norm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        x = x + self.post_attention_layernorm(self.self_attn(positions, self.input_layernorm(x), ctx))
+        return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
+
+
+class Gemma3ForCausalLM(CausalLM):
+    qk_norm = True
+    norm_class = OffsetRMSNorm
+    layer = GemmaDecoderLayer
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        x = self.embed_tokens(input_ids)
+        # sqrt(hidden) in the activations' dtype, as transformers rounds it
+        return x * torch.tensor(self.cfg.hidden_size**0.5, dtype=x.dtype)
