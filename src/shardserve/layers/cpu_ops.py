@@ -49,20 +49,24 @@ def rotary_(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tens
     return True
 
 
-def silu_mul(gate_up: torch.Tensor, bf16: bool = False) -> torch.Tensor | None:
-    """silu(gate) * up where gate_up [.., 2I] holds gate then up; or None (use torch). `bf16`:
-    rounded to bfloat16 as a product on bfloat16 weights rounds its activations, for one that
-    takes them so (quant_kernel.takes_bf16): the same bits it would have used."""
+def silu_mul(gate_up: torch.Tensor, bf16: bool = False, activation: str = "silu") -> torch.Tensor | None:
+    """act(gate) * up where gate_up [.., 2I] holds gate then up, act SiLU or (`activation`
+    "gelu_pytorch_tanh") GELU's tanh approximation; or None (use torch). `bf16`: rounded to
+    bfloat16 as a product on bfloat16 weights rounds its activations, for one that takes them so
+    (quant_kernel.takes_bf16): the same bits it would have used."""
     if not cpu_float32(gate_up) or (lib := _lib()) is None:
         return None
     g2 = gate_up.reshape(-1, gate_up.shape[-1])
     inter = g2.shape[1] // 2
     out = torch.empty(g2.shape[0], inter, dtype=torch.bfloat16 if bf16 else torch.float32)
+    name = "silu_mul" if activation == "silu" else "gelu_tanh_mul"
     if bf16:
-        if lib.silu_mul_bf16(g2.data_ptr(), g2.shape[0], g2.stride(0), inter, out.data_ptr(), torch.get_num_threads()):
-            raise MemoryError("silu_mul: out of memory for a row buffer")
+        if getattr(lib, f"{name}_bf16")(g2.data_ptr(), g2.shape[0], g2.stride(0), inter, out.data_ptr(),
+                                        torch.get_num_threads()):
+            raise MemoryError(f"{name}: out of memory for a row buffer")
     else:
-        lib.silu_mul_f32(g2.data_ptr(), g2.shape[0], g2.stride(0), inter, out.data_ptr(), torch.get_num_threads())
+        getattr(lib, f"{name}_f32")(g2.data_ptr(), g2.shape[0], g2.stride(0), inter, out.data_ptr(),
+                                    torch.get_num_threads())
     return out.view(*gate_up.shape[:-1], inter)
 
 

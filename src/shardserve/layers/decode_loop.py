@@ -1,6 +1,8 @@
 """A decode step's decoder layers in one C call (csrc/decode_loop.c), where they fit it.
 
-It applies to a dense llama-family stack (llama, qwen2, qwen3) on the CPU in float32 with every
+It applies to a dense llama-family stack (llama, qwen2, qwen3, phi3; gemma3's norms after each
+block and GELU too; a window on some layers, each layer reading its own pages and rope tables)
+on the CPU in float32 with every
 linear weight held as row segments for the C kernels (block-quantized: a GGUF under
 --quantization auto, or int8; or float32 weights as F32 rows), run by one tensor rank, and to
 steps made only of decode rows attended by the CPU paged kernel. LoRA adapters' products (layers/
@@ -46,12 +48,20 @@ class LoraRowsC(ctypes.Structure):
 class Layer(ctypes.Structure):
     _fields_ = [("ln1", ptr), ("ln2", ptr), ("qkv_bias", ptr), ("q_norm", ptr), ("k_norm", ptr),
                 ("qkv", Mat), ("o", Mat), ("gate_up", Mat), ("down", Mat), ("k_cache", ptr), ("v_cache", ptr),
-                ("lqkv", LoraMat), ("lo", LoraMat), ("lgate_up", LoraMat), ("ldown", LoraMat)]
+                ("lqkv", LoraMat), ("lo", LoraMat), ("lgate_up", LoraMat), ("ldown", LoraMat),
+                ("post_attn", ptr), ("post_ffn", ptr), ("windowed", i64)]
 
 
 class Dims(ctypes.Structure):
     _fields_ = [("hidden", i64), ("hq", i64), ("hkv", i64), ("d", i64), ("inter", i64), ("eps", ctypes.c_float),
-                ("scale", ctypes.c_float), ("kv_of_q", ptr), ("kv_bf16", i64), ("rd", i64)]
+                ("scale", ctypes.c_float), ("kv_of_q", ptr), ("kv_bf16", i64), ("rd", i64), ("act", i64)]
+
+
+class Window(ctypes.Structure):
+    _fields_ = [("cos", ptr), ("sin", ptr), ("block_tables", ptr), ("context_lens", ptr), ("skips", ptr),
+                ("max_pages", i64)]
+
+ACTIVATIONS = {"silu": 0, "gelu_pytorch_tanh": 1}  # Dims.act
 
 
 def _mat(linear: PackedLinear) -> Mat:
@@ -76,10 +86,15 @@ def _linears(layer: torch.nn.Module) -> tuple[PackedLinear, ...]:
     return layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj
 
 
+def _ptr(t: torch.Tensor | None) -> int | None:
+    return None if t is None else t.data_ptr()
+
+
 def _fits(layer: torch.nn.Module) -> bool:
     attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
-    if (not getattr(layer, "loop_fits", False) or not isinstance(attn, SelfAttention) or type(mlp) is not GatedMLP
-            or mlp.activation != "silu"):
+    norms = layer.loop_norms() if hasattr(layer, "loop_norms") else None
+    if (norms is None or not isinstance(attn, SelfAttention) or type(mlp) is not GatedMLP
+            or mlp.activation not in ACTIVATIONS):
         return False
     linears = _linears(layer)
     # Adapter slots: CPU float32 and whole (one tensor rank: the loop never shards them).
@@ -87,8 +102,7 @@ def _fits(layer: torch.nn.Module) -> bool:
     return (all(lin.quant is not None and len(lin.quant) <= 3 for lin in linears)
             and all(w.a.dtype == torch.float32 and w.a.device.type == "cpu" and not w.fully for w in adapted)
             and attn.o_proj.bias is None and attn.o_proj.comm.size == 1 and mlp.down_proj.reduce
-            and layer.input_layernorm.weight.dtype == torch.float32
-            and layer.input_layernorm.weight.device.type == "cpu")
+            and all(n.weight.dtype == torch.float32 and n.weight.device.type == "cpu" for n in norms if n is not None))
 
 
 class DecodeLoop:
@@ -101,7 +115,8 @@ class DecodeLoop:
         mlp = layers[0].mlp
         self.dims = Dims(hidden=first.o_proj.out_features, hq=first.hq, hkv=first.hkv, d=first.d,
                          inter=mlp.down_proj.end - mlp.down_proj.start, eps=layers[0].input_layernorm.eps,
-                         scale=first.heads.scale, kv_of_q=self.kv_index.data_ptr(), rd=first.rotary_dim)
+                         scale=first.heads.scale, kv_of_q=self.kv_index.data_ptr(), rd=first.rotary_dim,
+                         act=ACTIVATIONS[mlp.activation])
         self._table: ctypes.Array | None = None
         self._key = 0
         # The step's adapter rows are shared by every adapted layer of the runner (layers/lora.py).
@@ -122,10 +137,8 @@ class DecodeLoop:
     def applies(self, x: torch.Tensor, ctx: ForwardContext) -> bool:
         meta = ctx.attn
         # The C loop calls the C attention kernel: only where the runner's backend is that one.
-        # One block table and one set of rope tables for every layer: not where some layers keep
-        # a window and others do not (the runner says so at start).
         return (ctx.backend.name == "cpu" and meta.paged is not None and not meta.prefills
-                and ctx.attn_window is None and ctx.rope_window is None
+                and (ctx.attn_window is None or ctx.attn_window.paged is not None)
                 and not meta.decode_groups and meta.num_decode == x.shape[0]
                 and ctx.after_layer is None and x.dtype == torch.float32)
 
@@ -141,8 +154,10 @@ class DecodeLoop:
             for i, layer in enumerate(self.layers):
                 attn, mlp = layer.self_attn, layer.mlp
                 k_cache, v_cache = ctx.kv_caches[attn.layer_idx]
+                ln1, post_attn, ln2, post_ffn = (None if n is None else n.weight for n in layer.loop_norms())
                 table[i] = Layer(
-                    ln1=layer.input_layernorm.weight.data_ptr(), ln2=layer.post_attention_layernorm.weight.data_ptr(),
+                    ln1=ln1.data_ptr(), ln2=ln2.data_ptr(), post_attn=_ptr(post_attn), post_ffn=_ptr(post_ffn),
+                    windowed=int(attn.windowed),
                     qkv_bias=attn.qkv_proj.bias.data_ptr() if attn.qkv_proj.bias is not None else None,
                     q_norm=attn.q_norm.weight.data_ptr() if attn.q_norm is not None else None,
                     k_norm=attn.k_norm.weight.data_ptr() if attn.k_norm is not None else None,
@@ -164,13 +179,31 @@ class DecodeLoop:
         lrows = (LoraRowsC(rows.order.data_ptr(), rows.bounds.data_ptr(), rows.gslot.data_ptr(), rows.ngroups)
                  if rows is not None else None)
         skips = meta.paged.skips.data_ptr() if meta.paged.skips is not None else None
+        win = _window(ctx)
         rc = self.lib.decode_layers(
             ctypes.addressof(table), len(self.layers), ctypes.addressof(self.dims), x.data_ptr(),
             x.shape[0], cos.data_ptr(), sin.data_ptr(), slots.data_ptr(), tables.data_ptr(), tables.shape[1],
             lens.data_ptr(), skips, meta.page_size, self.attn_fn, torch.get_num_threads(),
-            ctypes.addressof(lrows) if lrows is not None else None)
+            ctypes.addressof(lrows) if lrows is not None else None, ctypes.addressof(win[0]) if win else None)
         if rc == 1:
             raise ValueError("decode_layers: a weight's block format or shape is not supported")
         if rc:
             raise MemoryError("decode_layers: out of memory for the step's scratch buffers")
         return x
+
+
+def _window(ctx: ForwardContext) -> tuple[Window, list[torch.Tensor]] | None:
+    """What the windowed layers read where the others attend fully (their pages under the
+    window, their rope tables), with the tensors it points into; None where they read the same."""
+    if ctx.attn_window is None and ctx.rope_window is None:
+        return None
+    keep: list[torch.Tensor] = []
+    w = Window()
+    if ctx.rope_window is not None:
+        keep += [t.contiguous() for t in ctx.rope_window]
+        w.cos, w.sin = keep[0].data_ptr(), keep[1].data_ptr()
+    if ctx.attn_window is not None:
+        p = ctx.attn_window.paged
+        w.block_tables, w.context_lens, w.skips = p.block_tables.data_ptr(), p.context_lens.data_ptr(), _ptr(p.skips)
+        w.max_pages = p.block_tables.shape[1]
+    return w, keep

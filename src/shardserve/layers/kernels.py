@@ -29,6 +29,8 @@ SIGNATURES: dict[str, tuple[list[type], type | None]] = {
     "rotary_f32": ([ptr, i64, i64, ptr, i64, i64, i64, i64, i64, ptr, ptr, c_int], None),
     "silu_mul_f32": ([ptr, i64, i64, i64, ptr, c_int], None),
     "silu_mul_bf16": ([ptr, i64, i64, i64, ptr, c_int], c_int),
+    "gelu_tanh_mul_f32": ([ptr, i64, i64, i64, ptr, c_int], None),
+    "gelu_tanh_mul_bf16": ([ptr, i64, i64, i64, ptr, c_int], c_int),
     "qmatmul_bf16": ([ptr, i64, i64, i64, ptr, i64, i64, ptr, i64, c_int], c_int),
     "qmatmul_bf16_silu": ([ptr, i64, i64, ptr, ptr, i64, i64, ptr, i64, c_int], c_int),
     "bf16_path": ([], c_int),
@@ -36,7 +38,7 @@ SIGNATURES: dict[str, tuple[list[type], type | None]] = {
     "lora_expand_f32": ([ptr, i64, ptr, ptr, ptr, i64, ptr, i64, i64, ptr, i64, ptr, i64, c_int], None),
     "rows_finite": ([ptr, i64, i64, i64, ptr, c_int], None),
     "rows_argmax": ([ptr, i64, i64, i64, ptr, c_int], None),
-    "decode_layers": ([ptr, i64, ptr, ptr, i64, ptr, ptr, ptr, ptr, i64, ptr, ptr, i64, ptr, c_int, ptr], c_int),
+    "decode_layers": ([ptr, i64, ptr, ptr, i64, ptr, ptr, ptr, ptr, i64, ptr, ptr, i64, ptr, c_int, ptr, ptr], c_int),
 }
 # Built only where the CPU has AVX-512 (csrc/logit_rows.c); elsewhere their callers keep numpy's.
 AVX512_ONLY = frozenset({"rows_finite", "rows_argmax"})

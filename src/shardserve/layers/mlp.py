@@ -26,17 +26,15 @@ class GatedMLP(nn.Module):
         return self.gate_up_proj.takes_bf16_input
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.activation != "silu":
-            gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-            return self.down_proj(F.gelu(gate, approximate="tanh") * up)
-        if self.gate_up_proj.takes_bf16_input and self.down_proj.takes_bf16_input:
+        silu = self.activation == "silu"
+        if silu and self.gate_up_proj.takes_bf16_input and self.down_proj.takes_bf16_input:
             # bfloat16 weights on vdpbf16ps, no adapter: SiLU in the gate/up product's epilogue.
             h = quant_kernel.gate_up_silu(x, self.gate_up_proj.quant)
             if h is not None:
                 return self.down_proj(h)
         gate_up = self.gate_up_proj(x)
-        h = cpu_ops.silu_mul(gate_up, bf16=self.down_proj.takes_bf16_input)
-        if h is None and (h := gpu_ops.silu_mul(gate_up)) is None:
+        h = cpu_ops.silu_mul(gate_up, bf16=self.down_proj.takes_bf16_input, activation=self.activation)
+        if h is None and (not silu or (h := gpu_ops.silu_mul(gate_up)) is None):
             gate, up = gate_up.chunk(2, dim=-1)
-            h = F.silu(gate) * up
+            h = (F.silu(gate) if silu else F.gelu(gate, approximate="tanh")) * up
         return self.down_proj(h)

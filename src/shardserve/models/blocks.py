@@ -40,10 +40,7 @@ _UNBUILT = object()
 
 
 class DecoderLayer(nn.Module):
-    """Pre-norm attention, then pre-norm MLP, each added to the residual stream (the order the C
-    decode loop runs: `loop_fits`)."""
-
-    loop_fits = True
+    """Pre-norm attention, then pre-norm MLP, each added to the residual stream."""
 
     def __init__(self, attn: nn.Module, mlp: nn.Module, cfg: ModelConfig, dtype, device,
                  norm: type[RMSNorm] = RMSNorm):
@@ -56,6 +53,12 @@ class DecoderLayer(nn.Module):
         # A norm hands its rows as bfloat16 where the product after it would round them so itself.
         x = x + self.self_attn(positions, self.input_layernorm(x, _takes_bf16(self.self_attn)), ctx)
         return x + self.mlp(self.post_attention_layernorm(x, _takes_bf16(self.mlp)))
+
+
+    def loop_norms(self) -> tuple[RMSNorm, RMSNorm | None, RMSNorm, RMSNorm | None]:
+        """The norms before the attention, after it, before the MLP and after it (None: none
+        there), as the C decode loop runs a layer (layers/decode_loop.py)."""
+        return self.input_layernorm, None, self.post_attention_layernorm, None
 
 
 def _takes_bf16(module: nn.Module) -> bool:

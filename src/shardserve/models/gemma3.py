@@ -11,8 +11,6 @@ from shardserve.models.blocks import CausalLM, DecoderLayer
 
 
 class GemmaDecoderLayer(DecoderLayer):
-    loop_fits = False  # the C decode loop has no norms after the blocks
-
     def __init__(self, attn, mlp, cfg, dtype, device, norm=OffsetRMSNorm):
         super().__init__(attn, mlp, cfg, dtype, device, norm)
         self.pre_feedforward_layernorm = norm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
@@ -21,6 +19,10 @@ class GemmaDecoderLayer(DecoderLayer):
     def forward(self, positions: torch.Tensor, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         x = x + self.post_attention_layernorm(self.self_attn(positions, self.input_layernorm(x), ctx))
         return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
+
+    def loop_norms(self):
+        return (self.input_layernorm, self.post_attention_layernorm, self.pre_feedforward_layernorm,
+                self.post_feedforward_layernorm)
 
 
 class Gemma3ForCausalLM(CausalLM):

@@ -65,8 +65,8 @@ def window_text(engine: EngineCore) -> str:
     mc, window = engine.model_cfg, engine.runner.window
     if window is None:
         return ""
-    n = mc.num_layers
-    where = "every layer" if not mc.full_layers else f"{n - len(mc.full_layers)} of {n} layers (the others attend fully)"
+    n, full = mc.num_layers, len(mc.full_layers)
+    where = f"{n - full} of {n} layers (the others attend fully)" if full else "every layer"
     return f"; sliding window of {window} tokens on {where}"
 
 

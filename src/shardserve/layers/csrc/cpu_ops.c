@@ -6,6 +6,7 @@
  *   rms_norm:  out = w * x / sqrt(mean(x^2) + eps)
  *   rotary:    (x1, x2) -> (x1 cos - x2 sin, x2 cos + x1 sin), halves of each head, in place
  *   silu_mul:  out = silu(gate) * up, gate and up the two halves of each input row
+ *   gelu_tanh_mul: out = gelu(gate) * up, GELU's tanh approximation (Gemma's gelu_pytorch_tanh)
  * Rows are split over torch's OpenMP threads only when there are enough of them to pay.
  */
 #include <math.h>
@@ -79,6 +80,26 @@ WIDE_VECTORS ONE_COPY static void silu_rows(const float *restrict g, const float
 /* One row of gate then up halves. */
 static inline void silu_row(const float *g, int64_t inter, float *o) { silu_rows(g, g + inter, 0, o, 0, 1, inter); }
 
+/* As silu_rows, for o = gelu(g) * u with GELU's tanh approximation, as torch computes
+ * gelu(approximate="tanh"): 0.5 g (1 + tanh(sqrt(2 / pi) (g + 0.044715 g^3))). The one copy
+ * both the module path and the decode loop run. */
+WIDE_VECTORS ONE_COPY static void gelu_rows(const float *restrict g, const float *restrict u, int64_t ld,
+                                                float *restrict o, int64_t ldo, int64_t rows, int64_t n) {
+    const float k0 = 0.7978845608028654f, k1 = 0.044715f;
+    for (int64_t r = 0; r < rows; r++, g += ld, u += ld, o += ldo)
+        for (int64_t i = 0; i < n; i++) {
+            float x = g[i];
+            o[i] = 0.5f * x * (1.0f + tanhf(k0 * (x + k1 * x * x * x))) * u[i];
+        }
+}
+
+static inline void gelu_row(const float *g, int64_t inter, float *o) { gelu_rows(g, g + inter, 0, o, 0, 1, inter); }
+
+void gelu_tanh_mul_f32(const float *gu, int64_t rows, int64_t ldg, int64_t inter, float *out, int nthreads) {
+#pragma omp parallel for num_threads(nthreads) schedule(static) if (rows >= PAR_ROWS)
+    for (int64_t r = 0; r < rows; r++) gelu_row(gu + r * ldg, inter, out + r * inter);
+}
+
 void silu_mul_f32(const float *gu, int64_t rows, int64_t ldg, int64_t inter, float *out, int nthreads) {
 #pragma omp parallel for num_threads(nthreads) schedule(static) if (rows >= PAR_ROWS)
     for (int64_t r = 0; r < rows; r++) silu_row(gu + r * ldg, inter, out + r * inter);
@@ -120,6 +141,11 @@ static void silu_of(const float *gu, int64_t inter, const void *arg, float *o) {
     silu_row(gu, inter, o);
 }
 
+static void gelu_of(const float *gu, int64_t inter, const void *arg, float *o) {
+    (void)arg;
+    gelu_row(gu, inter, o);
+}
+
 /* rms_norm_f32's rows rounded to bfloat16 (rounded_rows); out: rows `dim` apart. */
 int rms_norm_bf16(const float *x, int64_t rows, int64_t ldx, int64_t dim, const float *w, float eps, uint16_t *out,
                   int nthreads) {
@@ -130,4 +156,9 @@ int rms_norm_bf16(const float *x, int64_t rows, int64_t ldx, int64_t dim, const 
 /* silu_mul_f32's rows rounded to bfloat16 (rounded_rows); out: rows `inter` apart. */
 int silu_mul_bf16(const float *gu, int64_t rows, int64_t ldg, int64_t inter, uint16_t *out, int nthreads) {
     return rounded_rows(silu_of, NULL, gu, rows, ldg, inter, out, nthreads);
+}
+
+/* gelu_tanh_mul_f32's rows rounded to bfloat16 (rounded_rows); out: rows `inter` apart. */
+int gelu_tanh_mul_bf16(const float *gu, int64_t rows, int64_t ldg, int64_t inter, uint16_t *out, int nthreads) {
+    return rounded_rows(gelu_of, NULL, gu, rows, ldg, inter, out, nthreads);
 }

@@ -14,6 +14,7 @@
  *   h = rms_norm(x); qkv = h W_qkv^T (+ bias); [q_norm, k_norm per head]; rotary on q and k;
  *   k, v -> the cache at this row's slot; a = attention(q, cache); x += a W_o^T;
  *   h = rms_norm(x); x += (silu(h W_gate^T) * (h W_up^T)) W_down^T.
+ * Gemma's layers norm each block's output again before the add, and take GELU for SiLU.
  * The same formulas as the torch modules in layers/, so outputs agree to float rounding (the
  * products to the 16-bit activations of quant_matmul.c).
  */
@@ -61,6 +62,10 @@ typedef struct {
     Mat qkv, o, gate_up, down;
     void *k_cache, *v_cache; /* [slots, hkv, d], float32 or (Dims.kv_bf16) bfloat16 */
     LoraMat lqkv, lo, lgate_up, ldown; /* --enable-lora: the adapter slots of each product (a NULL: none) */
+    /* Gemma's sandwich: the attention's and the MLP's outputs normed before the residual add
+     * (NULL: added as they are; ln2 is then its pre_feedforward_layernorm). */
+    const float *post_attn, *post_ffn;
+    int64_t windowed; /* reads the Window side where decode_layers is given one */
 } Layer;
 
 typedef struct {
@@ -69,7 +74,14 @@ typedef struct {
     const int64_t *kv_of_q;
     int64_t kv_bf16; /* the caches hold bfloat16: new rows rounded (nearest even) as written */
     int64_t rd;      /* each head's leading dims that RoPE rotates (d but under partial rotary) */
+    int64_t act;     /* the MLP's activation: 0 SiLU, 1 GELU's tanh approximation */
 } Dims;
+
+typedef struct {
+    const float *cos, *sin;                             /* [m, rd/2]; NULL: the full layers' tables */
+    const int64_t *block_tables, *context_lens, *skips; /* as decode_layers' own, under the window */
+    int64_t max_pages;
+} Window; /* what the windowed layers read where the others attend fully (Gemma 3) */
 
 typedef int (*attn_fn)(const float *q, int64_t q_stride, const void *k_cache, const void *v_cache,
                        const int64_t *block_tables, int64_t max_pages, const int64_t *context_lens,
@@ -140,8 +152,8 @@ static void norm_rows(const float *x, int64_t r0, int64_t r1, int64_t H, const f
 
 /* x [m, hidden] in/out. cos, sin [m, rd/2]; slots [m] (each row's new cache slot); block_tables
  * [m, max_pages], context_lens [m] and skips [m] (NULL: no sliding window) as the attention kernel
- * takes them. Returns 0, 1 for a
- * weight the kernels do not take (checked before anything runs), 2 when out of memory.
+ * takes them; `win` (NULL: none) what the layers marked `windowed` read instead. Returns 0, 1 for
+ * a weight the kernels do not take (checked before anything runs), 2 when out of memory.
  *
  * One parallel region covers the whole stack: the threads claim runs of the products' weight
  * rows and the attention's rows (`mat_rows`, `attend`), the small steps (norms, rotary, the cache
@@ -150,7 +162,7 @@ static void norm_rows(const float *x, int64_t r0, int64_t r1, int64_t H, const f
 int decode_layers(const Layer *layers, int64_t nlayers, const Dims *dm, float *x, int64_t m, const float *cos,
                   const float *sin, const int64_t *slots, const int64_t *block_tables, int64_t max_pages,
                   const int64_t *context_lens, const int64_t *skips, int64_t page_size, attn_fn attn, int nthreads,
-                  const LoraRows *lrows) {
+                  const LoraRows *lrows, const Window *win) {
     int64_t H = dm->hidden, d = dm->d, nq = dm->hq * d, nkv = dm->hkv * d, nqkv = nq + 2 * nkv, I = dm->inter;
     for (int64_t l = 0; l < nlayers; l++) {
         const Layer *L = &layers[l];
@@ -182,7 +194,11 @@ int decode_layers(const Layer *layers, int64_t nlayers, const Dims *dm, float *x
     int rc = 0;
     Acts aH = a, aQ = a, aI = a; /* the same buffers, read as rows of H, nq or I */
     aH.k = H; aQ.k = nq; aI.k = I;
-    Pages pg = {block_tables, context_lens, skips, max_pages, page_size, attn};
+    Pages pg = {block_tables, context_lens, skips, max_pages, page_size, attn}, pgw = pg;
+    const float *wcos = cos, *wsin = sin;
+    if (win && win->block_tables) pgw = (Pages){win->block_tables, win->context_lens, win->skips, win->max_pages,
+                                                page_size, attn};
+    if (win && win->cos) wcos = win->cos, wsin = win->sin;
 #pragma omp parallel num_threads(nthreads)
     {
         int tid = omp_get_thread_num(), nth = omp_get_num_threads();
@@ -195,6 +211,8 @@ int decode_layers(const Layer *layers, int64_t nlayers, const Dims *dm, float *x
 #pragma omp barrier
         for (int64_t l = 0; l < nlayers && !rc; l++) {
             const Layer *L = &layers[l];
+            const Pages *P = L->windowed ? &pgw : &pg;
+            const float *lcos = L->windowed ? wcos : cos, *lsin = L->windowed ? wsin : sin;
             norm_rows(x, r0, r1, H, L->ln1, dm->eps, h, &aH, prep);
 #pragma omp barrier
             mat_rows(&L->qkv, &aH, h, m, qkv, nqkv, wp, &next[5 * l], nth);
@@ -214,8 +232,8 @@ int decode_layers(const Layer *layers, int64_t nlayers, const Dims *dm, float *x
                     rms_norm_f32(row, dm->hq, d, d, L->q_norm, dm->eps, row, d, 1);
                     rms_norm_f32(row + nq, dm->hkv, d, d, L->k_norm, dm->eps, row + nq, d, 1);
                 }
-                rotary_f32(row, nqkv, dm->hq, row + nq, nqkv, dm->hkv, 1, d, dm->rd, cos + i * (dm->rd / 2),
-                           sin + i * (dm->rd / 2), 1);
+                rotary_f32(row, nqkv, dm->hq, row + nq, nqkv, dm->hkv, 1, d, dm->rd, lcos + i * (dm->rd / 2),
+                           lsin + i * (dm->rd / 2), 1);
                 if (dm->kv_bf16) {
                     bf16_rows_of(row + nq, 0, 0, 1, nkv, nkv, (uint16_t *)L->k_cache + slots[i] * nkv);
                     bf16_rows_of(row + nq + nkv, 0, 0, 1, nkv, nkv, (uint16_t *)L->v_cache + slots[i] * nkv);
@@ -226,7 +244,7 @@ int decode_layers(const Layer *layers, int64_t nlayers, const Dims *dm, float *x
             }
             /* Rows' caches are written before any row is attended; one row's heads are split. */
 #pragma omp barrier
-            if (attend(L, dm, qkv, nqkv, att, m, &pg, prep ? &aQ : NULL, &next[5 * l + 4], tid, nth)) {
+            if (attend(L, dm, qkv, nqkv, att, m, P, prep ? &aQ : NULL, &next[5 * l + 4], tid, nth)) {
 #pragma omp atomic write
                 rc = 2;
             }
@@ -238,18 +256,20 @@ int decode_layers(const Layer *layers, int64_t nlayers, const Dims *dm, float *x
             mat_rows(&L->o, &aQ, att, m, t, H, wp, &next[5 * l + 1], nth);
 #pragma omp barrier
             if (lrows && L->lo.a) lora_apply(&L->lo, lrows, att, nq, nq, u, t, H, tid, nth);
+            if (L->post_attn) rms_norm_f32(t + r0 * H, r1 - r0, H, H, L->post_attn, dm->eps, t + r0 * H, H, 1);
             for (int64_t e = r0 * H; e < r1 * H; e++) x[e] += t[e];
             norm_rows(x, r0, r1, H, L->ln2, dm->eps, h, &aH, prep);
 #pragma omp barrier
             mat_rows(&L->gate_up, &aH, h, m, gu, 2 * I, wp, &next[5 * l + 2], nth);
 #pragma omp barrier
             if (lrows && L->lgate_up.a) lora_apply(&L->lgate_up, lrows, h, H, H, u, gu, 2 * I, tid, nth);
-            silu_mul_f32(gu + r0 * 2 * I, r1 - r0, 2 * I, I, act + r0 * I, 1);
+            (dm->act ? gelu_tanh_mul_f32 : silu_mul_f32)(gu + r0 * 2 * I, r1 - r0, 2 * I, I, act + r0 * I, 1);
             if (prep) acts_rows(act, I, r0, r1, &aI);
 #pragma omp barrier
             mat_rows(&L->down, &aI, act, m, t, H, wp, &next[5 * l + 3], nth);
 #pragma omp barrier
             if (lrows && L->ldown.a) lora_apply(&L->ldown, lrows, act, I, I, u, t, H, tid, nth);
+            if (L->post_ffn) rms_norm_f32(t + r0 * H, r1 - r0, H, H, L->post_ffn, dm->eps, t + r0 * H, H, 1);
             for (int64_t e = r0 * H; e < r1 * H; e++) x[e] += t[e]; /* the next layer starts on these rows */
         }
         free(wp);
