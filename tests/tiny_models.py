@@ -28,12 +28,13 @@ def make_tiny_config(cfg, path: str) -> torch.nn.Module:
     model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
     # Random init gives near-uniform logits and fragile argmaxes; widen them so greedy ties
     # cannot flip between two correct fp32 implementations.
+    norms = torch.Generator().manual_seed(5)
     with torch.no_grad():
         for name, p in model.named_parameters():
             if "norm" not in name and p.dim() > 1:
                 p.mul_(4.0)
             elif "norm" in name and not p.any():  # Gemma's (1 + w) norms start at w = 0: give w a value
-                p.copy_(torch.randn(p.shape, generator=torch.Generator().manual_seed(5)) * 0.2)
+                p.copy_(torch.randn(p.shape, generator=norms) * 0.2)
         for name, b in model.named_buffers():
             if name.endswith("e_score_correction_bias"):  # zero as initialised: give it a say in the choice
                 b.copy_(torch.randn(b.shape, generator=torch.Generator().manual_seed(3)) * 0.3)

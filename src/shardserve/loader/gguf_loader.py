@@ -25,6 +25,7 @@ from shardserve.loader.gguf_names import (
     GGUF_ARCH_LAYER_TENSOR_TO_HF,
     GGUF_GLOBAL_TENSOR_TO_HF,
     GGUF_LAYER_TENSOR_TO_HF,
+    GGUF_NORM_SHIFT,
     GGUF_ROPE_FACTOR_TENSORS,
     GGUF_STACKED_EXPERT_TENSOR_TO_HF,
 )
@@ -75,11 +76,16 @@ def _llama_rope_heads(config: dict, stem: str) -> int | None:
     return None
 
 
-def _whole_tensor_loader(tensor: ReaderTensor, rope_heads: int | None, shape: tuple[int, ...] | None) -> TensorLoader:
+def _whole_tensor_loader(tensor: ReaderTensor, rope_heads: int | None, shape: tuple[int, ...] | None,
+                         shift: float = 0.0) -> TensorLoader:
+    """`shift`: taken off every value (GGUF_NORM_SHIFT: in float32, so adding it back restores
+    the file's values exactly)."""
     def load() -> torch.Tensor:
         out = _dequantize_to_torch(tensor.data, tensor.tensor_type)
         if rope_heads is not None:
             out = _unpermute_llama_rope_rows(out, rope_heads)
+        if shift:
+            out -= shift
         return out if shape is None else out.reshape(shape)
 
     return load
@@ -113,9 +119,13 @@ def _layer_entries(
         return
     # HF's shared_expert_gate is Linear(hidden, 1); llama.cpp stores it as a flat vector.
     shape = (1, -1) if stem == "ffn_gate_inp_shexp" else None
-    loader = _whole_tensor_loader(tensor, _llama_rope_heads(config, stem), shape)
+    loader = _whole_tensor_loader(tensor, _llama_rope_heads(config, stem), shape, _norm_shift(tensor, config))
     hf = GGUF_ARCH_LAYER_TENSOR_TO_HF.get(config["model_type"], {}).get(stem) or LAYER_TENSORS[stem]
     yield f"{prefix}{hf}.{kind}", loader
+
+
+def _norm_shift(tensor: ReaderTensor, config: dict) -> float:
+    return GGUF_NORM_SHIFT.get(config["model_type"], 0.0) if tensor.name.endswith("norm.weight") else 0.0
 
 
 LAYER_STEMS = frozenset(LAYER_TENSORS) | frozenset(GGUF_STACKED_EXPERT_TENSOR_TO_HF) | {CORRECTION_BIAS, *SPLIT_KV_B}
@@ -124,7 +134,8 @@ LAYER_STEMS = frozenset(LAYER_TENSORS) | frozenset(GGUF_STACKED_EXPERT_TENSOR_TO
 def _tensor_entries(tensor: ReaderTensor, config: dict,
                     tensors: dict[str, ReaderTensor]) -> Iterator[tuple[str, TensorLoader]]:
     if tensor.name in GGUF_GLOBAL_TENSOR_TO_HF:
-        yield GGUF_GLOBAL_TENSOR_TO_HF[tensor.name], _whole_tensor_loader(tensor, None, None)
+        yield GGUF_GLOBAL_TENSOR_TO_HF[tensor.name], _whole_tensor_loader(tensor, None, None,
+                                                                          _norm_shift(tensor, config))
         return
     if tensor.name in GGUF_ROPE_FACTOR_TENSORS:  # the config's rope scaling (gguf_metadata), not a weight
         return

@@ -165,6 +165,8 @@ def config_from_reader(reader: GGUFHeader) -> dict:
     config.update(_moe_config(reader, arch))
     if arch == "llama" and config.get("num_experts"):  # llama.cpp writes Mixtral as llama with experts
         config.update(architectures=["MixtralForCausalLM"], model_type="mixtral")
+    if arch == "gemma3":
+        config.update(_gemma3(reader, config))
     if arch == "deepseek2":
         def value(suffix: str) -> Any:
             return reader.fields.get(f"{arch}.{suffix}")
@@ -173,6 +175,28 @@ def config_from_reader(reader: GGUFHeader) -> dict:
         if "rope_scaling" in config:
             config["rope_scaling"] = deepseek2_rope_scaling(config["rope_scaling"], value)
     return config
+
+
+def _gemma3(reader: GGUFHeader, config: dict) -> dict:
+    """What llama.cpp takes for Gemma 3 where the file says nothing: every sixth layer attends
+    fully (else `attention.sliding_window_pattern`), the windowed layers' RoPE base 10000 (else
+    `rope.freq_base_swa`), queries scaled by the head width but 27B's (62 layers) by
+    hidden / heads, as Google's configs give query_pre_attn_scalar; no window key, no window."""
+    def value(suffix: str) -> Any:
+        return reader.fields.get(f"gemma3.{suffix}")
+
+    out: dict[str, Any] = {"hidden_activation": "gelu_pytorch_tanh", "sliding_window": config.get("sliding_window"),
+                           "rope_local_base_freq": float(value("rope.freq_base_swa") or 10000.0)}
+    pattern = value("attention.sliding_window_pattern")
+    if isinstance(pattern, list):
+        out["layer_types"] = ["sliding_attention" if p else "full_attention" for p in pattern]
+    elif pattern is not None:
+        out["sliding_window_pattern"] = int(pattern)
+    hidden, heads = config["hidden_size"], config["num_attention_heads"]
+    out["query_pre_attn_scalar"] = hidden // heads if config["num_hidden_layers"] == 62 else config["head_dim"]
+    if (cap := value("final_logit_softcapping")) is not None:
+        out["final_logit_softcapping"] = float(cap)  # refused by name (model_config)
+    return out
 
 
 def read_gguf_config(path: str) -> dict:
