@@ -104,6 +104,7 @@ class ModelConfig:
         archs = d.get("architectures") or []
         if not archs:
             raise ValueError("config.json has no 'architectures' entry")
+        d = _text_model(d)
         d = _HF_DEFAULTS.get(d.get("model_type", ""), {}) | d
         _refuse_unimplemented(d)
         heads = int(d["num_attention_heads"])
@@ -264,6 +265,17 @@ def _gemma3(d: dict[str, Any]) -> dict[str, Any]:
     return dict(window_rope_theta=float(theta), query_pre_attn_scalar=float(d.get("query_pre_attn_scalar", 256)))
 
 
+def _text_model(d: dict[str, Any]) -> dict[str, Any]:
+    """A vision-language checkpoint's text model, which is what is served: Gemma 3's 4B-27B
+    (model_type gemma3) keep it under `text_config`, stating only what differs from
+    Gemma3TextConfig's defaults; the token ids and dtype may sit at the top."""
+    if d.get("model_type") != "gemma3" or not isinstance(d.get("text_config"), dict):
+        return d
+    text = d["text_config"] | {"architectures": d["architectures"], "model_type": "gemma3_text"}
+    top = ("eos_token_id", "bos_token_id", "tie_word_embeddings", "torch_dtype", "dtype")
+    return {k: d[k] for k in top if k in d and k not in text} | text
+
+
 def _sliding_window(d: dict[str, Any]) -> int | None:
     """Qwen2-style configs carry a window they do not use (`use_sliding_window: false`)."""
     window = d.get("sliding_window")
@@ -275,9 +287,10 @@ def _sliding_window(d: dict[str, Any]) -> int | None:
 _HF_DEFAULTS: dict[str, dict[str, Any]] = {
     "deepseek_v2": dict(first_k_dense_replace=0, q_lora_rank=1536, n_shared_experts=2, routed_scaling_factor=1.0,
                         topk_method="greedy", norm_topk_prob=False, n_routed_experts=64),
-    "gemma3_text": dict(query_pre_attn_scalar=256, sliding_window=4096, head_dim=256,
-                        tie_word_embeddings=True, hidden_activation="gelu_pytorch_tanh",
-                        max_position_embeddings=131_072),
+    "gemma3_text": dict(vocab_size=262_208, hidden_size=2304, intermediate_size=9216, num_hidden_layers=26,
+                        num_attention_heads=8, num_key_value_heads=4, head_dim=256, query_pre_attn_scalar=256,
+                        sliding_window=4096, tie_word_embeddings=True, hidden_activation="gelu_pytorch_tanh",
+                        max_position_embeddings=131_072, rms_norm_eps=1e-6, bos_token_id=2, eos_token_id=1),
     "deepseek_v3": dict(first_k_dense_replace=3, q_lora_rank=1536, n_shared_experts=1, routed_scaling_factor=2.5,
                         n_group=8, topk_group=4, norm_topk_prob=True, n_routed_experts=256),
 }

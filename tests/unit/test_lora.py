@@ -328,3 +328,25 @@ def test_phi3_adapters_on_its_fused_projections_equal_peft(tiny_model, tmp_path)
         lora = LoRARequest("phi", 1, str(tmp_path / "phi"))
         outs = llm.generate(PROMPTS * 2, GREEDY, use_tqdm=False, lora_request=[lora] * 3 + [None] * 3)
     check(outs, ["phi"] * 3 + ["base"] * 3, ref)
+
+
+def test_gemma3_adapters_equal_peft_in_the_decode_loop(tiny_model, tmp_path, monkeypatch):
+    """A PEFT adapter on every projection of Gemma 3 (windowed and full layers, GELU, the norms
+    after each block): PEFT's tokens and logprobs, decodes in the C layer loop."""
+    from lora_util import peft_greedy, save_adapter
+
+    from shardserve.layers import decode_loop
+
+    path, base = tiny_model("gemma3")
+    model = save_adapter(base, str(tmp_path / "g"), 5, 4, 8, ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj",
+                                                             "up_proj", "down_proj"), False)
+    prompts = [p * 6 for p in PROMPTS]  # past the 16-token window
+    ref = {"g": [peft_greedy(model, p, NEW) for p in prompts], "base": [peft_greedy(base, p, NEW) for p in prompts]}
+    assert ref["g"] != ref["base"]
+    calls, run = [], decode_loop.DecodeLoop.run
+    monkeypatch.setattr(decode_loop.DecodeLoop, "run", lambda self, x, ctx: calls.append(1) or run(self, x, ctx))
+    with LLM(path, enable_lora=True, max_loras=1, max_lora_rank=8, num_pages=64, show_progress=False) as llm:
+        lora = LoRARequest("g", 1, str(tmp_path / "g"))
+        outs = llm.generate(prompts * 2, GREEDY, use_tqdm=False, lora_request=[lora] * 3 + [None] * 3)
+    check(outs, ["g"] * 3 + ["base"] * 3, ref)
+    assert calls

@@ -1,4 +1,5 @@
-"""Gemma 3's text model (Gemma3ForCausalLM: the 270M and 1B checkpoints): Llama's decoder with
+"""Gemma 3's text model (Gemma3ForCausalLM: the 270M and 1B checkpoints; the 4B-27B's
+Gemma3ForConditionalGeneration, served text only): Llama's decoder with
 each norm scaling by 1 + w, a second norm on each block's output before the residual add, q/k
 norms, the tanh-approximated GELU, embeddings scaled by sqrt(hidden), and a sliding window on
 five layers in six with their own RoPE base (model_config.py reads which)."""
@@ -34,3 +35,20 @@ class Gemma3ForCausalLM(CausalLM):
         x = self.embed_tokens(input_ids)
         # sqrt(hidden) in the activations' dtype, as transformers rounds it
         return x * torch.tensor(self.cfg.hidden_size**0.5, dtype=x.dtype)
+
+
+class Gemma3ForConditionalGeneration(Gemma3ForCausalLM):
+    """The 4B-27B checkpoints: the text model under `language_model` (transformers 4's names,
+    `language_model.model.*`, or 5's, `model.language_model.*`), served text only; the vision tower
+    and its projector are not read."""
+
+    # The text model's tensors under transformers 4's names, 5's, then Gemma3ForCausalLM's.
+    PREFIXES = (("language_model.model.", "model."), ("language_model.lm_head.", "lm_head."),
+                ("language_model.", "model."))
+
+    def weight_target(self, name: str) -> tuple[str, object] | None:
+        name = name.removeprefix("model.")
+        if name.startswith(("vision_tower.", "multi_modal_projector.")):
+            return None
+        theirs, ours = next(((t, o) for t, o in self.PREFIXES if name.startswith(t)), ("", ""))
+        return super().weight_target(ours + name[len(theirs):])
