@@ -126,6 +126,9 @@ class SpeculativeConfig:
                 raise ValueError(f"--{flag} {why} (got {got!r})")
 
 
+SCHEDULING_POLICIES = ("fcfs", "priority")  # vLLM's --scheduling-policy
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     """The knobs of one engine instance (one rank). Defaults suit a CPU run of a small model."""
@@ -138,6 +141,8 @@ class EngineConfig:
     kv_cache_memory: float = 0.25
     max_num_batched_tokens: int = 2048
     max_running_requests: int = 256
+    # "fcfs": by arrival; "priority": by each request's SamplingParams.priority, then arrival.
+    scheduling_policy: str = "fcfs"
     max_model_len: int | None = None
     enable_prefix_cache: bool = True
     seed: int = 0
@@ -196,6 +201,11 @@ class EngineConfig:
             (self.kv_cache_memory > 0, "kv_cache_memory", "must be > 0"),
             (self.max_num_batched_tokens >= 1, "max_num_batched_tokens", "must be >= 1"),
             (self.max_running_requests >= 1, "max_running_requests", "must be >= 1"),
+            (self.scheduling_policy in SCHEDULING_POLICIES, "scheduling_policy",
+             f"must be one of {list(SCHEDULING_POLICIES)}"),
+            (self.scheduling_policy == "fcfs" or self.disaggregation_mode == "null", "scheduling_policy",
+             "'priority' is not implemented with --disaggregation-mode (a decode instance takes its transfers in "
+             "arrival order)"),
             (self.pp_micro_batches is None or self.pp_micro_batches >= 1, "pp_micro_batches", "must be >= 1"),
             (self.ep_num_redundant_experts >= 0, "ep_num_redundant_experts", "must be >= 0"),
             (self.attention_backend in ATTENTION_BACKENDS, "attention_backend",

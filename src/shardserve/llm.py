@@ -17,7 +17,7 @@ from shardserve.launch.checks import check_dense, check_deployment
 from shardserve.launch.deployment import Deployment
 from shardserve.launch.grid import run_other_node
 from shardserve.launch.nodes import NodeSpec
-from shardserve.llm_inputs import Prompt, as_params_list, as_prompt_list, with_loras
+from shardserve.llm_inputs import Prompt, as_params_list, as_prompt_list, with_loras, with_priorities
 from shardserve.llm_outputs import Sample, collect, request_output
 from shardserve.loader.generation_config import generation_defaults
 from shardserve.loader.lora import base_shapes, read_adapter
@@ -130,15 +130,18 @@ class LLM:
     def generate(self, prompts: Prompt | Sequence[Prompt],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  use_tqdm: bool = True,
-                 lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None) -> list[RequestOutput]:
+                 lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
+                 priority: Sequence[int] | None = None) -> list[RequestOutput]:
         """Generate for each prompt (a string or token ids); outputs keep the input order.
         `lora_request`: the adapter every prompt runs with, or one per prompt (None: the base
-        model); the LLM needs enable_lora=True."""
+        model); the LLM needs enable_lora=True. `priority`: one per prompt, lower first (the LLM
+        needs scheduling_policy="priority")."""
         backend = self._live()
         prompts = as_prompt_list(prompts)
         if sampling_params is None:
             sampling_params = self.get_default_sampling_params()
         params = with_loras(as_params_list(sampling_params, len(prompts)), lora_request)
+        params = with_priorities(params, priority, self.config.scheduling_policy)
         encoded = [self._prepare(p, sp) for p, sp in zip(prompts, params)]
         for ids, sp in zip(encoded, params):
             backend.limits.check(ids, sp)  # refuse the batch before anything starts

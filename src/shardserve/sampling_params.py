@@ -88,6 +88,9 @@ class SamplingParams:
     pooling: str | None = None
     # The LoRA adapter to run with (set from the request's `model`, or LLM.generate's lora_request).
     lora_request: LoRARequest | None = None
+    # Scheduling priority under --scheduling-policy priority (the request's `priority`, or
+    # LLM.generate's): lower runs first, ties by arrival (vLLM's meaning). Under fcfs only 0.
+    priority: int = 0
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -156,6 +159,8 @@ class SamplingParams:
              "truncate_prompt_tokens", "must be None or an integer >= 1"),
             (self.pooling in (None, "last", "mean") and (self.pooling is None or self.max_tokens == 1), "pooling",
              "must be None, 'last' or 'mean' (an embedding, with max_tokens 1)"),
+            (_is_int(self.priority) and -(2**63) <= self.priority < 2**63, "priority",
+             "must be a 64-bit signed integer"),
         ]
 
     def update_from_tokenizer(self, tok) -> None:

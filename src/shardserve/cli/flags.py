@@ -27,6 +27,7 @@ from shardserve.config import (
     KV_CACHE_DTYPES,
     MAX_SPECULATIVE_TOKENS,
     QUANTIZATION_MODES,
+    SCHEDULING_POLICIES,
     SPECULATIVE_METHODS,
     EngineConfig,
     SpeculativeConfig,
@@ -53,6 +54,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "it; bfloat16 = a bfloat16 cache on the CPU (AVX512-BF16) for any checkpoint")
     g.add_argument("--max-num-batched-tokens", type=positive_int, default=2048, help="token budget per step")
     g.add_argument("--max-running-requests", type=positive_int, default=256)
+    g.add_argument("--scheduling-policy", choices=SCHEDULING_POLICIES, default="fcfs",
+                   help="fcfs: by arrival; priority: by each request's `priority` (lower first), then arrival "
+                        "(vLLM's policy: a running request that needs room preempts the least urgent)")
     g.add_argument("--max-model-len", type=positive_int, default=None,
                    help="context limit, at most the model's (default: the model's)")
     g.add_argument("--threads", type=positive_int, default=None,
@@ -192,6 +196,7 @@ def engine_config(args: argparse.Namespace, **overrides) -> EngineConfig:
         model=args.model, dtype=args.dtype, device=args.device, page_size=args.page_size,
         num_pages=args.num_pages, kv_cache_memory=args.kv_cache_memory,
         max_num_batched_tokens=args.max_num_batched_tokens, max_running_requests=args.max_running_requests,
+        scheduling_policy=args.scheduling_policy,
         max_model_len=args.max_model_len, enable_prefix_cache=not args.no_prefix_cache, seed=args.seed,
         dist_timeout=args.dist_timeout,
         attention_backend=args.attention_backend, batch_invariant=args.batch_invariant,

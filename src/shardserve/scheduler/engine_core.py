@@ -72,7 +72,8 @@ class EngineCore(EngineResultsMixin):
         # Context parallelism: one pool per context rank, each request's pages spread over them.
         cp = groups.context.size
         self.allocator = PageAllocator(self.runner.num_pages * cp, cfg.page_size, cfg.enable_prefix_cache, parts=cp)
-        self.scheduler = Scheduler(self.allocator, cfg.max_num_batched_tokens, cfg.max_running_requests)
+        self.scheduler = Scheduler(self.allocator, cfg.max_num_batched_tokens, cfg.max_running_requests,
+                                   cfg.scheduling_policy)
         self.decode = decode
         self.eos_ids = eos_ids(self.ckpt, self.model_cfg, tokenizer)
         self.requests: dict[str, Request] = {}
@@ -113,6 +114,9 @@ class EngineCore(EngineResultsMixin):
 
     def check_request(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
         self.limits.check(prompt_token_ids, params)
+        if params.priority != 0 and self.cfg.scheduling_policy != "priority":
+            raise ValueError(f"priority {params.priority} needs --scheduling-policy priority (LLM(scheduling_policy="
+                             "'priority')); this engine schedules first come, first served")
 
     def resolve_seed(self, params: SamplingParams) -> int:
         """The request's seed, or the next of this replica's sequence for a request giving none."""

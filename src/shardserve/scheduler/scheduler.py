@@ -7,6 +7,11 @@ recomputed later) until it fits. Then, if nothing was preempted, waiting request
 in arrival order while budget, pages and `max_running_requests` allow, starting after whatever
 prefix of their tokens the prefix cache already holds.
 
+Under the "priority" policy (vLLM's) "oldest" and "newest" read as most and least urgent: requests
+are ordered by (SamplingParams.priority, arrival), lower first, in the running set, the waiting
+queue and the choice of whom to preempt. A waiting request never preempts a running one; a
+running one that needs room preempts the least urgent.
+
 With micro-batches in flight (pipeline parallelism), requests whose result is still on its way
 (`busy`) are neither scheduled nor preempted, and each micro-batch takes at most `max_seqs`
 requests so the next one has some left to take. Under --async-scheduling a decode whose token is
@@ -25,8 +30,10 @@ from shardserve.scheduler.lora_slots import LoraSlots
 
 
 class Scheduler:
-    def __init__(self, allocator: PageAllocator, max_num_batched_tokens: int, max_running_requests: int):
+    def __init__(self, allocator: PageAllocator, max_num_batched_tokens: int, max_running_requests: int,
+                 policy: str = "fcfs"):
         self.alloc = allocator
+        self.by_priority = policy == "priority"
         self.page_size = allocator.page_size
         self.max_tokens, self.max_running = max_num_batched_tokens, max_running_requests
         self.waiting: deque[Request] = deque()
@@ -36,7 +43,23 @@ class Scheduler:
         self.loras: LoraSlots | None = None  # --enable-lora: a request runs only in its adapter's slot
 
     def add(self, req: Request) -> None:
-        self.waiting.append(req)
+        self._wait(req)
+
+    def _key(self, req: Request) -> tuple[int, int]:
+        return (req.params.priority if self.by_priority else 0, req.arrival)
+
+    def _wait(self, req: Request) -> None:
+        """Into the waiting queue at its place: by arrival (a preempted request goes first), or by
+        (priority, arrival)."""
+        if not self.by_priority:
+            if req.num_preemptions:
+                self.waiting.appendleft(req)
+            else:
+                self.waiting.append(req)
+            return
+        key = self._key(req)
+        at = next((i for i, r in enumerate(self.waiting) if self._key(r) > key), len(self.waiting))
+        self.waiting.insert(at, req)
 
     def admit_running(self, req: Request) -> None:
         """A request whose KV is already in its pages (disaggregated decode) joins the running set."""
@@ -50,7 +73,7 @@ class Scheduler:
         budget = self.max_tokens
         max_seqs = max_seqs or self.max_running
         entries: list[tuple[Request, int]] = []
-        queue = sorted((r for r in self.running if r.request_id not in busy), key=lambda r: r.arrival)
+        queue = sorted((r for r in self.running if r.request_id not in busy), key=self._key)
         preempted = False
         while queue and budget > 0 and len(entries) < max_seqs:
             req = queue.pop(0)
@@ -135,7 +158,7 @@ class Scheduler:
         self.num_preemptions += 1
         if self.on_preempt is not None:
             self.on_preempt(req)
-        self.waiting.appendleft(req)
+        self._wait(req)
 
     def advance(self, batch: Batch) -> None:
         """Mark the batch's tokens computed and publish newly full pages to the prefix cache."""

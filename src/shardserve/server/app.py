@@ -70,6 +70,7 @@ class ServerState:
     # that loops would stall it, so (as in vLLM) only a server started with this flag runs them.
     trust_request_chat_template: bool = False
     disaggregation_mode: str = "null"  # --disaggregation-mode
+    scheduling_policy: str = "fcfs"  # --scheduling-policy: whether a request's `priority` may be other than 0
     bootstrap_port: int | None = None  # where decode instances reach a prefill instance's leader
     loras: LoraRegistry | None = None  # --enable-lora: the adapters a request's `model` may name
 

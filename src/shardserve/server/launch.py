@@ -157,7 +157,7 @@ def run_http(args, name: str, info: dict, ep: Endpoints, grid: LocalGrid, sock: 
                         request_timeout=Timeouts(total=args.request_timeout),
                         pooling=info["pooling"], hidden_size=info["limits"]["hidden_size"],
                         trust_request_chat_template=args.trust_request_chat_template,
-                        disaggregation_mode=args.disaggregation_mode,
+                        disaggregation_mode=args.disaggregation_mode, scheduling_policy=args.scheduling_policy,
                         bootstrap_port=args.disaggregation_bootstrap_port or args.port + 1, loras=loras)
     config = uvicorn.Config(build_app(state), log_level=args.log_level, timeout_graceful_shutdown=5)
     server = _Server(config, client)

@@ -124,7 +124,7 @@ class _Sampling(Refusing):
     truncate_prompt_tokens: int | None = Field(None, ge=-1)  # -1: the model's context
     prompt_logprobs: int | None = Field(None, ge=0, le=20)
     return_tokens_as_token_ids: bool = False  # logprobs name tokens "token_id:N"
-    priority: int = 0  # only 0: this server schedules first come, first served
+    priority: int = 0  # lower first under --scheduling-policy priority; else only 0
     request_id: str | None = Field(None, min_length=1)  # the response's id and the engine's rid prefix
 
 

@@ -31,7 +31,7 @@ def sampling_params(body, defaults: dict, max_tokens: int, logprobs: int | None,
             structured_outputs=guided, min_tokens=body.min_tokens,
             include_stop_str_in_output=body.include_stop_str_in_output,
             allowed_token_ids=body.allowed_token_ids, bad_words=body.bad_words, truncate_prompt_tokens=truncate,
-            lora_request=lora,
+            lora_request=lora, priority=getattr(body, "priority", 0),
         )
     except ValueError as e:
         param = str(e).split(".", 1)[1].split(" ", 1)[0] if str(e).startswith("SamplingParams.") else None
@@ -84,7 +84,9 @@ def template_fields_given(body) -> str | None:
     return next((name for name, d in defaults.items() if getattr(body, name) != d), None)
 
 
-def check_scheduling(body) -> None:
-    if body.priority != 0:
+def check_scheduling(body, policy: str) -> None:
+    """`policy`: the server's --scheduling-policy."""
+    if body.priority != 0 and policy != "priority":
         raise APIError(400, f"priority {body.priority} needs priority scheduling; this server schedules first "
-                            f"come, first served (as vLLM's default policy, which refuses it too)", param="priority")
+                            f"come, first served (start it with --scheduling-policy priority, as vLLM's)",
+                       param="priority")

@@ -87,7 +87,7 @@ def admit(s, body, count: int) -> LoRARequest | None:
                        param="stop")
     if body.stream_options is not None and not body.stream:
         raise APIError(400, "stream_options is only allowed with stream: true", param="stream_options")
-    check_scheduling(body)
+    check_scheduling(body, s.scheduling_policy)
     check_queue(s, count)
     return lora
 
