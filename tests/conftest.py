@@ -8,12 +8,13 @@ import os
 import pytest
 import torch
 from engine_util import SMOLLM2_QUESTION
-from tiny_models import COMMON, GEMMA3, make_tiny_config
+from tiny_models import COMMON, GEMMA2, GEMMA3, make_tiny_config
 from tiny_tokenizer import save_tiny_tokenizer
 from transformers import (
     AutoModelForCausalLM,
     DeepseekV2Config,
     DeepseekV3Config,
+    Gemma2Config,
     Gemma3TextConfig,
     LlamaConfig,
     MixtralConfig,
@@ -61,6 +62,7 @@ TINY_CONFIGS = {
                                              original_max_position_embeddings=64, rope_parameters=PHI3_LONGROPE,
                                              **COMMON | kw),
     "gemma3": lambda **kw: Gemma3TextConfig(**copy.deepcopy(GEMMA3) | COMMON | kw),
+    "gemma2": lambda **kw: Gemma2Config(**GEMMA2 | COMMON | kw),
     # V2-Lite's shape: no q low-rank path; V2's group-limited greedy gate, two shared experts.
     "deepseek_v2": lambda **kw: DeepseekV2Config(q_lora_rank=None, topk_method="group_limited_greedy",
                                                  n_shared_experts=2, routed_scaling_factor=1.5,

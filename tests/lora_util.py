@@ -22,7 +22,8 @@ def save_adapter(base: torch.nn.Module, path: str, seed: int, r: int, alpha: flo
     from peft import LoraConfig, get_peft_model
 
     torch.manual_seed(seed)
-    cfg = LoraConfig(r=r, lora_alpha=alpha, target_modules=list(targets), init_lora_weights=False,
+    cfg = LoraConfig(r=r, lora_alpha=alpha, target_modules=targets if isinstance(targets, str) else list(targets),
+                     init_lora_weights=False,
                      use_rslora=rslora)
     model = get_peft_model(copy.deepcopy(base), cfg)
     with torch.no_grad():

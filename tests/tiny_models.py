@@ -20,6 +20,11 @@ GEMMA3 = dict(intermediate_size=96, head_dim=16, query_pre_attn_scalar=24, slidi
               rope_parameters={"full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 100000.0},
                                "sliding_attention": {"rope_type": "default", "rope_theta": 1000.0}})
 
+# Gemma 2: a 16-token window on every other layer, scores capped at 5 and logits at 3 (tight, so
+# the caps bind on these widened random weights), queries scaled by 24 ** -0.5.
+GEMMA2 = dict(intermediate_size=96, head_dim=16, query_pre_attn_scalar=24, sliding_window=16,
+              attn_logit_softcapping=5.0, final_logit_softcapping=3.0)
+
 
 def make_tiny_config(cfg, path: str) -> torch.nn.Module:
     """A random model of transformers config `cfg`, its weights widened (below), saved to `path`

@@ -93,6 +93,10 @@ class ModelConfig:
     mlp_activation: str = "silu"
     # Attention scores are scaled by query_pre_attn_scalar ** -0.5 (Gemma's), else head_dim ** -0.5.
     query_pre_attn_scalar: float | None = None
+    # Gemma 2's tanh caps: every scaled attention score s becomes cap * tanh(s / cap) before the
+    # softmax, and every logit likewise (None: uncapped).
+    attn_logit_softcap: float | None = None
+    final_logit_softcap: float | None = None
     torch_dtype: str = "float32"
     # The leading dims of each head that RoPE rotates (partial_rotary_factor x head_dim; Phi-4-mini
     # rotates 3/4); 0 means all of head_dim.
@@ -154,6 +158,8 @@ class ModelConfig:
             fields.update(_deepseek(d, model_type))
         if model_type == "gemma3_text":
             fields.update(_gemma3(d))
+        if model_type in ("gemma2", "gemma3_text"):
+            fields.update(_gemma_caps(d))
         out = cls(**fields)
         if out.num_experts and out.mlp_activation != "silu":
             raise ValueError(f"unsupported model option: hidden_act {out.mlp_activation!r} in a mixture of experts "
@@ -230,8 +236,10 @@ def _sliding_layers(d: dict[str, Any]) -> list[bool]:
     if types and model_type != "mistral":
         return [t == "sliding_attention" for t in types]
     first = int(d.get("max_window_layers", 28))
-    if model_type == "gemma3_text":  # every `sliding_window_pattern`-th layer attends fully
-        pattern = int(d.get("sliding_window_pattern", 6))
+    if model_type in ("gemma2", "gemma3_text"):  # every `sliding_window_pattern`-th layer attends fully
+        pattern = int(d.get("sliding_window_pattern", 2 if model_type == "gemma2" else 6))
+        if pattern < 1:
+            raise ValueError(f"unsupported model option: sliding_window_pattern {pattern} in config.json (>= 1)")
         return [(i + 1) % pattern != 0 for i in range(n)]
     if model_type in ("qwen2", "qwen3"):
         return [i >= first for i in range(n)]
@@ -255,14 +263,13 @@ def _activation(d: dict[str, Any]) -> str:
 
 def _gemma3(d: dict[str, Any]) -> dict[str, Any]:
     """Gemma 3's text model: the local RoPE base of its windowed layers (transformers 5 writes
-    both bases per layer type under rope_parameters; the Hub's configs write rope_local_base_freq),
-    and the query scale."""
+    both bases per layer type under rope_parameters; the Hub's configs write rope_local_base_freq)."""
     rope = d.get("rope_parameters") or {}
     local = rope.get("sliding_attention") or {}
     if (local.get("rope_type") or "default") != "default":
         raise ValueError(f"unsupported model option: rope_type {local['rope_type']!r} on Gemma 3's sliding layers")
     theta = local.get("rope_theta", d.get("rope_local_base_freq", 10000.0))
-    return dict(window_rope_theta=float(theta), query_pre_attn_scalar=float(d.get("query_pre_attn_scalar", 256)))
+    return dict(window_rope_theta=float(theta))
 
 
 def _text_model(d: dict[str, Any]) -> dict[str, Any]:
@@ -272,8 +279,17 @@ def _text_model(d: dict[str, Any]) -> dict[str, Any]:
     if d.get("model_type") != "gemma3" or not isinstance(d.get("text_config"), dict):
         return d
     text = d["text_config"] | {"architectures": d["architectures"], "model_type": "gemma3_text"}
-    top = ("eos_token_id", "bos_token_id", "tie_word_embeddings", "torch_dtype", "dtype")
+    top = ("eos_token_id", "bos_token_id", "tie_word_embeddings", "torch_dtype", "dtype", "quantization_config")
     return {k: d[k] for k in top if k in d and k not in text} | text
+
+
+def _gemma_caps(d: dict[str, Any]) -> dict[str, Any]:
+    """Gemma's query scale and tanh caps (Gemma 2's; Gemma 3's configs leave them null)."""
+    def cap(key: str) -> float | None:
+        return None if d.get(key) is None else float(d[key])
+
+    return dict(query_pre_attn_scalar=float(d.get("query_pre_attn_scalar", 256)),
+                attn_logit_softcap=cap("attn_logit_softcapping"), final_logit_softcap=cap("final_logit_softcapping"))
 
 
 def _sliding_window(d: dict[str, Any]) -> int | None:
@@ -291,6 +307,11 @@ _HF_DEFAULTS: dict[str, dict[str, Any]] = {
                         num_attention_heads=8, num_key_value_heads=4, head_dim=256, query_pre_attn_scalar=256,
                         sliding_window=4096, tie_word_embeddings=True, hidden_activation="gelu_pytorch_tanh",
                         max_position_embeddings=131_072, rms_norm_eps=1e-6, bos_token_id=2, eos_token_id=1),
+    "gemma2": dict(vocab_size=256_000, hidden_size=2304, intermediate_size=9216, num_hidden_layers=26,
+                   num_attention_heads=8, num_key_value_heads=4, head_dim=256, query_pre_attn_scalar=256,
+                   sliding_window=4096, tie_word_embeddings=True, hidden_activation="gelu_pytorch_tanh",
+                   max_position_embeddings=8192, rms_norm_eps=1e-6, bos_token_id=2, eos_token_id=1,
+                   final_logit_softcapping=30.0, attn_logit_softcapping=50.0),
     "deepseek_v3": dict(first_k_dense_replace=3, q_lora_rank=1536, n_shared_experts=1, routed_scaling_factor=2.5,
                         n_group=8, topk_group=4, norm_topk_prob=True, n_routed_experts=256),
 }
@@ -298,8 +319,8 @@ _HF_DEFAULTS: dict[str, dict[str, Any]] = {
 # (field, the values the engine implements) for every model type; checked before anything else.
 _IMPLEMENTED: dict[str, list[tuple[str, tuple]]] = {
     "": [("quantization_config", (None,))],
-    "gemma3_text": [("attn_logit_softcapping", (None,)), ("final_logit_softcapping", (None,)),
-                    ("use_bidirectional_attention", (None, False))],
+    "gemma2": [("use_bidirectional_attention", (None, False))],
+    "gemma3_text": [("use_bidirectional_attention", (None, False))],
     # transformers' V2 never renormalises and always rotates interleaved pairs, DeepSeek's own code
     # would do as these say: two readings of one checkpoint, so neither is guessed.
     "deepseek_v2": [("topk_method", (None, "greedy", "group_limited_greedy")), ("scoring_func", (None, "softmax")),

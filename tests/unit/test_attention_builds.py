@@ -43,5 +43,5 @@ def test_the_attention_library_builds_for_other_cpus(tmp_path, flags, path, bf16
     got = torch.empty_like(q)
     assert lib.paged_decode_f32(q.data_ptr(), q.stride(0), kc.data_ptr(), vc.data_ptr(), tables.data_ptr(),
                                 tables.shape[1], ctx.data_ptr(), None, kv.data_ptr(), got.data_ptr(), None, len(lens),
-                                9, 3, 64, page_size, 0.125, 2) == 0
+                                9, 3, 64, page_size, 0.125, 0.0, 2) == 0
     torch.testing.assert_close(got, reference(q, kc, vc, tables, ctx, kv, page_size, 0.125), atol=1e-5, rtol=1e-5)

@@ -8,8 +8,8 @@ import copy
 import pytest
 import torch
 from engine_util import record_logits
-from tiny_models import COMMON, GEMMA3, make_tiny_config
-from transformers import Gemma3TextConfig, LlamaConfig, MistralConfig, Phi3Config, Qwen2Config
+from tiny_models import COMMON, GEMMA2, GEMMA3, make_tiny_config
+from transformers import Gemma2Config, Gemma3TextConfig, LlamaConfig, MistralConfig, Phi3Config, Qwen2Config
 
 from shardserve.config import EngineConfig
 from shardserve.sampling_params import SamplingParams
@@ -17,7 +17,7 @@ from shardserve.scheduler.engine_core import EngineCore
 from shardserve.scheduler.startup import startup_summary
 
 ARCHS = ["llama", "llama_tied", "qwen2", "qwen3", "qwen3_moe", "qwen2_moe", "mixtral", "deepseek_v2", "deepseek_v3",
-         "phi3", "gemma3"]
+         "phi3", "gemma3", "gemma2"]
 NEW_TOKENS = 32
 
 
@@ -94,11 +94,13 @@ def test_phi3_longrope_both_factor_sets(tiny_model, backend):
 @pytest.fixture(scope="module")
 def windowed(tmp_path_factory):
     """A 16-token sliding window (prompts reach 40 + 32): on every layer of Mistral and Phi-3; on
-    Gemma 3's first layer of two (its own RoPE base) and on Qwen2's second (max_window_layers 1)."""
+    Gemma 2's and 3's first layer of two (Gemma 3's with its own RoPE base) and on Qwen2's second
+    (max_window_layers 1)."""
     out = {}
     for name, cfg in (("mistral", MistralConfig(intermediate_size=96, sliding_window=16, **COMMON)),
                       ("phi3", Phi3Config(intermediate_size=96, sliding_window=16, **COMMON)),
                       ("gemma3", Gemma3TextConfig(**copy.deepcopy(GEMMA3) | COMMON)),
+                      ("gemma2", Gemma2Config(**GEMMA2 | COMMON)),
                       ("qwen2", Qwen2Config(intermediate_size=96, use_sliding_window=True, sliding_window=16,
                                             max_window_layers=1, **COMMON))):
         path = str(tmp_path_factory.mktemp(name))
@@ -119,6 +121,12 @@ def windowed(tmp_path_factory):
     ("gemma3", {"attention_backend": "torch"}),
     ("gemma3", {"max_num_batched_tokens": 7, "page_size": 4}),
     ("qwen2", {}),
+    # Gemma 2's capped scores: the C kernel, and written out where SDPA has no cap (prefill chunks
+    # with --no-batch-invariant, the torch backend's decode groups and chunks over cached context).
+    ("gemma2", {}),
+    ("gemma2", {"batch_invariant": False}),
+    ("gemma2", {"attention_backend": "torch"}),
+    ("gemma2", {"max_num_batched_tokens": 7, "attention_backend": "torch", "page_size": 4}),
     ("qwen2", {"max_num_batched_tokens": 7, "attention_backend": "torch", "page_size": 4}),
 ])
 def test_sliding_window_attention(windowed, monkeypatch, arch, cfg):
@@ -133,7 +141,7 @@ def test_sliding_window_attention(windowed, monkeypatch, arch, cfg):
     batch = prompts(model.config.vocab_size)
     tokens, logits, core = run_engine(path, batch, **cfg)
     assert core.runner.window == 16 and core.max_model_len == 512
-    assert core.runner.split_window == (arch in ("gemma3", "qwen2"))
+    assert core.runner.split_window == (arch in ("gemma2", "gemma3", "qwen2"))
     where = "1 of 2 layers (the others attend fully)" if core.runner.split_window else "every layer"
     assert f"; sliding window of 16 tokens on {where}" in startup_summary(core)
     assert bool(loops) == (cfg.get("attention_backend") != "torch")  # decodes in the C layer loop

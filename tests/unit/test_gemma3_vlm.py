@@ -17,6 +17,7 @@ from tiny_tokenizer import save_tiny_tokenizer
 from transformers import Gemma3Config, Gemma3ForConditionalGeneration, Gemma3TextConfig, SiglipVisionConfig
 
 from shardserve.config import ModelConfig
+from shardserve.sampling_params import SamplingParams
 
 VISION = dict(hidden_size=32, intermediate_size=48, num_hidden_layers=1, num_attention_heads=2, image_size=28,
               patch_size=14)
@@ -91,3 +92,23 @@ def test_sparse_text_config_reads_as_transformers_does():
     assert (mc.rope_scaling.kind, mc.rope_scaling.factor) == ("linear", 8.0)
     assert mc.eos_token_ids == (1, 106) and mc.bos_token_id == 2 and mc.tie_word_embeddings
     assert mc.architecture == "Gemma3ForConditionalGeneration" and mc.torch_dtype == "bfloat16"
+    with pytest.raises(ValueError, match="quantization_config 'awq'"):  # at the top, beside text_config
+        ModelConfig.from_dict(d | {"quantization_config": {"quant_method": "awq"}})
+
+
+def test_adapter_on_the_language_model_equals_peft(vlm, tmp_path):
+    """A PEFT adapter of the multimodal checkpoint on its language model's projections: PEFT's tokens."""
+    from lora_util import peft_greedy, save_adapter
+
+    from shardserve import LLM, LoRARequest
+
+    path, model = vlm
+    peft = save_adapter(model, str(tmp_path / "a"), 5, 4, 8,
+                        r".*language_model.*\.(q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj)", False)
+    batch = [p * 3 for p in prompts(COMMON["vocab_size"])[1:]]
+    ref = [peft_greedy(peft, p, 8)[0] for p in batch]
+    assert ref != [peft_greedy(model, p, 8)[0] for p in batch]
+    with LLM(path, enable_lora=True, max_lora_rank=8, num_pages=64, show_progress=False) as llm:
+        outs = llm.generate(batch, SamplingParams(max_tokens=8, temperature=0), use_tqdm=False,
+                            lora_request=LoRARequest("a", 1, str(tmp_path / "a")))
+    assert [o.outputs[0].token_ids for o in outs] == ref

@@ -179,11 +179,10 @@ def test_gemma3_read_as_transformers_reads_it(spelling):
 
 
 @pytest.mark.parametrize("change,named", [
-    ({"attn_logit_softcapping": 50.0}, "attn_logit_softcapping 50.0"),
-    ({"final_logit_softcapping": 30.0}, "final_logit_softcapping 30.0"),
     ({"use_bidirectional_attention": True}, "use_bidirectional_attention True"),
     ({"hidden_activation": "relu"}, "hidden_activation 'relu'"),
     ({"rope_parameters": {"sliding_attention": {"rope_type": "yarn", "factor": 2.0}}}, "rope_type 'yarn' on Gemma"),
+    ({"sliding_window_pattern": 0}, "sliding_window_pattern 0"),
 ])
 def test_gemma3_options_not_implemented_are_refused(change, named):
     with pytest.raises(ValueError, match=named):
@@ -193,3 +192,31 @@ def test_gemma3_options_not_implemented_are_refused(change, named):
 def test_a_gelu_mixture_of_experts_is_refused(tiny_model):
     with pytest.raises(ValueError, match="hidden_act 'gelu_pytorch_tanh' in a mixture of experts"):
         ModelConfig.from_dict(config_dict(tiny_model, "mixtral") | {"hidden_act": "gelu_pytorch_tanh"})
+
+
+def test_gemma_in_float16_is_refused(tiny_model):
+    """Gemma's activations overflow float16 (vLLM refuses it too): --dtype float16 is refused
+    before loading; `auto` where a GPU lacks bfloat16 takes float32 instead (resolve_dtype)."""
+    from shardserve.loader.model_path import resolve_checkpoint
+    from shardserve.loader.weights import resolve_dtype
+
+    for kind in ("gemma2", "gemma3"):
+        path, _ = tiny_model(kind)
+        with pytest.raises(ValueError, match=r"--dtype float16: Gemma\dForCausalLM's activations overflow float16"):
+            resolve_dtype(EngineConfig(model=path, dtype="float16"), resolve_checkpoint(path))
+    path, _ = tiny_model("llama")
+    assert resolve_dtype(EngineConfig(model=path, dtype="float16"), resolve_checkpoint(path)).dtype == "float16"
+
+
+def test_softcapped_scores_refused_where_no_kernel_caps_them(tiny_model):
+    """Gemma 2's score cap: Triton's kernels and the context-parallel ring have none, refused by
+    name; `auto` on a GPU takes the torch backend (whose attention writes the cap out)."""
+    from shardserve.attention.select import BackendUnavailable, choose_backend
+
+    mc = ModelConfig.from_dict(config_dict(tiny_model, "gemma2"))
+    assert (mc.attn_logit_softcap, mc.final_logit_softcap) == (5.0, 3.0)
+    with pytest.raises(BackendUnavailable, match=r"triton has no attention logit softcapping .* caps its scores at 5"):
+        choose_backend("triton", torch.device("cpu"), torch.float32, softcap=5.0)
+    assert choose_backend("auto", torch.device("cuda"), torch.bfloat16, softcap=5.0).name == "torch"
+    with pytest.raises(LayoutError, match=r"--cp-size 2: context parallelism has no attention logit softcapping"):
+        check_context(EngineConfig(max_model_len=16), mc, cp=2)

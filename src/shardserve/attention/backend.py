@@ -25,11 +25,12 @@ from shardserve.attention.metadata import AttentionMetadata
 
 class Heads:
     """One layer's local heads: query head h reads KV head `kv_of_q[h]` (uneven groups happen
-    when tensor parallelism replicates a KV head, see HeadShard)."""
+    when tensor parallelism replicates a KV head, see HeadShard). `softcap` > 0: each scaled
+    score s becomes softcap * tanh(s / softcap) before the softmax (Gemma 2's)."""
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float,
-                 kv_of_q: tuple[int, ...], device: torch.device | None = None):
-        self.h, self.hkv, self.d, self.scale = num_heads, num_kv_heads, head_dim, scale
+                 kv_of_q: tuple[int, ...], device: torch.device | None = None, softcap: float = 0.0):
+        self.h, self.hkv, self.d, self.scale, self.softcap = num_heads, num_kv_heads, head_dim, scale, softcap
         self.kv_index = torch.tensor(kv_of_q, dtype=torch.long, device=device)
         uniform = num_heads % num_kv_heads == 0 and kv_of_q == tuple(
             i // (num_heads // num_kv_heads) for i in range(num_heads))

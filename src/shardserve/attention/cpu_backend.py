@@ -29,11 +29,11 @@ class CpuBackend(TorchBackend):
         if meta.paged is not None:
             p = meta.paged
             cpu_kernel.paged_decode(q[:n], k_cache, v_cache, p.block_tables, p.context_lens, heads.kv_index,
-                                    meta.page_size, heads.scale, out=out[:n], skips=p.skips)
+                                    meta.page_size, heads.scale, out=out[:n], skips=p.skips, softcap=heads.softcap)
         if meta.paged_prefill is not None:
             p = meta.paged_prefill
             cpu_kernel.paged_decode(q[n:], k_cache, v_cache, p.block_tables, p.context_lens, heads.kv_index,
-                                    meta.page_size, heads.scale, out=out[n:], skips=p.skips)
+                                    meta.page_size, heads.scale, out=out[n:], skips=p.skips, softcap=heads.softcap)
         else:
             self._prefills(heads, q, k, v, k_cache, v_cache, meta, out)
         return out
@@ -45,7 +45,7 @@ class CpuBackend(TorchBackend):
                    page_size) -> tuple[torch.Tensor, torch.Tensor]:
         lse = torch.empty(q.shape[:2], dtype=torch.float32, device=q.device)
         out = cpu_kernel.paged_decode(q, k_cache, v_cache, block_tables, context_lens, heads.kv_index, page_size,
-                                      heads.scale, lse=lse)
+                                      heads.scale, lse=lse, softcap=heads.softcap)
         return out, lse
 
     def describe(self) -> str:

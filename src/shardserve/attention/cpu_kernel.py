@@ -30,7 +30,7 @@ def load() -> ctypes.CDLL:
 
 _I64, _PTR = ctypes.c_int64, ctypes.c_void_p
 _DECODE = ([_PTR, _I64, _PTR, _PTR, _PTR, _I64, _PTR, _PTR, _PTR, _PTR, _PTR, _I64, _I64, _I64, _I64, _I64,
-            ctypes.c_float, ctypes.c_int], ctypes.c_int)
+            ctypes.c_float, ctypes.c_float, ctypes.c_int], ctypes.c_int)
 SIGNATURES = {"paged_decode_f32": _DECODE, "paged_decode_bf16": _DECODE,
               "kv_write": ([_PTR, _I64, _I64, _I64, _PTR, _I64, ctypes.c_int, _PTR, ctypes.c_int], ctypes.c_int),
               "paged_bf16_width": ([_I64], ctypes.c_int)}
@@ -69,14 +69,15 @@ def function(cache_dtype: torch.dtype) -> ctypes._CFuncPtr:
 def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                  context_lens: torch.Tensor, kv_of_q: torch.Tensor, page_size: int, scale: float,
                  out: torch.Tensor | None = None, lse: torch.Tensor | None = None,
-                 skips: torch.Tensor | None = None) -> torch.Tensor:
+                 skips: torch.Tensor | None = None, softcap: float = 0.0) -> torch.Tensor:
     """q: [B, H, D] float32 (rows may be strided); caches [slots, Hkv, D], float32 or (where
     bf16_cache) bfloat16; block_tables [B, P] and
     context_lens [B] int64 (0 allowed: zero out rows); kv_of_q [H] int64. Writes and returns
     out [B, H, D] (contiguous). With `lse` (contiguous float32 [B, H]) also writes each row's
     log(sum_t exp(scale * q . k_t)), -inf for an empty context, for merging partial attentions
     over disjoint key sets: out = sum_i out_i * exp(lse_i - logsumexp_i(lse_i)). `skips` (int64
-    [B], a sliding window: PagedDecode.skips) masks each row's first skips[b] keys."""
+    [B], a sliding window: PagedDecode.skips) masks each row's first skips[b] keys. `softcap` > 0
+    bounds each scaled score s to softcap * tanh(s / softcap) (Gemma 2's logit softcapping)."""
     b, h, d = q.shape
     # A cache the kernel cannot read is an error here, never bytes read as another dtype.
     if k_cache.dtype != v_cache.dtype or k_cache.dtype not in (torch.float32, torch.bfloat16):
@@ -95,7 +96,8 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
         q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), block_tables.data_ptr(),
         block_tables.shape[1], context_lens.data_ptr(), None if skips is None else skips.data_ptr(),
         kv_of_q.data_ptr(), out.data_ptr(),
-        None if lse is None else lse.data_ptr(), b, h, k_cache.shape[1], d, page_size, scale, torch.get_num_threads())
+        None if lse is None else lse.data_ptr(), b, h, k_cache.shape[1], d, page_size, scale, softcap,
+        torch.get_num_threads())
     if rc != 0:
         raise MemoryError("paged_decode: out of memory for attention scores")
     return out

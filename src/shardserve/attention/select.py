@@ -52,17 +52,28 @@ def _cpu(device: torch.device, dtype: torch.dtype, choice: str, batch_invariant:
     return CpuBackend(batch_invariant is not False)
 
 
+def _triton_lacks(window: int | None, softcap: float | None) -> str | None:
+    """What the model needs that the Triton kernels lack, in words, or None."""
+    if window:
+        return (f"no sliding-window attention (the model's window is {window} tokens): use cpu or torch, or "
+                f"--max-model-len {window} or less")
+    if softcap:
+        return f"no attention logit softcapping (the model caps its scores at {softcap}): use cpu or torch"
+    return None
+
+
 def choose_backend(choice: str, device: torch.device, dtype: torch.dtype,
-                   batch_invariant: bool | None = None, window: int | None = None) -> AttentionBackend:
+                   batch_invariant: bool | None = None, window: int | None = None,
+                   softcap: float | None = None) -> AttentionBackend:
     """`batch_invariant` None: wherever the backend offers it; True: required; False: off.
-    `window`: the model's sliding window where the served context exceeds it (Triton's kernels
-    attend to whole contexts: `auto` takes torch SDPA then, and says so)."""
-    if window and choice == "triton":
-        raise BackendUnavailable(f"--attention-backend triton has no sliding-window attention (the model's window "
-                                 f"is {window} tokens): use cpu or torch, or --max-model-len {window} or less")
-    if window and choice == "auto" and device.type == "cuda":
-        log.warning("attention: torch SDPA (the Triton kernels have no sliding window; the model's is %d tokens)",
-                    window)
+    `window`: the model's sliding window where the served context exceeds it; `softcap`: its
+    attention scores' tanh cap (Gemma 2). Triton's kernels have neither: `auto` takes torch SDPA
+    then, and says so."""
+    lacks = _triton_lacks(window, softcap)
+    if lacks and choice == "triton":
+        raise BackendUnavailable(f"--attention-backend triton has {lacks}")
+    if lacks and choice == "auto" and device.type == "cuda":
+        log.warning("attention: torch SDPA (the Triton kernels have %s)", lacks.split(":")[0])
         choice = "torch"
     backend: AttentionBackend | None = None
     if choice in ("auto", "cpu") and device.type == "cpu":

@@ -30,6 +30,25 @@ def as_cached(x: torch.Tensor, cache: torch.Tensor) -> torch.Tensor:
     return x if cache.dtype == x.dtype else x.to(cache.dtype).to(x.dtype)
 
 
+def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, heads: Heads, gqa: bool,
+         mask: torch.Tensor | None = None, causal: bool = False) -> torch.Tensor:
+    """SDPA over [..., heads, length, dim] (k and v with fewer heads where `gqa`); where the heads
+    cap their scores (Gemma 2), which SDPA has no place for, the same steps written out in float32:
+    scores, the cap, the mask, the softmax, the values."""
+    if not heads.softcap:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, scale=heads.scale,
+                                              enable_gqa=gqa)
+    if gqa:
+        k, v = (t.repeat_interleave(q.shape[-3] // k.shape[-3], dim=-3) for t in (k, v))
+    s = torch.matmul(q.float(), k.float().transpose(-1, -2)) * heads.scale
+    s = torch.tanh(s / heads.softcap) * heads.softcap
+    if causal:  # SDPA's is_causal: a square chunk's own keys
+        mask = torch.ones(s.shape[-2:], dtype=torch.bool, device=s.device).tril()
+    if mask is not None:
+        s = s.masked_fill(~mask, float("-inf"))
+    return torch.matmul(torch.softmax(s, dim=-1), v.float()).to(q.dtype)
+
+
 class TorchBackend(AttentionBackend):
     name = "torch"
 
@@ -52,9 +71,7 @@ class TorchBackend(AttentionBackend):
             kk = gather(k_cache, g.slots, q.dtype).transpose(1, 2)  # [g, Hkv, L, d]
             vv = kk if v_cache is k_cache else gather(v_cache, g.slots, q.dtype).transpose(1, 2)
             kk, vv, gqa = heads.expand(kk, vv)
-            o = F.scaled_dot_product_attention(
-                q.index_select(0, g.rows).unsqueeze(2), kk, vv, attn_mask=g.mask, scale=heads.scale, enable_gqa=gqa
-            )
+            o = sdpa(q.index_select(0, g.rows).unsqueeze(2), kk, vv, heads, gqa, mask=g.mask)
             out.index_copy_(0, g.rows, o.squeeze(2))
 
     def _prefills(self, heads: Heads, q, k, v, k_cache, v_cache, meta: AttentionMetadata, out: torch.Tensor) -> None:
@@ -68,10 +85,7 @@ class TorchBackend(AttentionBackend):
                 vv = kk if v_cache is k_cache else gather(v_cache, c.kv_slots, q.dtype).transpose(0, 1)
             kk, vv, gqa = heads.expand(kk, vv)
             # 4-D inputs: on the CPU, 3-D ones take SDPA's slower math path, 4-D its flash kernel.
-            o = F.scaled_dot_product_attention(
-                qq[None], kk[None], vv[None], attn_mask=c.mask, is_causal=c.mask is None, scale=heads.scale,
-                enable_gqa=gqa,
-            )
+            o = sdpa(qq[None], kk[None], vv[None], heads, gqa, mask=c.mask, causal=c.mask is None)
             out[c.start : c.start + c.q_len] = o[0].transpose(0, 1)
 
     def decode_lse(self, heads: Heads, q, k_cache, v_cache, block_tables, context_lens, max_len,
@@ -87,6 +101,8 @@ class TorchBackend(AttentionBackend):
         # Padding reads pages never written: zero its values, or 0 x NaN would poison the output.
         vv = gather(v_cache, slots).index_select(2, heads.kv_index).float().masked_fill(pad[..., None, None], 0.0)
         scores = torch.einsum("bhd,blhd->bhl", q.float(), kk) * heads.scale
+        if heads.softcap:
+            scores = torch.tanh(scores / heads.softcap) * heads.softcap
         scores = scores.masked_fill(pad[:, None], float("-inf"))
         lse = torch.logsumexp(scores, dim=-1)
         probs = torch.exp(scores - torch.where(torch.isinf(lse), 0.0, lse)[..., None])

@@ -108,11 +108,14 @@ class ModelRunner:
         # Some layers windowed, others not (Gemma 3): each step described twice, once per kind.
         self.split_window = self.window is not None and bool(model_cfg.full_layers)
         # Chosen once, before any weight loads; the layers call whichever it is.
-        backend = choose_backend(cfg.attention_backend, self.device, self.dtype, cfg.batch_invariant, self.window)
+        backend = choose_backend(cfg.attention_backend, self.device, self.dtype, cfg.batch_invariant, self.window,
+                                 model_cfg.attn_logit_softcap)
         self.attention: AttentionBackend = ContextBackend(backend) if groups.context.size > 1 else backend
         if self.window and not self.attention.windows:  # launch/checks refuses it before any process starts
             raise ValueError(f"context parallelism (--cp-size) has no sliding-window attention (the model's window "
                              f"is {self.window} tokens): give --max-model-len {self.window} or less")
+        if model_cfg.attn_logit_softcap and groups.context.size > 1:  # likewise
+            raise ValueError("context parallelism (--cp-size) has no attention logit softcapping")
         self.kv_dtype = kv_cache_dtype(cfg.kv_cache_dtype, self.dtype, self.bf16_weights, self.attention,
                                        model_cfg.kv_widths)
         cls = model_class(model_cfg.architecture)

@@ -191,11 +191,14 @@ def check_dense(model: str | None, ep: int) -> None:
 
 def check_context(cfg: EngineConfig, model_cfg: ModelConfig, cp: int = 1) -> None:
     """A --max-model-len beyond the model's positions is refused, not clamped in silence; so is
-    context parallelism over a sliding window (the ring attends to whole contexts)."""
+    context parallelism over a sliding window or a softcap (the ring attends to whole contexts, uncapped)."""
     limit = model_cfg.max_position_embeddings
     if cfg.max_model_len is not None and cfg.max_model_len > limit:
         raise LayoutError(f"--max-model-len {cfg.max_model_len} exceeds the model's context limit of {limit} tokens "
                           f"(max_position_embeddings): give at most {limit}, or leave it out")
+    if cp > 1 and model_cfg.attn_logit_softcap:
+        raise LayoutError(f"--cp-size {cp}: context parallelism has no attention logit softcapping (the model caps "
+                          f"its scores at {model_cfg.attn_logit_softcap}, as Gemma 2 does): leave --cp-size out")
     window = model_cfg.attention_window
     if cp > 1 and window is not None and model_cfg.served_length(cfg.max_model_len) > window:
         raise LayoutError(f"--cp-size {cp}: context parallelism has no sliding-window attention (the model's window "

@@ -56,7 +56,7 @@ class SelfAttention(nn.Module):
         self.q_norm = norm(self.d, cfg.rms_norm_eps, dtype, device) if qk_norm else None
         self.k_norm = norm(self.d, cfg.rms_norm_eps, dtype, device) if qk_norm else None
         scale = (cfg.query_pre_attn_scalar or self.d) ** -0.5
-        self.heads = Heads(self.hq, self.hkv, self.d, scale, shard.kv_of_q, device)
+        self.heads = Heads(self.hq, self.hkv, self.d, scale, shard.kv_of_q, device, cfg.attn_logit_softcap or 0.0)
 
     @property
     def takes_bf16_input(self) -> bool:

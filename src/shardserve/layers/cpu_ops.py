@@ -59,7 +59,7 @@ def silu_mul(gate_up: torch.Tensor, bf16: bool = False, activation: str = "silu"
     g2 = gate_up.reshape(-1, gate_up.shape[-1])
     inter = g2.shape[1] // 2
     out = torch.empty(g2.shape[0], inter, dtype=torch.bfloat16 if bf16 else torch.float32)
-    name = "silu_mul" if activation == "silu" else "gelu_tanh_mul"
+    name = {"silu": "silu_mul", "gelu_pytorch_tanh": "gelu_tanh_mul"}[activation]
     if bf16:
         if getattr(lib, f"{name}_bf16")(g2.data_ptr(), g2.shape[0], g2.stride(0), inter, out.data_ptr(),
                                         torch.get_num_threads()):

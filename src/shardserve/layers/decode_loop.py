@@ -54,12 +54,14 @@ class Layer(ctypes.Structure):
 
 class Dims(ctypes.Structure):
     _fields_ = [("hidden", i64), ("hq", i64), ("hkv", i64), ("d", i64), ("inter", i64), ("eps", ctypes.c_float),
-                ("scale", ctypes.c_float), ("kv_of_q", ptr), ("kv_bf16", i64), ("rd", i64), ("act", i64)]
+                ("scale", ctypes.c_float), ("kv_of_q", ptr), ("kv_bf16", i64), ("rd", i64), ("act", i64),
+                ("softcap", ctypes.c_float)]
 
 
 class Window(ctypes.Structure):
     _fields_ = [("cos", ptr), ("sin", ptr), ("block_tables", ptr), ("context_lens", ptr), ("skips", ptr),
                 ("max_pages", i64)]
+
 
 ACTIVATIONS = {"silu": 0, "gelu_pytorch_tanh": 1}  # Dims.act
 
@@ -116,7 +118,7 @@ class DecodeLoop:
         self.dims = Dims(hidden=first.o_proj.out_features, hq=first.hq, hkv=first.hkv, d=first.d,
                          inter=mlp.down_proj.end - mlp.down_proj.start, eps=layers[0].input_layernorm.eps,
                          scale=first.heads.scale, kv_of_q=self.kv_index.data_ptr(), rd=first.rotary_dim,
-                         act=ACTIVATIONS[mlp.activation])
+                         act=ACTIVATIONS[mlp.activation], softcap=first.heads.softcap)
         self._table: ctypes.Array | None = None
         self._key = 0
         # The step's adapter rows are shared by every adapted layer of the runner (layers/lora.py).

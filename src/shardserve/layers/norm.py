@@ -39,8 +39,7 @@ class OffsetRMSNorm(RMSNorm):
     transformers computes it). It holds 1 + w in float32, added once at load."""
 
     def __init__(self, size: int, eps: float, dtype, device):
-        super().__init__(size, eps, torch.float32, device)
-        self.out_dtype = dtype
+        super().__init__(size, eps, torch.float32, device)  # the rows keep their dtype (forward)
 
     def _load(self, param, src, shard_id=None) -> None:
         copy_into(param.data, src.read().float() + 1.0, src.name)

@@ -78,8 +78,8 @@ def _llama_rope_heads(config: dict, stem: str) -> int | None:
 
 def _whole_tensor_loader(tensor: ReaderTensor, rope_heads: int | None, shape: tuple[int, ...] | None,
                          shift: float = 0.0) -> TensorLoader:
-    """`shift`: taken off every value (GGUF_NORM_SHIFT: in float32, so adding it back restores
-    the file's values exactly)."""
+    """`shift`: taken off every value (GGUF_NORM_SHIFT), in float32: adding it back restores the
+    file's value exactly where it is at least 0.5, within an ulp below."""
     def load() -> torch.Tensor:
         out = _dequantize_to_torch(tensor.data, tensor.tensor_type)
         if rope_heads is not None:

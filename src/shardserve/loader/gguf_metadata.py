@@ -140,6 +140,8 @@ def config_from_reader(reader: GGUFHeader) -> dict:
     config: dict[str, Any] = {"architectures": [hf_arch], "model_type": model_type, "hidden_act": "silu"}
     _copy_mapped_keys(reader, f"{arch}.", GGUF_ARCH_KEY_TO_HF_CONFIG, config)
     _copy_mapped_keys(reader, "", GGUF_TOKENIZER_KEY_TO_HF_CONFIG, config)
+    for key in ("bos_token_id", "eos_token_id"):  # the file's or none: never a config class's default
+        config.setdefault(key, None)
     # Without a key/value head count the model is plain multi-head attention.
     config.setdefault("num_key_value_heads", config["num_attention_heads"])
     config["head_dim"] = _head_dim(reader, arch, config)
@@ -165,8 +167,8 @@ def config_from_reader(reader: GGUFHeader) -> dict:
     config.update(_moe_config(reader, arch))
     if arch == "llama" and config.get("num_experts"):  # llama.cpp writes Mixtral as llama with experts
         config.update(architectures=["MixtralForCausalLM"], model_type="mixtral")
-    if arch == "gemma3":
-        config.update(_gemma3(reader, config))
+    if arch in ("gemma2", "gemma3"):
+        config.update(_gemma(reader, arch, config))
     if arch == "deepseek2":
         def value(suffix: str) -> Any:
             return reader.fields.get(f"{arch}.{suffix}")
@@ -177,25 +179,36 @@ def config_from_reader(reader: GGUFHeader) -> dict:
     return config
 
 
-def _gemma3(reader: GGUFHeader, config: dict) -> dict:
-    """What llama.cpp takes for Gemma 3 where the file says nothing: every sixth layer attends
-    fully (else `attention.sliding_window_pattern`), the windowed layers' RoPE base 10000 (else
-    `rope.freq_base_swa`), queries scaled by the head width but 27B's (62 layers) by
-    hidden / heads, as Google's configs give query_pre_attn_scalar; no window key, no window."""
+def _gemma(reader: GGUFHeader, arch: str, config: dict) -> dict:
+    """What llama.cpp takes for Gemma 2 and 3 where the file says nothing: every other layer
+    (gemma2) or every sixth (gemma3) attends fully, else `attention.sliding_window_pattern`;
+    gemma2's window 4096 and caps 50 and 30, gemma3 no window, no caps; gemma3's windowed layers'
+    RoPE base 10000, else `rope.freq_base_swa`; queries scaled by the head width but 27B's (46
+    or 62 layers) by hidden / heads, as Google's configs give query_pre_attn_scalar."""
     def value(suffix: str) -> Any:
-        return reader.fields.get(f"gemma3.{suffix}")
+        return reader.fields.get(f"{arch}.{suffix}")
 
-    out: dict[str, Any] = {"hidden_activation": "gelu_pytorch_tanh", "sliding_window": config.get("sliding_window"),
-                           "rope_local_base_freq": float(value("rope.freq_base_swa") or 10000.0)}
+    two = arch == "gemma2"
+    out: dict[str, Any] = {"hidden_activation": "gelu_pytorch_tanh",
+                           "sliding_window": config.get("sliding_window") or (4096 if two else None),
+                           "attn_logit_softcapping": value("attn_logit_softcapping") or (50.0 if two else None),
+                           "final_logit_softcapping": value("final_logit_softcapping") or (30.0 if two else None)}
+    base = value("rope.freq_base_swa")
+    if two and base is not None and float(base) != config["rope_theta"]:
+        raise ValueError(f"unsupported model option: gemma2.rope.freq_base_swa {base} (a RoPE base of the windowed "
+                         f"layers apart from rope.freq_base {config['rope_theta']}) is not implemented")
+    if not two:
+        out["rope_local_base_freq"] = float(base or 10000.0)
     pattern = value("attention.sliding_window_pattern")
+    if isinstance(pattern, int) and pattern == 0:  # llama.cpp's 0: every layer windowed
+        pattern = [True] * config["num_hidden_layers"]
     if isinstance(pattern, list):
         out["layer_types"] = ["sliding_attention" if p else "full_attention" for p in pattern]
     elif pattern is not None:
         out["sliding_window_pattern"] = int(pattern)
     hidden, heads = config["hidden_size"], config["num_attention_heads"]
-    out["query_pre_attn_scalar"] = hidden // heads if config["num_hidden_layers"] == 62 else config["head_dim"]
-    if (cap := value("final_logit_softcapping")) is not None:
-        out["final_logit_softcapping"] = float(cap)  # refused by name (model_config)
+    wide = config["num_hidden_layers"] == (46 if two else 62)
+    out["query_pre_attn_scalar"] = hidden // heads if wide else config["head_dim"]
     return out
 
 

@@ -11,6 +11,7 @@ GGUF_ARCH_TO_HF_MODEL: dict[str, tuple[str, str]] = {
     "qwen3moe": ("qwen3_moe", "Qwen3MoeForCausalLM"),
     "deepseek2": ("deepseek_v2", "DeepseekV2ForCausalLM"),  # or V3: gguf_deepseek.deepseek2_config says
     "phi3": ("phi3", "Phi3ForCausalLM"),
+    "gemma2": ("gemma2", "Gemma2ForCausalLM"),
     "gemma3": ("gemma3_text", "Gemma3ForCausalLM"),
 }
 
@@ -80,13 +81,14 @@ GGUF_LAYER_TENSOR_TO_HF: dict[str, str] = {
 }
 
 # Per-layer stems an architecture maps otherwise: phi3's ffn_up holds gate and up, as HF's gate_up_proj.
-# gemma3's ffn_norm is the norm before its MLP (its post_attention_norm the one after attention).
+# Gemma's ffn_norm is the norm before its MLP (its post_attention_norm the one after attention).
 GGUF_ARCH_LAYER_TENSOR_TO_HF: dict[str, dict[str, str]] = {"phi3": {"ffn_up": "mlp.gate_up_proj"},
+                                                           "gemma2": {"ffn_norm": "pre_feedforward_layernorm"},
                                                            "gemma3_text": {"ffn_norm": "pre_feedforward_layernorm"}}
 
 # What llama.cpp's converter adds to every norm weight of a model type (Gemma's norms scale by
 # 1 + w; llama.cpp's by the weight): taken off again on load, so the HF tensor is the checkpoint's.
-GGUF_NORM_SHIFT: dict[str, float] = {"gemma3_text": 1.0}
+GGUF_NORM_SHIFT: dict[str, float] = {"gemma2": 1.0, "gemma3_text": 1.0}
 
 # Whole-model tensors that are rotary tables, not weights: read into the config's rope scaling
 # (gguf_metadata.py), never loaded as parameters. rope_freqs: llama 3.x's frequency divisors (its

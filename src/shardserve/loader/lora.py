@@ -28,9 +28,11 @@ _SUB = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn", "o_
 # Projections some checkpoints store fused (Phi-3's), which their adapters name so: such an adapter
 # adapts each piece with its one A and the piece's rows of its B, in order (`unfuse`).
 FUSED_TARGETS = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
-# PEFT's names (base_model.model. before the model's own), or the model's own alone.
-_KEY = re.compile(r"^(?:base_model\.model\.)?(?:model\.)?layers\.(\d+)\.(self_attn|mlp)\.(\w+?)\.lora_(A|B)"
-                  r"(?:\.\w+)?\.weight$")
+# PEFT's names (base_model.model. before the model's own), or the model's own alone: a decoder
+# layer's projection; a vision-language checkpoint's under its language model (Gemma 3's 4B-27B:
+# language_model.model.layers, or model.language_model.layers).
+_KEY = re.compile(r"^(?:base_model\.model\.)?(?:model\.)?(?:language_model\.)?(?:model\.)?layers\.(\d+)\."
+                  r"(self_attn|mlp)\.(\w+?)\.lora_(A|B)(?:\.\w+)?\.weight$")
 MAX_HEADER = 100 * 2**20  # safetensors' own bound on a header
 CONFIG, WEIGHTS = "adapter_config.json", "adapter_model.safetensors"
 # PEFT options that change the arithmetic; an adapter using one is refused, never run without it.

@@ -29,16 +29,26 @@ def resolve_dtype(cfg: EngineConfig, ckpt: Checkpoint, model_cfg: ModelConfig | 
     """`cfg` with --dtype auto replaced by the dtype the ranks compute in (platform.pick_dtype),
     and logged. Each process that computes resolves it (the engine core, a follower rank, a model
     runner built alone: a no-op once resolved); the API process never does, it has no torch."""
+    if cfg.dtype == "float16" and (model_cfg or read_model_config(ckpt)).architecture in FLOAT16_UNSTABLE:
+        raise ValueError(f"--dtype float16: {(model_cfg or read_model_config(ckpt)).architecture}'s activations "
+                         "overflow float16 (vLLM refuses it too): use bfloat16 or float32")
     if cfg.dtype != "auto":
         return cfg
     from shardserve.platform import pick_device, pick_dtype  # torch: imported only when resolving
 
     device = pick_device(cfg.device)
+    model_cfg = model_cfg or read_model_config(ckpt)
     # The checkpoint's own dtype matters only on a GPU: not read elsewhere.
-    own = (model_cfg or read_model_config(ckpt)).torch_dtype if device.type == "cuda" else "float32"
+    own = model_cfg.torch_dtype if device.type == "cuda" else "float32"
     dtype, why = pick_dtype(cfg.dtype, own, device, ckpt.is_gguf)
+    if dtype == "float16" and model_cfg.architecture in FLOAT16_UNSTABLE:
+        dtype, why = "float32", f"auto: {why}, but {model_cfg.architecture}'s activations overflow float16"
     logging.getLogger(__name__).info("dtype %s (%s)", dtype, why)
     return dataclasses.replace(cfg, dtype=dtype)
+
+
+# Architectures whose activations overflow float16 (vLLM's list, where it has these).
+FLOAT16_UNSTABLE = frozenset({"Gemma2ForCausalLM", "Gemma3ForCausalLM", "Gemma3ForConditionalGeneration"})
 
 
 def checkpoint_sources(ckpt: Checkpoint, quantization: str = "none") -> tuple[Iterable[TensorSource], int]:

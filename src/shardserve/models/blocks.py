@@ -51,17 +51,15 @@ class DecoderLayer(nn.Module):
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         # A norm hands its rows as bfloat16 where the product after it would round them so itself.
-        x = x + self.self_attn(positions, self.input_layernorm(x, _takes_bf16(self.self_attn)), ctx)
-        return x + self.mlp(self.post_attention_layernorm(x, _takes_bf16(self.mlp)))
-
+        x = x + self.self_attn(positions, self.input_layernorm(x, takes_bf16(self.self_attn)), ctx)
+        return x + self.mlp(self.post_attention_layernorm(x, takes_bf16(self.mlp)))
 
     def loop_norms(self) -> tuple[RMSNorm, RMSNorm | None, RMSNorm, RMSNorm | None]:
         """The norms before the attention, after it, before the MLP and after it (None: none
         there), as the C decode loop runs a layer (layers/decode_loop.py)."""
         return self.input_layernorm, None, self.post_attention_layernorm, None
 
-
-def _takes_bf16(module: nn.Module) -> bool:
+def takes_bf16(module: nn.Module) -> bool:
     """Whether `module` (an attention or MLP) takes its input as bfloat16 rows: its first product's
     takes_bf16_input, where it says (others take float32)."""
     return getattr(module, "takes_bf16_input", False)

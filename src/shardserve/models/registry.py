@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from shardserve.models.blocks import CausalLM
 from shardserve.models.deepseek import DeepseekV2ForCausalLM
-from shardserve.models.gemma3 import Gemma3ForCausalLM, Gemma3ForConditionalGeneration
+from shardserve.models.gemma import Gemma2ForCausalLM, Gemma3ForCausalLM, Gemma3ForConditionalGeneration
 from shardserve.models.llama import LlamaForCausalLM
 from shardserve.models.mixtral import MixtralForCausalLM
 from shardserve.models.phi3 import Phi3ForCausalLM
@@ -20,6 +20,7 @@ MODELS: dict[str, type[CausalLM]] = {
     "Phi3ForCausalLM": Phi3ForCausalLM,
     "DeepseekV2ForCausalLM": DeepseekV2ForCausalLM,
     "DeepseekV3ForCausalLM": DeepseekV2ForCausalLM,
+    "Gemma2ForCausalLM": Gemma2ForCausalLM,
     "Gemma3ForCausalLM": Gemma3ForCausalLM,
     "Gemma3ForConditionalGeneration": Gemma3ForConditionalGeneration,
     "Qwen2ForCausalLM": Qwen2ForCausalLM,

@@ -4,8 +4,8 @@ Every step: running requests first (oldest first), each taking its next chunk of
 tokens (one for a decode, up to the remaining budget for a prompt being prefilled in chunks);
 if the page pool cannot hold a chunk, the newest running request is preempted (its pages freed,
 recomputed later) until it fits. Then, if nothing was preempted, waiting requests are admitted
-in arrival order while budget, pages and `max_running_requests` allow, starting after whatever
-prefix of their tokens the prefix cache already holds.
+in order (by arrival under the default policy) while budget, pages and `max_running_requests`
+allow, starting after whatever prefix of their tokens the prefix cache already holds.
 
 Under the "priority" policy (vLLM's) "oldest" and "newest" read as most and least urgent: requests
 are ordered by (SamplingParams.priority, arrival), lower first, in the running set, the waiting
@@ -21,6 +21,7 @@ preempted: its token lands before the next schedule, so before it can be admitte
 
 from __future__ import annotations
 
+import bisect
 from collections import deque
 from collections.abc import Callable
 
@@ -58,8 +59,10 @@ class Scheduler:
                 self.waiting.append(req)
             return
         key = self._key(req)
-        at = next((i for i, r in enumerate(self.waiting) if self._key(r) > key), len(self.waiting))
-        self.waiting.insert(at, req)
+        if not self.waiting or self._key(self.waiting[-1]) <= key:  # the common case: no search
+            self.waiting.append(req)
+        else:
+            self.waiting.insert(bisect.bisect_right(self.waiting, key, key=self._key), req)
 
     def admit_running(self, req: Request) -> None:
         """A request whose KV is already in its pages (disaggregated decode) joins the running set."""

@@ -12,6 +12,8 @@
  * kv_of_q[h] is the kv head that query head h reads (uneven groups allowed).
  * skips [B], when not NULL, masks each row's first skips[b] keys (a sliding window's start
  * inside the row's first page: the caller starts its block table at that page).
+ * softcap, when > 0, bounds each score s (after the scale) to softcap * tanh(s / softcap) before the
+ * softmax (Gemma 2's attention logit softcapping).
  * lse [B, H], when not NULL, gets log(sum_t exp(scale * q . k_t)) of each row, so that partial
  * attentions over disjoint key sets (context parallelism) can be merged. A sequence with no
  * context is legal: its out rows are 0 and its lse rows -inf.
@@ -53,7 +55,8 @@ static inline void prefetch_rows(const char *page, int64_t r0, int64_t r1, int64
  * exps with 1 / their sum at invs[(b - b0) * H + h] (softmax); its out rows zeroed for the values
  * to add into; lse as paged_decode says. */
 static void item_softmax(const unsigned char *take, const int64_t *lens, const int64_t *skips, int64_t b0, int64_t b1,
-                         float *out, float *lse, int64_t H, int64_t D, float *scores, int64_t max_len, float *invs) {
+                         float *out, float *lse, int64_t H, int64_t D, float *scores, int64_t max_len, float *invs,
+                         float softcap) {
     for (int64_t b = b0; b < b1; ++b) {
         /* Under a sliding window the first `skip` keys (before the window, on its first page)
          * get probability 0: the values pass adds nothing of them. */
@@ -63,6 +66,8 @@ static void item_softmax(const unsigned char *take, const int64_t *lens, const i
             memset(out + b * H * D + h * D, 0, sizeof(float) * D);
             float *s = scores + (b - b0) * H * max_len + h * len;
             memset(s, 0, sizeof(float) * (size_t)skip);
+            if (softcap > 0)
+                for (int64_t t = skip; t < len; ++t) s[t] = softcap * tanhf(s[t] / softcap);
             /* No keys: the sum of exps is 0. Stored on its own branch, as a constant, since
              * under -ffast-math computing it (log of 0, 1/0) is not guaranteed to give -inf. */
             float l = len > skip ? softmax(s + skip, len - skip, invs ? invs + (b - b0) * H + h : NULL) : -INFINITY;
@@ -82,8 +87,8 @@ static void item_softmax(const unsigned char *take, const int64_t *lens, const i
 static void block_item(const float *q, int64_t q_stride, const void *k_cache, const void *v_cache, int bf,
                        const int64_t *table, const int64_t *lens, const int64_t *skips, int64_t b0, int64_t b1,
                        const int64_t *kv_of_q, float *out, float *lse, int64_t kv0, int64_t kv1, int64_t hpart,
-                       int64_t hparts, int64_t H, int64_t Hkv, int64_t D, int64_t page_size, float scale, float *scores,
-                       int64_t max_len, uint16_t *qb, int amx, uint16_t *qt, uint16_t *vp) {
+                       int64_t hparts, int64_t H, int64_t Hkv, int64_t D, int64_t page_size, float scale, float softcap,
+                       float *scores, int64_t max_len, uint16_t *qb, int amx, uint16_t *qt, uint16_t *vp) {
     /* This item's query heads: those reading kv heads [kv0, kv1), and of them the hpart-th of
      * hparts even slices (hparts > 1 only with one kv head per item). */
     unsigned char take[H];
@@ -110,7 +115,7 @@ static void block_item(const float *q, int64_t q_stride, const void *k_cache, co
         amx_item_scores(qb, k_cache, table, lens, b0, b1, longest, take, kv_of_q, kv0, kv1, H, Hkv, D, page_size,
                         scale, scores, max_len, qt);
         float invs[(b1 - b0) * H]; /* the values pass normalizes as it rounds */
-        item_softmax(take, lens, skips, b0, b1, out, lse, H, D, scores, max_len, invs);
+        item_softmax(take, lens, skips, b0, b1, out, lse, H, D, scores, max_len, invs, softcap);
         amx_item_values(scores, invs, v_cache, table, lens, b0, b1, longest, take, kv_of_q, kv0, kv1, H, Hkv, D,
                         page_size, out, max_len, vp, qt);
         return;
@@ -170,7 +175,7 @@ static void block_item(const float *q, int64_t q_stride, const void *k_cache, co
             }
         }
         if (values) break;
-        item_softmax(take, lens, skips, b0, b1, out, lse, H, D, scores, max_len, NULL);
+        item_softmax(take, lens, skips, b0, b1, out, lse, H, D, scores, max_len, NULL, softcap);
     }
 }
 
@@ -198,7 +203,7 @@ static int64_t row_blocks(const int64_t *block_tables, int64_t max_pages, int64_
 static int paged_decode(const float *q, int64_t q_stride, const void *k_cache, const void *v_cache, int bf,
                         const int64_t *block_tables, int64_t max_pages, const int64_t *context_lens,
                         const int64_t *skips, const int64_t *kv_of_q, float *out, float *lse, int64_t B, int64_t H,
-                        int64_t Hkv, int64_t D, int64_t page_size, float scale, int num_threads) {
+                        int64_t Hkv, int64_t D, int64_t page_size, float scale, float softcap, int num_threads) {
     int64_t max_len = 0;
     for (int64_t b = 0; b < B; ++b) max_len = context_lens[b] > max_len ? context_lens[b] : max_len;
     /* Rows of one block table (a prefill chunk's tokens) go together, up to row_block's a block. */
@@ -235,7 +240,7 @@ static int paged_decode(const float *q, int64_t q_stride, const void *k_cache, c
             int64_t kv0 = per_seq == 1 ? 0 : part, kv1 = per_seq == 1 ? Hkv : part + 1;
             block_item(q, q_stride, k_cache, v_cache, bf, block_tables + b0 * max_pages, context_lens, skips, b0,
                        starts[blk + 1], kv_of_q, out, lse, kv0, kv1, item % hparts, hparts, H, Hkv, D, page_size, scale,
-                       scores, max_len, (uint16_t *)(scores + nscores), amx, (uint16_t *)(scores + nscores) + nq,
+                       softcap, scores, max_len, (uint16_t *)(scores + nscores), amx, (uint16_t *)(scores + nscores) + nq,
                        (uint16_t *)(scores + nscores) + nq + nqt);
         }
         free(scores);
@@ -250,9 +255,9 @@ static int paged_decode(const float *q, int64_t q_stride, const void *k_cache, c
     int NAME(const float *q, int64_t q_stride, const void *k_cache, const void *v_cache,                     \
              const int64_t *block_tables, int64_t max_pages, const int64_t *context_lens,                    \
              const int64_t *skips, const int64_t *kv_of_q, float *out, float *lse, int64_t B, int64_t H,       \
-             int64_t Hkv, int64_t D, int64_t page_size, float scale, int num_threads) {                      \
+             int64_t Hkv, int64_t D, int64_t page_size, float scale, float softcap, int num_threads) {       \
         return paged_decode(q, q_stride, k_cache, v_cache, BF, block_tables, max_pages, context_lens, skips,   \
-                            kv_of_q, out, lse, B, H, Hkv, D, page_size, scale, num_threads);                 \
+                            kv_of_q, out, lse, B, H, Hkv, D, page_size, scale, softcap, num_threads);        \
     }
 ENTRY(paged_decode_f32, 0)
 #if PAGED_BF16

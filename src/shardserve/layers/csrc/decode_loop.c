@@ -75,6 +75,7 @@ typedef struct {
     int64_t kv_bf16; /* the caches hold bfloat16: new rows rounded (nearest even) as written */
     int64_t rd;      /* each head's leading dims that RoPE rotates (d but under partial rotary) */
     int64_t act;     /* the MLP's activation: 0 SiLU, 1 GELU's tanh approximation */
+    float softcap;   /* > 0: attention scores bounded to softcap * tanh(s / softcap) (Gemma 2) */
 } Dims;
 
 typedef struct {
@@ -86,7 +87,7 @@ typedef struct {
 typedef int (*attn_fn)(const float *q, int64_t q_stride, const void *k_cache, const void *v_cache,
                        const int64_t *block_tables, int64_t max_pages, const int64_t *context_lens,
                        const int64_t *skips, const int64_t *kv_of_q, float *out, float *lse, int64_t B, int64_t H,
-                       int64_t Hkv, int64_t D, int64_t page_size, float scale, int num_threads);
+                       int64_t Hkv, int64_t D, int64_t page_size, float scale, float softcap, int num_threads);
 
 /* This thread's share of y = x W^T: runs of weight rows claimed from *next (see claim_rows), a
  * run that spans segments taken segment by segment; x both as floats and as `a` prepares it. */
@@ -129,14 +130,14 @@ static int attend(const Layer *L, const Dims *dm, const float *qkv, int64_t nqkv
         if (h1 == h0) return 0;
         return pg->attn(qkv + h0 * d, nqkv, L->k_cache, L->v_cache, pg->block_tables, pg->max_pages,
                         pg->context_lens, pg->skips, dm->kv_of_q + h0, att + h0 * d, NULL, 1, h1 - h0, dm->hkv, d,
-                        pg->page_size, dm->scale, 1);
+                        pg->page_size, dm->scale, dm->softcap, 1);
     }
     int64_t step = (m + 4 * nth - 1) / (4 * nth); /* rows per claim: a quarter of an even share */
     for (int64_t c; (c = claim(next, (m + step - 1) / step)) >= 0;) {
         int64_t i = c * step, n = i + step < m ? step : m - i;
         if (pg->attn(qkv + i * nqkv, nqkv, L->k_cache, L->v_cache, pg->block_tables + i * pg->max_pages,
                      pg->max_pages, pg->context_lens + i, pg->skips ? pg->skips + i : NULL, dm->kv_of_q,
-                     att + i * nq, NULL, n, dm->hq, dm->hkv, d, pg->page_size, dm->scale, 1))
+                     att + i * nq, NULL, n, dm->hq, dm->hkv, d, pg->page_size, dm->scale, dm->softcap, 1))
             return 1;
         if (aq) acts_rows(att, nq, i, i + n, aq);
     }

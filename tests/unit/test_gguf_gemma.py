@@ -1,8 +1,8 @@
-"""Gemma 3 GGUFs as llama.cpp's converter writes them: every norm weight stored as 1 + w, the
-global RoPE base and the windowed layers' (`rope.freq_base_swa`), the window but no layer
-pattern (llama.cpp takes every sixth layer as full) and no query scale (the head width, but
-27B's). Served from the file, each gives the original model's greedy tokens and logits
-(transformers on the Hugging Face checkpoint)."""
+"""Gemma 2 and 3 GGUFs as llama.cpp's converter writes them: every norm weight stored as 1 + w,
+the window but no layer pattern (llama.cpp takes every other layer as full for gemma2, every
+sixth for gemma3) and no query scale (the head width, but 27B's); gemma3's global RoPE base and
+its windowed layers' (`rope.freq_base_swa`), gemma2's caps. Served from the file, each gives the
+original model's greedy tokens and logits (transformers on the Hugging Face checkpoint)."""
 
 from __future__ import annotations
 
@@ -16,8 +16,8 @@ from gguf import GGUFWriter, RopeScalingType
 from gguf.quants import dequantize, quantize
 from gguf_util import finish
 from test_equivalence import hf_reference, run_engine
-from tiny_models import COMMON, GEMMA3, make_tiny_config
-from transformers import Gemma3TextConfig
+from tiny_models import COMMON, GEMMA2, GEMMA3, make_tiny_config
+from transformers import Gemma2Config, Gemma3TextConfig
 
 from shardserve.loader.gguf_metadata import read_gguf_config
 
@@ -39,12 +39,12 @@ def gemma(tmp_path_factory):
     return make_tiny_config(cfg, path)
 
 
-def write_gemma3(path: str, model, quantized: tuple[str, ...] = (), **extra) -> None:
-    """As convert_hf_to_gguf.py's Gemma3Model writes it (tied: no output.weight); Q8_0 for the
-    `quantized` stems; `extra`: more gemma3.* keys (int, or a list of bools)."""
+def write_gemma3(path: str, model, quantized: tuple[str, ...] = (), arch: str = "gemma3", **extra) -> None:
+    """As convert_hf_to_gguf.py's Gemma3Model (or Gemma2Model) writes it (tied: no output.weight);
+    Q8_0 for the `quantized` stems; `extra`: more {arch}.* keys (int, or a list of bools)."""
     cfg, sd = model.config, {k: v.numpy() for k, v in model.state_dict().items()}
     rope = cfg.rope_parameters
-    w = GGUFWriter(path, "gemma3")
+    w = GGUFWriter(path, arch)
     w.add_block_count(cfg.num_hidden_layers)
     w.add_context_length(cfg.max_position_embeddings)
     w.add_embedding_length(cfg.hidden_size)
@@ -54,14 +54,18 @@ def write_gemma3(path: str, model, quantized: tuple[str, ...] = (), **extra) -> 
     w.add_key_length(cfg.head_dim)
     w.add_value_length(cfg.head_dim)
     w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
-    w.add_rope_freq_base(rope["full_attention"]["rope_theta"])
-    w.add_rope_freq_base_swa(rope["sliding_attention"]["rope_theta"])
-    w.add_rope_scaling_type(RopeScalingType.LINEAR)
-    w.add_rope_scaling_factor(rope["full_attention"]["factor"])
+    if arch == "gemma3":
+        w.add_rope_freq_base(rope["full_attention"]["rope_theta"])
+        w.add_rope_freq_base_swa(rope["sliding_attention"]["rope_theta"])
+        w.add_rope_scaling_type(RopeScalingType.LINEAR)
+        w.add_rope_scaling_factor(rope["full_attention"]["factor"])
+    else:  # gemma2: no RoPE base (llama.cpp's 10000, Gemma2Config's), the caps
+        w.add_attn_logit_softcapping(cfg.attn_logit_softcapping)
+        w.add_final_logit_softcapping(cfg.final_logit_softcapping)
     w.add_sliding_window(cfg.sliding_window)
     w.add_vocab_size(cfg.vocab_size)
     for key, value in extra.items():
-        (w.add_array if isinstance(value, list) else w.add_uint32)(f"gemma3.{key}", value)
+        (w.add_array if isinstance(value, list) else w.add_uint32)(f"{arch}.{key}", value)
 
     def norm(t: np.ndarray) -> np.ndarray:
         return t + np.float32(1.0)  # the converter's norm_shift
@@ -70,6 +74,8 @@ def write_gemma3(path: str, model, quantized: tuple[str, ...] = (), **extra) -> 
     w.add_tensor("output_norm.weight", norm(sd["model.norm.weight"]))
     for i in range(cfg.num_hidden_layers):
         for hf, stem in STEMS.items():
+            if f"model.layers.{i}.{hf}.weight" not in sd:  # gemma2: no q/k norms
+                continue
             t = sd[f"model.layers.{i}.{hf}.weight"]
             if stem.endswith("norm"):
                 w.add_tensor(f"blk.{i}.{stem}.weight", norm(t))
@@ -147,3 +153,15 @@ def test_gemma3_gguf_27b_query_scale(tmp_path):
     finish(w)
     mc = ModelConfig.from_dict(read_gguf_config(path))
     assert (mc.query_pre_attn_scalar, mc.head_dim, mc.sliding_window, mc.window_rope_theta) == (168, 128, None, 1e4)
+
+
+def test_gemma2_gguf_equals_the_checkpoint(tmp_path):
+    """Every other layer windowed (llama.cpp's gemma2 default), scores capped at 5 and logits at 3
+    as the file says, the norms' 1 + w taken back."""
+    model = make_tiny_config(Gemma2Config(**GEMMA2 | COMMON | {"num_hidden_layers": 4, "query_pre_attn_scalar": 16}),
+                             str(tmp_path / "hf"))
+    path = str(tmp_path / "gemma2.gguf")
+    write_gemma3(path, model, arch="gemma2")
+    core = check(path, model)
+    mc = core.runner.model_cfg
+    assert (mc.full_layers, mc.attn_logit_softcap, mc.final_logit_softcap, mc.window_rope_theta) == ((1, 3), 5, 3, None)
