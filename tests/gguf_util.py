@@ -5,9 +5,10 @@ from __future__ import annotations
 from gguf import GGUFWriter
 
 
-def gguf_writer(path: str, arch: str, cfg, kv_heads: int | None = None) -> GGUFWriter:
+def gguf_writer(path: str, arch: str, cfg, kv_heads: int | None = None, theta: float | None = None) -> GGUFWriter:
     """A writer for `arch` with the metadata every architecture here reads, from `cfg` (`kv_heads`:
-    the head_count_kv to write where it is not the config's)."""
+    the head_count_kv to write where it is not the config's; `theta`: the RoPE base, where the
+    config's rope_parameters hold one per layer kind)."""
     w = GGUFWriter(path, arch)
     w.add_block_count(cfg.num_hidden_layers)
     w.add_context_length(cfg.max_position_embeddings)
@@ -16,7 +17,7 @@ def gguf_writer(path: str, arch: str, cfg, kv_heads: int | None = None) -> GGUFW
     w.add_head_count(cfg.num_attention_heads)
     w.add_head_count_kv(cfg.num_key_value_heads if kv_heads is None else kv_heads)
     w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
-    w.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
+    w.add_rope_freq_base(theta if theta is not None else cfg.rope_parameters["rope_theta"])
     w.add_vocab_size(cfg.vocab_size)
     return w
 

@@ -14,8 +14,8 @@ import torch
 from gguf import GGMLQuantizationType as T
 from gguf import GGUFWriter, RopeScalingType
 from gguf.quants import dequantize, quantize
-from gguf_util import finish
-from test_equivalence import hf_reference, run_engine
+from gguf_util import finish, gguf_writer
+from test_gguf_rope_factors import check
 from tiny_models import COMMON, GEMMA2, GEMMA3, make_tiny_config
 from transformers import Gemma2Config, Gemma3TextConfig
 
@@ -44,22 +44,14 @@ def write_gemma3(path: str, model, quantized: tuple[str, ...] = (), arch: str = 
     Q8_0 for the `quantized` stems; `extra`: more {arch}.* keys (int, or a list of bools)."""
     cfg, sd = model.config, {k: v.numpy() for k, v in model.state_dict().items()}
     rope = cfg.rope_parameters
-    w = GGUFWriter(path, arch)
-    w.add_block_count(cfg.num_hidden_layers)
-    w.add_context_length(cfg.max_position_embeddings)
-    w.add_embedding_length(cfg.hidden_size)
-    w.add_feed_forward_length(cfg.intermediate_size)
-    w.add_head_count(cfg.num_attention_heads)
-    w.add_head_count_kv(cfg.num_key_value_heads)
+    w = gguf_writer(path, arch, cfg, theta=rope["full_attention"]["rope_theta"] if arch == "gemma3" else None)
     w.add_key_length(cfg.head_dim)
     w.add_value_length(cfg.head_dim)
-    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
     if arch == "gemma3":
-        w.add_rope_freq_base(rope["full_attention"]["rope_theta"])
         w.add_rope_freq_base_swa(rope["sliding_attention"]["rope_theta"])
         w.add_rope_scaling_type(RopeScalingType.LINEAR)
         w.add_rope_scaling_factor(rope["full_attention"]["factor"])
-    else:  # gemma2: no RoPE base (llama.cpp's 10000, Gemma2Config's), the caps
+    else:  # gemma2: the caps
         w.add_attn_logit_softcapping(cfg.attn_logit_softcapping)
         w.add_final_logit_softcapping(cfg.final_logit_softcapping)
     w.add_sliding_window(cfg.sliding_window)
@@ -86,23 +78,12 @@ def write_gemma3(path: str, model, quantized: tuple[str, ...] = (), arch: str = 
     finish(w)
 
 
-def check(path: str, model, **cfg):
-    g = torch.Generator().manual_seed(5)
-    batch = [torch.randint(model.config.vocab_size, (n,), generator=g).tolist() for n in (1, 20, 40)]
-    tokens, logits, core = run_engine(path, batch, **cfg)
-    for p, toks, lg in zip(batch, tokens, logits):
-        ref_tokens, ref_logits = hf_reference(model, p)
-        assert toks == ref_tokens
-        torch.testing.assert_close(lg, ref_logits, atol=1e-4, rtol=1e-4)
-    return core
-
-
 def test_gemma3_gguf_equals_the_checkpoint(gemma, tmp_path):
     """Layers 0-4 windowed with base 1000, layer 5 full with base 100000 and linear scaling; the
     norms hold the file's 1 + w exactly (taken off on load, added back in float32)."""
     path = str(tmp_path / "gemma3.gguf")
     write_gemma3(path, gemma)
-    core = check(path, gemma)
+    core = check(path, gemma, (1, 20, 40))
     mc = core.runner.model_cfg
     assert (mc.full_layers, core.runner.window, mc.window_rope_theta, mc.rope_theta) == ((5,), 16, 1000.0, 1e5)
     assert (mc.query_pre_attn_scalar, mc.mlp_activation, mc.rope_scaling.kind) == (16, "gelu_pytorch_tanh", "linear")
@@ -121,7 +102,7 @@ def test_gemma3_q8_0_gguf_equals_its_dequantized_weights(gemma, tmp_path):
             stem = next((s for hf, s in STEMS.items() if f".{hf}." in name), None)
             if stem in QUANTIZED:
                 p.copy_(torch.from_numpy(dequantize(quantize(p.numpy(), T.Q8_0), T.Q8_0)))
-    check(path, ref, quantization="none")
+    check(path, ref, (1, 20, 40), quantization="none")
 
 
 @pytest.mark.parametrize("extra,full", [
@@ -162,6 +143,6 @@ def test_gemma2_gguf_equals_the_checkpoint(tmp_path):
                              str(tmp_path / "hf"))
     path = str(tmp_path / "gemma2.gguf")
     write_gemma3(path, model, arch="gemma2")
-    core = check(path, model)
+    core = check(path, model, (1, 20, 40))
     mc = core.runner.model_cfg
     assert (mc.full_layers, mc.attn_logit_softcap, mc.final_logit_softcap, mc.window_rope_theta) == ((1, 3), 5, 3, None)
