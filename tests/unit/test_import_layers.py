@@ -43,7 +43,9 @@ LAYERS: list[tuple[str, ...]] = [
     ("core", "sampling_params", "http_common"),  # they import only the modules below
     ("config", "platform", "native", "text", "structured_outputs", "chat_messages", "openai_errors", "logs"),
     ("model_config",),  # the model's shape: config re-exports it
-    ("rope_config",),  # its rotary, read from config.json: model_config and config import it
+    # Its rotary, and each architecture family's own keys, read from config.json: model_config
+    # imports them (config the rotary too).
+    ("rope_config", "arch_config"),
 ]
 RANK = {name: i for i, names in enumerate(LAYERS) for name in names}
 

@@ -16,8 +16,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from shardserve.arch_config import RouterConfig
 from shardserve.layers.linear import ReplicatedLinear, copy_into, make_param
-from shardserve.model_config import RouterConfig
 
 
 class MoEGate(ReplicatedLinear):
