@@ -25,6 +25,11 @@ from transformers import (
     Qwen3MoeConfig,
 )
 
+# Triton's kernels run on the CPU under its interpreter, which must be on before anything imports
+# triton (torch._dynamo does, through some of transformers' models): without CUDA, on from the start.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 MOE = dict(moe_intermediate_size=32, num_experts=8, num_experts_per_tok=2)
 # DeepSeek: 6 heads (TP 4 splits them 2, 2, 1, 1), a latent narrower than the heads' K/V, 8 routed
 # experts in 4 groups (2 chosen), one dense layer first.

@@ -45,6 +45,14 @@ def triton_module(name: str, device: torch.device):
 
     if device.type == "cpu":
         os.environ["TRITON_INTERPRET"] = "1"
+        import triton.language as tl
+        from triton.runtime.interpreter import InterpretedFunction
+
+        # Triton's own library functions are made interpreted or compiled when it is first
+        # imported: imported before (torch._dynamo imports it), the interpreter cannot run them.
+        if not isinstance(tl.sum, InterpretedFunction):
+            raise ImportError("Triton was imported before its interpreter was turned on: set TRITON_INTERPRET=1 in "
+                              "the environment to run Triton's kernels on the CPU")
     return importlib.import_module(name)
 
 

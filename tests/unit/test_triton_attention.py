@@ -6,6 +6,10 @@ torch backend on a mixed step, and whole models against transformers through it.
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -184,3 +188,14 @@ def test_the_small_operators_match_their_torch_formulas():
                         -1).to(dtype)
         ops.rotary_(q, cos, sin)
         torch.testing.assert_close(q, ref, atol=tol, rtol=tol)
+
+
+def test_triton_imported_before_its_interpreter_is_refused_in_one_line():
+    """Run on the CPU, Triton's kernels need its interpreter on before triton is first imported
+    (torch._dynamo imports it): otherwise a one-line refusal, not a failure inside a kernel."""
+    code = ("import triton, torch\n"
+            "from shardserve.attention.select import BackendUnavailable, triton_kernels\n"
+            "try:\n    triton_kernels(torch.device('cpu'))\nexcept BackendUnavailable as e:\n    print(e)\n")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    assert "Triton was imported before its interpreter was turned on: set TRITON_INTERPRET=1" in out.stdout, out.stderr

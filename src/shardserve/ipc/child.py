@@ -33,7 +33,10 @@ def run_child(name: str, ready_addr: str, setup: Callable[[], tuple[Callable[[],
     die_with_parent()
     setup_logging(name)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the launcher owns Ctrl-C and stops us with SIGTERM
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    # Until Ready a SIGTERM (the launcher giving the start up) ends the process at once: as a
+    # SystemExit it could land in an import's weakref callback, which prints it as an ignored
+    # exception and carries on; nothing set up yet needs an orderly exit.
+    signal.signal(signal.SIGTERM, lambda *_: os._exit(0))
     # Its own context: term() then waits for just this socket's message to leave, which a bare
     # close() before os._exit would not.
     ctx = zmq.Context()
@@ -45,6 +48,7 @@ def run_child(name: str, ready_addr: str, setup: Callable[[], tuple[Callable[[],
         ready.close(linger=2000)
         ctx.term()
         os._exit(1)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     send(ready, Ready(name=name, info=info))
     ready.close(linger=2000)
     ctx.term()

@@ -37,11 +37,12 @@ def resolve_dtype(cfg: EngineConfig, ckpt: Checkpoint, model_cfg: ModelConfig | 
     from shardserve.platform import pick_device, pick_dtype  # torch: imported only when resolving
 
     device = pick_device(cfg.device)
-    model_cfg = model_cfg or read_model_config(ckpt)
     # The checkpoint's own dtype matters only on a GPU: not read elsewhere.
+    if device.type == "cuda":
+        model_cfg = model_cfg or read_model_config(ckpt)
     own = model_cfg.torch_dtype if device.type == "cuda" else "float32"
     dtype, why = pick_dtype(cfg.dtype, own, device, ckpt.is_gguf)
-    if dtype == "float16" and model_cfg.architecture in FLOAT16_UNSTABLE:
+    if dtype == "float16" and model_cfg.architecture in FLOAT16_UNSTABLE:  # (only on a GPU)
         dtype, why = "float32", f"auto: {why}, but {model_cfg.architecture}'s activations overflow float16"
     logging.getLogger(__name__).info("dtype %s (%s)", dtype, why)
     return dataclasses.replace(cfg, dtype=dtype)
