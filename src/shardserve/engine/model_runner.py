@@ -105,7 +105,8 @@ class ModelRunner:
         # window, full attention is the same arithmetic and costs nothing extra).
         window = model_cfg.attention_window
         self.window = window if window is not None and served > window else None
-        # Some layers windowed, others not (Gemma 3): each step described twice, once per kind.
+        # Some layers windowed, others not (Gemma, Qwen2's max_window_layers): each step is
+        # described twice, once per kind of layer.
         self.split_window = self.window is not None and bool(model_cfg.full_layers)
         # Chosen once, before any weight loads; the layers call whichever it is.
         backend = choose_backend(cfg.attention_backend, self.device, self.dtype, cfg.batch_invariant, self.window,

@@ -15,6 +15,7 @@ from shardserve.models.blocks import CausalLM, DecoderLayer, takes_bf16
 class GemmaDecoderLayer(DecoderLayer):
     """Each block's output normed (post_attention_layernorm, post_feedforward_layernorm) before it
     joins the residual stream; pre_feedforward_layernorm is the norm before the MLP."""
+
     def __init__(self, attn, mlp, cfg, dtype, device, norm=OffsetRMSNorm):
         super().__init__(attn, mlp, cfg, dtype, device, norm)
         self.pre_feedforward_layernorm = norm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
@@ -26,6 +27,7 @@ class GemmaDecoderLayer(DecoderLayer):
         return x + self.post_feedforward_layernorm(mlp(self.pre_feedforward_layernorm(x, takes_bf16(mlp))))
 
     def loop_norms(self):
+        """All four: the C decode loop norms each block's output too."""
         return (self.input_layernorm, self.post_attention_layernorm, self.pre_feedforward_layernorm,
                 self.post_feedforward_layernorm)
 
