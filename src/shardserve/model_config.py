@@ -84,6 +84,9 @@ class ModelConfig:
     # The leading dims of each head that RoPE rotates (partial_rotary_factor x head_dim; Phi-4-mini
     # rotates 3/4); 0 means all of head_dim.
     partial_rotary_dim: int = 0
+    # The positions the rotary tables cover: the served length once `serving` has set it (0: all of
+    # max_position_embeddings; a 131,072-position table of 256-wide heads is 128 MiB).
+    served_positions: int = 0
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> ModelConfig:
@@ -196,14 +199,15 @@ class ModelConfig:
         return min(asked or limit, limit)
 
     def serving(self, max_model_len: int) -> ModelConfig:
-        """This config as served with contexts of up to `max_model_len` tokens: LongRoPE's long
-        factors where that exceeds the pretraining length, else its short ones, for every request
-        alike (vLLM's rule; transformers picks by each call's longest position, which agrees for
-        prompts past that length and for contexts within it)."""
+        """This config as served with contexts of up to `max_model_len` tokens: rotary tables of
+        that many positions, and LongRoPE's long factors where it exceeds the pretraining length,
+        else its short ones, for every request alike (vLLM's rule; transformers picks by each
+        call's longest position, which agrees for prompts past that length and for contexts
+        within it)."""
         s = self.rope_scaling
-        if s is None or s.kind != "longrope":
-            return self
-        return replace(self, rope_scaling=replace(s, use_long=max_model_len > s.original_max_position_embeddings))
+        if s is not None and s.kind == "longrope":
+            s = replace(s, use_long=max_model_len > s.original_max_position_embeddings)
+        return replace(self, rope_scaling=s, served_positions=max_model_len)
 
     def kv_values_per_token(self, num_kv_heads: int, num_layers: int) -> int:
         """Cached values (K and V) one token costs a rank holding `num_kv_heads` over `num_layers`."""

@@ -82,6 +82,7 @@ def test_phi3_longrope_both_factor_sets(tiny_model, backend):
     for batch, cfg in ((long, {}), (short, {"max_model_len": 64})):
         tokens, logits, core = run_engine(path, batch, attention_backend=backend, **cfg)
         assert core.runner.model_cfg.rope_scaling.use_long == (cfg == {})
+        assert core.runner.model.rotary.cos.shape[0] == cfg.get("max_model_len", 512)  # the served positions
         said = "LongRoPE long factors (the context exceeds the 64 pretrained tokens; --max-model-len 64 gives" \
             if cfg == {} else "LongRoPE short factors (the context is within the 64 pretrained tokens)"
         assert said in startup_summary(core)

@@ -90,11 +90,11 @@ class CausalLM(nn.Module):
         self.stage = stage = stage or Stage(0, 1, 0, cfg.num_layers)
         self.embed_tokens = (VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, comm, dtype, device)
                              if stage.first else None)
-        self.rotary = RotaryEmbedding(cfg.rotary_dim, cfg.rope_theta, cfg.max_position_embeddings,
-                                      cfg.rope_scaling, device)
+        positions = cfg.served_positions or cfg.max_position_embeddings
+        self.rotary = RotaryEmbedding(cfg.rotary_dim, cfg.rope_theta, positions, cfg.rope_scaling, device)
         # The windowed layers' own tables (Gemma 3's local base, unscaled), where they have them.
-        self.rotary_window = (RotaryEmbedding(cfg.rotary_dim, cfg.window_rope_theta, cfg.max_position_embeddings,
-                                              None, device) if cfg.window_rope_theta is not None else None)
+        self.rotary_window = (RotaryEmbedding(cfg.rotary_dim, cfg.window_rope_theta, positions, None, device)
+                              if cfg.window_rope_theta is not None else None)
         self.layers = nn.ModuleList(
             self.layer(
                 self.make_attention(cfg, i, comm, dtype, device),
