@@ -101,7 +101,7 @@ def gemma_caps(d: dict[str, Any]) -> dict[str, Any]:
     def cap(key: str) -> float | None:
         return None if d.get(key) is None else float(d[key])
 
-    return dict(query_pre_attn_scalar=float(d.get("query_pre_attn_scalar", 256)),
+    return dict(query_pre_attn_scalar=float(d["query_pre_attn_scalar"]),  # HF_DEFAULTS' 256 where left out
                 attn_logit_softcap=cap("attn_logit_softcapping"), final_logit_softcap=cap("final_logit_softcapping"))
 
 

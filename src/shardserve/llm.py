@@ -141,7 +141,7 @@ class LLM:
         if sampling_params is None:
             sampling_params = self.get_default_sampling_params()
         params = with_loras(as_params_list(sampling_params, len(prompts)), lora_request)
-        params = with_priorities(params, priority, self.config.scheduling_policy)
+        params = with_priorities(params, priority)
         encoded = [self._prepare(p, sp) for p, sp in zip(prompts, params)]
         for ids, sp in zip(encoded, params):
             backend.limits.check(ids, sp)  # refuse the batch before anything starts

@@ -35,15 +35,13 @@ def with_loras(params: list[SamplingParams], lora) -> list[SamplingParams]:
     return [dataclasses.replace(p, lora_request=x) if x is not None else p for p, x in zip(params, loras)]
 
 
-def with_priorities(params: list[SamplingParams], priority, policy: str) -> list[SamplingParams]:
+def with_priorities(params: list[SamplingParams], priority) -> list[SamplingParams]:
     """Each prompt's parameters with its scheduling priority (vLLM's LLM.generate `priority`: one
-    per prompt), which needs the "priority" scheduling policy."""
+    per prompt; RequestLimits refuses one other than 0 unless the engine schedules by priority)."""
     if priority is None:
         return params
     if len(priority) != len(params):
         raise ValueError(f"priority: {len(priority)} given for {len(params)} prompts")
-    if any(priority) and policy != "priority":
-        raise ValueError("priority needs scheduling_policy='priority' (this LLM schedules first come, first served)")
     return [dataclasses.replace(p, priority=x) for p, x in zip(params, priority)]
 
 

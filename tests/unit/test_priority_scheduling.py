@@ -89,5 +89,5 @@ def test_llm_generate_takes_priorities(tiny_model):
             llm.generate(prompts, greedy, use_tqdm=False, priority=[0, 1])
     assert [o.outputs[0].token_ids for o in outs] == [hf_reference(model, p)[0][:5] for p in prompts]
     with LLM(path, show_progress=False) as llm:
-        with pytest.raises(ValueError, match="priority needs scheduling_policy='priority'"):
+        with pytest.raises(ValueError, match=r"priority 2 needs --scheduling-policy priority \(LLM\(scheduling_policy"):
             llm.generate(prompts, greedy, use_tqdm=False, priority=[2, 0, 1])

@@ -29,9 +29,9 @@ def resolve_dtype(cfg: EngineConfig, ckpt: Checkpoint, model_cfg: ModelConfig | 
     """`cfg` with --dtype auto replaced by the dtype the ranks compute in (platform.pick_dtype),
     and logged. Each process that computes resolves it (the engine core, a follower rank, a model
     runner built alone: a no-op once resolved); the API process never does, it has no torch."""
-    if cfg.dtype == "float16" and (model_cfg or read_model_config(ckpt)).architecture in FLOAT16_UNSTABLE:
-        raise ValueError(f"--dtype float16: {(model_cfg or read_model_config(ckpt)).architecture}'s activations "
-                         "overflow float16 (vLLM refuses it too): use bfloat16 or float32")
+    if cfg.dtype == "float16" and (arch := (model_cfg or read_model_config(ckpt)).architecture) in FLOAT16_UNSTABLE:
+        raise ValueError(f"--dtype float16: {arch}'s activations overflow float16 (vLLM refuses it too): use "
+                         "bfloat16 or float32")
     if cfg.dtype != "auto":
         return cfg
     from shardserve.platform import pick_device, pick_dtype  # torch: imported only when resolving

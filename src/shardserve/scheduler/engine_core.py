@@ -110,13 +110,11 @@ class EngineCore(EngineResultsMixin):
     @property
     def limits(self) -> RequestLimits:
         return RequestLimits(self.vocab_size, self.max_model_len, self.allocator.num_pages, self.cfg.page_size,
-                             self.decode is not None, self.allocator.parts, self.model_cfg.hidden_size)
+                             self.decode is not None, self.allocator.parts, self.model_cfg.hidden_size,
+                             self.cfg.scheduling_policy == "priority")
 
     def check_request(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
         self.limits.check(prompt_token_ids, params)
-        if params.priority != 0 and self.cfg.scheduling_policy != "priority":
-            raise ValueError(f"priority {params.priority} needs --scheduling-policy priority (LLM(scheduling_policy="
-                             "'priority')); this engine schedules first come, first served")
 
     def resolve_seed(self, params: SamplingParams) -> int:
         """The request's seed, or the next of this replica's sequence for a request giving none."""

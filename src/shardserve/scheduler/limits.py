@@ -18,6 +18,7 @@ class RequestLimits:
     has_tokenizer: bool
     parts: int = 1
     hidden_size: int = 0  # an embedding's width
+    by_priority: bool = False  # --scheduling-policy priority; else only priority 0 is taken
 
     def check(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
         """Raise ValueError if the request can never run; nothing is truncated silently."""
@@ -45,6 +46,9 @@ class RequestLimits:
         if params.pooling is not None and self.parts > 1:
             raise ValueError("embeddings are not supported under context parallelism (the prompt's rows lie on "
                              "several ranks): serve them with --cp-size 1")
+        if params.priority and not self.by_priority:
+            raise ValueError(f"priority {params.priority} needs --scheduling-policy priority (LLM(scheduling_policy="
+                             "'priority')); this engine schedules first come, first served")
         if params.stop and not self.has_tokenizer:
             raise ValueError("stop strings need a tokenizer")
         if params.structured_outputs is not None and not self.has_tokenizer:
