@@ -23,6 +23,94 @@ class LatentAttentionConfig:
     rope_interleave: bool  # the rotary pairs are (x0, x1), (x2, x3) .. as DeepSeek lays them out
 
 
+# What transformers' SiglipVisionConfig assumes for a key a config.json's vision_config leaves out.
+SIGLIP_DEFAULTS: dict[str, Any] = dict(hidden_size=768, intermediate_size=3072, num_hidden_layers=12,
+                                       num_attention_heads=12, num_channels=3, image_size=224, patch_size=16,
+                                       hidden_act="gelu_pytorch_tanh", layer_norm_eps=1e-6)
+GEMMA3_IMAGE_MEAN = GEMMA3_IMAGE_STD = (0.5, 0.5, 0.5)  # Gemma 3's preprocessor_config.json
+
+
+def _square(value: Any, what: str) -> int:
+    """An int, or a [h, w] pair of equal sides (SiglipVisionConfig takes both)."""
+    if isinstance(value, (list, tuple)):
+        if len(set(value)) != 1:
+            raise ValueError(f"vision_config.{what} {value} is not square; only square images are supported")
+        value = value[0]
+    return int(value)
+
+
+@dataclass(frozen=True)
+class VisionConfig:
+    """Gemma 3's image side: a SigLIP tower over `image_size` pixels square in `patch_size`
+    patches, pooled to `mm_tokens_per_image` tokens projected to the text width; a prompt holds
+    each image as that many `image_token_id` placeholders between `boi_token_id` and
+    `eoi_token_id`. Pixels are normalized by `image_mean` / `image_std` after scaling to [0, 1]."""
+
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    image_size: int
+    patch_size: int
+    layer_norm_eps: float
+    num_channels: int
+    mm_tokens_per_image: int
+    text_hidden_size: int
+    image_token_id: int = 262144
+    boi_token_id: int = 255999
+    eoi_token_id: int = 256000
+    image_mean: tuple[float, float, float] = GEMMA3_IMAGE_MEAN
+    image_std: tuple[float, float, float] = GEMMA3_IMAGE_STD
+
+    def __post_init__(self) -> None:
+        side = self.tokens_per_side
+        if side == 0 or side * side != self.mm_tokens_per_image or self.patches_per_side % side:
+            raise ValueError(f"mm_tokens_per_image {self.mm_tokens_per_image} does not pool a "
+                             f"{self.patches_per_side}x{self.patches_per_side} grid of patches into a square")
+        if self.hidden_size % self.num_heads:
+            raise ValueError(f"vision hidden_size {self.hidden_size} is not a multiple of {self.num_heads} heads")
+
+    @classmethod
+    def from_hf(cls, config: dict[str, Any], preprocessor: dict[str, Any] | None = None) -> VisionConfig:
+        """From a Gemma3ForConditionalGeneration config.json (and its preprocessor_config.json, for
+        the normalization), with transformers' defaults for the keys left out."""
+        v = SIGLIP_DEFAULTS | (config.get("vision_config") or {})
+        if v["hidden_act"] != "gelu_pytorch_tanh":
+            raise ValueError(f"unsupported model option: vision_config.hidden_act {v['hidden_act']!r} (SigLIP's "
+                             "is 'gelu_pytorch_tanh')")
+        text = config.get("text_config") or {}
+        pre = preprocessor or {}
+        return cls(hidden_size=int(v["hidden_size"]), intermediate_size=int(v["intermediate_size"]),
+                   num_layers=int(v["num_hidden_layers"]), num_heads=int(v["num_attention_heads"]),
+                   image_size=_square(v["image_size"], "image_size"), patch_size=_square(v["patch_size"], "patch_size"),
+                   layer_norm_eps=float(v["layer_norm_eps"]), num_channels=int(v["num_channels"]),
+                   mm_tokens_per_image=int(config.get("mm_tokens_per_image") or 256),
+                   text_hidden_size=int(text.get("hidden_size") or HF_DEFAULTS["gemma3_text"]["hidden_size"]),
+                   image_token_id=int(config.get("image_token_index", config.get("image_token_id", 262144))),
+                   boi_token_id=int(config.get("boi_token_index", 255999)),
+                   eoi_token_id=int(config.get("eoi_token_index", 256000)),
+                   image_mean=tuple(float(x) for x in pre.get("image_mean", GEMMA3_IMAGE_MEAN)),
+                   image_std=tuple(float(x) for x in pre.get("image_std", GEMMA3_IMAGE_STD)))
+
+    @property
+    def patches_per_side(self) -> int:
+        return self.image_size // self.patch_size
+
+    @property
+    def tokens_per_side(self) -> int:
+        return int(self.mm_tokens_per_image**0.5)
+
+    @property
+    def tokens_per_image(self) -> int:
+        """The text model's rows one image becomes (the projector's pooled grid)."""
+        return self.tokens_per_side**2
+
+
+def vision_config(d: dict[str, Any]) -> VisionConfig | None:
+    """A Gemma 3 vision-language config's image side; None for any other config."""
+    return VisionConfig.from_hf(d) if d.get("model_type") == "gemma3" else None
+
+
 @dataclass(frozen=True)
 class RouterConfig:
     """How an MoE gate picks each token's experts. `scoring`: softmax or sigmoid over the logits;

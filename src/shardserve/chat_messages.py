@@ -6,8 +6,10 @@ one conversation (with its tools) renders to the same tokens everywhere.
 
 - `content` is a string, an array of parts, or null (an assistant message that only calls
   tools: rendered as ""). Text parts (and an assistant's refusal parts) are joined with "\\n", as
-  vLLM does for text-only models; an image, audio, video or file part is refused, since the
-  models served here read text only.
+  vLLM does for text-only models. For a model that reads images (`images_refused` empty), a
+  message with an image part keeps its parts as a list, each image as `{"type": "image", "url"}`,
+  which templates render as the model's image marker (tokenizer/image_prompt.py expands it); an
+  audio, video or file part is refused, and so is an image elsewhere, saying why.
 - An assistant's `tool_calls` keep OpenAI's shape (`{"id", "type": "function", "function":
   {"name", "arguments"}}`) with `arguments` parsed from its JSON string into an object, which is
   what Hugging Face tool-use templates expect (they `tojson` it), as vLLM does.
@@ -97,21 +99,31 @@ def check_template_options(messages: list[dict], options: dict) -> None:
                                "which must be the assistant's")
 
 
-def normalize_messages(messages: Any) -> list[dict]:
-    """The conversation as chat templates read it (a new list; the input is left as it was)."""
+TEXT_ONLY = "this model reads text only"
+
+
+def normalize_messages(messages: Any, images_refused: str = TEXT_ONLY) -> list[dict]:
+    """The conversation as chat templates read it (a new list; the input is left as it was).
+    `images_refused`: why an image part is refused, empty where the model reads them."""
     if not isinstance(messages, list) or not messages:
         raise ChatMessageError("messages", "must be a non-empty array of messages")
-    return [_message(m, f"messages.{i}") for i, m in enumerate(messages)]
+    return [_message(m, f"messages.{i}", images_refused) for i, m in enumerate(messages)]
 
 
-def _message(m: Any, where: str) -> dict:
+def image_urls(messages: list[dict]) -> list[str]:
+    """The image parts' URLs of normalized messages, in the order a template renders them."""
+    return [p["url"] for m in messages if isinstance(m["content"], list) for p in m["content"]
+            if p["type"] == "image"]
+
+
+def _message(m: Any, where: str, images_refused: str) -> dict:
     if not isinstance(m, dict):
         raise ChatMessageError(where, "must be an object with a role and content")
     role = m.get("role")
     if role not in ROLES:
         raise ChatMessageError(f"{where}.role", f"must be one of {', '.join(ROLES)} (got {role!r})")
     out = {k: v for k, v in m.items() if v is not None}
-    out["content"] = _content(m.get("content"), role, f"{where}.content")
+    out["content"] = _content(m.get("content"), role, f"{where}.content", images_refused)
     for key in ("name", "tool_call_id"):
         if key in out and not isinstance(out[key], str):
             raise ChatMessageError(f"{where}.{key}", "must be a string")
@@ -127,7 +139,7 @@ def _message(m: Any, where: str) -> dict:
     return out
 
 
-def _content(content: Any, role: str, where: str) -> str:
+def _content(content: Any, role: str, where: str, images_refused: str) -> str | list[dict]:
     if content is None:
         if role == "assistant":  # OpenAI's shape for a message that only calls tools
             return ""
@@ -136,17 +148,38 @@ def _content(content: Any, role: str, where: str) -> str:
         return content
     if not isinstance(content, list):
         raise ChatMessageError(where, "must be a string or an array of text parts")
-    texts = []
+    texts, parts = [], []
     for j, part in enumerate(content):
         kind = part.get("type") if isinstance(part, dict) else None
+        if kind == "image_url" and not images_refused:
+            parts.append({"type": "image", "url": _image_url(part, f"{where}.{j}.image_url")})
+            continue
         if kind in MEDIA_PARTS:
-            raise ChatMessageError(where, f"part {j} is {kind!r}: this model does not support "
-                                          f"{MEDIA_PARTS[kind]}, only text parts")
+            why = f"this model does not support {MEDIA_PARTS[kind]}, only text parts"
+            if kind == "image_url" and images_refused != TEXT_ONLY:
+                why = images_refused
+            elif not images_refused:
+                why = f"this model does not support {MEDIA_PARTS[kind]}, only text and image_url parts"
+            raise ChatMessageError(where, f"part {j} is {kind!r}: {why}")
         key = TEXT_PARTS.get(kind)
         if key is None or not isinstance(part.get(key), str):
             raise ChatMessageError(where, f"part {j} must be a text part ({{\"type\": \"text\", \"text\": ...}})")
         texts.append(part[key])
-    return "\n".join(texts)
+        parts.append({"type": "text", "text": part[key]})
+    return parts if len(parts) > len(texts) else "\n".join(texts)
+
+
+def _image_url(part: dict, where: str) -> str:
+    """OpenAI's `{"type": "image_url", "image_url": {"url": ...}}` (or the URL as a string)."""
+    spec = part.get("image_url")
+    url = spec.get("url") if isinstance(spec, dict) else spec
+    if not isinstance(url, str) or not url:
+        raise ChatMessageError(where, "must be an object with the image's url (a data: URL)")
+    if isinstance(spec, dict) and (extra := sorted(set(spec) - {"url", "detail"})):
+        raise ChatMessageError(f"{where}.{extra[0]}", "is not a field of image_url")
+    if isinstance(spec, dict) and spec.get("detail", "auto") != "auto":
+        raise ChatMessageError(f"{where}.detail", "only 'auto': the model sees every image at its own one size")
+    return url
 
 
 def _tool_call(call: Any, where: str) -> dict:

@@ -8,6 +8,7 @@ import itertools
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from shardserve.multimodal import ImageInput, cache_tokens
 from shardserve.sampling_params import SamplingParams
 from shardserve.text import IncrementalText
 
@@ -76,12 +77,18 @@ class Request:
     embedding: list[float] | None = field(default=None, repr=False, compare=False)
     error: str | None = None  # why it failed alone (finish_reason "error"): a fault in its rows or its grammar
     lora_slot: int = -1  # leader, --enable-lora: the adapter slot it holds while running (-1: none)
+    images: tuple[ImageInput, ...] = ()  # the prompt's images, in order (multimodal.py)
 
     @property
     def cache_root(self) -> bytes:
         """Where its prefix-cache digests start: keyed by its adapter, if any."""
         lora = self.params.lora_request
         return lora.cache_root if lora is not None else b""
+
+    @property
+    def cache_key(self) -> list[int]:
+        """What the prefix cache keys its pages by: its tokens, but an image's by its pixels."""
+        return cache_tokens(self._tokens, self.images)
 
     @property
     def computes_prompt(self) -> bool:

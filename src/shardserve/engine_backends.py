@@ -19,6 +19,7 @@ from shardserve.ipc.messages.reports import RankReports, ReportReq, Stats, merge
 from shardserve.ipc.sockets import Endpoints, bind_address, bound, gate_for, push, recv, send
 from shardserve.launch.grid import LocalGrid, endpoints, place
 from shardserve.launch.nodes import NodeSpec
+from shardserve.multimodal import ImageInput
 from shardserve.router.replicas import router_child
 from shardserve.sampling_params import SamplingParams
 from shardserve.scheduler.engine_core import EngineCore, RequestLimits
@@ -34,12 +35,12 @@ class LocalBackend:
         self.limits = self.engine.limits
         self.infos = {"scheduler-0": self.engine.worker.info()}
 
-    def add(self, items: list[tuple[str, list[int], SamplingParams]]) -> None:
+    def add(self, items: list[tuple[str, list[int], SamplingParams, tuple[ImageInput, ...]]]) -> None:
         """All or none: a request the engine refuses takes those added before it back out."""
         added = []
         try:
-            for rid, ids, params in items:
-                self.engine.add_request(rid, ids, params)
+            for rid, ids, params, images in items:
+                self.engine.add_request(rid, ids, params, images=images)
                 added.append(rid)
         except BaseException:
             for rid in added:
@@ -109,10 +110,11 @@ class ProcessBackend:
         self.last_stats: dict[int, Stats] = {}  # by replica
         self.finished = 0
 
-    def add(self, items: list[tuple[str, list[int], SamplingParams]]) -> None:
+    def add(self, items: list[tuple[str, list[int], SamplingParams, tuple[ImageInput, ...]]]) -> None:
         """One message: scheduler-0 admits them all before its next step."""
-        send(self.to_scheduler, AddRequests(items=[TokenizedReq(rid=rid, token_ids=ids, params=params)
-                                                   for rid, ids, params in items]))
+        send(self.to_scheduler, AddRequests(items=[TokenizedReq(rid=rid, token_ids=ids, params=params,
+                                                                images=list(images))
+                                                   for rid, ids, params, images in items]))
 
     def rank_reports(self) -> list[dict]:
         """Every rank's traffic, gathered by each replica's leader over its control group."""

@@ -6,7 +6,6 @@ import dataclasses
 import logging
 from collections.abc import Iterator, Sequence
 
-from shardserve.chat_messages import check_template_options, normalize_messages, render_chat
 from shardserve.config import EngineConfig
 from shardserve.core import EmbeddingOutput, EmbeddingRequestOutput, RequestOutput
 from shardserve.distributed.layout import Layout
@@ -17,8 +16,15 @@ from shardserve.launch.checks import check_dense, check_deployment
 from shardserve.launch.deployment import Deployment
 from shardserve.launch.grid import run_other_node
 from shardserve.launch.nodes import NodeSpec
-from shardserve.llm_inputs import Prompt, as_params_list, as_prompt_list, with_loras, with_priorities
+from shardserve.llm_inputs import (
+    Prompt,
+    as_params_list,
+    as_prompt_list,
+    with_loras,
+    with_priorities,
+)
 from shardserve.llm_outputs import Sample, collect, request_output
+from shardserve.llm_prompts import PromptEncoder
 from shardserve.loader.generation_config import generation_defaults
 from shardserve.loader.lora import base_shapes, read_adapter
 from shardserve.loader.model_path import resolve_checkpoint
@@ -29,6 +35,7 @@ from shardserve.logs import use_log_level
 from shardserve.router.policy import resolve_policy
 from shardserve.sampling_params import LoRARequest, SamplingParams
 from shardserve.scheduler.startup import startup_summary, use_threads
+from shardserve.tokenizer.image_prompt import image_prompt
 
 log = logging.getLogger(__name__)
 
@@ -89,6 +96,7 @@ class LLM:
             use_threads(self.config.threads)
             self._backend = LocalBackend(self.config, self._decode if tok else None, tok)
             log.info("%s", startup_summary(self._backend.engine))  # as a server's rank 0 says it
+        self._prompts = PromptEncoder(tok, image_prompt(tok, ckpt), self._backend.limits.images_refused)
         self._next_id = 0
 
     @property
@@ -111,28 +119,14 @@ class LLM:
             return ""
         return self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
 
-    def _encode(self, prompt: Prompt) -> list[int]:
-        if not isinstance(prompt, str):
-            return list(prompt)
-        if self.tokenizer is None:
-            raise ValueError("this model has no tokenizer: pass prompts as token ids")
-        return self.tokenizer.encode(prompt)
-
-    def _prepare(self, prompt: Prompt, sp: SamplingParams) -> list[int]:
-        """The prompt's tokens as the engine takes them (`truncate_prompt_tokens`), and `bad_words`
-        as token sequences (the engine has no tokenizer)."""
-        if sp.bad_words:
-            if self.tokenizer is None:
-                raise ValueError("bad_words need the model's tokenizer")
-            sp.update_from_tokenizer(self.tokenizer)
-        return sp.truncate(self._encode(prompt))
-
     def generate(self, prompts: Prompt | Sequence[Prompt],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  use_tqdm: bool = True,
                  lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
                  priority: Sequence[int] | None = None) -> list[RequestOutput]:
-        """Generate for each prompt (a string or token ids); outputs keep the input order.
+        """Generate for each prompt (a string, token ids, or vLLM's dict: {"prompt": text} or
+        {"prompt_token_ids": ids}, with "multi_modal_data": {"image": PIL images} for a model that
+        reads images); outputs keep the input order.
         `lora_request`: the adapter every prompt runs with, or one per prompt (None: the base
         model); the LLM needs enable_lora=True. `priority`: one per prompt, lower first (the LLM
         needs scheduling_policy="priority")."""
@@ -142,16 +136,16 @@ class LLM:
             sampling_params = self.get_default_sampling_params()
         params = with_loras(as_params_list(sampling_params, len(prompts)), lora_request)
         params = with_priorities(params, priority)
-        encoded = [self._prepare(p, sp) for p, sp in zip(prompts, params)]
-        for ids, sp in zip(encoded, params):
-            backend.limits.check(ids, sp)  # refuse the batch before anything starts
+        encoded = [self._prompts.prepare(p, sp) for p, sp in zip(prompts, params)]
+        for enc, sp in zip(encoded, params):
+            backend.limits.check(enc.token_ids, sp, enc.images)  # refuse the batch before anything starts
         self._check_loras(params)
         groups = [[self._sample(sp, i) for i in range(sp.n)] for sp in params]
         # All at once: the engine admits the whole batch before its first step, so a run is
         # the same steps every time.
-        backend.add([(s.rid, ids, s.params) for ids, g in zip(encoded, groups) for s in g])
+        backend.add([(s.rid, enc.token_ids, s.params, enc.images) for enc, g in zip(encoded, groups) for s in g])
         collect(backend, groups, use_tqdm)
-        return [request_output(p, ids, g, self._decode) for p, ids, g in zip(prompts, encoded, groups)]
+        return [request_output(enc.text, enc.token_ids, g, self._decode) for enc, g in zip(encoded, groups)]
 
     def _check_loras(self, params: list[SamplingParams]) -> None:
         """Every adapter the batch names, checked before any of it starts (the engine checks again)."""
@@ -191,7 +185,7 @@ class LLM:
         convs = [messages] if single else messages
         options = {"add_generation_prompt": add_generation_prompt, "continue_final_message": continue_final_message,
                    "chat_template": chat_template, "chat_template_kwargs": chat_template_kwargs}
-        prompts = [self.render_chat(c, tools, options) for c in convs]
+        prompts = [self._prompts.chat(c, tools, options) for c in convs]
         outs = self.generate(prompts, sampling_params, use_tqdm=use_tqdm, lora_request=lora_request)
         return outs[0] if single else outs
 
@@ -204,23 +198,17 @@ class LLM:
         """The conversation's prompt tokens: messages in OpenAI's shapes (text parts, tool calls,
         tool results) normalized and rendered as the server does (chat_messages.py; `options`:
         its chat template options, None values left out)."""
-        if self.tokenizer is None:
-            raise ValueError("this model has no chat template")
-        options = {k: v for k, v in (options or {}).items() if v is not None}
-        messages = normalize_messages(conversation)
-        check_template_options(messages, options)
-        text = render_chat(self.tokenizer, messages, tools, options)
-        return self.tokenizer.encode(text, add_special_tokens=False)
+        return self._prompts.chat(conversation, tools, options).token_ids
 
     def add_request(self, prompt: Prompt, params: SamplingParams) -> str:
         """Queue one request (n must be 1) without waiting; returns its id. Drive with `step`."""
         if params.n != 1:
             raise ValueError("add_request takes n=1; use generate for n > 1")
-        ids = self._prepare(prompt, params)
-        self._live().limits.check(ids, params)
+        enc = self._prompts.prepare(prompt, params)
+        self._live().limits.check(enc.token_ids, params, enc.images)
         self._check_loras([params])
         sample = self._sample(params, 0)
-        self._live().add([(sample.rid, ids, sample.params)])
+        self._live().add([(sample.rid, enc.token_ids, sample.params, enc.images)])
         return sample.rid
 
     def step(self) -> list[TokenOut]:
@@ -230,11 +218,11 @@ class LLM:
     def stream(self, prompt: Prompt, params: SamplingParams) -> Iterator[TokenOut]:
         """One request's progress step by step (new token ids, then the final item)."""
         backend = self._live()
-        ids = self._prepare(prompt, params)
-        backend.limits.check(ids, params)
+        enc = self._prompts.prepare(prompt, params)
+        backend.limits.check(enc.token_ids, params, enc.images)
         self._check_loras([params])
         sample = self._sample(dataclasses.replace(params, n=1), 0)
-        backend.add([(sample.rid, ids, sample.params)])
+        backend.add([(sample.rid, enc.token_ids, sample.params, enc.images)])
         done = False
         try:
             while not done:

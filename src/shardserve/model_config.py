@@ -16,6 +16,7 @@ from shardserve.arch_config import (
     HF_DEFAULTS,
     LatentAttentionConfig,
     RouterConfig,
+    VisionConfig,
     activation,
     deepseek_fields,
     gemma3_fields,
@@ -24,6 +25,7 @@ from shardserve.arch_config import (
     sliding_layers,
     sliding_window_of,
     text_model,
+    vision_config,
 )
 from shardserve.rope_config import RopeScaling, rope_scaling, rotary_dim
 
@@ -87,6 +89,8 @@ class ModelConfig:
     # The positions the rotary tables cover: the served length once `serving` has set it (0: all of
     # max_position_embeddings; a 131,072-position table of 256-wide heads is 128 MiB).
     served_positions: int = 0
+    # A vision-language model's image side (Gemma 3's 4B-27B), None for text-only models.
+    vision: VisionConfig | None = None
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> ModelConfig:
@@ -94,6 +98,7 @@ class ModelConfig:
         archs = d.get("architectures") or []
         if not archs:
             raise ValueError("config.json has no 'architectures' entry")
+        vision = vision_config(d)
         d = text_model(d)
         d = HF_DEFAULTS.get(d.get("model_type", ""), {}) | d
         refuse_unimplemented(d)
@@ -137,6 +142,7 @@ class ModelConfig:
             mlp_activation=activation(d),
             torch_dtype=str(d.get("torch_dtype") or d.get("dtype") or "float32"),
             partial_rotary_dim=rotary_dim(head_dim, partial, d.get("rotary_dim")),
+            vision=vision,
         )
         if model_type == "mixtral":  # experts as wide as the dense MLP, top-k renormalised
             fields.update(moe_intermediate_size=fields["intermediate_size"], router=RouterConfig(renormalize=True))

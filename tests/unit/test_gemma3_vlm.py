@@ -1,5 +1,5 @@
 """Gemma 3's 4B-27B checkpoints (Gemma3ForConditionalGeneration: a vision tower beside the text
-model) served text only: the text model's greedy tokens and logits, whether the checkpoint names
+model; images: test_gemma3_images.py) on text prompts: greedy tokens and logits, whether the checkpoint names
 its tensors as the Hub's files (and transformers' save_pretrained) do or as transformers' modules
 are named; the config's sparse text_config read with Gemma3TextConfig's defaults."""
 
@@ -74,7 +74,11 @@ def test_sparse_text_config_reads_as_transformers_does():
     """gemma-3-4b-it's config.json as the Hub has it: text_config states six keys, the rest are
     Gemma3TextConfig's defaults; eos at the top."""
     d = {"architectures": ["Gemma3ForConditionalGeneration"], "model_type": "gemma3", "eos_token_id": [1, 106],
-         "torch_dtype": "bfloat16", "vision_config": {"model_type": "siglip_vision_model"},
+         "torch_dtype": "bfloat16", "boi_token_index": 255999, "eoi_token_index": 256000,
+         "image_token_index": 262144, "mm_tokens_per_image": 256,
+         "vision_config": {"hidden_size": 1152, "image_size": 896, "intermediate_size": 4304,
+                           "model_type": "siglip_vision_model", "num_attention_heads": 16, "num_hidden_layers": 27,
+                           "patch_size": 14, "vision_use_head": False},
          "text_config": {"hidden_size": 2560, "intermediate_size": 10240, "model_type": "gemma3_text",
                          "num_hidden_layers": 34, "rope_scaling": {"factor": 8.0, "rope_type": "linear"},
                          "sliding_window": 1024}}
@@ -92,6 +96,13 @@ def test_sparse_text_config_reads_as_transformers_does():
     assert (mc.rope_scaling.kind, mc.rope_scaling.factor) == ("linear", 8.0)
     assert mc.eos_token_ids == (1, 106) and mc.bos_token_id == 2 and mc.tie_word_embeddings
     assert mc.architecture == "Gemma3ForConditionalGeneration" and mc.torch_dtype == "bfloat16"
+    full = Gemma3Config.from_dict(json.loads(json.dumps(d)))
+    vc, v = full.vision_config, mc.vision
+    assert (v.hidden_size, v.intermediate_size, v.num_layers, v.num_heads, v.image_size, v.patch_size) == (
+        vc.hidden_size, vc.intermediate_size, vc.num_hidden_layers, vc.num_attention_heads, vc.image_size,
+        vc.patch_size)
+    assert (v.image_token_id, v.boi_token_id, v.eoi_token_id, v.tokens_per_image, v.text_hidden_size) == (
+        full.image_token_id, full.boi_token_index, full.eoi_token_index, full.mm_tokens_per_image, 2560)
     with pytest.raises(ValueError, match="quantization_config 'awq'"):  # at the top, beside text_config
         ModelConfig.from_dict(d | {"quantization_config": {"quant_method": "awq"}})
 

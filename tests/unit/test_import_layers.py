@@ -27,7 +27,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("bench",),
     ("gateway",),  # the standalone HTTP router: places requests with router/'s policy
     # The offline API (its arguments and outputs) and its engine (in process or scheduler processes).
-    ("llm", "llm_inputs", "llm_outputs", "engine_backends"),
+    ("llm", "llm_inputs", "llm_outputs", "llm_prompts", "engine_backends"),
     ("router",),  # in-server placement: the policy, prefix indexes, the --dp-size router process
     ("tokenizer",),
     ("launch",),
@@ -41,7 +41,8 @@ LAYERS: list[tuple[str, ...]] = [
     ("distributed",),
     ("ipc",),
     ("core", "sampling_params", "http_common"),  # they import only the modules below
-    ("config", "platform", "native", "text", "structured_outputs", "chat_messages", "openai_errors", "logs"),
+    ("config", "platform", "native", "text", "structured_outputs", "chat_messages", "openai_errors", "logs",
+     "multimodal"),
     ("model_config",),  # the model's shape: config re-exports it
     # Its rotary, and each architecture family's own keys, read from config.json: model_config
     # imports them (config the rotary too).

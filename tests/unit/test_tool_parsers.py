@@ -325,8 +325,8 @@ def test_template_without_tools_is_refused(tiny_tok):
 
     messages, tools = [{"role": "user", "content": "hi"}], [{"type": "function", "function": TOOLS[1]}]
     worker = Tokenizer(tiny_tok, None, None)
-    with_tools = worker.encode(None, messages, True, tools)
-    assert len(with_tools) > len(worker.encode(None, messages, True))
+    with_tools, _ = worker.encode(None, messages, True, tools)
+    assert len(with_tools) > len(worker.encode(None, messages, True)[0])
     tiny_tok.chat_template, saved = "{% for m in messages %}{{ m['content'] }}{% endfor %}", tiny_tok.chat_template
     try:
         with pytest.raises(ToolsIgnored, match="does not render tool definitions"):

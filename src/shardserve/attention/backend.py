@@ -55,10 +55,11 @@ class AttentionBackend(ABC):
     @abstractmethod
     def prepare(self, page_size: int, decodes: list[tuple[list[int], int]],
                 prefills: list[tuple[list[int], int, int]], device: torch.device,
-                window: int | None = None) -> AttentionMetadata:
+                window: int | None = None, horizons: list[list[int] | None] | None = None) -> AttentionMetadata:
         """decodes: (pages, context length with the new token); prefills: (pages, chunk length,
         context length through the chunk); window: each token attends to its last `window` keys
-        (ModelConfig.attention_window; only where `windows`)."""
+        (ModelConfig.attention_window; only where `windows`); horizons: per prefill chunk, None or
+        each token's context length as it attends (an image's tokens see the whole image)."""
 
     @abstractmethod
     def forward(self, heads: Heads, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,

@@ -67,7 +67,7 @@ class ContextBackend(AttentionBackend):
     def __init__(self, inner: AttentionBackend):
         self.inner = inner
 
-    def prepare(self, page_size, decodes, prefills, device, window=None):
+    def prepare(self, page_size, decodes, prefills, device, window=None, horizons=None):
         raise NotImplementedError("context parallelism's metadata is built by engine/context_inputs.py")
 
     def forward(self, heads: Heads, q, k, v, k_cache, v_cache, meta: ContextMetadata) -> torch.Tensor:

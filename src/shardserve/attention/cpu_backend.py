@@ -19,9 +19,9 @@ class CpuBackend(TorchBackend):
     def __init__(self, batch_invariant: bool):
         self.batch_invariant = batch_invariant
 
-    def prepare(self, page_size, decodes, prefills, device, window=None) -> AttentionMetadata:
+    def prepare(self, page_size, decodes, prefills, device, window=None, horizons=None) -> AttentionMetadata:
         return build_metadata(page_size, decodes, prefills, device, paged_decode=True,
-                              paged_prefill=self.batch_invariant, window=window)
+                              paged_prefill=self.batch_invariant, window=window, horizons=horizons)
 
     def forward(self, heads: Heads, q, k, v, k_cache, v_cache, meta: AttentionMetadata) -> torch.Tensor:
         out = begin(q, k, v, k_cache, v_cache, meta)

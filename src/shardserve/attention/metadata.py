@@ -138,14 +138,18 @@ def _starts(lens: torch.Tensor, window: int | None) -> torch.Tensor:
 
 
 def _paged_rows(table: torch.Tensor, lens: torch.Tensor, page_size: int, window: int | None,
-                device: torch.device) -> PagedDecode:
+                device: torch.device, ends: torch.Tensor | None = None) -> PagedDecode:
     """Rows of block table `table` with contexts `lens`; under a window each row's table starts
-    at its window's first page (the entries past a row's pages are never read)."""
-    if not window or int(lens.max()) <= window:
+    at its window's first page (the entries past a row's pages are never read). `ends`: each
+    row's own position + 1, where the window counts back from (default `lens`; an image token's
+    context runs past itself, multimodal.py)."""
+    ends = lens if ends is None else ends
+    if not window or int(ends.max()) <= window:
         return PagedDecode(table.to(device), lens.to(device), int(lens.max()))
-    first = _starts(lens, window) // page_size
+    starts = _starts(ends, window)
+    first = starts // page_size
     index = (first[:, None] + torch.arange(table.shape[1])[None, :]).clamp(max=table.shape[1] - 1)
-    skips = _starts(lens, window) - first * page_size
+    skips = starts - first * page_size
     lens = lens - first * page_size
     return PagedDecode(table.gather(1, index).to(device), lens.to(device), int(lens.max()), skips.to(device))
 
@@ -173,12 +177,14 @@ def build_metadata(
     paged_prefill: bool = False,
     extend: bool = False,
     window: int | None = None,
+    horizons: list[list[int] | None] | None = None,
 ) -> AttentionMetadata:
     """decodes: (pages, context length including the new token), in batch order;
     prefills: (pages, chunk length, context length through the chunk's last token).
     `paged_decode` describes decodes by block table instead of by padded groups, `paged_prefill`
     (with it) prefill tokens too, and `extend` (with it, not under a `window`) prefill chunks by
-    block table."""
+    block table. `horizons`: per chunk, None or each token's context length as it attends (an
+    image's tokens see the whole image: multimodal.horizons; never with `extend`)."""
     assert not (extend and window), "a sliding window has no extend kernel (the caller refuses it)"
     paged_prefill = paged_prefill and paged_decode
     extend = extend and paged_decode and not paged_prefill
@@ -191,23 +197,27 @@ def build_metadata(
     elif decodes:
         groups, new_slots = _decode_groups(decodes, page_size, device, window)
         slot_parts.append(new_slots)
+    horizons = horizons or [None] * len(prefills)
+    assert not (extend and any(h is not None for h in horizons)), "no extend kernel sees past a token"
     chunks, start = [], len(decodes)
-    for pages, q_len, kv_len in prefills:
+    for (pages, q_len, kv_len), seen in zip(prefills, horizons):
         ctx = _slots(torch.tensor(pages, dtype=torch.long), kv_len, page_size)
         slot_parts.append(ctx[kv_len - q_len :])
         windowed = window is not None and kv_len > window
-        if (kv_len == q_len and not windowed) or paged_prefill or extend:  # paged: no slots or mask
+        plain = kv_len == q_len and not windowed and seen is None
+        if plain or paged_prefill or extend:  # paged: no slots or mask
             chunks.append(PrefillChunk(start, q_len, kv_len, None, None))
         else:
             pos, keys = torch.arange(kv_len - q_len, kv_len)[:, None], torch.arange(kv_len)[None, :]
-            mask = (keys <= pos) & (keys > pos - window) if windowed else keys <= pos
+            ends = pos + 1 if seen is None else torch.tensor(seen)[:, None]
+            mask = (keys < ends) & (keys > pos - window) if windowed else keys < ends
             slots = None if kv_len == q_len else ctx.to(device)  # fresh keys only: the chunk's own
             chunks.append(PrefillChunk(start, q_len, kv_len, slots, mask.to(device)))
         start += q_len
     # An empty step (data-parallel attention: a replica with no work joins its peers' MoE
     # collectives with zero tokens) writes no slot.
     slots = torch.cat(slot_parts).to(device) if slot_parts else torch.zeros(0, dtype=torch.long, device=device)
-    pp = _paged_prefill(prefills, page_size, device, window) if prefills and paged_prefill else None
+    pp = _paged_prefill(prefills, horizons, page_size, device, window) if prefills and paged_prefill else None
     ext = _extend(prefills, page_size, device) if prefills and extend else None
     return AttentionMetadata(slots, len(decodes), groups, chunks, page_size, paged, pp, ext)
 
@@ -220,10 +230,15 @@ def _extend(prefills: list[tuple[list[int], int, int]], page_size: int, device: 
     return PagedExtend(table.to(device), starts.to(device), kv_lens.to(device), max(q_lens))
 
 
-def _paged_prefill(prefills: list[tuple[list[int], int, int]], page_size: int, device: torch.device,
-                   window: int | None) -> PagedDecode:
-    """Every prefill token as a decode row: its chunk's block table, context through itself."""
+def _paged_prefill(prefills: list[tuple[list[int], int, int]], horizons: list[list[int] | None], page_size: int,
+                   device: torch.device, window: int | None) -> PagedDecode:
+    """Every prefill token as a decode row: its chunk's block table, context through itself (an
+    image token's, through its image)."""
     table = _block_table([(pages, kv_len) for pages, _, kv_len in prefills], page_size)
     q_lens = torch.tensor([q_len for _, q_len, _ in prefills])
-    lens = torch.cat([torch.arange(kv_len - q_len + 1, kv_len + 1) for _, q_len, kv_len in prefills])
-    return _paged_rows(table.repeat_interleave(q_lens, dim=0), lens, page_size, window, device)
+    ends = torch.cat([torch.arange(kv_len - q_len + 1, kv_len + 1) for _, q_len, kv_len in prefills])
+    lens = ends
+    if any(h is not None for h in horizons):
+        lens = torch.cat([torch.tensor(h) if h is not None else torch.arange(kv_len - q_len + 1, kv_len + 1)
+                          for (_, q_len, kv_len), h in zip(prefills, horizons)])
+    return _paged_rows(table.repeat_interleave(q_lens, dim=0), lens, page_size, window, device, ends)

@@ -52,8 +52,8 @@ def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, heads: Heads, gqa: b
 class TorchBackend(AttentionBackend):
     name = "torch"
 
-    def prepare(self, page_size, decodes, prefills, device, window=None) -> AttentionMetadata:
-        return build_metadata(page_size, decodes, prefills, device, window=window)
+    def prepare(self, page_size, decodes, prefills, device, window=None, horizons=None) -> AttentionMetadata:
+        return build_metadata(page_size, decodes, prefills, device, window=window, horizons=horizons)
 
     def forward(self, heads: Heads, q, k, v, k_cache, v_cache, meta: AttentionMetadata) -> torch.Tensor:
         """With no prefill chunks in `meta`, q may hold only the decode rows (latent attention

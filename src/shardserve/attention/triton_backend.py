@@ -24,9 +24,10 @@ class TritonBackend(AttentionBackend):
     def __init__(self, kernels: ModuleType, interpreted: bool):
         self.k, self.interpreted = kernels, interpreted
 
-    def prepare(self, page_size, decodes, prefills, device, window=None) -> AttentionMetadata:
+    def prepare(self, page_size, decodes, prefills, device, window=None, horizons=None) -> AttentionMetadata:
         assert window is None, "the model runner refuses a sliding window on this backend"
-        return build_metadata(page_size, decodes, prefills, device, paged_decode=True, extend=True)
+        return build_metadata(page_size, decodes, prefills, device, paged_decode=True, extend=True,
+                              horizons=horizons)  # (refused where set: scheduler/limits.images_refused)
 
     def forward(self, heads: Heads, q, k, v, k_cache, v_cache, meta: AttentionMetadata) -> torch.Tensor:
         out = begin(q, k, v, k_cache, v_cache, meta)

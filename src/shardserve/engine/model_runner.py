@@ -34,6 +34,7 @@ from shardserve.layers.sharding import head_shard
 from shardserve.loader.model_path import Checkpoint
 from shardserve.loader.weights import checkpoint_sources, load_weights, resolve_dtype
 from shardserve.models.registry import model_class
+from shardserve.multimodal import ImageInput
 from shardserve.platform import available_memory, pick_device
 
 if TYPE_CHECKING:
@@ -77,6 +78,10 @@ class StepInputs:
     hidden_rows: list[int] = field(default_factory=list)  # rows whose final hidden states are pooled
     hidden: torch.Tensor | None = None  # filled by forward on the last stage: those rows, float32
     lora_slots: list[int] = field(default_factory=list)  # --enable-lora: each row's adapter slot (-1: none)
+    # Images: per prefill chunk, None or each row's context length as it attends (multimodal.py);
+    # on the first stage, (image, first batch row, first of its tokens, count) of the rows it fills.
+    horizons: list[list[int] | None] = field(default_factory=list)
+    images: list[tuple[ImageInput, int, int, int]] = field(default_factory=list)
 
 
 class ModelRunner:
@@ -238,7 +243,7 @@ class ModelRunner:
         ids = torch.tensor(step.token_ids, dtype=torch.long, device=self.device) if self.stage.first else None
         if self.lora is not None:
             self.lora.set_rows(step.lora_slots)
-        out = self.model(ids, pos, ctx, hidden)
+        out = self.model(ids, pos, ctx, hidden, self._image_embeds(step.images))
         if not self.stage.last:
             return out
         if cp:
@@ -253,7 +258,20 @@ class ModelRunner:
     def _prepare(self, step: StepInputs, full: bool) -> AttentionMetadata:
         """The step's attention metadata: for full attention, or under the model's window."""
         return self.attention.prepare(self.cfg.page_size, step.decodes, step.prefills, self.device,
-                                      None if full else self.window)
+                                      None if full else self.window, step.horizons or None)
+
+    def _image_embeds(self, images: list[tuple[ImageInput, int, int, int]]
+                      ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The rows the step's images fill and their vectors, the vision encoder's output (each
+        image encoded alone, so its vectors never depend on what shares the step)."""
+        if not images:
+            return None
+        rows, parts = [], []
+        for im, row, first, count in images:
+            pixels = torch.frombuffer(bytearray(im.pixels), dtype=torch.uint8).view(1, im.size, im.size, 3)
+            parts.append(self.model.encode_images(pixels.to(self.device))[0, first : first + count])
+            rows.extend(range(row, row + count))
+        return torch.tensor(rows, dtype=torch.long, device=self.device), torch.cat(parts)
 
     def _context_logits(self, out: torch.Tensor, cp: ContextStep) -> torch.Tensor:
         """The rows that need logits live on the context ranks that computed them: gather them in

@@ -35,6 +35,7 @@ from shardserve.ipc.messages.disagg import KVTarget
 from shardserve.ipc.messages.plan import PENDING, PlanRequest, StepPlan, StepResult
 from shardserve.kvcache.transfer import KVSender
 from shardserve.loader.model_path import Checkpoint
+from shardserve.multimodal import ImageInput, horizons, image_rows
 from shardserve.platform import anon_rss_mb, peak_rss_mb
 
 
@@ -55,6 +56,7 @@ class StageWorker:
         self.link = (StageLink(groups.pipeline, stage, cfg.dist_timeout, self.micro_batches)
                      if stage.count > 1 else None)
         self.pages: dict[str, list[int]] = {}
+        self.images: dict[str, tuple[ImageInput, ...]] = {}  # requests with images: theirs (multimodal.py)
         self.sampling: dict[str, Request] = {}  # on the sampling rank only
         self.sampler = Sampler()
         # Speculative decoding by a draft model: its distributions for a plan's proposals, handed
@@ -127,6 +129,7 @@ class StageWorker:
                 self.receiver.cancel(room)
         for rid in plan.done:
             self.pages.pop(rid, None)
+            self.images.pop(rid, None)
             self.draft_pages.pop(rid, None)
             self.sampling.pop(rid, None)
             self.sampler.forget(rid)
@@ -136,6 +139,8 @@ class StageWorker:
                 self.split.forget(rid)
         for r in plan.new:
             self.pages[r.rid] = []
+            if r.images:
+                self.images[r.rid] = tuple(r.images)
             if r.transfer is not None:
                 self.targets[r.rid] = r.transfer
             if self.samples:
@@ -147,7 +152,7 @@ class StageWorker:
         gen = torch.Generator(device=self.runner.device).manual_seed(r.seed)
         if r.rng_state:
             gen.set_state(torch.frombuffer(bytearray(r.rng_state), dtype=torch.uint8))
-        req = Request(r.rid, r.prompt, r.params, tuple(r.eos), generator=gen)
+        req = Request(r.rid, r.prompt, r.params, tuple(r.eos), generator=gen, images=tuple(r.images))
         if r.params.structured_outputs is not None:
             req.matcher = self.guide.matcher(r.params.structured_outputs)
         for tok in r.output:  # the penalties and the grammar continue after them
@@ -184,6 +189,10 @@ class StageWorker:
                 step.decodes.extend((pages, p + 1) for p in range(e.start, end))
             else:
                 step.prefills.append((pages, n, end))
+                step.horizons.append(self._horizons(e.rid, e.start, n))
+            if self.stage.first and e.rid in self.images:
+                step.images.extend((im, offset + row, first, count)
+                                   for im, row, first, count in image_rows(self.images[e.rid], e.start, n))
             if e.sample:  # its last row, and with proposals the one before each of them
                 sample_rows.extend(range(offset + n - 1 - e.num_draft, offset + n))
             if e.score_count:
@@ -191,9 +200,18 @@ class StageWorker:
                 score_rows.extend(range(first, first + e.score_count))
             offset += n
         step.logit_rows = sample_rows + score_rows
+        if not any(h is not None for h in step.horizons):
+            step.horizons = []
         if pending:
             self._fill_pending(step.token_ids, pending)
         return step
+
+    def _horizons(self, rid: str, start: int, n: int) -> list[int] | None:
+        """Each row's context length as it attends, where the chunk meets an image (else None)."""
+        seen = horizons(self.images.get(rid, ()), start, n)
+        if seen is not None and max(seen) > start + n:  # the scheduler never cuts an image (multimodal.chunk_end)
+            raise RuntimeError(f"a plan cut request {rid!r}'s image at position {start + n}")
+        return seen
 
     def _fill_pending(self, ids: list[int], pending: list[tuple[int, str]]) -> None:
         """--async-scheduling: each placeholder is the token the sampling rank sampled for its

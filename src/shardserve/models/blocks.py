@@ -121,9 +121,15 @@ class CausalLM(nn.Module):
         return self.embed_tokens(input_ids)
 
     def forward(self, input_ids: torch.Tensor | None, positions: torch.Tensor, ctx: ForwardContext,
-                hidden: torch.Tensor | None = None) -> torch.Tensor:
-        """The final-normed hidden states on the last stage, the residual stream elsewhere."""
+                hidden: torch.Tensor | None = None, embeds: tuple[torch.Tensor, torch.Tensor] | None = None
+                ) -> torch.Tensor:
+        """The final-normed hidden states on the last stage, the residual stream elsewhere.
+        `embeds` (rows, vectors): rows whose embedding is given (an image's), not looked up."""
+        if embeds is not None:  # their ids are placeholders, which may lie outside the vocabulary
+            input_ids = input_ids.index_fill(0, embeds[0], 0)
         x = self.embed(input_ids) if self.stage.first else hidden
+        if embeds is not None:
+            x = x.index_copy(0, embeds[0], embeds[1].to(x.dtype))
         ctx.rope = self.rotary.cos_sin(positions)
         if self.rotary_window is not None:
             ctx.rope_window = self.rotary_window.cos_sin(positions)

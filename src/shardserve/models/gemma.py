@@ -3,13 +3,14 @@ block's output before the residual add, the tanh-approximated GELU, embeddings s
 sqrt(hidden), queries by query_pre_attn_scalar, and a sliding window on some layers (model_config.py
 reads which). Gemma 2 caps attention scores and logits with tanh; Gemma 3 adds q/k norms and gives
 its windowed layers their own RoPE base. Gemma3ForCausalLM holds the 270M and 1B checkpoints,
-Gemma3ForConditionalGeneration the 4B-27B (served text only)."""
+Gemma3ForConditionalGeneration the 4B-27B, which read images too."""
 
 import torch
 
 from shardserve.layers.attention import ForwardContext
 from shardserve.layers.norm import OffsetRMSNorm
 from shardserve.models.blocks import CausalLM, DecoderLayer, takes_bf16
+from shardserve.models.vision import Gemma3VisionEncoder, vision_weight_name
 
 
 class GemmaDecoderLayer(DecoderLayer):
@@ -55,17 +56,27 @@ class Gemma3ForCausalLM(Gemma2ForCausalLM):
 
 class Gemma3ForConditionalGeneration(Gemma3ForCausalLM):
     """The 4B-27B checkpoints: the text model under `language_model` (transformers 4's names,
-    `language_model.model.*`, or 5's, `model.language_model.*`), served text only; the vision tower
-    and its projector are not read."""
+    `language_model.model.*`, or 5's, `model.language_model.*`), and on the first pipeline stage
+    the image encoder (models/vision.py), replicated on every tensor-parallel rank."""
 
     # The text model's tensors under transformers 4's names (the model's, the head's), then 5's;
     # anything else (Gemma3ForCausalLM's names) as it is.
     PREFIXES = (("language_model.model.", "model."), ("language_model.lm_head.", "lm_head."),
                 ("language_model.", "model."))
 
+    def __init__(self, cfg, comm, dtype, device, stage=None, **kw):
+        super().__init__(cfg, comm, dtype, device, stage, **kw)
+        self.vision = Gemma3VisionEncoder(cfg.vision, dtype, device) if self.stage.first else None
+
+    def encode_images(self, pixels: torch.Tensor) -> torch.Tensor:
+        """uint8 RGB [N, size, size, 3] -> each image's rows of embeddings [N, tokens, hidden]."""
+        return self.vision(pixels)
+
     def weight_target(self, name: str) -> tuple[str, object] | None:
+        if (ours := vision_weight_name(name)) is not None:
+            return ("vision." + ours, None) if self.vision is not None else None
         name = name.removeprefix("model.")
         if name.startswith(("vision_tower.", "multi_modal_projector.")):
-            return None
+            return None  # SigLIP's pooling head, which Gemma 3 does not use
         theirs, ours = next(((t, o) for t, o in self.PREFIXES if name.startswith(t)), ("", ""))
         return super().weight_target(ours + name[len(theirs):])

@@ -23,11 +23,12 @@ from shardserve.loader.generation_config import eos_ids
 from shardserve.loader.lora import base_shapes
 from shardserve.loader.model_path import Checkpoint, resolve_checkpoint
 from shardserve.loader.weights import read_model_config, resolve_dtype
+from shardserve.multimodal import ImageInput
 from shardserve.sampling_params import SamplingParams
 from shardserve.scheduler.engine_results import EngineResultsMixin, StepOutput
 from shardserve.scheduler.engine_stats import engine_stats, running_status
 from shardserve.scheduler.in_flight import InFlightPlans
-from shardserve.scheduler.limits import RequestLimits
+from shardserve.scheduler.limits import RequestLimits, images_refused
 from shardserve.scheduler.lora_slots import LoraSlots
 from shardserve.scheduler.overlap import Executor
 from shardserve.scheduler.plan_feed import PlanFeed
@@ -109,31 +110,37 @@ class EngineCore(EngineResultsMixin):
 
     @property
     def limits(self) -> RequestLimits:
+        v = self.model_cfg.vision
+        images = dict(image_token=v.image_token_id, image_tokens=v.mm_tokens_per_image, image_size=v.image_size,
+                      images_refused=images_refused(self.cfg, self.runner.attention.name,
+                                                                    v.mm_tokens_per_image)) if v else {}
         return RequestLimits(self.vocab_size, self.max_model_len, self.allocator.num_pages, self.cfg.page_size,
                              self.decode is not None, self.allocator.parts, self.model_cfg.hidden_size,
-                             self.cfg.scheduling_policy == "priority")
+                             self.cfg.scheduling_policy == "priority", **images)
 
-    def check_request(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
-        self.limits.check(prompt_token_ids, params)
+    def check_request(self, prompt_token_ids: list[int], params: SamplingParams,
+                      images: tuple[ImageInput, ...] = ()) -> None:
+        self.limits.check(prompt_token_ids, params, images)
 
     def resolve_seed(self, params: SamplingParams) -> int:
         """The request's seed, or the next of this replica's sequence for a request giving none."""
         return params.seed if params.seed is not None else int(torch.randint(2**62, (1,), generator=self._seed_rng))
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                    seed: int | None = None, transfer=None) -> Request:
+                    seed: int | None = None, transfer=None, images: tuple[ImageInput, ...] = ()) -> Request:
         """`seed` already resolved (disaggregation: by the decode instance); `transfer` (a
         prefill instance): where the KV goes, layer by layer; the request ends after one token."""
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
-        self.check_request(prompt_token_ids, params)
+        self.check_request(prompt_token_ids, params, images)
         if params.lora_request is not None:
             if self.loras is None:
                 raise ValueError(f"LoRA adapter {params.lora_request.lora_name!r} asked for, but this engine serves "
                                  "none: start it with --enable-lora (LLM(enable_lora=True))")
             self.loras.register(params.lora_request)
         seed = self.resolve_seed(params) if seed is None else seed
-        req = Request(request_id, list(prompt_token_ids), params, self.eos_ids, seed=seed, transfer=transfer)
+        req = Request(request_id, list(prompt_token_ids), params, self.eos_ids, seed=seed, transfer=transfer,
+                      images=tuple(images))
         self.requests[request_id] = req
         self.scheduler.add(req)
         self.starved = False

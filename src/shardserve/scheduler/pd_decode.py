@@ -96,7 +96,7 @@ class DecodeSide:
                              "through `shardserve router --prefill URL --decode URL`")
         if msg.rid in self.engine.requests or msg.rid in self.rooms:
             raise ValueError(f"request id {msg.rid!r} is already in use")
-        self.engine.check_request(msg.token_ids, msg.params)
+        self.engine.check_request(msg.token_ids, msg.params, tuple(msg.images))  # images: refused here
         seed = self.engine.resolve_seed(msg.params)
         self.waiting.append(Room(msg.rid, f"{self.nonce}-{msg.rid}", list(msg.token_ids), msg.params, seed,
                                  msg.prefill))

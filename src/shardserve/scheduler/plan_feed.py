@@ -39,7 +39,8 @@ class PlanFeed:
                 p = req.params
                 eos = list(req.eos_token_ids) if p.structured_outputs is not None or p.min_tokens else []
                 self.new.append(PlanRequest(req.request_id, req.prompt_token_ids, req.params, req.seed, eos,
-                                            req.transfer, list(req.output_token_ids), req.rng_state))
+                                            req.transfer, list(req.output_token_ids), req.rng_state,
+                                            list(req.images)))
             start = req.num_computed_tokens
             sample = start + n == req.num_planned
             ids = req.all_token_ids[start : start + n]

@@ -194,7 +194,7 @@ class SchedulerServer:
                 if self.decode is not None:
                     self.decode.add(msg)
                     return
-                self.engine.add_request(msg.rid, msg.token_ids, msg.params)
+                self.engine.add_request(msg.rid, msg.token_ids, msg.params, images=tuple(msg.images))
             except Exception as e:  # whatever a request carries, refusing it must not stop the engine
                 send(self.to_api, ErrorOut(rid=msg.rid, message=str(e), status=400))
                 self.ended([msg.rid])

@@ -27,6 +27,7 @@ from collections.abc import Callable
 
 from shardserve.core import Batch, Request, Status
 from shardserve.kvcache.pages import PageAllocator
+from shardserve.multimodal import chunk_end
 from shardserve.scheduler.lora_slots import LoraSlots
 
 
@@ -80,7 +81,9 @@ class Scheduler:
         preempted = False
         while queue and budget > 0 and len(entries) < max_seqs:
             req = queue.pop(0)
-            n = min(req.num_planned - req.num_computed_tokens, budget)
+            n = self._chunk(req, req.num_planned - req.num_computed_tokens, budget)
+            if n == 0:  # the rest of an image does not fit what is left of this step's budget
+                continue
             while not self.alloc.extend_to(req.pages, req.num_computed_tokens + n):
                 victim = queue.pop() if queue else req
                 self._preempt(victim)
@@ -98,6 +101,16 @@ class Scheduler:
         entries.sort(key=lambda e: e[1] != 1)
         return Batch(entries, sum(1 for _, n in entries if n == 1))
 
+    def _chunk(self, req: Request, left: int, budget: int) -> int:
+        """How many of `req`'s `left` uncomputed tokens it takes this step: all the budget allows,
+        but never part of an image (multimodal.chunk_end; 0 where the image does not fit)."""
+        n = min(left, budget)
+        if req.images and n < left:
+            start = req.num_computed_tokens
+            n = chunk_end(req.images, start, start + n) - start
+            n = 0 if n > budget else n
+        return n
+
     def _admit(self, entries: list[tuple[Request, int]], budget: int, max_seqs: int) -> int:
         # A request whose adapter has no slot yet waits in its place; those behind it may go.
         passed: list[Request] = []
@@ -113,14 +126,14 @@ class Scheduler:
             if not self._acquire_slot(req):
                 passed.append(self.waiting.popleft())
                 continue
-            tokens = req.all_token_ids
+            tokens = req.cache_key
             # Cached tokens are never computed, so a request scoring or pooling its prompt cannot use them.
             computes_prompt = req.computes_prompt
             req.pages = [] if computes_prompt else self.alloc.match_prefix(tokens, req.cache_root)
             req.pages_synced = 0
             req.num_computed_tokens = len(req.pages) * self.page_size
-            n = min(req.num_tokens - req.num_computed_tokens, budget)
-            if not self.alloc.extend_to(req.pages, req.num_computed_tokens + n):
+            n = self._chunk(req, req.num_tokens - req.num_computed_tokens, budget)
+            if n == 0 or not self.alloc.extend_to(req.pages, req.num_computed_tokens + n):
                 self.alloc.release(req.pages)
                 req.pages, req.num_computed_tokens = [], 0
                 self._release_slot(req)
@@ -168,7 +181,7 @@ class Scheduler:
         for req, n in batch.entries:
             req.num_computed_tokens += n
             # A placeholder's token (--async-scheduling) is unknown yet: its page waits for a later step.
-            self.alloc.register(req.all_token_ids, req.pages, min(req.num_computed_tokens, req.num_tokens),
+            self.alloc.register(req.cache_key, req.pages, min(req.num_computed_tokens, req.num_tokens),
                                 req.page_hashes, req.cache_root)
 
     def finish(self, req: Request, reason: str) -> None:

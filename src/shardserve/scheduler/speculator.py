@@ -126,7 +126,7 @@ class Speculator:
         if req.finished:
             return
         req.num_computed_tokens += accepted
-        self.alloc.register(req.all_token_ids, req.pages, req.num_computed_tokens, req.page_hashes,
+        self.alloc.register(req.cache_key, req.pages, req.num_computed_tokens, req.page_hashes,
                             req.cache_root)
         keep = self.alloc.truncate(req.pages, req.num_computed_tokens)
         req.pages_synced = min(req.pages_synced, keep)

@@ -49,7 +49,7 @@ class MessagesHandlers:
         self.s = state
 
     async def create(self, body: MessagesRequest, prefill: str = ""):
-        chat = to_chat(body, self.s.reasoning)
+        chat = to_chat(body, self.s.reasoning, self.s.images_refused)
         reqs, tools = chat_turn(self.s, chat, prefill)
         display = body.thinking.display if body.thinking is not None else None
         meta = {"id": f"msg_{EngineClient.new_rid()}", "type": "message", "role": "assistant",
@@ -65,10 +65,11 @@ class MessagesHandlers:
 
     async def count_tokens(self, body: CountTokensRequest) -> dict:
         budget = body.thinking.budget_tokens if body.thinking is not None else None
-        chat = to_chat(body.model_copy(update={"max_tokens": body.max_tokens or (budget or 0) + 1}), self.s.reasoning)
+        chat = to_chat(body.model_copy(update={"max_tokens": body.max_tokens or (budget or 0) + 1}), self.s.reasoning,
+                       self.s.images_refused)
         check_model(self.s, chat.model)
         tools: ToolUse = chat_tool_use(chat, self.s.tool_format)
-        messages = chat_messages(chat.messages)
+        messages = chat_messages(chat.messages, self.s.images_refused)
         reply = await self.s.client.call(TokenizeReq(
             rid=EngineClient.new_rid(), text=None, messages=messages, tools=tools.tools,
             chat_options=chat_options(chat, messages, self.s.trust_request_chat_template)))

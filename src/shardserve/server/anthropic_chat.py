@@ -19,7 +19,14 @@ import json
 
 from pydantic import ValidationError
 
-from shardserve.server.anthropic_protocol import MessagesRequest, TextBlock, ThinkingBlock, ToolResultBlock
+from shardserve.chat_messages import TEXT_ONLY
+from shardserve.server.anthropic_protocol import (
+    ImageBlock,
+    MessagesRequest,
+    TextBlock,
+    ThinkingBlock,
+    ToolResultBlock,
+)
 from shardserve.server.errors import APIError
 from shardserve.server.protocol import ChatRequest
 from shardserve.server.reasoning import Reasoning
@@ -29,12 +36,13 @@ CHAT_NAMES = {"stop": "stop_sequences", "response_format": "output_config.format
               "thinking_budget": "thinking.budget_tokens"}
 
 
-def to_chat(body: MessagesRequest, reasoning: Reasoning) -> ChatRequest:
+def to_chat(body: MessagesRequest, reasoning: Reasoning, images_refused: str = TEXT_ONLY) -> ChatRequest:
+    """`images_refused`: ServerState's (an image block is a 400 naming it unless empty)."""
     if body.output_config is not None and body.output_config.effort is not None:
         raise APIError(400, "output_config.effort is not supported: no model served here trades effort for "
                             "quality on request", param="output_config.effort")
     messages = ([{"role": "system", "content": _text(body.system)}] if body.system else []) + [
-        m for i, msg in enumerate(body.messages) for m in _messages(msg, i)]
+        m for i, msg in enumerate(body.messages) for m in _messages(msg, i, images_refused)]
     prefill = body.messages[-1].role == "assistant" and not any(
         "tool_calls" in m for m in messages[-1:])
     fields = {"model": body.model, "messages": messages, "max_tokens": body.max_tokens, "stream": body.stream,
@@ -59,8 +67,9 @@ def _text(content: str | list[TextBlock]) -> str:
     return content if isinstance(content, str) else "\n".join(b.text for b in content)
 
 
-def _messages(msg, i: int) -> list[dict]:
-    """One Anthropic message -> the chat template's messages (a user's tool results are their own)."""
+def _messages(msg, i: int, images_refused: str = TEXT_ONLY) -> list[dict]:
+    """One Anthropic message -> the chat template's messages (a user's tool results are their own;
+    its images, image_url parts among its text)."""
     if isinstance(msg.content, str):
         return [{"role": msg.role, "content": msg.content}]
     where = f"messages.{i}.content"
@@ -77,9 +86,17 @@ def _messages(msg, i: int) -> list[dict]:
                         "content": f"Error: {answer}" if block.is_error else answer})
         elif isinstance(block, TextBlock):
             texts.append(block.text)
+        elif isinstance(block, ImageBlock):
+            if images_refused:
+                raise APIError(400, f"content block type 'image' is not supported: {images_refused}",
+                               param=f"{where}.{j}")
+            texts.append({"type": "image_url", "image_url": {"url": block.source.as_url()}})
         else:
             raise APIError(400, f"a user message cannot hold a {block.type!r} block", param=f"{where}.{j}")
-    if texts or not out:
+    if any(isinstance(t, dict) for t in texts):
+        out.append({"role": "user", "content": [t if isinstance(t, dict) else {"type": "text", "text": t}
+                                                for t in texts]})
+    elif texts or not out:
         out.append({"role": "user", "content": "\n".join(texts)})
     return out
 
@@ -93,6 +110,8 @@ def _assistant(blocks: list, where: str) -> dict:
             thinking.append(block.thinking)
         elif isinstance(block, ToolResultBlock):
             raise APIError(400, "tool results come in the user's message", param=f"{where}.{j}")
+        elif isinstance(block, ImageBlock):
+            raise APIError(400, "images come in the user's message", param=f"{where}.{j}")
         else:
             calls.append({"id": block.id, "type": "function",
                           "function": {"name": block.name, "arguments": block.input}})

@@ -2,8 +2,8 @@
 
 Every field is honoured or refused with a 400 naming it, as on the OpenAI routes: unknown fields
 are refused (extra="forbid"); known ones this server cannot honour are refused unless their
-value asks for nothing (NOT_HONOURED). A block the model cannot read (images, documents, server
-tools' results) is refused naming its type.
+value asks for nothing (NOT_HONOURED). A block the model cannot read (documents, server tools'
+results; images where the model reads none) is refused naming its type.
 """
 
 from __future__ import annotations
@@ -55,6 +55,37 @@ class ToolResultBlock(BaseModel):
     cache_control: CacheControl | None = None
 
 
+class ImageSource(BaseModel):
+    """An image as Anthropic sends one: base64 data of a media type, or a URL (refused later: only
+    data is read here)."""
+
+    model_config = STRICT
+
+    type: Literal["base64", "url"]
+    media_type: Literal["image/jpeg", "image/png", "image/gif", "image/webp"] | None = None
+    data: str | None = None
+    url: str | None = None
+
+    @model_validator(mode="after")
+    def _complete(self) -> ImageSource:
+        needs = ("media_type", "data") if self.type == "base64" else ("url",)
+        if missing := [k for k in needs if getattr(self, k) is None]:
+            raise ValueError(f"a {self.type} image source needs {' and '.join(needs)}; {missing[0]} is missing")
+        return self
+
+    def as_url(self) -> str:
+        """A data: URL (chat_messages' image parts take those)."""
+        return f"data:{self.media_type};base64,{self.data}" if self.type == "base64" else (self.url or "")
+
+
+class ImageBlock(BaseModel):
+    model_config = STRICT
+
+    type: Literal["image"]
+    source: ImageSource
+    cache_control: CacheControl | None = None
+
+
 class ThinkingBlock(BaseModel):
     """An earlier turn's thinking, sent back: the chat template reads it as reasoning_content
     (Qwen3's drops it from past turns, as the model was trained)."""
@@ -66,8 +97,9 @@ class ThinkingBlock(BaseModel):
     signature: str = ""
 
 
-BLOCKS = {"text": TextBlock, "tool_use": ToolUseBlock, "tool_result": ToolResultBlock, "thinking": ThinkingBlock}
-WHY_NOT = {"image": "this model reads text only", "document": "this model reads text only",
+BLOCKS = {"text": TextBlock, "tool_use": ToolUseBlock, "tool_result": ToolResultBlock, "thinking": ThinkingBlock,
+          "image": ImageBlock}  # an image is refused later where the model reads none (anthropic_chat.py)
+WHY_NOT = {"document": "this model reads text only",
            "search_result": "search results come from Anthropic's server tools",
            "redacted_thinking": "redacted thinking comes from Anthropic's models, encrypted",
            "server_tool_use": "server tools run on Anthropic's servers",
@@ -100,7 +132,7 @@ class Message(BaseModel):
     model_config = STRICT
 
     role: Literal["user", "assistant"]
-    content: str | list[TextBlock | ToolUseBlock | ToolResultBlock | ThinkingBlock]
+    content: str | list[TextBlock | ToolUseBlock | ToolResultBlock | ThinkingBlock | ImageBlock]
 
 
 class ToolDef(BaseModel):

@@ -11,6 +11,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 
+from shardserve.chat_messages import TEXT_ONLY
 from shardserve.http_common import answer_errors, cancel_on_disconnect, require_api_key
 from shardserve.ipc.messages.api import DetokenizeReq, ErrorOut, TokenizeReq
 from shardserve.loader.pooling import Pooling
@@ -70,6 +71,7 @@ class ServerState:
     # that loops would stall it, so (as in vLLM) only a server started with this flag runs them.
     trust_request_chat_template: bool = False
     disaggregation_mode: str = "null"  # --disaggregation-mode
+    images_refused: str = TEXT_ONLY  # why a chat's image part is refused ("": the model reads them)
     scheduling_policy: str = "fcfs"  # --scheduling-policy: whether a request's `priority` may be other than 0
     bootstrap_port: int | None = None  # where decode instances reach a prefill instance's leader
     loras: LoraRegistry | None = None  # --enable-lora: the adapters a request's `model` may name
@@ -211,7 +213,7 @@ def build_app(state: ServerState) -> FastAPI:
         body = await parse_body(request, TokenizeRequest, state.max_body)
         if (body.prompt is None) == (body.messages is None):
             raise APIError(400, "give exactly one of 'prompt' or 'messages'", param="prompt")
-        msgs = chat_messages(body.messages) if body.messages is not None else None
+        msgs = chat_messages(body.messages, state.images_refused) if body.messages is not None else None
         if body.tools and msgs is None:
             raise APIError(400, "tools are rendered with chat messages: give 'messages'", param="tools")
         tools = [t.model_dump(exclude_none=True) for t in body.tools] if body.tools else None

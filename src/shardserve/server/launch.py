@@ -23,6 +23,7 @@ import sys
 
 import uvicorn
 
+from shardserve.chat_messages import TEXT_ONLY
 from shardserve.ipc.sockets import Endpoints
 from shardserve.launch import LaunchError
 from shardserve.launch.checks import bind_socket, check_deployment
@@ -158,6 +159,7 @@ def run_http(args, name: str, info: dict, ep: Endpoints, grid: LocalGrid, sock: 
                         pooling=info["pooling"], hidden_size=info["limits"]["hidden_size"],
                         trust_request_chat_template=args.trust_request_chat_template,
                         disaggregation_mode=args.disaggregation_mode, scheduling_policy=args.scheduling_policy,
+                        images_refused=info["limits"].get("images_refused", TEXT_ONLY),
                         bootstrap_port=args.disaggregation_bootstrap_port or args.port + 1, loras=loras)
     config = uvicorn.Config(build_app(state), log_level=args.log_level, timeout_graceful_shutdown=5)
     server = _Server(config, client)

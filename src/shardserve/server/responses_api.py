@@ -38,7 +38,7 @@ class ResponsesHandlers:
                                     f"(never stored, deleted, or dropped beyond --responses-max-stored)",
                                param="previous_response_id")
             history = stored.history
-        chat, new = to_chat(body, history)
+        chat, new = to_chat(body, history, self.s.images_refused)
         reqs, tools = chat_turn(self.s, chat, prefill)
         head = self._head(body)
         if body.stream:

@@ -17,6 +17,7 @@ import uuid
 
 from pydantic import ValidationError
 
+from shardserve.chat_messages import TEXT_ONLY
 from shardserve.server.errors import APIError
 from shardserve.server.protocol import ChatRequest
 from shardserve.server.responses_protocol import ResponsesRequest
@@ -34,11 +35,12 @@ def new_id(prefix: str) -> str:
     return f"{prefix}_{uuid.uuid4().hex}"
 
 
-def to_chat(body: ResponsesRequest, history: list[dict]) -> tuple[ChatRequest, list[dict]]:
-    """(the chat request, this request's input as chat messages)."""
+def to_chat(body: ResponsesRequest, history: list[dict], images_refused: str = TEXT_ONLY
+            ) -> tuple[ChatRequest, list[dict]]:
+    """(the chat request, this request's input as chat messages); `images_refused`: ServerState's."""
     if body.stream_options is not None and not body.stream:
         raise APIError(400, "stream_options is only allowed with stream: true", param="stream_options")
-    new = input_messages(body.input)
+    new = input_messages(body.input, images_refused)
     system = [{"role": "system", "content": body.instructions}] if body.instructions else []
     fields = {"model": body.model, "messages": system + history + new, "max_tokens": body.max_output_tokens,
               "temperature": body.temperature, "top_p": body.top_p, "stream": body.stream,
@@ -71,7 +73,9 @@ def _format(body: ResponsesRequest) -> dict | None:
     return {"type": "json_schema", "json_schema": {"name": fmt.name or "output", "schema": fmt.schema_}}
 
 
-def input_messages(items: str | list[dict]) -> list[dict]:
+def input_messages(items: str | list[dict], images_refused: str = TEXT_ONLY) -> list[dict]:
+    """Input items as chat messages; an input_image part becomes an image_url part where the model
+    reads images (`images_refused` empty)."""
     if isinstance(items, str):
         return [{"role": "user", "content": items}]
     out: list[dict] = []
@@ -100,7 +104,8 @@ def input_messages(items: str | list[dict]) -> list[dict]:
                 out.append({"role": "assistant", "content": None})
             out[-1].setdefault("tool_calls", []).append(call)
         else:
-            out.append(_output(item, where) if kind == "function_call_output" else _message(item, where))
+            out.append(_output(item, where) if kind == "function_call_output" else
+                       _message(item, where, images_refused))
         if out[-1]["role"] == "assistant" and thought is not None:
             out[-1]["reasoning_content"], thought = thought, None
     if thought is not None:
@@ -112,37 +117,65 @@ def input_messages(items: str | list[dict]) -> list[dict]:
 def _reasoning(item: dict, where: str) -> str:
     if item.get("encrypted_content"):
         raise APIError(400, "encrypted reasoning comes from OpenAI's models", param=f"{where}.encrypted_content")
-    return "\n".join(_parts(item.get("content") or item.get("summary") or [], f"{where}.content"))
+    return "\n".join(_texts(item.get("content") or item.get("summary") or [], f"{where}.content"))
 
 
 def _output(item: dict, where: str) -> dict:
     output = item.get("output")
-    text = output if isinstance(output, str) else "\n".join(_parts(output, f"{where}.output"))
+    text = output if isinstance(output, str) else "\n".join(_texts(output, f"{where}.output"))
     return {"role": "tool", "tool_call_id": _string(item, "call_id", where), "content": text}
 
 
-def _message(item: dict, where: str) -> dict:
+def _message(item: dict, where: str, images_refused: str = TEXT_ONLY) -> dict:
     role = item.get("role")
     if role not in ("user", "system", "developer", "assistant"):
         raise APIError(400, f"role must be user, system, developer or assistant, got {role!r}", param=f"{where}.role")
     content = item.get("content")
-    return {"role": role, "content": content if isinstance(content, str) else
-            "\n".join(_parts(content, f"{where}.content"))}
+    if isinstance(content, str):
+        return {"role": role, "content": content}
+    parts = _parts(content, f"{where}.content", images_refused)
+    if all(isinstance(p, str) for p in parts):
+        return {"role": role, "content": "\n".join(parts)}
+    return {"role": role, "content": [{"type": "text", "text": p} if isinstance(p, str) else p for p in parts]}
 
 
-def _parts(parts, where: str) -> list[str]:
+def _parts(parts, where: str, images_refused: str = TEXT_ONLY) -> list[str | dict]:
+    """Each part's text, or (where the model reads images) an input_image as a chat image_url part."""
     if not isinstance(parts, list):
         raise APIError(400, "must be a string or an array of text parts", param=where)
-    texts = []
+    out: list[str | dict] = []
     for j, part in enumerate(parts):
         kind = part.get("type") if isinstance(part, dict) else None
+        if kind == "input_image" and not images_refused:
+            out.append(_image(part, f"{where}.{j}"))
+            continue
         key = TEXT_PARTS.get(kind)
         if key is None or not isinstance(part.get(key), str):
-            why = "this model reads text only" if kind in ("input_image", "input_file", "input_audio") else \
-                "give input_text parts"
+            why = "give input_text parts"
+            if kind in ("input_image", "input_file", "input_audio"):
+                why = images_refused if kind == "input_image" else \
+                    "this model reads text only" + (" and images" if not images_refused else "")
             raise APIError(400, f"content part type {kind!r} is not supported: {why}", param=f"{where}.{j}")
-        texts.append(part[key])
-    return texts
+        out.append(part[key])
+    return out
+
+
+def _image(part: dict, where: str) -> dict:
+    """An input_image part (its image_url a data: URL) as a chat image_url part."""
+    if extra := sorted(set(part) - {"type", "image_url", "detail", "file_id"}):
+        raise APIError(400, f"unrecognized field {extra[0]!r} of an input_image part", param=f"{where}.{extra[0]}")
+    if part.get("file_id") is not None:
+        raise APIError(400, "files are not stored here: give the image as image_url (a data: URL)",
+                       param=f"{where}.file_id")
+    url = part.get("image_url")
+    if not isinstance(url, str) or not url:
+        raise APIError(400, "image_url must be the image as a data: URL", param=f"{where}.image_url")
+    return {"type": "image_url", "image_url": {"url": url, "detail": part.get("detail") or "auto"}}
+
+
+def _texts(parts, where: str) -> list[str]:
+    """A part list that holds text only (a tool's output, a reasoning item)."""
+    return _parts(parts, where)  # images refused: TEXT_ONLY
 
 
 def _string(item: dict, key: str, where: str) -> str:

@@ -74,7 +74,7 @@ class ResponsesRequest(Refusing):
         "context_management": ((), "the context is not compacted: the conversation must fit"),
         "top_logprobs": ((0,), "logprobs are not returned on responses; use chat completions"),
         "moderation": ((), "this server runs no moderation"),
-        "image": ((), "this model reads text only"),
+        "image": ((), "give images as input_image parts of the input"),
     }
 
     @model_validator(mode="before")

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from shardserve.chat_messages import ChatMessageError, normalize_messages
+from shardserve.chat_messages import TEXT_ONLY, ChatMessageError, normalize_messages
 from shardserve.ipc.messages.api import GenerateReq
 from shardserve.sampling_params import LoRARequest, SamplingParams
 from shardserve.server.client import EngineClient
@@ -17,11 +17,11 @@ from shardserve.server.request_params import chat_options, check_scheduling, sam
 from shardserve.server.tools import ToolUse, chat_tool_use
 
 
-def chat_messages(messages: list[ChatMessage]) -> list[dict]:
+def chat_messages(messages: list[ChatMessage], images_refused: str = TEXT_ONLY) -> list[dict]:
     """The conversation as the chat template reads it (chat_messages.py), or a 400 naming the
-    message part at fault."""
+    message part at fault. `images_refused`: ServerState's."""
     try:
-        return normalize_messages([m.model_dump() for m in messages])
+        return normalize_messages([m.model_dump() for m in messages], images_refused)
     except ChatMessageError as e:
         raise APIError(400, str(e), param=e.param) from None
 
@@ -122,7 +122,7 @@ def chat_turn(s, body: ChatRequest, prefill: str = "") -> tuple[list[GenerateReq
     # Without max_tokens the scheduler gives whatever context the prompt leaves (min_tokens till then).
     params = tools.constrain(sampling_params(body, s.sampling_defaults, max_tokens or max(1, body.min_tokens),
                                              top, body.prompt_logprobs, s.vocab_size, s.max_model_len, lora))
-    messages = chat_messages(body.messages)
+    messages = chat_messages(body.messages, s.images_refused)
     reqs = fan_out([{"messages": messages, "tools": tools.tools}], params, body.n, body.request_id,
                    auto_max_tokens=max_tokens is None, prefill=prefill,
                    chat_options=chat_options(body, messages, s.trust_request_chat_template))

@@ -13,7 +13,7 @@ import logging
 
 import zmq
 
-from shardserve.chat_messages import ToolsIgnored, render_chat, template_facts
+from shardserve.chat_messages import ToolsIgnored, image_urls, render_chat, template_facts
 from shardserve.ipc.child import run_child
 from shardserve.ipc.messages.api import (
     DetokenizeOut,
@@ -31,7 +31,10 @@ from shardserve.ipc.messages.replicas import DropStreams
 from shardserve.ipc.sockets import Endpoints, gate_for, pull, push, recv, send
 from shardserve.loader.model_path import resolve_checkpoint
 from shardserve.loader.tokenizer import load_tokenizer
+from shardserve.multimodal import ImageInput
 from shardserve.tokenizer.detokenizer import Detokenizer
+from shardserve.tokenizer.image_prompt import ImagePrompt, image_prompt
+from shardserve.tokenizer.images import ImageError
 
 log = logging.getLogger(__name__)
 
@@ -39,19 +42,25 @@ log = logging.getLogger(__name__)
 class Tokenizer:
     """Owns a tokenizer; every reply goes to the API inbox, every prompt to the scheduler."""
 
-    def __init__(self, tokenizer, to_scheduler: zmq.Socket, to_api: zmq.Socket):
-        self.tok, self.to_scheduler, self.to_api = tokenizer, to_scheduler, to_api
+    def __init__(self, tokenizer, to_scheduler: zmq.Socket, to_api: zmq.Socket, images: ImagePrompt | None = None):
+        """`images`: how the model's prompts hold images, where it reads them."""
+        self.tok, self.to_scheduler, self.to_api, self.images = tokenizer, to_scheduler, to_api, images
         added = {t.content for t in getattr(tokenizer, "added_tokens_decoder", {}).values()}
         self.think_tokens = {"<think>", "</think>"} <= added  # Qwen3's and R1's tags are tokens
 
     def encode(self, text: str | None, messages: list[dict] | None, add_special: bool,
-               tools: list[dict] | None = None, chat_options: dict | None = None) -> list[int]:
+               tools: list[dict] | None = None, chat_options: dict | None = None
+               ) -> tuple[list[int], list[ImageInput]]:
+        """The prompt's token ids, and its images (a chat's image parts) placed on them."""
         if self.tok is None:
             raise ValueError("this model has no tokenizer: send token ids")
         if messages is not None:
             text = render_chat(self.tok, messages, tools, chat_options)
+            urls = image_urls(messages)
+            if urls:  # normalize_messages kept image parts only for a model that reads them
+                return self.images.encode(text, urls)
             add_special = False  # the template already carries any BOS
-        return self.tok.encode(text, add_special_tokens=add_special)
+        return self.tok.encode(text, add_special_tokens=add_special), []
 
     def tokenized(self, msg: GenerateReq) -> TokenizedReq:
         """The prompt as the engine takes it (`truncate_prompt_tokens`), with `bad_words` as
@@ -67,17 +76,19 @@ class Tokenizer:
             if self.tok is None:
                 raise ValueError("bad_words need the model's tokenizer")
             params.update_from_tokenizer(self.tok)
-        ids = msg.token_ids if msg.token_ids is not None else self.encode(
+        ids, images = (msg.token_ids, []) if msg.token_ids is not None else self.encode(
             msg.text, msg.messages, msg.add_special_tokens, msg.tools, msg.chat_options)
+        if images and params.truncate_prompt_tokens is not None:
+            raise ValueError("truncate_prompt_tokens cannot cut a prompt with images")
         return TokenizedReq(rid=msg.rid, token_ids=params.truncate(ids), params=params,
-                            auto_max_tokens=msg.auto_max_tokens, prefill=msg.prefill)
+                            auto_max_tokens=msg.auto_max_tokens, prefill=msg.prefill, images=images)
 
     def handle(self, msg) -> None:
         try:
             if isinstance(msg, GenerateReq):
                 send(self.to_scheduler, self.tokenized(msg))
             elif isinstance(msg, TokenizeReq):
-                ids = self.encode(msg.text, msg.messages, msg.add_special_tokens, msg.tools, msg.chat_options)
+                ids, _ = self.encode(msg.text, msg.messages, msg.add_special_tokens, msg.tools, msg.chat_options)
                 send(self.to_api, TokenizeOut(rid=msg.rid, token_ids=ids))
             elif isinstance(msg, DetokenizeReq):
                 if self.tok is None:
@@ -99,6 +110,8 @@ def plain_message(e: Exception) -> str:
 def error_param(e: Exception, msg) -> str | None:
     if isinstance(e, ToolsIgnored):
         return "tools"
+    if isinstance(e, ImageError):  # a chat's image part: its URL or its place in the template
+        return "messages"
     # Jinja's error in a template the request gave names it (the model's own names nothing).
     own = isinstance(msg, GenerateReq) and (msg.chat_options or {}).get("chat_template") is not None
     return "chat_template" if own and type(e).__module__.startswith("jinja2") else None
@@ -122,10 +135,11 @@ def tokenizer_main(model: str | None, ep: Endpoints, index: int, detokenize: boo
     """Process entry: tokenizer `index`; with `detokenize` it is also the detokenizer."""
 
     def setup():
-        tok = load_tokenizer(resolve_checkpoint(model))
+        ckpt = resolve_checkpoint(model)
+        tok = load_tokenizer(ckpt)
         ctx = zmq.Context.instance()
         to_api = push(ctx, ep.api, ep.secret)
-        worker = Tokenizer(tok, push(ctx, ep.scheduler, ep.secret), to_api)
+        worker = Tokenizer(tok, push(ctx, ep.scheduler, ep.secret), to_api, image_prompt(tok, ckpt))
         handlers = {pull(ctx, ep.tokenizer(index)): worker.handle}
         if detokenize:
             handlers[detokenizer_inbox(ctx, ep)] = _detok_handler(Detokenizer(tok), to_api)

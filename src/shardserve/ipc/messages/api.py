@@ -8,6 +8,7 @@ and tokenize/detokenize replies go straight to the API's inbox.
 from __future__ import annotations
 
 from shardserve.ipc.messages.base import Msg
+from shardserve.multimodal import ImageInput
 from shardserve.sampling_params import SamplingParams
 
 
@@ -30,6 +31,7 @@ class TokenizedReq(Msg):
     params: SamplingParams
     auto_max_tokens: bool = False
     prefill: str = ""  # see GenerateReq
+    images: list[ImageInput] = []  # the prompt's images (multimodal.py)
 
 
 class AddRequests(Msg):

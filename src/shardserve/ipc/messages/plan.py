@@ -7,6 +7,7 @@ import msgspec
 
 from shardserve.ipc.messages.base import Msg
 from shardserve.ipc.messages.disagg import KVTarget
+from shardserve.multimodal import ImageInput
 from shardserve.sampling_params import SamplingParams
 
 
@@ -26,6 +27,7 @@ class PlanRequest(msgspec.Struct, array_like=True):
     # state after them, so this instance continues exactly as one engine would.
     output: list[int] = []
     rng_state: bytes = b""
+    images: list[ImageInput] = []  # the prompt's images (multimodal.py): the first stage embeds them
 
 
 class LoraOp(msgspec.Struct, array_like=True):
