@@ -154,7 +154,8 @@ def test_a_tokenizer_process_imports_no_torch(which, tiny_model, tmp_path):
     path = tiny_model("llama")[0] if which == "hf" else default_model_path()
     code = ("import sys; from shardserve.loader.model_path import resolve_checkpoint; "
             "from shardserve.loader.tokenizer import load_tokenizer; "
-            f"tok = load_tokenizer(resolve_checkpoint({path!r})); "
+            f"ckpt = resolve_checkpoint({path!r}); tok = load_tokenizer(ckpt); "
+            "from shardserve.tokenizer.image_prompt import image_prompt; image_prompt(tok, ckpt); "
             "print(type(tok).__name__, len(tok), 'torch' in sys.modules)")
     env = dict(os.environ, SHARDSERVE_CACHE=str(tmp_path / "cache")) if which == "hf" else None
     runs = [subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)

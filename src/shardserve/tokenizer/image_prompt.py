@@ -7,14 +7,15 @@ from __future__ import annotations
 
 from shardserve.arch_config import VisionConfig
 from shardserve.loader.model_path import Checkpoint
-from shardserve.loader.weights import read_model_config
+from shardserve.model_config import ModelConfig
 from shardserve.multimodal import ImageInput
 from shardserve.tokenizer.images import ImageError, decode_image_url, image_digest, resize_rgb
 
 
 def image_prompt(tok, ckpt: Checkpoint) -> ImagePrompt | None:
-    """How a vision-language model's prompts hold images (None: the model reads text only)."""
-    vision = read_model_config(ckpt).vision if tok is not None and not ckpt.is_gguf else None
+    """How a vision-language model's prompts hold images (None: the model reads text only). Read
+    from config.json alone: the tokenizer processes never import torch."""
+    vision = ModelConfig.from_dir(ckpt.path).vision if tok is not None and not ckpt.is_gguf else None
     return ImagePrompt(tok, vision) if vision is not None else None
 
 
