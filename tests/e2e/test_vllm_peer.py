@@ -44,7 +44,8 @@ def llama64(tmp_path_factory) -> str:
 def test_compare_vllm(llama64, capsys):
     rc = main(["bench", "offline", "--model", llama64, "--compare", "vllm", "--vllm-python", VLLM_PYTHON,
                "--num-requests", "3", "--min-prompt", "8", "--max-prompt", "24", "--min-output", "4",
-               "--max-output", "8", "--batch1-tokens", "0", "--threads", "1", "--vllm-kv-cache-space", "1"])
+               "--max-output", "8", "--batch1-tokens", "0", "--threads", "1", "--vllm-kv-cache-space", "1",
+               "--vllm-enforce-eager"])  # (a start without torch.compile: the harness is what is tested)
     assert rc == 0
     out = capsys.readouterr().out
     result = json.loads(out.strip().splitlines()[-1])
@@ -52,3 +53,4 @@ def test_compare_vllm(llama64, capsys):
     assert result["vllm"]["output_tps"] > 0 and result["ratio_output_tps"] > 0
     assert result["greedy_match"] == {"equal": 3, "compared": 3}
     assert "greedy tokens equal to vLLM's (first 4 requests): 3/3" in out
+    assert result["vllm"]["eager"] and "(vLLM eager: --vllm-enforce-eager)" in out

@@ -230,7 +230,8 @@ def run_offline(args: argparse.Namespace, engine: dict) -> int:
           f"{result['torch_threads']} torch threads, attention {result['attention']}")
     print_table(result["ours"], theirs, peer or "transformers")
     if theirs:
-        print(f"output tokens/s ratio ours/{peer}: {result['ratio_output_tps']:.2f}x")
+        eager = " (vLLM eager: --vllm-enforce-eager)" if theirs.get("eager") else ""
+        print(f"output tokens/s ratio ours/{peer}: {result['ratio_output_tps']:.2f}x{eager}")
     if theirs and not sampled:
         m = result["greedy_match"]
         whose = peer + ("'" if peer.endswith("s") else "'s")

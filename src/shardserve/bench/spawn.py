@@ -65,14 +65,21 @@ class Spawned:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"{self.name} exited with {self.proc.returncode}:\n{self.tail()}")
+                raise SystemExit(f"shardserve bench: the {self.name} exited with {self.proc.returncode} before it was "
+                                 f"healthy: {self.last_line()} (its log: {self.log_path})")
             try:
                 if httpx.get(self.url + "/health", timeout=2).status_code == 200:
                     return
             except httpx.HTTPError:
                 pass
             time.sleep(0.3)
-        raise RuntimeError(f"{self.name} was not healthy within {timeout:.0f} s:\n{self.tail()}")
+        raise SystemExit(f"shardserve bench: the {self.name} was not healthy within {timeout:.0f} s: "
+                         f"{self.last_line()} (its log: {self.log_path})")
+
+    def last_line(self) -> str:
+        """What the process said last (its error, where it failed), for a one-line message."""
+        lines = [line.strip() for line in self.tail().splitlines() if line.strip()]
+        return lines[-1] if lines else "it logged nothing"
 
     def tail(self, chars: int = 3000) -> str:
         self.log.flush()

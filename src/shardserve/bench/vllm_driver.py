@@ -77,12 +77,15 @@ def llm_kwargs(spec: dict) -> dict:
     kw = {"model": spec["model"], "dtype": spec["dtype"], "seed": spec.get("seed", 0)}
     if spec.get("max_model_len"):
         kw["max_model_len"] = spec["max_model_len"]
+    if spec.get("enforce_eager"):
+        kw["enforce_eager"] = True
     return kw
 
 
 def summarize(spec: dict, tokens: list[list[int]], wall: float, startup: float, version: str) -> dict:
     return {"wall_s": wall, "startup_s": startup, "prompt_tokens": sum(map(len, spec["prompts"])),
-            "output_tokens": sum(map(len, tokens)), "tokens": tokens, "vllm_version": version}
+            "output_tokens": sum(map(len, tokens)), "tokens": tokens, "vllm_version": version,
+            "eager": bool(spec.get("enforce_eager"))}
 
 
 def run(spec: dict) -> dict:

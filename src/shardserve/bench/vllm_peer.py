@@ -115,7 +115,8 @@ def vllm_stats(res: dict) -> dict:
     """The table's numbers: throughputs over generate()'s wall time; no TTFT (generate returns
     every request at once)."""
     wall = res["wall_s"]
-    return {"wall_s": wall, "startup_s": res["startup_s"], "prompt_tokens": res["prompt_tokens"],
+    return {"wall_s": wall, "startup_s": res["startup_s"], "eager": res.get("eager", False),
+            "prompt_tokens": res["prompt_tokens"],
             "output_tokens": res["output_tokens"], "output_tps": res["output_tokens"] / wall,
             "total_tps": (res["prompt_tokens"] + res["output_tokens"]) / wall,
             "version": res.get("vllm_version", "?")}
@@ -126,9 +127,11 @@ def run_vllm_compare(args, python: str, prompts: list[list[int]], output_lens: l
     """vLLM's stats for the workload, and each request's generated token ids."""
     spec = workload_spec(check_model(args.model, args.dtype), args.dtype, prompts, output_lens,
                          args.max_model_len, args.seed, sampling)
+    spec["enforce_eager"] = bool(getattr(args, "vllm_enforce_eager", False))
     env = vllm_env(threads, args.vllm_kv_cache_space)
     print(f"running vLLM ({python}, VLLM_CPU_OMP_THREADS_BIND={env['VLLM_CPU_OMP_THREADS_BIND']}, "
-          f"VLLM_CPU_KVCACHE_SPACE={env['VLLM_CPU_KVCACHE_SPACE']})...", file=sys.stderr, flush=True)
+          f"VLLM_CPU_KVCACHE_SPACE={env['VLLM_CPU_KVCACHE_SPACE']}"
+          f"{', enforce_eager' if spec['enforce_eager'] else ''})...", file=sys.stderr, flush=True)
     res = run_driver(python, spec, env)
     if len(res["tokens"]) != len(prompts):
         raise SystemExit(f"{WHO}: vLLM returned {len(res['tokens'])} outputs for {len(prompts)} requests")

@@ -44,6 +44,9 @@ def add_bench_args(bench: argparse.ArgumentParser) -> None:
                           "/tmp/peers/vllm/bin/python)")
     off.add_argument("--vllm-kv-cache-space", type=positive_int, default=4,
                      help="GiB of KV cache for vLLM (VLLM_CPU_KVCACHE_SPACE)")
+    off.add_argument("--vllm-enforce-eager", action="store_true",
+                     help="run vLLM as its --enforce-eager does (no torch.compile): it starts faster and runs "
+                          "its eager speed, which the result then states")
     off.add_argument("--hf-batch-size", type=positive_int, default=16,
                      help="static batch size for the transformers peer")
     off.add_argument("--batch1-tokens", type=non_negative_int, default=64,
