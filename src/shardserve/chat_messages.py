@@ -174,7 +174,7 @@ def _image_url(part: dict, where: str) -> str:
     spec = part.get("image_url")
     url = spec.get("url") if isinstance(spec, dict) else spec
     if not isinstance(url, str) or not url:
-        raise ChatMessageError(where, "must be an object with the image's url (a data: URL)")
+        raise ChatMessageError(where, "must be an object with the image's url (a data: or http(s) URL)")
     if isinstance(spec, dict) and (extra := sorted(set(spec) - {"url", "detail"})):
         raise ChatMessageError(f"{where}.{extra[0]}", "is not a field of image_url")
     if isinstance(spec, dict) and spec.get("detail", "auto") != "auto":

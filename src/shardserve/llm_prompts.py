@@ -9,14 +9,16 @@ from shardserve.chat_messages import check_template_options, image_urls, normali
 from shardserve.llm_inputs import Encoded, Prompt, prompt_images
 from shardserve.sampling_params import SamplingParams
 from shardserve.tokenizer.image_prompt import ImagePrompt
+from shardserve.tokenizer.images import MediaFetch
 
 
 class PromptEncoder:
     """`tok` (None: prompts must be token ids); `images`: how the model's prompts hold images (None:
-    it reads none); `images_refused`: why the engine refuses images ("" where it takes them)."""
+    it reads none); `images_refused`: why the engine refuses images ("" where it takes them);
+    `media`: how images given by http(s) URL are fetched."""
 
-    def __init__(self, tok, images: ImagePrompt | None, images_refused: str):
-        self.tok, self.images, self.images_refused = tok, images, images_refused
+    def __init__(self, tok, images: ImagePrompt | None, images_refused: str, media: MediaFetch = MediaFetch()):
+        self.tok, self.images, self.images_refused, self.media = tok, images, images_refused, media
 
     def encode(self, prompt: Prompt) -> Encoded:
         if isinstance(prompt, Encoded):
@@ -60,7 +62,7 @@ class PromptEncoder:
         messages = normalize_messages(conversation, self.images_refused)
         check_template_options(messages, options)
         text = render_chat(self.tok, messages, tools, options)
-        if urls := image_urls(messages):
-            ids, images = self.images.encode(text, urls)
+        if urls := image_urls(messages):  # http(s) ones fetched as the server fetches them
+            ids, images = self.images.encode(text, [self.media.as_data_url(u) for u in urls])
             return Encoded(ids, tuple(images))
         return Encoded(self.tok.encode(text, add_special_tokens=False))

@@ -1,11 +1,14 @@
-"""Images through the server: a chat's image_url parts (data: URLs) reach Gemma 3's encoder and
-give transformers' greedy tokens, streamed or not; /tokenize counts the image's tokens; a bad
-image is a 400 naming the part, and the server serves on."""
+"""Images through the server: a chat's image_url parts (data: URLs, or http ones the server fetches)
+reach Gemma 3's encoder and give transformers' greedy tokens, streamed or not; /tokenize counts the
+image's tokens; a bad image (or one that cannot be fetched) is a 400, and the server serves on."""
 
 from __future__ import annotations
 
 import base64
+import http.server
 import io
+import threading
+import time
 
 import httpx
 import numpy as np
@@ -26,6 +29,7 @@ def vlm_server(tmp_path_factory):
     path = str(tmp_path_factory.mktemp("vlm"))
     model, vision = make_vlm(path)
     server = Server("--model", path, "--num-pages", "64", "--page-size", "4", "--served-model-name", "vlm",
+                    "--media-fetch-timeout", "1", "--allowed-media-domains", "127.0.0.1",
                     log_path=str(tmp_path_factory.mktemp("logs") / "server.log"))
     server.model, server.vision, server.tok = model, vision, AutoTokenizer.from_pretrained(path)
     yield server
@@ -64,7 +68,8 @@ def test_chat_with_images_equals_transformers(vlm_server):
 
 @pytest.mark.parametrize("part, param, words", [
     ({"url": "data:image/png;base64,AAAA"}, "messages", "not an image"),
-    ({"url": "https://example.com/cat.png"}, "messages", "data:image"),
+    ({"url": "https://example.com/cat.png"}, "messages", "--allowed-media-domains"),
+    ({"url": "file:///etc/passwd"}, "messages", "data: URL or an http(s) one"),
     ({"url": "data:image/png;base64,AAAA", "detail": "low"}, "messages.0.content.1.image_url.detail", "auto"),
 ])
 def test_a_bad_image_is_a_400_and_the_server_serves_on(vlm_server, part, param, words):
@@ -105,3 +110,60 @@ def test_responses_and_messages_apis_take_images_as_chat_does(vlm_server):
     counted = httpx.post(s.url + "/v1/messages/count_tokens", json=count).json()
     u = m["usage"]  # (most of the prompt came from the prefix cache: the chat's)
     assert counted == {"input_tokens": u["input_tokens"] + u["cache_read_input_tokens"]} and u["input_tokens"] < 8
+
+
+@pytest.fixture(scope="module")
+def image_host():
+    """A local web server: /cat.png an image, /slow.png one that takes 3 s, /page an HTML page."""
+    png = io.BytesIO()
+    Image.fromarray(pixels(31, 44)).save(png, format="PNG")
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):  # noqa: N802 (http.server's name)
+            if self.path == "/slow.png":
+                time.sleep(3)
+            body, kind = {"/cat.png": (png.getvalue(), "image/png"), "/slow.png": (png.getvalue(), "image/png"),
+                          "/page": (b"<html>hi</html>", "text/html")}.get(self.path, (None, None))
+            self.send_response(200 if body else 404)
+            self.send_header("Content-Type", kind or "text/plain")
+            self.end_headers()
+            self.wfile.write(body or b"")
+
+        def log_message(self, *args):
+            pass
+
+    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    yield f"127.0.0.1:{httpd.server_address[1]}", "data:image/png;base64," + base64.b64encode(png.getvalue()).decode()
+    httpd.shutdown()
+
+
+def test_an_http_image_is_fetched_and_read_as_its_bytes_are(vlm_server, image_host):
+    s, (host, same) = vlm_server, image_host
+    client = OpenAI(base_url=s.url + "/v1", api_key="none", max_retries=0)
+    answers = [client.chat.completions.create(model=None, messages=chat([url]), max_tokens=NEW, temperature=0)
+               for url in (f"http://{host}/cat.png", same)]
+    assert answers[0].choices[0].message.content == answers[1].choices[0].message.content
+    assert answers[0].usage.prompt_tokens == answers[1].usage.prompt_tokens
+    m = httpx.post(s.url + "/v1/messages", json={"model": "vlm", "max_tokens": NEW, "temperature": 0, "messages": [
+        {"role": "user", "content": [{"type": "text", "text": "Look: "},
+                                     {"type": "image", "source": {"type": "url", "url": f"http://{host}/cat.png"}},
+                                     {"type": "text", "text": " Describe it."}]}]}).json()
+    assert m["content"][-1]["text"] == answers[0].choices[0].message.content
+
+
+@pytest.mark.parametrize("where, words", [
+    ("/slow.png", "did not arrive within 1 s"),
+    ("/missing.png", "gave HTTP 404"),
+    ("/page", "not an image"),
+])
+def test_an_image_that_cannot_be_fetched_is_a_400(vlm_server, image_host, where, words):
+    s, (host, _) = vlm_server, image_host
+    r = httpx.post(s.url + "/v1/chat/completions", json={"messages": chat([f"http://{host}{where}"]),
+                                                          "max_tokens": 2}, timeout=30)
+    err = r.json()["error"]
+    assert r.status_code == 400 and words in err["message"] and err["param"] == "messages", err
+    port = host.split(":")[1]  # another name of the same host is not an allowed one
+    r = httpx.post(s.url + "/v1/chat/completions", json={"messages": chat([f"http://localhost:{port}/cat.png"]),
+                                                          "max_tokens": 2})
+    assert r.status_code == 400 and "not 'localhost'" in r.json()["error"]["message"]

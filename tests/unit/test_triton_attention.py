@@ -129,7 +129,8 @@ def test_the_backend_matches_torch_on_a_mixed_step():
     assert torch.equal(caches[0][0], caches[1][0]) and torch.equal(caches[0][1], caches[1][1])
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen3", "deepseek_v2", "phi3"])
+# Qwen3 is Llama with q/k norms, applied before the kernels: not run here (CI time).
+@pytest.mark.parametrize("arch", ["llama", "deepseek_v2", "phi3"])
 def test_whole_models_match_transformers_through_triton(tiny_model, arch):
     from test_equivalence import check
 

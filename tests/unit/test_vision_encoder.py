@@ -7,16 +7,15 @@ from __future__ import annotations
 import base64
 import copy
 import io
-import json
-import os
 
 import numpy as np
 import pytest
 import torch
 from PIL import Image
-from tiny_models import COMMON, GEMMA3
-from transformers import Gemma3Config, Gemma3ForConditionalGeneration, Gemma3TextConfig, SiglipVisionConfig
+from tiny_models import COMMON
+from transformers import Gemma3Config, SiglipVisionConfig
 from transformers.models.gemma3.image_processing_pil_gemma3 import Gemma3ImageProcessorPil
+from vlm_util import VISION, make_vlm
 
 from shardserve.arch_config import SIGLIP_DEFAULTS, VisionConfig
 from shardserve.loader.safetensors_loader import iter_safetensors
@@ -24,29 +23,15 @@ from shardserve.models.vision import Gemma3VisionEncoder, vision_weight_name
 from shardserve.tokenizer import images
 from shardserve.tokenizer.images import ImageError, decode_image_url, image_digest, resize_rgb
 
-VISION = dict(hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=2, image_size=28,
-              patch_size=14)
+SIZE = VISION["image_size"]
 
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
     """(transformers' model, our encoder loaded from its saved checkpoint)."""
-    torch.manual_seed(0)
-    text = Gemma3TextConfig(**copy.deepcopy(GEMMA3) | COMMON)
-    cfg = Gemma3Config(text_config=text, vision_config=SiglipVisionConfig(**VISION), mm_tokens_per_image=4,
-                       image_token_index=300, boi_token_index=298, eoi_token_index=299)
-    model = Gemma3ForConditionalGeneration(cfg).eval()
-    with torch.no_grad():  # nothing left at its init (zeros, ones) that would hide a mistake
-        g = torch.Generator().manual_seed(7)
-        for name, p in model.named_parameters():
-            if "vision_tower" in name or "multi_modal_projector" in name:
-                scale = 0.2 if "norm" in name else 0.5
-                p.copy_(torch.randn(p.shape, generator=g) * scale + (1.0 if "layer_norm" in name and
-                                                                       name.endswith("weight") else 0.0))
     path = str(tmp_path_factory.mktemp("gemma3_vision"))
-    model.save_pretrained(path)
-    with open(os.path.join(path, "config.json")) as f:
-        ours = Gemma3VisionEncoder(VisionConfig.from_hf(json.load(f)), torch.float32, torch.device("cpu"))
+    model, vision = make_vlm(path)
+    ours = Gemma3VisionEncoder(vision, torch.float32, torch.device("cpu"))
     params, loaded = dict(ours.named_parameters()), set()
     for src in iter_safetensors(path):
         if (name := vision_weight_name(src.name)) is not None:
@@ -66,9 +51,9 @@ def _image(w: int, h: int, mode: str = "RGB", seed: int = 0) -> Image.Image:
                                    _image(64, 40, seed=3).convert("L")], ids=["37x53", "100x20", "rgba", "gray"])
 def test_pixels_and_features_match_transformers(tiny, image):
     model, ours = tiny
-    theirs = Gemma3ImageProcessorPil(size={"height": 28, "width": 28})(images=[image], return_tensors="pt")
-    pixels = torch.from_numpy(resize_rgb(image, 28)).unsqueeze(0)
-    assert pixels.dtype == torch.uint8 and pixels.shape == (1, 28, 28, 3)
+    theirs = Gemma3ImageProcessorPil(size={"height": SIZE, "width": SIZE})(images=[image], return_tensors="pt")
+    pixels = torch.from_numpy(resize_rgb(image, SIZE)).unsqueeze(0)
+    assert pixels.dtype == torch.uint8 and pixels.shape == (1, SIZE, SIZE, 3)
     torch.testing.assert_close(ours.normalize(pixels), theirs["pixel_values"], atol=1e-6, rtol=0)
     with torch.no_grad():
         want = model.model.get_image_features(theirs["pixel_values"]).pooler_output
@@ -79,7 +64,7 @@ def test_pixels_and_features_match_transformers(tiny, image):
 
 def test_batch_rows_equal_each_image_alone(tiny):
     _, ours = tiny
-    a, b = (torch.from_numpy(resize_rgb(_image(w, h, seed=w), 28)) for w, h in ((37, 53), (100, 20)))
+    a, b = (torch.from_numpy(resize_rgb(_image(w, h, seed=w), SIZE)) for w, h in ((37, 53), (100, 20)))
     both = ours(torch.stack([a, b]))
     assert torch.equal(both[0], ours(a[None])[0]) and torch.equal(both[1], ours(b[None])[0])
     assert ours(torch.stack([a, b])[:0]).shape == (0, 4, COMMON["hidden_size"])
@@ -88,13 +73,13 @@ def test_batch_rows_equal_each_image_alone(tiny):
 def test_bfloat16_matches_transformers(tiny):
     model, ours = tiny
     image = _image(50, 31, seed=4)
-    theirs = Gemma3ImageProcessorPil(size={"height": 28, "width": 28})(images=[image], return_tensors="pt")
+    theirs = Gemma3ImageProcessorPil(size={"height": SIZE, "width": SIZE})(images=[image], return_tensors="pt")
     half = Gemma3VisionEncoder(ours.cfg, torch.bfloat16, torch.device("cpu"))
     half.load_state_dict(ours.state_dict())
     hf = copy.deepcopy(model).to(torch.bfloat16)
     with torch.no_grad():
         want = hf.model.get_image_features(theirs["pixel_values"]).pooler_output
-    got = half(torch.from_numpy(resize_rgb(image, 28))[None])
+    got = half(torch.from_numpy(resize_rgb(image, SIZE))[None])
     assert got.dtype == want.dtype == torch.bfloat16
     torch.testing.assert_close(got, want)  # bfloat16's tolerance (bit-equal on the CPU)
 

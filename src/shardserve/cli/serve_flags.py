@@ -31,6 +31,10 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-prompts", type=positive_int, default=256, help="largest number of prompts in one request")
     g.add_argument("--max-stop-strings", type=positive_int, default=16, help="most stop strings in one request")
     g.add_argument("--max-stop-length", type=positive_int, default=256, help="longest stop string, in characters")
+    g.add_argument("--media-fetch-timeout", type=positive_float, default=5.0,
+                   help="seconds to fetch an image given by http(s) URL (a vision-language model's)")
+    g.add_argument("--allowed-media-domains", nargs="+", default=None, metavar="HOST",
+                   help="fetch images from these hosts only (default: any host)")
     g.add_argument("--tool-call-parser", choices=sorted(PARSERS), default=None,
                    help="how the model writes tool calls (hermes: Hermes/Qwen <tool_call> tags; llama3_json: Llama "
                         "3's JSON); default: the one the chat template names, if any. 'auto' tool choice needs "

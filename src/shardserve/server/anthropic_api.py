@@ -22,7 +22,7 @@ from shardserve.server.generation import Choice, collect, stream_choices
 from shardserve.server.request_params import chat_options
 from shardserve.server.sse import named, sse
 from shardserve.server.tools import ToolUse, chat_tool_use
-from shardserve.server.turns import chat_messages, chat_turn, check_model, served_name
+from shardserve.server.turns import chat_messages, chat_turn, check_model, fetch_images, served_name
 
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
                404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error", 503: "overloaded_error"}
@@ -51,6 +51,7 @@ class MessagesHandlers:
     async def create(self, body: MessagesRequest, prefill: str = ""):
         chat = to_chat(body, self.s.reasoning, self.s.images_refused)
         reqs, tools = chat_turn(self.s, chat, prefill)
+        await fetch_images(self.s, reqs[0].messages)
         display = body.thinking.display if body.thinking is not None else None
         meta = {"id": f"msg_{EngineClient.new_rid()}", "type": "message", "role": "assistant",
                 "model": served_name(self.s, reqs[0].params.lora_request)}
@@ -70,6 +71,7 @@ class MessagesHandlers:
         check_model(self.s, chat.model)
         tools: ToolUse = chat_tool_use(chat, self.s.tool_format)
         messages = chat_messages(chat.messages, self.s.images_refused)
+        await fetch_images(self.s, messages)
         reply = await self.s.client.call(TokenizeReq(
             rid=EngineClient.new_rid(), text=None, messages=messages, tools=tools.tools,
             chat_options=chat_options(chat, messages, self.s.trust_request_chat_template)))

@@ -56,8 +56,8 @@ class ToolResultBlock(BaseModel):
 
 
 class ImageSource(BaseModel):
-    """An image as Anthropic sends one: base64 data of a media type, or a URL (refused later: only
-    data is read here)."""
+    """An image as Anthropic sends one: base64 data of a media type, or a URL (fetched as a chat's
+    image_url is)."""
 
     model_config = STRICT
 
@@ -74,7 +74,7 @@ class ImageSource(BaseModel):
         return self
 
     def as_url(self) -> str:
-        """A data: URL (chat_messages' image parts take those)."""
+        """As a chat image part's URL: a data: URL, or the URL given."""
         return f"data:{self.media_type};base64,{self.data}" if self.type == "base64" else (self.url or "")
 
 

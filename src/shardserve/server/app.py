@@ -40,7 +40,8 @@ from shardserve.server.response_store import ResponseStore
 from shardserve.server.responses_api import ResponsesHandlers
 from shardserve.server.responses_protocol import ResponsesRequest
 from shardserve.server.tools import ToolFormat
-from shardserve.server.turns import chat_messages
+from shardserve.server.turns import chat_messages, fetch_images
+from shardserve.tokenizer.images import MediaFetch
 
 log = logging.getLogger(__name__)
 
@@ -72,6 +73,7 @@ class ServerState:
     trust_request_chat_template: bool = False
     disaggregation_mode: str = "null"  # --disaggregation-mode
     images_refused: str = TEXT_ONLY  # why a chat's image part is refused ("": the model reads them)
+    media: MediaFetch = MediaFetch()  # how images given by http(s) URL are fetched
     scheduling_policy: str = "fcfs"  # --scheduling-policy: whether a request's `priority` may be other than 0
     bootstrap_port: int | None = None  # where decode instances reach a prefill instance's leader
     loras: LoraRegistry | None = None  # --enable-lora: the adapters a request's `model` may name
@@ -214,6 +216,7 @@ def build_app(state: ServerState) -> FastAPI:
         if (body.prompt is None) == (body.messages is None):
             raise APIError(400, "give exactly one of 'prompt' or 'messages'", param="prompt")
         msgs = chat_messages(body.messages, state.images_refused) if body.messages is not None else None
+        await fetch_images(state, msgs)
         if body.tools and msgs is None:
             raise APIError(400, "tools are rendered with chat messages: give 'messages'", param="tools")
         tools = [t.model_dump(exclude_none=True) for t in body.tools] if body.tools else None

@@ -45,6 +45,7 @@ from shardserve.server.metrics import Metrics
 from shardserve.server.reasoning import Reasoning
 from shardserve.server.response_store import ResponseStore
 from shardserve.server.tools import ToolFormat
+from shardserve.tokenizer.images import MediaFetch
 
 log = logging.getLogger("shardserve.launch")
 
@@ -160,6 +161,8 @@ def run_http(args, name: str, info: dict, ep: Endpoints, grid: LocalGrid, sock: 
                         trust_request_chat_template=args.trust_request_chat_template,
                         disaggregation_mode=args.disaggregation_mode, scheduling_policy=args.scheduling_policy,
                         images_refused=info["limits"].get("images_refused", TEXT_ONLY),
+                        media=MediaFetch(args.media_fetch_timeout, frozenset(args.allowed_media_domains)
+                                         if args.allowed_media_domains is not None else None),
                         bootstrap_port=args.disaggregation_bootstrap_port or args.port + 1, loras=loras)
     config = uvicorn.Config(build_app(state), log_level=args.log_level, timeout_graceful_shutdown=5)
     server = _Server(config, client)

@@ -17,7 +17,7 @@ from shardserve.server.protocol import ChatRequest, CompletionRequest, error_bod
 from shardserve.server.request_params import sampling_params
 from shardserve.server.sse import data, sse
 from shardserve.server.tools import ToolUse, finish_reason
-from shardserve.server.turns import admit, chat_turn, completion_prompts, fan_out, served_name
+from shardserve.server.turns import admit, chat_turn, completion_prompts, fan_out, fetch_images, served_name
 
 
 class OpenAIHandlers:
@@ -107,6 +107,7 @@ class OpenAIHandlers:
 
     async def chat(self, body: ChatRequest, prefill: str = ""):
         reqs, tools = chat_turn(self.s, body, prefill)
+        await fetch_images(self.s, reqs[0].messages)  # the n sub-requests share one conversation
         meta = {"id": f"chatcmpl-{body.request_id or EngineClient.new_rid()}", "created": int(time.time()),
                 "model": served_name(self.s, reqs[0].params.lora_request)}
         if body.stream:

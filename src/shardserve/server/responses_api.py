@@ -22,7 +22,7 @@ from shardserve.server.responses_events import Items
 from shardserve.server.responses_protocol import ResponsesRequest
 from shardserve.server.sse import numbered, sse
 from shardserve.server.tools import ToolUse
-from shardserve.server.turns import chat_turn
+from shardserve.server.turns import chat_turn, fetch_images
 
 
 class ResponsesHandlers:
@@ -40,6 +40,7 @@ class ResponsesHandlers:
             history = stored.history
         chat, new = to_chat(body, history, self.s.images_refused)
         reqs, tools = chat_turn(self.s, chat, prefill)
+        await fetch_images(self.s, reqs[0].messages)
         head = self._head(body)
         if body.stream:
             frame = numbered()

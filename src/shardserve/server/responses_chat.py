@@ -169,7 +169,7 @@ def _image(part: dict, where: str) -> dict:
                        param=f"{where}.file_id")
     url = part.get("image_url")
     if not isinstance(url, str) or not url:
-        raise APIError(400, "image_url must be the image as a data: URL", param=f"{where}.image_url")
+        raise APIError(400, "image_url must be the image as a data: or http(s) URL", param=f"{where}.image_url")
     return {"type": "image_url", "image_url": {"url": url, "detail": part.get("detail") or "auto"}}
 
 

@@ -4,6 +4,7 @@ ChatRequest and take the same path from there (same checks, limits, tools and re
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 
 from shardserve.chat_messages import TEXT_ONLY, ChatMessageError, normalize_messages
@@ -15,6 +16,7 @@ from shardserve.server.protocol import ChatMessage, ChatRequest
 from shardserve.server.reasoning import Reasoning
 from shardserve.server.request_params import chat_options, check_scheduling, sampling_params
 from shardserve.server.tools import ToolUse, chat_tool_use
+from shardserve.tokenizer.images import ImageError
 
 
 def chat_messages(messages: list[ChatMessage], images_refused: str = TEXT_ONLY) -> list[dict]:
@@ -24,6 +26,22 @@ def chat_messages(messages: list[ChatMessage], images_refused: str = TEXT_ONLY) 
         return normalize_messages([m.model_dump() for m in messages], images_refused)
     except ChatMessageError as e:
         raise APIError(400, str(e), param=e.param) from None
+
+
+async def fetch_images(s, messages: list[dict] | None) -> None:
+    """Each image part of normalized `messages` given by http(s) URL, fetched (in threads, side by
+    side, by ServerState.media's rules) and put back as a data: URL; a 400 naming messages if one
+    cannot be. The tokenizer processes then decode data: URLs only, and never wait on a network."""
+    parts = [p for m in messages or () if isinstance(m["content"], list) for p in m["content"]
+             if p["type"] == "image" and not p["url"].startswith("data:")]
+    if not parts:
+        return
+    try:
+        urls = await asyncio.gather(*(asyncio.to_thread(s.media.as_data_url, p["url"]) for p in parts))
+    except ImageError as e:
+        raise APIError(400, str(e), param="messages") from None
+    for part, url in zip(parts, urls):
+        part["url"] = url
 
 
 def completion_prompts(prompt, param: str = "prompt") -> list[dict]:

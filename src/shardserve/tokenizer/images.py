@@ -11,11 +11,15 @@ import binascii
 import hashlib
 import io
 import re
+from dataclasses import dataclass
+from urllib.parse import urlsplit
 
+import httpx
 import numpy as np
 from PIL import Image, ImageOps, UnidentifiedImageError
 
 MAX_PIXELS = 64 * 1024 * 1024  # width * height of an image we decode (a small PNG can claim gigapixels)
+MAX_FETCH_BYTES = 32 * 1024 * 1024  # an image fetched by URL
 _DATA_URL = re.compile(r"data:(image/[\w.+-]+)((?:;[^;,]*)*?);base64,", re.IGNORECASE)
 _WHITESPACE = re.compile(rb"\s+")
 
@@ -53,7 +57,7 @@ def decode_image_url(url: str) -> Image.Image:
     """A `data:image/<format>;base64,<data>` URL -> a loaded PIL image."""
     m = _DATA_URL.match(url)
     if m is None:
-        raise ImageError(f"only data:image/...;base64 URLs are accepted for images, got {_shown(url)}")
+        raise ImageError(f"an image URL is data:image/<type>;base64,<data> or http(s), got {_shown(url)}")
     payload = _WHITESPACE.sub(b"", url[m.end() :].encode("ascii", "replace"))
     try:
         data = base64.b64decode(payload, validate=True)
@@ -78,3 +82,43 @@ def image_digest(pixels: np.ndarray) -> int:
     h = hashlib.blake2b(np.ascontiguousarray(pixels).tobytes(), digest_size=8)
     h.update(repr((pixels.shape, pixels.dtype.str)).encode())
     return int.from_bytes(h.digest(), "little") & (2**63 - 1)
+
+
+@dataclass(frozen=True)
+class MediaFetch:
+    """How images given by http(s) URL are fetched (vLLM's rules): within `timeout` seconds each,
+    from the hosts `domains` names (None: any host), at most MAX_FETCH_BYTES."""
+
+    timeout: float = 5.0
+    domains: frozenset[str] | None = None
+
+    def as_data_url(self, url: str) -> str:
+        """The image at `url` as a data: URL (a data: URL as it is); ImageError, one line, if not."""
+        if url.startswith("data:"):
+            return url
+        self._check_host(url)
+        try:
+            with httpx.stream("GET", url, timeout=self.timeout, follow_redirects=True) as r:
+                self._check_host(str(r.url))  # where a redirect led
+                if r.status_code != 200:
+                    raise ImageError(f"fetching the image at {_shown(url)} gave HTTP {r.status_code}")
+                data = bytearray()
+                for chunk in r.iter_bytes():
+                    data += chunk
+                    if len(data) > MAX_FETCH_BYTES:
+                        raise ImageError(f"the image at {_shown(url)} is over {MAX_FETCH_BYTES} bytes")
+                kind = r.headers.get("content-type", "").split(";")[0].strip()
+        except httpx.TimeoutException:
+            raise ImageError(f"the image at {_shown(url)} did not arrive within {self.timeout:g} s") from None
+        except httpx.HTTPError as e:
+            raise ImageError(f"the image at {_shown(url)} could not be fetched: {type(e).__name__}") from None
+        kind = kind if kind.startswith("image/") else "image/unknown"  # PIL reads the bytes' own format
+        return f"data:{kind};base64,{base64.b64encode(bytes(data)).decode()}"
+
+    def _check_host(self, url: str) -> None:
+        parts = urlsplit(url)
+        if parts.scheme not in ("http", "https") or not parts.hostname:
+            raise ImageError(f"an image URL is a data: URL or an http(s) one, got {_shown(url)}")
+        if self.domains is not None and parts.hostname not in self.domains:
+            raise ImageError(f"images are fetched from the hosts --allowed-media-domains names only, not "
+                             f"{parts.hostname!r}")
