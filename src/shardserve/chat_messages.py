@@ -110,10 +110,13 @@ def normalize_messages(messages: Any, images_refused: str = TEXT_ONLY) -> list[d
     return [_message(m, f"messages.{i}", images_refused) for i, m in enumerate(messages)]
 
 
+def image_parts(messages: list[dict]) -> list[dict]:
+    """The image parts of normalized messages, in the order a template renders them."""
+    return [p for m in messages if isinstance(m["content"], list) for p in m["content"] if p["type"] == "image"]
+
+
 def image_urls(messages: list[dict]) -> list[str]:
-    """The image parts' URLs of normalized messages, in the order a template renders them."""
-    return [p["url"] for m in messages if isinstance(m["content"], list) for p in m["content"]
-            if p["type"] == "image"]
+    return [p["url"] for p in image_parts(messages)]
 
 
 def _message(m: Any, where: str, images_refused: str) -> dict:

@@ -88,7 +88,7 @@ class Request:
     @property
     def cache_key(self) -> list[int]:
         """What the prefix cache keys its pages by: its tokens, but an image's by its pixels."""
-        return cache_tokens(self._tokens, self.images)
+        return self._key
 
     @property
     def computes_prompt(self) -> bool:
@@ -102,11 +102,14 @@ class Request:
         if self.params.prompt_logprobs is not None and not self.prompt_logprobs:
             self.prompt_logprobs = [{"token_id": self.prompt_token_ids[0], "logprob": None, "top_logprobs": []}]
         self._tokens = self.prompt_token_ids + self.output_token_ids
+        self._key = cache_tokens(self._tokens, self.images)  # the same list where there are no images
 
     def append_token(self, token: int) -> None:
         """Add one generated token (keeps `all_token_ids` without rebuilding it every step)."""
         self.output_token_ids.append(token)
         self._tokens.append(token)
+        if self._key is not self._tokens:
+            self._key.append(token)
 
     @property
     def all_token_ids(self) -> list[int]:

@@ -8,7 +8,7 @@ import dataclasses
 from shardserve.chat_messages import check_template_options, image_urls, normalize_messages, render_chat
 from shardserve.llm_inputs import Encoded, Prompt, prompt_images
 from shardserve.sampling_params import SamplingParams
-from shardserve.tokenizer.image_prompt import ImagePrompt
+from shardserve.tokenizer.image_prompt import ImagePrompt, chat_ids
 from shardserve.tokenizer.images import MediaFetch
 
 
@@ -61,8 +61,6 @@ class PromptEncoder:
         options = {k: v for k, v in (options or {}).items() if v is not None}
         messages = normalize_messages(conversation, self.images_refused)
         check_template_options(messages, options)
-        text = render_chat(self.tok, messages, tools, options)
-        if urls := image_urls(messages):  # http(s) ones fetched as the server fetches them
-            ids, images = self.images.encode(text, [self.media.as_data_url(u) for u in urls])
-            return Encoded(ids, tuple(images))
-        return Encoded(self.tok.encode(text, add_special_tokens=False))
+        urls = [self.media.as_data_url(u) for u in image_urls(messages)]  # http(s) ones fetched as the server does
+        ids, images = chat_ids(self.tok, self.images, render_chat(self.tok, messages, tools, options), urls)
+        return Encoded(ids, tuple(images))

@@ -51,13 +51,12 @@ def chunk_end(images: tuple[ImageInput, ...] | list[ImageInput], start: int, end
 def horizons(images: tuple[ImageInput, ...] | list[ImageInput], start: int, n: int) -> list[int] | None:
     """Each of positions [start, start + n)'s context length as it attends: p + 1, but an image
     token's runs to its image's end. None where no image meets the positions."""
-    met = [im for im in images if im.offset < start + n and im.end > start]
+    met = image_rows(images, start, n)
     if not met:
         return None
     out = list(range(start + 1, start + n + 1))
-    for im in met:
-        for p in range(max(im.offset, start), min(im.end, start + n)):
-            out[p - start] = im.end
+    for im, row, _, count in met:
+        out[row : row + count] = [im.end] * count
     return out
 
 

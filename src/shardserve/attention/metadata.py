@@ -236,9 +236,7 @@ def _paged_prefill(prefills: list[tuple[list[int], int, int]], horizons: list[li
     image token's, through its image)."""
     table = _block_table([(pages, kv_len) for pages, _, kv_len in prefills], page_size)
     q_lens = torch.tensor([q_len for _, q_len, _ in prefills])
-    ends = torch.cat([torch.arange(kv_len - q_len + 1, kv_len + 1) for _, q_len, kv_len in prefills])
-    lens = ends
-    if any(h is not None for h in horizons):
-        lens = torch.cat([torch.tensor(h) if h is not None else torch.arange(kv_len - q_len + 1, kv_len + 1)
-                          for (_, q_len, kv_len), h in zip(prefills, horizons)])
-    return _paged_rows(table.repeat_interleave(q_lens, dim=0), lens, page_size, window, device, ends)
+    ends = [torch.arange(kv_len - q_len + 1, kv_len + 1) for _, q_len, kv_len in prefills]
+    lens = [e if h is None else torch.tensor(h) for e, h in zip(ends, horizons)]
+    return _paged_rows(table.repeat_interleave(q_lens, dim=0), torch.cat(lens), page_size, window, device,
+                       torch.cat(ends))

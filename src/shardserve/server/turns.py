@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 
-from shardserve.chat_messages import TEXT_ONLY, ChatMessageError, normalize_messages
+from shardserve.chat_messages import TEXT_ONLY, ChatMessageError, image_parts, normalize_messages
 from shardserve.ipc.messages.api import GenerateReq
 from shardserve.sampling_params import LoRARequest, SamplingParams
 from shardserve.server.client import EngineClient
@@ -32,8 +32,7 @@ async def fetch_images(s, messages: list[dict] | None) -> None:
     """Each image part of normalized `messages` given by http(s) URL, fetched (in threads, side by
     side, by ServerState.media's rules) and put back as a data: URL; a 400 naming messages if one
     cannot be. The tokenizer processes then decode data: URLs only, and never wait on a network."""
-    parts = [p for m in messages or () if isinstance(m["content"], list) for p in m["content"]
-             if p["type"] == "image" and not p["url"].startswith("data:")]
+    parts = [p for p in image_parts(messages or []) if not p["url"].startswith("data:")]
     if not parts:
         return
     try:

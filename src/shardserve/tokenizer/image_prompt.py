@@ -5,6 +5,8 @@ resized here, so the engine receives pixels ready for its encoder (multimodal.Im
 
 from __future__ import annotations
 
+from PIL import Image
+
 from shardserve.arch_config import VisionConfig
 from shardserve.loader.model_path import Checkpoint
 from shardserve.model_config import ModelConfig
@@ -35,11 +37,9 @@ class ImagePrompt:
         if found != len(images):
             raise ImageError(f"the prompt holds {found} image marker(s) ({self.marker}) for {len(images)} image(s)"
                              + (": images belong in user messages' content" if found < len(images) else ""))
-        pixels = [resize_rgb(decode_image_url(im) if isinstance(im, str) else im, self.vision.image_size)
-                  for im in images]
+        pixels = self._pixels(images)
         ids = self.tok.encode(text.replace(self.marker, self.sequence), add_special_tokens=add_special)
         return ids, place_images(ids, pixels, self.vision)
-
 
     def encode_prompt(self, text: str | None, ids: list[int] | None, images: list
                       ) -> tuple[list[int], list[ImageInput]]:
@@ -47,8 +47,26 @@ class ImagePrompt:
         processor adds them) or its token ids (each image's placeholder run in place already)."""
         if text is not None:
             return self.encode(text, images, add_special=True)
-        pixels = [resize_rgb(im, self.vision.image_size) for im in images]
-        return list(ids), place_images(list(ids), pixels, self.vision)
+        return list(ids), place_images(list(ids), self._pixels(images), self.vision)
+
+    def _pixels(self, images: list) -> list:
+        """Each image (a PIL image, or a data: URL) decoded and resized for the encoder."""
+        out = []
+        for im in images:
+            if isinstance(im, str):
+                im = decode_image_url(im)
+            elif not isinstance(im, Image.Image):
+                raise ImageError(f"an image is a PIL image or a data: URL, got {type(im).__name__}")
+            out.append(resize_rgb(im, self.vision.image_size))
+        return out
+
+
+def chat_ids(tok, images: ImagePrompt | None, text: str, urls: list[str]) -> tuple[list[int], list[ImageInput]]:
+    """A rendered chat's token ids (its template carries any BOS) and, where it has image parts
+    (normalize_messages keeps them only for a model that reads them), its images placed on them."""
+    if urls:
+        return images.encode(text, urls)
+    return tok.encode(text, add_special_tokens=False), []
 
 
 def place_images(ids: list[int], pixels: list, vision: VisionConfig) -> list[ImageInput]:

@@ -33,7 +33,7 @@ from shardserve.loader.model_path import resolve_checkpoint
 from shardserve.loader.tokenizer import load_tokenizer
 from shardserve.multimodal import ImageInput
 from shardserve.tokenizer.detokenizer import Detokenizer
-from shardserve.tokenizer.image_prompt import ImagePrompt, image_prompt
+from shardserve.tokenizer.image_prompt import ImagePrompt, chat_ids, image_prompt
 from shardserve.tokenizer.images import ImageError
 
 log = logging.getLogger(__name__)
@@ -55,11 +55,8 @@ class Tokenizer:
         if self.tok is None:
             raise ValueError("this model has no tokenizer: send token ids")
         if messages is not None:
-            text = render_chat(self.tok, messages, tools, chat_options)
-            urls = image_urls(messages)
-            if urls:  # normalize_messages kept image parts only for a model that reads them
-                return self.images.encode(text, urls)
-            add_special = False  # the template already carries any BOS
+            return chat_ids(self.tok, self.images, render_chat(self.tok, messages, tools, chat_options),
+                            image_urls(messages))
         return self.tok.encode(text, add_special_tokens=add_special), []
 
     def tokenized(self, msg: GenerateReq) -> TokenizedReq:
